@@ -1,0 +1,116 @@
+"""The ``pdserve`` command.
+
+    pdserve up [--model DIR] [--num-prefill N] [--num-decode M] [--host H] [--port P]
+    pdserve router  --model DIR [--host H] [--port P] [--zmq-port Z]
+    pdserve prefill --model DIR --router tcp://HOST:Z
+    pdserve decode  --model DIR --router tcp://HOST:Z
+    pdserve tiny-model OUT_DIR [--preset tiny|bench]
+
+``up`` runs a whole local cluster; the others start one part alone, which is
+how Ray and Kubernetes start them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
+
+
+def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
+    from pdserve.engine.tiny_model import ensure_default_model
+    from pdserve.launcher import ClusterSpec, run_cluster
+
+    model = args.model
+    if model is None:
+        model = str(ensure_default_model("tiny"))
+        print(f"pdserve: no --model given; using the built-in tiny model at {model}", flush=True)
+    spec = ClusterSpec(model=model, num_prefill=args.num_prefill, num_decode=args.num_decode, host=args.host,
+                       port=args.port, zmq_port=args.zmq_port, worker_args=extra,
+                       threads_per_worker=args.threads_per_worker)
+    return run_cluster(spec)
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    from pdserve.router.config import RouterConfig
+    from pdserve.router.server import run_router
+
+    run_router(RouterConfig.from_cli_args(args))
+    return 0
+
+
+def _cmd_worker(role: str, args: argparse.Namespace) -> int:
+    from pdserve.common.config import WorkerConfig
+    from pdserve.engine.config import EngineConfig
+
+    engine_config = EngineConfig.from_cli_args(args)
+    worker_config = WorkerConfig.from_cli_args(role, args)
+    if role == "prefill":
+        from pdserve.prefill_worker.worker import PrefillWorker as Worker
+    else:
+        from pdserve.decode_worker.worker import DecodeWorker as Worker
+    Worker(engine_config, worker_config).run()
+    return 0
+
+
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from pdserve.engine.tiny_model import write_tiny_model
+
+    path = write_tiny_model(args.out_dir, preset=args.preset, seed=args.seed)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pdserve.common.config import WorkerConfig
+    from pdserve.engine.config import EngineConfig
+    from pdserve.router.config import RouterConfig
+
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    parser.add_argument("--log-level", default="info")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start a local cluster (router + workers as processes)",
+                        description="Any other flag (e.g. --kv-cache-memory 1GiB) is passed to every worker.")
+    up.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    up.add_argument("--num-prefill", type=int, default=1)
+    up.add_argument("--num-decode", type=int, default=1)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--zmq-port", type=int, default=None)
+    up.add_argument("--threads-per-worker", type=int, default=None)
+
+    RouterConfig.add_cli_args(sub.add_parser("router", help="start the router alone"))
+    for role in ("prefill", "decode"):
+        p = sub.add_parser(role, help=f"start one {role} worker")
+        EngineConfig.add_cli_args(p)
+        WorkerConfig.add_cli_args(p)
+
+    tiny = sub.add_parser("tiny-model", help="write a deterministic random-weight Llama checkpoint")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "up":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    _setup_logging(args.log_level)
+    if args.command == "up":
+        return _cmd_up(args, extra)
+    if args.command == "router":
+        return _cmd_router(args)
+    if args.command in ("prefill", "decode"):
+        return _cmd_worker(args.command, args)
+    return _cmd_tiny_model(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Configuration every worker process shares (identity, addresses, timeouts)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+
+def _default_worker_id(role: str) -> str:
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class WorkerConfig:
+    """How a worker finds the router and its peers.
+
+    Args:
+        role: ``prefill`` or ``decode``.
+        router_addr: the router's ZMQ address, e.g. ``tcp://127.0.0.1:8001``.
+        host: interface this worker binds and advertises (its ZMQ input and KV store).
+        port: ZMQ input port; None picks a free one.
+        worker_id: cluster-unique name; generated if empty.
+        heartbeat_interval_s: seconds between heartbeats to the router.
+        transfer_timeout_s: longest wait for any KV transfer step (connect, each layer).
+        remote_prefill_timeout_s: decode worker: how long a request may wait for its remote KV.
+        prefill_failure_policy: decode worker: ``recompute`` the prompt locally or ``fail`` the request
+            when the remote prefill fails or times out.
+    """
+
+    role: str
+    router_addr: str
+    host: str = "127.0.0.1"
+    port: int | None = None
+    worker_id: str = ""
+    heartbeat_interval_s: float = 1.0
+    transfer_timeout_s: float = 30.0
+    remote_prefill_timeout_s: float = 60.0
+    prefill_failure_policy: str = "recompute"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if self.prefill_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"prefill_failure_policy must be recompute or fail, got {self.prefill_failure_policy!r}")
+        if not self.router_addr.startswith("tcp://"):
+            raise ValueError(f"router_addr must look like tcp://HOST:PORT, got {self.router_addr!r}")
+        if not self.worker_id:
+            self.worker_id = _default_worker_id(self.role)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        g = parser.add_argument_group("worker")
+        g.add_argument("--router", required=True, dest="router_addr", help="router ZMQ address tcp://HOST:PORT")
+        g.add_argument("--host", default="127.0.0.1", help="interface to bind and advertise")
+        g.add_argument("--port", type=int, default=None, help="ZMQ input port (default: any free port)")
+        g.add_argument("--worker-id", default="")
+        g.add_argument("--heartbeat-interval", type=float, default=1.0, dest="heartbeat_interval_s")
+        g.add_argument("--transfer-timeout", type=float, default=30.0, dest="transfer_timeout_s")
+        g.add_argument("--remote-prefill-timeout", type=float, default=60.0, dest="remote_prefill_timeout_s")
+        g.add_argument("--prefill-failure-policy", choices=["recompute", "fail"], default="recompute")
+
+    @classmethod
+    def from_cli_args(cls, role: str, args: argparse.Namespace) -> "WorkerConfig":
+        return cls(role=role, router_addr=args.router_addr, host=args.host, port=args.port, worker_id=args.worker_id,
+                   heartbeat_interval_s=args.heartbeat_interval_s, transfer_timeout_s=args.transfer_timeout_s,
+                   remote_prefill_timeout_s=args.remote_prefill_timeout_s,
+                   prefill_failure_policy=args.prefill_failure_policy)

@@ -1,0 +1,212 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+Messages travel over ZeroMQ as two frames: a one-byte kind (``MsgKind``) and
+the msgpack payload. Each kind has its own typed decoder (see
+``pdserve.common.transport``), so a payload is never interpreted as anything
+but the struct its kind names. No pickle is used anywhere.
+
+Rules (vLLM v1 engine-core style):
+  * ``array_like=True``: compact positional encoding (fields by position).
+  * New fields go last, with defaults, so older peers still decode.
+  * Every message about a request names the router's ``request_id``.
+  * ``None`` means "absent"; never ``-1``.
+
+Who sends what:
+
+    worker  -> router : RegisterWorker, Heartbeat, RequestOutputs
+    router  -> decode : GenerateRequest, AbortRequest
+    decode  -> prefill: RemotePrefillRequest, AbortRequest
+    prefill -> decode : KVTransferHeader, RemotePrefillDone
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class MsgKind(enum.IntEnum):
+    """The one-byte kind frame that precedes every payload."""
+
+    REGISTER_WORKER = 1
+    HEARTBEAT = 2
+    GENERATE = 3
+    ABORT = 4
+    REMOTE_PREFILL = 5
+    KV_TRANSFER_HEADER = 6
+    REMOTE_PREFILL_DONE = 7
+    REQUEST_OUTPUTS = 8
+
+
+class WorkerRole(enum.IntEnum):
+    PREFILL = 1
+    DECODE = 2
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request stopped; rendered as OpenAI's ``finish_reason`` strings."""
+
+    STOP = 1  # EOS token, stop token id, or stop string
+    LENGTH = 2  # max_tokens or max_model_len reached
+    ABORT = 3  # client went away / router aborted
+    ERROR = 4  # the worker failed the request (see ``error``)
+
+    def to_openai(self) -> str:
+        return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(self, "abort")
+
+
+class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+    pass
+
+
+class SamplingParams(_Msg):
+    """How to pick tokens. ``temperature == 0`` means greedy.
+
+    ``top_k`` None disables top-k; ``seed`` None uses the worker's generator.
+    ``stop`` strings are matched by the router on detokenized text; the
+    workers stop on ``stop_token_ids`` and the model's EOS ids.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class RegisterWorker(_Msg):
+    """Worker -> router at start-up (and again if the router forgets it)."""
+
+    worker_id: str
+    role: WorkerRole
+    input_addr: str  # ZMQ address the worker's PULL socket is bound to
+    model_name: str
+    transfer_host: str | None = None  # decode workers: TCPStore for KV pairing
+    transfer_port: int | None = None
+    num_blocks: int = 0
+    block_size: int = 0
+    max_model_len: int = 0
+
+
+class Heartbeat(_Msg):
+    """Worker -> router every heartbeat interval, with load figures."""
+
+    worker_id: str
+    role: WorkerRole
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    max_step_batch_size: int = 0  # largest number of sequences in one step so far
+    num_steps: int = 0
+
+
+class GenerateRequest(_Msg):
+    """Router -> decode worker: start a request.
+
+    ``prefill_worker_id``/``prefill_addr`` name the prefill worker that should
+    build the prompt's KV, or are None for a local prefill on the decode worker.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prefill_worker_id: str | None = None
+    prefill_addr: str | None = None
+
+
+class AbortRequest(_Msg):
+    """Router -> decode, or decode -> prefill: drop the request, free its blocks."""
+
+    request_id: str
+
+
+class RemotePrefillRequest(_Msg):
+    """Decode -> prefill: compute this prompt's KV and send it to me.
+
+    The decode worker has already reserved ``len(dest_block_ids)`` blocks.
+    ``transfer_host``/``transfer_port`` is the decode worker's TCPStore where
+    the two-rank (prefill, decode) process group of generation
+    ``pair_generation`` rendezvouses.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    decode_worker_id: str
+    decode_addr: str
+    transfer_host: str
+    transfer_port: int
+    pair_generation: int
+    dest_block_ids: list[int]
+
+
+class KVTransferHeader(_Msg):
+    """Prefill -> decode, sent just before the KV tensors of one request.
+
+    The tensors follow on the pair's process group, one per layer, in layer
+    order, each of shape ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+    and dtype ``dtype`` (a torch dtype name such as ``"float32"``).
+    """
+
+    request_id: str
+    prefill_worker_id: str
+    pair_generation: int
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    num_tokens: int
+
+
+class RemotePrefillDone(_Msg):
+    """Prefill -> decode after the last layer was sent (or on failure).
+
+    ``checksum`` covers every byte sent (see ``pdserve.kvtransfer.kv_checksum``);
+    ``error`` is set, and the other fields meaningless, if the prefill failed.
+    """
+
+    request_id: str
+    prefill_worker_id: str
+    first_token_id: int = 0
+    num_tokens: int = 0
+    num_bytes: int = 0
+    checksum: int = 0
+    error: str | None = None
+
+
+class RequestDelta(_Msg):
+    """New tokens of one request since the last delta."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+
+class RequestOutputs(_Msg):
+    """Decode worker -> router: every delta produced by one step."""
+
+    worker_id: str
+    deltas: list[RequestDelta]
+
+
+MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
+    MsgKind.REGISTER_WORKER: RegisterWorker,
+    MsgKind.HEARTBEAT: Heartbeat,
+    MsgKind.GENERATE: GenerateRequest,
+    MsgKind.ABORT: AbortRequest,
+    MsgKind.REMOTE_PREFILL: RemotePrefillRequest,
+    MsgKind.KV_TRANSFER_HEADER: KVTransferHeader,
+    MsgKind.REMOTE_PREFILL_DONE: RemotePrefillDone,
+    MsgKind.REQUEST_OUTPUTS: RequestOutputs,
+}
+KIND_OF: dict[type[msgspec.Struct], MsgKind] = {t: k for k, t in MESSAGE_TYPES.items()}

@@ -1,0 +1,157 @@
+"""ZeroMQ transport for protocol messages.
+
+Wire format: a two-frame multipart message ``[kind: 1 byte, payload: msgpack]``.
+``encode`` picks the kind from the struct's type; ``decode`` picks the typed
+decoder from the kind byte, so a payload is only ever decoded as the struct its
+kind names (no pickle, no untyped fallback).
+
+``Mailbox`` is what a worker uses: one PULL socket bound on the worker's input
+address and one PUSH socket per peer address, owned by two IO threads. The step
+loop only touches the mailbox's queues (``get``/``put``), never a socket, so it
+never blocks on the network (vLLM v1's engine-core busy loop works the same way).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Sequence
+
+import msgspec
+import zmq
+
+from pdserve.common.protocol import KIND_OF, MESSAGE_TYPES, MsgKind
+
+logger = logging.getLogger(__name__)
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODERS = {kind: msgspec.msgpack.Decoder(t) for kind, t in MESSAGE_TYPES.items()}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a well-formed protocol message."""
+
+
+def encode(msg: msgspec.Struct) -> list[bytes]:
+    """Return the frames ``[kind, payload]`` for ``msg``.
+
+    Raises:
+        ProtocolError: ``msg`` is not one of ``protocol.MESSAGE_TYPES``.
+    """
+    kind = KIND_OF.get(type(msg))
+    if kind is None:
+        raise ProtocolError(f"not a protocol message: {type(msg).__name__}")
+    return [bytes((kind,)), _ENCODER.encode(msg)]
+
+
+def decode(frames: Sequence[bytes]) -> msgspec.Struct:
+    """Decode the frames made by ``encode``.
+
+    Raises:
+        ProtocolError: wrong frame count, unknown kind, or a payload that does
+            not match the kind's struct.
+    """
+    if len(frames) != 2 or len(frames[0]) != 1:
+        raise ProtocolError(f"expected [kind, payload] frames, got {len(frames)} frames")
+    try:
+        kind = MsgKind(frames[0][0])
+    except ValueError as e:
+        raise ProtocolError(f"unknown message kind {frames[0][0]}") from e
+    try:
+        return _DECODERS[kind].decode(frames[1])
+    except msgspec.DecodeError as e:
+        raise ProtocolError(f"bad {kind.name} payload: {e}") from e
+
+
+def bind_pull(ctx: zmq.Context, host: str, port: int | None = None) -> tuple[zmq.Socket, str]:
+    """Bind a PULL socket on ``host`` (``port`` None = any free port); return it and its address."""
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    if port is None:
+        port = sock.bind_to_random_port(f"tcp://{host}")
+    else:
+        sock.bind(f"tcp://{host}:{port}")
+    return sock, f"tcp://{host}:{port}"
+
+
+class Mailbox:
+    """A worker's ZMQ endpoint: inbound and outbound queues fed by IO threads.
+
+    Args:
+        host: interface to bind the inbound PULL socket on.
+        port: inbound port, or None for a free one. ``self.address`` is the
+            address peers should push to.
+
+    ``get(timeout)`` returns the next decoded message or None on timeout.
+    ``put(addr, msg)`` queues ``msg`` for the peer at ``addr``; messages to one
+    peer keep their order. Malformed inbound frames are logged and dropped.
+    """
+
+    _POLL_MS = 100
+
+    def __init__(self, host: str, port: int | None = None):
+        self._ctx = zmq.Context()
+        self._pull, self.address = bind_pull(self._ctx, host, port)
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._recv_loop, name="mailbox-recv", daemon=True),
+            threading.Thread(target=self._send_loop, name="mailbox-send", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def get(self, timeout: float | None = None):
+        try:
+            return self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def get_nowait(self):
+        return self.get(timeout=0) if not self._inbox.empty() else None
+
+    def put(self, addr: str, msg: msgspec.Struct) -> None:
+        self._outbox.put((addr, encode(msg)))
+
+    def inject(self, msg) -> None:
+        """Queue a message (or any event object) for the step loop from this process."""
+        self._inbox.put(msg)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._outbox.put(None)
+        for t in self._threads:
+            t.join(timeout=2)
+        self._ctx.destroy(linger=0)
+
+    def _recv_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(self._POLL_MS):
+                continue
+            frames = self._pull.recv_multipart()
+            try:
+                self._inbox.put(decode(frames))
+            except ProtocolError as e:
+                logger.warning("dropping malformed message: %s", e)
+
+    def _send_loop(self) -> None:
+        sockets: dict[str, zmq.Socket] = {}
+        while True:
+            item = self._outbox.get()
+            if item is None or self._stop.is_set():
+                break
+            addr, frames = item
+            sock = sockets.get(addr)
+            if sock is None:
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 100_000)
+                sock.connect(addr)
+                sockets[addr] = sock
+            sock.send_multipart(frames, copy=False)
+        for sock in sockets.values():
+            sock.close(linger=0)

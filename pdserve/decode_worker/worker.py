@@ -1,0 +1,203 @@
+"""The decode worker: continuous batching over a paged KV cache.
+
+Life of a request here (DESIGN.md, "decode-first"):
+
+1. ``GenerateRequest`` from the router. With a prefill worker named, the
+   scheduler reserves blocks for the prompt and parks the request in
+   ``WAITING_FOR_REMOTE_KVS``; we send ``RemotePrefillRequest`` to the prefill
+   worker with our KV store address and the pair's generation.
+2. The prefill worker sends ``KVTransferHeader`` (ZMQ), the KV layer by layer
+   (torch.distributed, received by ``DecodePairs`` into a staging tensor) and
+   ``RemotePrefillDone`` (first token, checksum).
+3. With both the KV and the done message in hand we check sizes and checksum,
+   copy the staging tensor into the reserved blocks, and the request joins the
+   running batch. Any failure or a missed deadline recomputes the prompt here
+   (policy ``recompute``) or fails the request (policy ``fail``).
+4. Every step decodes all running requests as one batch; new ones join and
+   finished ones leave between steps; token deltas go to the router.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.common.config import WorkerConfig
+from pdserve.common.protocol import (AbortRequest, GenerateRequest, KVTransferHeader, RegisterWorker,
+                                     RemotePrefillDone, RemotePrefillRequest, RequestDelta, RequestOutputs,
+                                     WorkerRole)
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.worker_base import WorkerBase, error_delta
+from pdserve.kvtransfer import DecodePairs, ReceivedKV, TransferFailed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RemotePrefill:
+    """A request whose prompt KV is being computed by a prefill worker."""
+
+    prefill_worker_id: str
+    prefill_addr: str
+    deadline: float
+    received: ReceivedKV | None = None
+    done: RemotePrefillDone | None = None
+
+
+class DecodeWorker(WorkerBase):
+    role = WorkerRole.DECODE
+
+    def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig):
+        super().__init__(engine_config, worker_config)
+        self.pairs = DecodePairs(self.worker_id, worker_config.host, self.runner.device,
+                                 worker_config.transfer_timeout_s, on_received=self.mailbox.inject)
+        self.remote: dict[str, _RemotePrefill] = {}
+        self.num_remote_prefill_failures = 0
+        self._deltas: list[RequestDelta] = []
+
+    def registration(self) -> RegisterWorker:
+        reg = super().registration()
+        reg.transfer_host = self.pairs.store_host
+        reg.transfer_port = self.pairs.store_port
+        return reg
+
+    def close(self) -> None:
+        self.pairs.close()
+        super().close()
+
+    # ---- inbound ------------------------------------------------------------------
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            self._add(msg)
+        elif isinstance(msg, AbortRequest):
+            self._abort(msg.request_id)
+        elif isinstance(msg, KVTransferHeader):
+            self.pairs.submit(msg)
+        elif isinstance(msg, RemotePrefillDone):
+            self._remote_progress(msg.request_id, done=msg)
+        elif isinstance(msg, ReceivedKV):
+            self._remote_progress(msg.request_id, received=msg)
+        elif isinstance(msg, TransferFailed):
+            self._remote_failed(msg.request_id, f"KV transfer failed: {msg.reason}")
+        else:
+            logger.warning("decode worker ignores %s", type(msg).__name__)
+
+    def _add(self, msg: GenerateRequest) -> None:
+        request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
+                          eos_token_ids=self.runner.eos_token_ids, max_model_len=self.runner.max_model_len)
+        remote = msg.prefill_worker_id is not None and msg.prefill_addr is not None
+        try:
+            self.scheduler.add_request(request, remote_prefill=remote)
+        except ValueError as e:
+            self._deltas.append(error_delta(msg.request_id, str(e)))
+            return
+        if remote:
+            self.remote[msg.request_id] = _RemotePrefill(msg.prefill_worker_id, msg.prefill_addr, deadline=0.0)
+
+    def _abort(self, request_id: str) -> None:
+        state = self.remote.pop(request_id, None)
+        if state is not None:
+            self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- remote prefill -----------------------------------------------------------
+
+    def _send_remote_prefill(self, request: Request) -> None:
+        state = self.remote[request.request_id]
+        state.deadline = time.monotonic() + self.config.remote_prefill_timeout_s
+        self.mailbox.put(state.prefill_addr, RemotePrefillRequest(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params, decode_worker_id=self.worker_id, decode_addr=self.mailbox.address,
+            transfer_host=self.pairs.store_host, transfer_port=self.pairs.store_port,
+            pair_generation=self.pairs.generation_for(state.prefill_worker_id),
+            dest_block_ids=list(request.block_table)))
+
+    def _remote_progress(self, request_id: str, received: ReceivedKV | None = None,
+                         done: RemotePrefillDone | None = None) -> None:
+        state = self.remote.get(request_id)
+        if state is None:
+            return  # aborted or already failed over; a late transfer is dropped
+        if done is not None:
+            if done.error is not None:
+                self._remote_failed(request_id, f"prefill worker {done.prefill_worker_id}: {done.error}")
+                return
+            state.done = done
+        if received is not None:
+            state.received = received
+        if state.done is None or state.received is None:
+            return
+        error = self._install_kv(request_id, state)
+        if error is not None:
+            self._remote_failed(request_id, error)
+            return
+        del self.remote[request_id]
+        result = self.scheduler.remote_kv_arrived(request_id, state.done.first_token_id)
+        if result is not None:
+            request, finished = result
+            self._deltas.append(RequestDelta(request_id=request_id, new_token_ids=[state.done.first_token_id],
+                                             finish_reason=finished.finish_reason() if finished else None,
+                                             num_prompt_tokens=request.num_prompt_tokens))
+
+    def _install_kv(self, request_id: str, state: _RemotePrefill) -> str | None:
+        """Check the received KV and copy it into the request's reserved blocks."""
+        request = self.scheduler.waiting_for_remote_kvs.get(request_id)
+        if request is None:
+            return "request is no longer waiting for KV"
+        done, kv = state.done, state.received.kv  # kv: [num_layers, 2, n, block_size, num_kv_heads, head_dim]
+        if done.checksum != state.received.checksum or done.num_bytes != state.received.num_bytes:
+            return (f"KV integrity check failed: sent {done.num_bytes} bytes checksum {done.checksum}, "
+                    f"received {state.received.num_bytes} bytes checksum {state.received.checksum}")
+        expected = (self.runner.num_layers, 2, len(request.block_table), self.runner.block_size,
+                    self.runner.num_kv_heads, self.runner.head_dim)
+        if tuple(kv.shape) != expected or kv.dtype != self.runner.dtype:
+            return f"KV shape {tuple(kv.shape)} {kv.dtype} does not match this worker's {expected} {self.runner.dtype}"
+        index = torch.tensor(request.block_table, dtype=torch.int64, device=self.runner.device)
+        self.runner.kv_cache.index_copy_(2, index, kv.to(self.runner.device))
+        return None
+
+    def _remote_failed(self, request_id: str, reason: str) -> None:
+        state = self.remote.pop(request_id, None)
+        if state is None:
+            return
+        self.num_remote_prefill_failures += 1
+        self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
+        if self.config.prefill_failure_policy == "recompute":
+            logger.warning("request %s: %s; recomputing the prefill locally", request_id, reason)
+            self.scheduler.recompute_locally(request_id)
+        else:
+            logger.warning("request %s failed: %s", request_id, reason)
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+            self._deltas.append(error_delta(request_id, reason))
+
+    def periodic(self, now: float) -> None:
+        expired = [rid for rid, s in self.remote.items() if s.deadline and now > s.deadline]
+        for request_id in expired:
+            self._remote_failed(request_id, f"no KV from the prefill worker within "
+                                            f"{self.config.remote_prefill_timeout_s:.0f} s")
+
+    # ---- step ---------------------------------------------------------------------
+
+    def step(self) -> bool:
+        out = self.scheduler.schedule()
+        for request in out.remote_prefills:
+            self._send_remote_prefill(request)
+        if out.scheduled:
+            sampled = self.runner.execute(out.scheduled)
+            self.record_step(len(out.scheduled))
+            for request, token_ids, finished in self.scheduler.update_from_output(out, sampled):
+                self._deltas.append(RequestDelta(
+                    request_id=request.request_id, new_token_ids=token_ids,
+                    finish_reason=finished.finish_reason() if finished else None,
+                    num_prompt_tokens=request.num_prompt_tokens))
+        self._flush()
+        return not out.is_empty()
+
+    def _flush(self) -> None:
+        if self._deltas:
+            self.mailbox.put(self.config.router_addr, RequestOutputs(worker_id=self.worker_id, deltas=self._deltas))
+            self._deltas = []

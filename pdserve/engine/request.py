@@ -1,0 +1,104 @@
+"""A request as the workers' schedulers see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from pdserve.common.protocol import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Life cycle of a request inside one worker (names follow vLLM v1)."""
+
+    WAITING = 1  # queued; no KV blocks yet
+    WAITING_FOR_REMOTE_KVS = 2  # decode worker: blocks reserved, a prefill worker is computing the prompt's KV
+    RUNNING = 3  # scheduled each step (prefill chunks, then one decode token per step)
+    PREEMPTED = 4  # blocks taken back under memory pressure; will be recomputed
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    def finish_reason(self) -> FinishReason | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+            RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+            RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+            RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+        }.get(self)
+
+
+class Request:
+    """One generation request: its tokens, KV blocks and progress.
+
+    ``num_computed_tokens`` counts the tokens whose K/V are in this worker's
+    cache. The tokens still to compute are ``all_token_ids[num_computed_tokens:]``;
+    for a decoding request that is exactly the last sampled token.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int | None = None,
+    ):
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: empty prompt")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.output_token_ids: list[int] = []
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.arrival_time = time.monotonic()
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.remote_prefill = False  # decode worker: the prompt's KV comes from a prefill worker
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_token(self, token_id: int) -> RequestStatus | None:
+        """Record a sampled token; return the finished status if it ends the request."""
+        self.output_token_ids.append(token_id)
+        params = self.sampling_params
+        n_out = len(self.output_token_ids)
+        if n_out >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

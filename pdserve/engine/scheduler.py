@@ -1,0 +1,275 @@
+"""Iteration-level scheduler shared by the prefill and decode workers (no torch).
+
+Continuous batching (Orca, Yu et al., OSDI 2022) as vLLM v1 does it: there is
+no separate "prefill phase" and "decode phase". Every request has
+``num_computed_tokens`` (tokens whose K/V are cached) and ``num_tokens``
+(prompt + outputs); each step gives some requests ``num_new_tokens`` to compute
+under a token budget of ``max_num_batched_tokens``:
+
+* a decoding request needs 1 token (its last sampled token);
+* a prefilling request needs the rest of its prompt, cut to what the budget
+  leaves (chunked prefill), so a long prompt never stalls the others;
+* a preempted request needs everything again (recompute).
+
+Running requests are served first, in admission order, then waiting ones in
+arrival order (FIFO). When the block manager runs out of blocks, the most
+recently admitted running request is preempted: its blocks are freed and it
+goes back to the head of the waiting queue to be recomputed later.
+
+On the decode worker, a waiting request marked ``remote_prefill`` is admitted by
+reserving blocks for its whole prompt and parking it in
+``WAITING_FOR_REMOTE_KVS``; ``remote_kv_arrived`` later makes it a running
+decode request whose first token was sampled by the prefill worker.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerConfig:
+    """Limits of one worker's scheduler.
+
+    Args:
+        max_num_seqs: most requests in flight (running or awaiting remote KV).
+        max_num_batched_tokens: most new tokens computed in one step.
+        max_model_len: longest sequence (prompt + output) in tokens.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes.
+
+    ``scheduled`` pairs each request with its ``num_new_tokens``, in batch order.
+    ``remote_prefills`` were just parked in ``WAITING_FOR_REMOTE_KVS`` and must
+    be sent to their prefill worker. ``preempted`` lost their blocks this step.
+    """
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    remote_prefills: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.remote_prefills)
+
+
+class Scheduler:
+    """Decides, step by step, which requests compute how many tokens.
+
+    Owns every request's ``block_table`` and all calls into the block manager.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_remote_kvs: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- queues -------------------------------------------------------------
+
+    def add_request(self, request: Request, remote_prefill: bool = False) -> None:
+        """Queue a new request; ``remote_prefill`` parks it for remote KV on admission.
+
+        Raises:
+            ValueError: duplicate request_id, or a prompt that can never fit
+                (longer than max_model_len or than the whole KV cache).
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request_id {request.request_id}")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"request {request.request_id} has {request.num_tokens} tokens; "
+                f"max_model_len is {self.config.max_model_len}"
+            )
+        needed = self.block_manager.num_blocks_for_tokens(request.num_tokens + 1)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request {request.request_id} needs {needed} KV blocks; "
+                f"the cache has {self.block_manager.num_blocks}"
+            )
+        request.remote_prefill = remote_prefill
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.waiting_for_remote_kvs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- step ---------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch. Never raises for lack of blocks: it preempts or waits."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve_or_preempt(request, request.num_computed_tokens + num_new, out):
+                break  # ``request`` itself was the last one left and got preempted
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+            i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and self.num_running < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.remote_prefill:
+                num_blocks = self.block_manager.num_blocks_for_tokens(request.num_tokens)
+                if not self.block_manager.can_allocate(num_blocks):
+                    return
+                self.waiting.popleft()
+                request.block_table = self.block_manager.allocate(num_blocks)
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.waiting_for_remote_kvs[request.request_id] = request
+                out.remote_prefills.append(request)
+                continue
+            if budget <= 0:
+                return
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._reserve(request, request.num_computed_tokens + num_new):
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append((request, num_new))
+            budget -= num_new
+
+    def _reserve(self, request: Request, num_tokens: int) -> bool:
+        """Grow ``request.block_table`` to hold ``num_tokens`` slots, if blocks allow."""
+        missing = self.block_manager.num_blocks_for_tokens(num_tokens) - len(request.block_table)
+        if missing <= 0:
+            return True
+        if not self.block_manager.can_allocate(missing):
+            return False
+        request.block_table.extend(self.block_manager.allocate(missing))
+        return True
+
+    def _reserve_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        while not self._reserve(request, num_tokens):
+            victim = self.running.pop()  # most recently admitted
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request.block_table)
+        request.block_table = []
+        request.num_computed_tokens = 0
+        request.remote_prefill = False  # recompute locally
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[tuple[Request, list[int], RequestStatus | None]]:
+        """Advance progress after the forward pass.
+
+        Args:
+            out: the step's schedule.
+            sampled: request_id -> token sampled for requests that reached the
+                end of their known tokens this step (partial prefill chunks sample nothing).
+
+        Returns:
+            (request, new_token_ids, finished_status or None) for every request
+            that produced a token. Finished requests have already been freed.
+        """
+        results = []
+        for request, num_new in out.scheduled:
+            if request.status.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += num_new
+            token_id = sampled.get(request.request_id)
+            if token_id is None:
+                continue
+            finished = request.append_token(token_id)
+            if finished is not None:
+                self.finish_request(request.request_id, finished)
+            results.append((request, [token_id], finished))
+        return results
+
+    # ---- remote KV (decode worker) --------------------------------------------
+
+    def remote_kv_arrived(self, request_id: str, first_token_id: int) -> tuple[Request, RequestStatus | None] | None:
+        """The prompt's KV is now in this request's blocks: make it a running decode.
+
+        Returns (request, finished_status) or None if the request is no longer waiting.
+        """
+        request = self.waiting_for_remote_kvs.pop(request_id, None)
+        if request is None:
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        finished = request.append_token(first_token_id)
+        if finished is not None:
+            self.finish_request(request_id, finished)
+        return request, finished
+
+    def recompute_locally(self, request_id: str) -> bool:
+        """Remote prefill failed: prefill in this worker instead, keeping the reserved blocks."""
+        request = self.waiting_for_remote_kvs.pop(request_id, None)
+        if request is None:
+            return False
+        request.remote_prefill = False
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return True
+
+    # ---- finishing ------------------------------------------------------------
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Remove a request from every queue and free its blocks. Idempotent."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            # Safe: transfers land in a staging buffer, never in these blocks.
+            del self.waiting_for_remote_kvs[request_id]
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        if request.block_table:
+            self.block_manager.free(request.block_table)
+            request.block_table = []
+        request.status = status
+        return request

@@ -1,0 +1,168 @@
+"""``pdserve up``: a local cluster as separate OS processes.
+
+Starts the router, ``num_prefill`` prefill workers and ``num_decode`` decode
+workers (each ``python -m pdserve <role> ...``), waits until the router reports
+every worker live, prints the URL, and on Ctrl-C / SIGTERM (or any child
+exiting) stops all of them, by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from pdserve.common.utils import free_port
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusterSpec:
+    """What ``pdserve up`` starts.
+
+    Args:
+        model: checkpoint directory.
+        num_prefill, num_decode: pool sizes (num_prefill may be 0: decode workers then prefill locally).
+        host, port: the router's HTTP address; zmq_port: the router's ZMQ port (None = free port).
+        worker_args: extra CLI args for every worker (engine flags such as --kv-cache-memory).
+        router_args: extra CLI args for the router.
+        threads_per_worker: torch CPU threads per worker (None: cores / workers, at least 1).
+    """
+
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    zmq_port: int | None = None
+    worker_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    threads_per_worker: int | None = None
+
+    def __post_init__(self):
+        if self.num_decode < 1:
+            raise ValueError("a cluster needs at least one decode worker")
+        if self.num_prefill < 0:
+            raise ValueError("num_prefill must be >= 0")
+
+
+class LocalCluster:
+    """Start, wait for, and stop the processes of a ``ClusterSpec``."""
+
+    def __init__(self, spec: ClusterSpec, log_dir: str | None = None):
+        self.spec = spec
+        self.zmq_port = spec.zmq_port or free_port(spec.host)
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.log_dir = log_dir
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "pdserve", *args]
+        out = None
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+        self.procs.append((name, proc))
+
+    def start(self) -> None:
+        s = self.spec
+        workers = s.num_prefill + s.num_decode
+        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+        router_zmq = f"tcp://{s.host}:{self.zmq_port}"
+        self._spawn("router", ["router", "--model", s.model, "--host", s.host, "--port", str(s.port),
+                               "--zmq-port", str(self.zmq_port), *s.router_args])
+        common = ["--model", s.model, "--router", router_zmq, "--host", s.host, "--num-threads", str(threads),
+                  *s.worker_args]
+        for i in range(s.num_prefill):
+            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"prefill-{i}", *common])
+        for i in range(s.num_decode):
+            self._spawn(f"decode-{i}", ["decode", "--worker-id", f"decode-{i}", *common])
+
+    def dead(self) -> list[str]:
+        return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+        """Block until /health reports every worker live.
+
+        Raises:
+            RuntimeError: a process exited, or the timeout passed.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.dead():
+                raise RuntimeError(f"cluster process exited during start-up: {', '.join(self.dead())}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    health = json.load(resp)
+                if health.get("num_prefill") == self.spec.num_prefill and \
+                        health.get("num_decode") == self.spec.num_decode:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"cluster not healthy after {timeout_s:.0f} s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every process, then SIGKILL what is left after ``timeout_s``."""
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_cluster(spec: ClusterSpec) -> int:
+    """Start the cluster and serve until Ctrl-C/SIGTERM or a process dies. Returns an exit code."""
+    cluster = LocalCluster(spec)
+    stopping = False
+
+    def on_signal(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    cluster.start()
+    try:
+        cluster.wait_healthy()
+        print(f"pdserve is up: {cluster.url}/v1  (model {spec.model}; "
+              f"{spec.num_prefill} prefill, {spec.num_decode} decode). Ctrl-C stops it.", flush=True)
+        while not stopping and not cluster.dead():
+            time.sleep(0.5)
+        if cluster.dead() and not stopping:
+            print(f"pdserve: process exited: {', '.join(cluster.dead())}; stopping", file=sys.stderr)
+            return 1
+        return 0
+    except RuntimeError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()

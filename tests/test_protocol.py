@@ -1,0 +1,54 @@
+import pytest
+
+from pdserve.common import protocol as p
+from pdserve.common.transport import ProtocolError, decode, encode
+
+SAMPLES = [
+    p.RegisterWorker(worker_id="d0", role=p.WorkerRole.DECODE, input_addr="tcp://127.0.0.1:5555", model_name="m",
+                     transfer_host="127.0.0.1", transfer_port=4242, num_blocks=10, block_size=16, max_model_len=2048),
+    p.Heartbeat(worker_id="p0", role=p.WorkerRole.PREFILL, num_running=3, max_step_batch_size=7),
+    p.GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3],
+                      sampling_params=p.SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], seed=7),
+                      prefill_worker_id="p0", prefill_addr="tcp://127.0.0.1:1"),
+    p.GenerateRequest(request_id="r2", prompt_token_ids=[9], sampling_params=p.SamplingParams()),
+    p.AbortRequest(request_id="r1"),
+    p.RemotePrefillRequest(request_id="r1", prompt_token_ids=[1, 2], sampling_params=p.SamplingParams(top_k=5),
+                           decode_worker_id="d0", decode_addr="tcp://x:1", transfer_host="x", transfer_port=2,
+                           pair_generation=3, dest_block_ids=[4, 1]),
+    p.KVTransferHeader(request_id="r1", prefill_worker_id="p0", pair_generation=0, num_layers=2, num_blocks=3,
+                       block_size=16, num_kv_heads=2, head_dim=8, dtype="float32", num_tokens=40),
+    p.RemotePrefillDone(request_id="r1", prefill_worker_id="p0", first_token_id=5, num_tokens=40, num_bytes=100,
+                        checksum=2**61 - 5),
+    p.RemotePrefillDone(request_id="r1", prefill_worker_id="p0", error="boom"),
+    p.RequestOutputs(worker_id="d0", deltas=[
+        p.RequestDelta(request_id="r1", new_token_ids=[1, 2], finish_reason=p.FinishReason.LENGTH),
+        p.RequestDelta(request_id="r2", new_token_ids=[], error="bad", finish_reason=p.FinishReason.ERROR)]),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    frames = encode(msg)
+    assert frames[0] == bytes((p.KIND_OF[type(msg)],))
+    assert decode(frames) == msg
+
+
+def test_every_message_type_has_a_kind():
+    assert set(p.MESSAGE_TYPES.values()) == {type(m) for m in SAMPLES}
+
+
+def test_payload_is_decoded_only_as_its_kind():
+    frames = encode(p.AbortRequest(request_id="r1"))
+    with pytest.raises(ProtocolError):
+        decode([bytes((p.MsgKind.GENERATE,)), frames[1]])
+
+
+@pytest.mark.parametrize("frames", [[b"\x03"], [b"\xff", b""], [b"\x03", b"not msgpack"], [b"", b""]])
+def test_malformed_frames_raise(frames):
+    with pytest.raises(ProtocolError):
+        decode(frames)
+
+
+def test_non_protocol_object_is_refused():
+    with pytest.raises(ProtocolError):
+        encode({"request_id": "r1"})

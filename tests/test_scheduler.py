@@ -1,0 +1,155 @@
+"""Scheduler behaviour with a fake model runner (no torch): budget, chunking, preemption, remote KV."""
+
+from pdserve.common.protocol import SamplingParams
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256):
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len), bm), bm
+
+
+def req(rid, prompt_len, max_tokens=4, **kw):
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **kw),
+                   eos_token_ids=frozenset({0}))
+
+
+def fake_step(sched, token=7):
+    """Schedule, pretend to run the model, sample ``token`` wherever a token is due."""
+    out = sched.schedule()
+    for r, n in out.scheduled:  # the invariant the model runner relies on
+        assert len(r.block_table) * sched.block_manager.block_size >= r.num_computed_tokens + n
+    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    return out, sched.update_from_output(out, sampled)
+
+
+def run_to_completion(sched, max_steps=1000):
+    finished = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return finished
+        _, results = fake_step(sched)
+        for r, _, status in results:
+            if status is not None:
+                finished[r.request_id] = r
+    raise AssertionError("requests did not finish")
+
+
+def test_decodes_batch_together_and_finish_frees_blocks():
+    sched, bm = make()
+    for i in range(3):
+        sched.add_request(req(f"r{i}", 5, max_tokens=3))
+    out, _ = fake_step(sched)
+    assert [n for _, n in out.scheduled] == [5, 5, 5]  # three prefills in one step
+    out, _ = fake_step(sched)
+    assert [n for _, n in out.scheduled] == [1, 1, 1]  # then one batch of decodes
+    done = run_to_completion(sched)
+    assert all(r.num_output_tokens == 3 and r.status == RequestStatus.FINISHED_LENGTH for r in done.values())
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_token_budget_chunks_long_prompt_and_running_go_first():
+    sched, _ = make(budget=8)
+    sched.add_request(req("short", 3, max_tokens=10))
+    fake_step(sched)  # short prefilled
+    sched.add_request(req("long", 20))
+    out, _ = fake_step(sched)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 1), ("long", 7)]
+    out, _ = fake_step(sched)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 1), ("long", 7)]
+    out, results = fake_step(sched)
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 1), ("long", 6)]
+    assert {r.request_id for r, _, _ in results} == {"short", "long"}  # long sampled only after its last chunk
+
+
+def test_max_num_seqs_limits_admission():
+    sched, _ = make(max_num_seqs=2)
+    for i in range(3):
+        sched.add_request(req(f"r{i}", 2))
+    out, _ = fake_step(sched)
+    assert len(out.scheduled) == 2 and sched.num_waiting == 1
+
+
+def test_preemption_frees_newest_and_recomputes_it():
+    sched, bm = make(num_blocks=6, block_size=4, budget=64)
+    a, b = req("a", 8, max_tokens=8), req("b", 8, max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    fake_step(sched)  # 2 blocks each
+    preempted = []
+    for _ in range(8):
+        out, _ = fake_step(sched)
+        preempted += [r.request_id for r in out.preempted]
+    assert preempted and preempted[0] == "b"  # most recently admitted goes first
+    run_to_completion(sched)
+    assert a.num_output_tokens == 8 and b.num_output_tokens == 8
+    assert a.status == b.status == RequestStatus.FINISHED_LENGTH
+    assert b.num_preemptions >= 1 and sched.num_preemptions >= 1
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_oversized_requests_are_refused_up_front():
+    sched, _ = make(num_blocks=4, block_size=4, max_model_len=100)
+    for bad in (req("too-long", 101), req("too-big-for-cache", 20)):
+        try:
+            sched.add_request(bad)
+        except ValueError as e:
+            assert bad.request_id in str(e)
+        else:
+            raise AssertionError("accepted a request that cannot fit")
+    assert not sched.has_unfinished()
+
+
+def test_remote_prefill_parks_request_then_decodes():
+    sched, bm = make()
+    r = req("r", 9, max_tokens=3)
+    sched.add_request(r, remote_prefill=True)
+    out = sched.schedule()
+    assert out.remote_prefills == [r] and not out.scheduled
+    assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and len(r.block_table) == 3
+    assert sched.schedule().is_empty()  # nothing to compute while the KV is in flight
+    request, finished = sched.remote_kv_arrived("r", 42)
+    assert finished is None and r.output_token_ids == [42] and r.num_computed_tokens == 9
+    out, _ = fake_step(sched)
+    assert out.scheduled == [(r, 1)]
+    run_to_completion(sched)
+    assert r.output_token_ids == [42, 7, 7] and bm.num_free_blocks == bm.num_blocks
+
+
+def test_remote_failure_recomputes_locally_with_reserved_blocks():
+    sched, bm = make()
+    r = req("r", 6, max_tokens=2)
+    sched.add_request(r, remote_prefill=True)
+    sched.schedule()
+    blocks = list(r.block_table)
+    assert sched.recompute_locally("r")
+    out, _ = fake_step(sched)
+    assert out.scheduled == [(r, 6)] and r.block_table[:len(blocks)] == blocks
+    run_to_completion(sched)
+    assert bm.num_free_blocks == bm.num_blocks
+    assert sched.remote_kv_arrived("r", 1) is None  # a late transfer is ignored
+
+
+def test_abort_in_every_state_frees_blocks():
+    sched, bm = make()
+    sched.add_request(req("waiting", 4))
+    sched.add_request(req("remote", 4), remote_prefill=True)
+    sched.add_request(req("running", 4))
+    sched.schedule()
+    sched.add_request(req("queued", 4))
+    for rid in ("waiting", "remote", "running", "queued", "unknown"):
+        sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_eos_and_stop_token_and_min_tokens():
+    sched, _ = make()
+    sched.add_request(req("eos", 3, max_tokens=10))
+    sched.add_request(req("stop-id", 3, max_tokens=10, stop_token_ids=[7]))
+    sched.add_request(req("min", 3, max_tokens=10, min_tokens=2, stop_token_ids=[7]))
+    out = sched.schedule()
+    results = sched.update_from_output(out, {"eos": 0, "stop-id": 7, "min": 7})
+    status = {r.request_id: s for r, _, s in results}
+    assert status == {"eos": RequestStatus.FINISHED_STOPPED, "stop-id": RequestStatus.FINISHED_STOPPED, "min": None}
