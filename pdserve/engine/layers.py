@@ -1,0 +1,219 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, RoPE, tensor-parallel linears, SwiGLU.
+
+Tensor parallelism (TP) follows Megatron-LM (Shoeybi et al., 2019): a ColumnParallelLinear
+splits its output features across ranks, a RowParallelLinear splits its input features and
+sums the partial results with an all-reduce. ``tp_group=None`` means a world of size 1.
+Every parallel layer's parameters carry ``param.weight_loader(param, full_hf_tensor,
+shard_id=None)``, which copies this rank's shard of an unsharded checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def tp_rank_and_size(tp_group: Any | None) -> tuple[int, int]:
+    """(rank, world size) of this process in ``tp_group``; (0, 1) when the group is None."""
+    if tp_group is None:
+        return 0, 1
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what}={numerator} is not divisible by the TP size {denominator}")
+    return numerator // denominator
+
+
+def _empty_param(*shape: int, dtype: torch.dtype, device: str | torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich, NeurIPS 2019), computed in float32.
+
+    x: [..., hidden_size] -> [..., hidden_size], same dtype as x. Matches the HF Llama norm:
+    normalize in float32, cast back, then scale by ``weight``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency rescaling: keep high frequencies, divide low ones by ``factor``,
+    and interpolate smoothly in between (Meta's Llama 3.1 reference code)."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    is_mid = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_mid, blended, out)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, RoPE (Su et al., "RoFormer", 2021), rotate-half convention as in HF.
+
+    forward(positions [num_tokens], query [num_tokens, num_heads, head_dim],
+    key [num_tokens, num_kv_heads, head_dim]) -> rotated (query, key), same shapes and dtypes.
+    cos/sin are computed in float32 from the positions on each call (no max-length table).
+    rope_scaling: None, {"rope_type": "default"}, or a llama3 dict; anything else raises
+    NotImplementedError.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None = None, device="cpu"):
+        super().__init__()
+        if head_dim % 2 != 0:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (rope_theta**exponents)  # (D/2,)
+        rope_type = None
+        if rope_scaling:
+            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type not in (None, "default"):
+            raise NotImplementedError(f"RoPE scaling type {rope_type!r} is not supported (only llama3)")
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (N, 1, D)
+        cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] -> x*cos + rotate_half(x)*sin, where rotate_half(x) = cat(-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)  # (N, H, D/2) each
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output features split across TP ranks (no communication).
+
+    x: [..., input_size] -> [..., output_size // tp_size] (this rank's slice).
+    ``output_sizes`` makes one layer out of several fused projections (e.g. q/k/v or gate/up):
+    each part is split across ranks on its own, and a rank's weight is the concatenation of
+    its slices of each part. Load part i with ``weight_loader(param, hf_tensor, shard_id=i)``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: int | Sequence[int],
+        bias: bool = False,
+        tp_group: Any | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        super().__init__()
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.tp_group = tp_group
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_group)
+        self.local_sizes = [_divide(n, self.tp_size, "output size") for n in self.output_sizes]
+        local_out = sum(self.local_sizes)
+        self.weight = _empty_param(local_out, input_size, dtype=dtype, device=device)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = _empty_param(local_out, dtype=dtype, device=device)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        """Copy this rank's rows of ``loaded`` (the full, unsharded HF tensor for part
+        ``shard_id``, or for the whole layer when shard_id is None) into ``param``."""
+        if shard_id is None and len(self.output_sizes) > 1:
+            raise ValueError("a fused ColumnParallelLinear needs a shard_id per part")
+        part = 0 if shard_id is None else shard_id
+        if loaded.shape[0] != self.output_sizes[part]:
+            raise ValueError(f"expected {self.output_sizes[part]} rows for part {part}, got {tuple(loaded.shape)}")
+        local = self.local_sizes[part]
+        dst_start = sum(self.local_sizes[:part])
+        src = loaded.narrow(0, self.tp_rank * local, local)
+        dst = param.data.narrow(0, dst_start, local)
+        if src.shape != dst.shape:
+            raise ValueError(f"shape mismatch: checkpoint shard {tuple(src.shape)} vs param {tuple(dst.shape)}")
+        dst.copy_(src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input features split across TP ranks, summed by all-reduce.
+
+    x: [..., input_size // tp_size] (this rank's slice, e.g. the output of a
+    ColumnParallelLinear) -> [..., output_size], identical on every rank. The bias is
+    added once, after the reduction.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_group: Any | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        super().__init__()
+        self.tp_group = tp_group
+        self.tp_rank, self.tp_size = tp_rank_and_size(tp_group)
+        self.local_input_size = _divide(input_size, self.tp_size, "input size")
+        self.weight = _empty_param(output_size, self.local_input_size, dtype=dtype, device=device)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = _empty_param(output_size, dtype=dtype, device=device)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        """Copy this rank's columns of the full HF weight (the bias is replicated)."""
+        if shard_id is not None:
+            raise ValueError("RowParallelLinear has no fused parts")
+        if param.dim() == 2:
+            loaded = loaded.narrow(1, self.tp_rank * self.local_input_size, self.local_input_size)
+        if loaded.shape != param.shape:
+            raise ValueError(f"shape mismatch: checkpoint shard {tuple(loaded.shape)} vs param {tuple(param.shape)}")
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(y, group=self.tp_group)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU activation (Shazeer, "GLU Variants Improve Transformer", 2020).
+
+    x: [..., 2 * d] holding [gate | up] -> silu(gate) * up: [..., d].
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

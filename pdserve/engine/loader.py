@@ -1,0 +1,139 @@
+"""Load a Hugging Face checkpoint directory (config.json + *.safetensors) into LlamaForCausalLM.
+
+HF name                                         -> ours (shard_id)
+model.embed_tokens.weight                       -> model.embed_tokens.weight
+model.layers.N.self_attn.{q,k,v}_proj.{weight,bias} -> model.layers.N.self_attn.qkv_proj.* (0, 1, 2)
+model.layers.N.self_attn.o_proj.{weight,bias}   -> same name
+model.layers.N.mlp.{gate,up}_proj.{weight,bias} -> model.layers.N.mlp.gate_up_proj.* (0, 1)
+model.layers.N.mlp.down_proj.{weight,bias}      -> same name
+model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight -> same name
+lm_head.weight                                  -> lm_head.weight (skipped when embeddings are tied)
+
+Each tensor is handed unsharded to its parameter's ``weight_loader``, which takes this
+TP rank's shard, so the same files serve every TP size.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from pdserve.engine.model import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+# HF sub-name -> (our fused sub-name, shard_id)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Checkpoint entries that carry no weights we need (old HF files store the RoPE table).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _map_name(hf_name: str) -> tuple[str, int | None]:
+    """HF parameter name -> (our parameter name, shard_id or None)."""
+    parts = hf_name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        fused, shard_id = _FUSED[parts[-2]]
+        return ".".join(parts[:-2] + [fused, parts[-1]]), shard_id
+    return hf_name, None
+
+
+def _default_loader(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+    if shard_id is not None or loaded.shape != param.shape:
+        raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs param {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _checkpoint_files(model_dir: str) -> list[str]:
+    """The safetensors files of the HF checkpoint: those its index names when there is one
+    (some repos also ship other formats' files, e.g. Mistral's consolidated.safetensors),
+    otherwise every *.safetensors in the directory."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, n) for n in names]
+    return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+
+
+def _expected_keys(model: LlamaForCausalLM) -> set[tuple[str, int | None]]:
+    """Every (parameter name, shard_id) the checkpoint must provide."""
+    expected: set[tuple[str, int | None]] = set()
+    modules = dict(model.named_modules())
+    for name, _ in model.named_parameters():
+        owner = modules[name.rsplit(".", 1)[0]]
+        num_parts = len(getattr(owner, "output_sizes", [None]))
+        if num_parts > 1:
+            expected.update((name, i) for i in range(num_parts))
+        else:
+            expected.add((name, None))
+    return expected
+
+
+def load_model(
+    model_dir: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    tp_group: Any | None = None,
+) -> LlamaForCausalLM:
+    """Build a LlamaForCausalLM from ``model_dir`` and fill it from every *.safetensors file.
+
+    Raises ValueError for an unsupported ``model_type`` or when the checkpoint has missing
+    or unexpected weights, FileNotFoundError when there are no safetensors files.
+    """
+    config = AutoConfig.from_pretrained(model_dir)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported architecture model_type={model_type!r} in {model_dir}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    files = _checkpoint_files(model_dir)
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+
+    model = LlamaForCausalLM(config, tp_group=tp_group, dtype=dtype, device=device)
+    params = dict(model.named_parameters())
+    expected = _expected_keys(model)
+    loaded: set[tuple[str, int | None]] = set()
+    unexpected: list[str] = []
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for hf_name in f.keys():
+                if hf_name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if hf_name == "lm_head.weight" and model.tie_word_embeddings:
+                    continue  # tied: the embedding matrix is the output projection
+                name, shard_id = _map_name(hf_name)
+                param = params.get(name)
+                if param is None or (name, shard_id) not in expected:
+                    unexpected.append(hf_name)
+                    continue
+                loader = getattr(param, "weight_loader", _default_loader)
+                try:
+                    loader(param, f.get_tensor(hf_name), shard_id)
+                except ValueError as e:
+                    raise ValueError(f"cannot load {hf_name} from {path}: {e}") from e
+                loaded.add((name, shard_id))
+
+    missing = sorted(f"{n}" + ("" if s is None else f"[part {s}]") for n, s in expected - loaded)
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {model_dir} does not match the {model_type} model: "
+            f"missing weights {missing[:10]}{' ...' if len(missing) > 10 else ''}; "
+            f"unexpected weights {sorted(unexpected)[:10]}{' ...' if len(unexpected) > 10 else ''}"
+        )
+    logger.info("loaded %s (%d tensors from %d files) as %s on %s", model_dir, len(loaded), len(files), dtype, device)
+    return model.eval()

@@ -1,0 +1,215 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Architecture: Touvron et al., "LLaMA" (2023) — pre-norm RMSNorm, rotary embeddings,
+SwiGLU MLP, grouped-query attention (Ainslie et al., 2023). Mistral adds a sliding
+attention window; Qwen2 adds biases on the q/k/v projections. Parameter names mirror
+the Hugging Face checkpoints except that q/k/v are fused into ``qkv_proj`` and gate/up
+into ``gate_up_proj`` (see loader.py for the mapping).
+
+The batch is flattened: one forward takes ``num_tokens`` tokens from any number of
+sequences, described by an ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    tp_rank_and_size,
+)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def _rope_settings(config) -> tuple[float, dict | None]:
+    """(rope_theta, scaling dict or None) from a config of either transformers generation.
+
+    transformers < 5 keeps ``rope_theta`` and ``rope_scaling`` as separate fields; 5.x puts
+    both into ``rope_parameters`` (with ``rope_scaling`` as an alias)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    theta = getattr(config, "rope_theta", None) or params.get("rope_theta") or 10000.0
+    rope_type = params.get("rope_type", params.get("type"))
+    return float(theta), (params if rope_type not in (None, "default") else None)
+
+
+def _sliding_window(config, layer_idx: int) -> int | None:
+    """The attention window of layer ``layer_idx``, or None for full attention."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    if config.model_type == "qwen2":
+        use = getattr(config, "use_sliding_window", False)
+        return window if use and layer_idx >= getattr(config, "max_window_layers", 0) else None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention over the paged cache.
+
+    hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size]. Heads are split across
+    TP ranks: this rank holds num_heads / tp query heads and num_kv_heads / tp KV heads.
+    """
+
+    def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
+        super().__init__()
+        _, tp_size = tp_rank_and_size(tp_group)
+        hidden = config.hidden_size
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        if total_heads % tp_size or total_kv_heads % tp_size:
+            raise ValueError(
+                f"num_attention_heads={total_heads} and num_key_value_heads={total_kv_heads} "
+                f"must both be divisible by the TP size {tp_size}"
+            )
+        self.num_heads = total_heads // tp_size
+        self.num_kv_heads = total_kv_heads // tp_size
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = _sliding_window(config, layer_idx)
+
+        qkv_bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        q_size, kv_size = total_heads * self.head_dim, total_kv_heads * self.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            hidden, [q_size, kv_size, kv_size], bias=qkv_bias, tp_group=tp_group, dtype=dtype, device=device
+        )
+        self.o_proj = RowParallelLinear(q_size, hidden, bias=o_bias, tp_group=tp_group, dtype=dtype, device=device)
+        theta, scaling = _rope_settings(config)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, theta, scaling, device=device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        q_local = self.num_heads * self.head_dim
+        kv_local = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_local, kv_local, kv_local], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
+        q, k = self.rotary_emb(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache_layer, attn_metadata, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(-1, q_local))  # (N, H*D) -> (N, hidden)
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); [N, hidden] -> [N, hidden]."""
+
+    def __init__(self, config, tp_group: Any | None, dtype, device):
+        super().__init__()
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden, [inter, inter], bias=bias, tp_group=tp_group, dtype=dtype, device=device
+        )
+        self.act_fn = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, hidden, bias=bias, tp_group=tp_group, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
+
+    def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.self_attn = LlamaAttention(config, layer_idx, tp_group, dtype, device)
+        self.mlp = LlamaMLP(config, tp_group, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+
+    def forward(self, positions, hidden, kv_cache_layer, attn_metadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache_layer, attn_metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.*`` submodule)."""
+
+    def __init__(self, config, tp_group: Any | None, dtype, device):
+        super().__init__()
+        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, tp_group, dtype, device) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM running over a paged KV cache.
+
+    Attributes num_layers, num_kv_heads (per TP rank) and head_dim size the KV cache
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. The embedding and
+    ``lm_head`` are replicated on every TP rank; the decoder layers are sharded.
+    """
+
+    def __init__(self, config, tp_group: Any | None = None, dtype: torch.dtype = torch.float32, device="cpu"):
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported architecture model_type={config.model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.config = config
+        self.tp_group = tp_group
+        self.model = LlamaModel(config, tp_group, dtype, device)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens  # shares .weight
+        else:
+            weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            self.lm_head = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        self.requires_grad_(False)
+        first_attn = self.model.layers[0].self_attn
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = first_attn.num_kv_heads
+        self.head_dim: int = first_attn.head_dim
+        self.vocab_size: int = config.vocab_size
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        on_layer_done: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64;
+        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], updated in place.
+        Returns hidden states [num_tokens, hidden_size] after the final norm.
+
+        ``on_layer_done(layer_idx)`` runs right after layer ``layer_idx`` finishes (its K/V are
+        in kv_cache). On CUDA the kernels may still be queued: the callback must order its
+        reads after them (e.g. record an event on the current stream)."""
+        hidden = self.model.embed_tokens(input_ids)  # (N, hidden)
+        for i, layer in enumerate(self.model.layers):
+            hidden = layer(positions, hidden, kv_cache[i], attn_metadata)
+            if on_layer_done is not None:
+                on_layer_done(i)
+        return self.model.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[n, hidden_size] -> [n, vocab_size] float32 logits."""
+        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()

@@ -1,0 +1,214 @@
+"""Our LlamaForCausalLM against the Hugging Face reference on small random checkpoints."""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.loader import load_model
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 40
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=2,
+    vocab_size=500,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+
+CONFIGS = {
+    "llama_untied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False, rope_theta=500.0),
+    "llama_tied_bias": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+    "qwen2_tied": lambda: Qwen2Config(**{**COMMON, "num_hidden_layers": 3}, tie_word_embeddings=True),
+    "qwen2_untied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=False),
+    "mistral_window": lambda: MistralConfig(**COMMON, sliding_window=6),
+    "llama3_rope": lambda: LlamaConfig(
+        **COMMON,
+        rope_scaling={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+        },
+    ),
+}
+
+
+def make_checkpoint(name, tmp_path):
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32).eval()
+    with torch.no_grad():  # norms and biases default to ones/zeros: randomize so they are tested too
+        for pname, p in hf.named_parameters():
+            if "norm" in pname or pname.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+def new_cache(model, dtype=torch.float32):
+    shape = (model.num_layers, 2, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+class PagedSeq:
+    """One sequence's block table over shuffled, non-contiguous block ids."""
+
+    def __init__(self, seed=0):
+        self.free = list(range(NUM_BLOCKS))
+        random.Random(seed).shuffle(self.free)
+        self.table, self.num_computed = [], 0
+
+    def step(self, model, kv_cache, token_ids):
+        """Run token_ids as the next chunk; returns logits [len(token_ids), vocab]."""
+        n = len(token_ids)
+        while len(self.table) * BLOCK_SIZE < self.num_computed + n:
+            self.table.append(self.free.pop())
+        meta = AttentionMetadata.build([self.table], [self.num_computed], [n], BLOCK_SIZE)
+        positions = torch.arange(self.num_computed, self.num_computed + n)
+        hidden = model(torch.tensor(token_ids), positions, kv_cache, meta)
+        self.num_computed += n
+        return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_hf(name, tmp_path):
+    hf = make_checkpoint(name, tmp_path)
+    model = load_model(str(tmp_path), torch.float32, "cpu")
+    prompt = torch.randint(2, 500, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert ref.std() > 0.1, "random weights too small to make a meaningful comparison"
+
+    # One prefill.
+    logits = PagedSeq().step(model, new_cache(model), prompt)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+    # Chunked prefill: the second chunk attends to the cached first chunk.
+    seq, cache = PagedSeq(seed=1), new_cache(model)
+    chunked = torch.cat([seq.step(model, cache, prompt[:6]), seq.step(model, cache, prompt[6:])])
+    torch.testing.assert_close(chunked, ref, atol=1e-4, rtol=1e-4)
+
+    # Greedy decode through the paged cache equals HF generate.
+    num_new = 20
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)[0, len(prompt):]
+    seq, cache = PagedSeq(seed=2), new_cache(model)
+    out = []
+    logits = seq.step(model, cache, prompt)
+    for _ in range(num_new):
+        out.append(int(logits[-1].argmax()))
+        logits = seq.step(model, cache, [out[-1]])
+    assert out == expected.tolist()
+
+
+def test_batched_decode_mixed_with_prefill(tmp_path):
+    """Two sequences in one forward (one decoding, one prefilling) equal running them alone."""
+    make_checkpoint("qwen2_untied", tmp_path)
+    model = load_model(str(tmp_path), torch.float32, "cpu")
+    a, b = list(range(3, 14)), list(range(40, 47))
+    cache = new_cache(model)
+    solo_a = PagedSeq(seed=3).step(model, new_cache(model), a)
+    solo_b = PagedSeq(seed=4).step(model, new_cache(model), b)
+    # Cache all of a but its last token, then run a's last token with all of b.
+    table_a, table_b = [0, 7, 3], [5, 9]
+    model(torch.tensor(a[:-1]), torch.arange(10), cache, AttentionMetadata.build([table_a], [0], [10], BLOCK_SIZE))
+    meta = AttentionMetadata.build([table_a, table_b], [10, 0], [1, 7], BLOCK_SIZE)
+    positions = torch.cat([torch.tensor([10]), torch.arange(7)])
+    logits = model.compute_logits(model(torch.tensor([a[-1]] + b), positions, cache, meta))
+    torch.testing.assert_close(logits[0], solo_a[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits[1:], solo_b, atol=1e-4, rtol=1e-4)
+
+
+def test_on_layer_done_and_bfloat16(tmp_path):
+    hf = make_checkpoint("llama_untied", tmp_path)
+    model = load_model(str(tmp_path), torch.bfloat16, "cpu")
+    assert model.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    prompt = list(range(5, 17))
+    done = []
+    cache = new_cache(model, torch.bfloat16)
+    meta = AttentionMetadata.build([[3, 1, 8]], [0], [len(prompt)], BLOCK_SIZE)
+    hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), cache, meta, on_layer_done=done.append)
+    assert done == list(range(model.num_layers))
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert (logits - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_unsupported_model_type_raises(tmp_path):
+    cfg = LlamaConfig(**COMMON).to_dict()
+    cfg["model_type"] = "gpt2"
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported architecture"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def test_missing_and_unexpected_weights_raise(tmp_path):
+    make_checkpoint("llama_untied", tmp_path)
+    from safetensors.torch import load_file
+
+    path = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    tensors["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"missing weights.*qkv_proj.*unexpected weights.*extra"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
+def _tp_worker(rank, world_size, model_dir, init_file, out_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        model = load_model(model_dir, torch.float32, "cpu", tp_group=dist.group.WORLD)
+        assert model.num_kv_heads == 2 // world_size
+        prompt = list(range(7, 20))
+        seq = PagedSeq(seed=rank)  # each rank has its own cache; block ids need not agree
+        cache = new_cache(model)
+        logits = torch.cat([seq.step(model, cache, prompt), seq.step(model, cache, [3])])  # prefill, decode
+        if rank == 0:
+            torch.save(logits, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_2_matches_tp_1(tmp_path):
+    """Real sharding: two gloo ranks, each holding half the heads and MLP columns."""
+    import torch.multiprocessing as mp
+
+    model_dir = tmp_path / "ckpt"
+    make_checkpoint("qwen2_untied", model_dir)
+    out_path = str(tmp_path / "logits.pt")
+    mp.spawn(_tp_worker, args=(2, str(model_dir), str(tmp_path / "init"), out_path), nprocs=2)
+    tp2 = torch.load(out_path)
+    model = load_model(str(model_dir), torch.float32, "cpu")
+    seq, cache = PagedSeq(), new_cache(model)
+    tp1 = torch.cat([seq.step(model, cache, list(range(7, 20))), seq.step(model, cache, [3])])
+    torch.testing.assert_close(tp2, tp1, atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_uses_index(tmp_path):
+    """Weights split over several files with an index; a stray file outside the index is ignored."""
+    hf = make_checkpoint("llama_tied_bias", tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    save_file({"output.weight": torch.zeros(2)}, str(tmp_path / "consolidated.safetensors"))
+    model = load_model(str(tmp_path), torch.float32, "cpu")
+    prompt = list(range(9, 21))
+    logits = PagedSeq().step(model, new_cache(model), prompt)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=1e-4)
