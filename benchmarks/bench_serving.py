@@ -1,0 +1,182 @@
+"""Serving benchmark: a local pdserve cluster vs Hugging Face static batching.
+
+Starts a cluster (router + prefill + decode processes) on the ``bench`` preset
+(~100M parameters), sends ``--num-requests`` concurrent streaming requests
+(prompts 64-512 tokens, outputs 16-256 tokens, EOS ignored so lengths are
+exact), and prints output tokens/s, TTFT and ITL percentiles and each worker's
+resident memory against model + KV budget. Then runs Hugging Face ``generate``
+on the same prompts in static batches of ``--hf-batch-size`` (a batch runs
+until its longest request is done, the way static batching works) and prints
+its output tokens/s.
+
+    python benchmarks/bench_serving.py                 # defaults as in the issue
+    python benchmarks/bench_serving.py --num-requests 8 --max-output 64   # quick
+
+On a 2-core machine the prefill worker is pinned to core 0 and the decode
+worker to core 1 (one torch thread each); Hugging Face gets both cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import httpx
+import psutil
+import torch
+
+from pdserve.common.utils import free_port, parse_size
+from pdserve.engine.tiny_model import ensure_default_model
+from pdserve.launcher import ClusterSpec, LocalCluster
+
+
+def make_workload(n: int, vocab_size: int, seed: int, min_in: int, max_in: int, min_out: int, max_out: int):
+    rng = random.Random(seed)
+    return [([rng.randrange(10, vocab_size) for _ in range(rng.randint(min_in, max_in))], rng.randint(min_out, max_out))
+            for _ in range(n)]
+
+
+def percentiles(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
+    return f"p50 {qs[49] * 1e3:8.1f} ms   p90 {qs[89] * 1e3:8.1f} ms   p99 {qs[98] * 1e3:8.1f} ms"
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int):
+    start = time.perf_counter()
+    stamps: list[float] = []
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    completion_tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                completion_tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                stamps.append(time.perf_counter())
+    ttft = stamps[0] - start
+    itl = [b - a for a, b in zip(stamps, stamps[1:])]
+    return ttft, itl, completion_tokens, time.perf_counter() - start
+
+
+async def run_load(url: str, model: str, workload) -> dict:
+    limits = httpx.Limits(max_connections=len(workload) + 4)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_request(client, url, model, p, m) for p, m in workload))
+        wall = time.perf_counter() - start
+    return {"wall_s": wall, "ttft": [r[0] for r in results], "itl": [x for r in results for x in r[1]],
+            "output_tokens": sum(r[2] for r in results), "e2el": [r[3] for r in results]}
+
+
+def pin_cluster(cluster: LocalCluster) -> None:
+    if (os.cpu_count() or 1) < 2:
+        return
+    for name, proc in cluster.procs:
+        cores = {1} if name.startswith("decode") else {0}
+        os.sched_setaffinity(proc.pid, cores)
+
+
+def memory_report(cluster: LocalCluster, model_bytes: int, kv_bytes: int) -> list[str]:
+    lines = []
+    for name, proc in cluster.procs:
+        if name == "router":
+            continue
+        rss = psutil.Process(proc.pid).memory_info().rss
+        overhead = rss - model_bytes - kv_bytes
+        lines.append(f"  {name:10s} RSS {rss / 2**20:7.0f} MiB = model {model_bytes / 2**20:.0f} + KV budget "
+                     f"{kv_bytes / 2**20:.0f} + overhead {overhead / 2**20:.0f} MiB")
+    return lines
+
+
+def hf_static_batching(model_dir: str, workload, batch_size: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    useful = 0
+    start = time.perf_counter()
+    for i in range(0, len(workload), batch_size):
+        batch = workload[i:i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        max_new = max(m for _, m in batch)
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                           do_sample=False, pad_token_id=pad)
+        useful += sum(m for _, m in batch)
+    return {"wall_s": time.perf_counter() - start, "output_tokens": useful}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the bench preset, created once)")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--min-input", type=int, default=64)
+    ap.add_argument("--max-input", type=int, default=512)
+    ap.add_argument("--min-output", type=int, default=16)
+    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--num-prefill", type=int, default=1)
+    ap.add_argument("--num-decode", type=int, default=1)
+    ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--hf-batch-size", type=int, default=8)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    model_dir = args.model or str(ensure_default_model("bench"))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    model_bytes = sum(os.path.getsize(os.path.join(model_dir, n)) for n in os.listdir(model_dir)
+                      if n.endswith(".safetensors"))
+    kv_bytes = parse_size(args.kv_cache_memory)
+    workload = make_workload(args.num_requests, cfg["vocab_size"], args.seed, args.min_input, args.max_input,
+                             args.min_output, args.max_output)
+    name = os.path.basename(model_dir.rstrip("/"))
+    print(f"model {model_dir} ({model_bytes / 2**20:.0f} MiB), {len(workload)} requests, "
+          f"prompts {args.min_input}-{args.max_input} tokens, outputs {args.min_output}-{args.max_output} tokens")
+
+    spec = ClusterSpec(model=model_dir, num_prefill=args.num_prefill, num_decode=args.num_decode, port=free_port(),
+                       threads_per_worker=1, worker_args=["--kv-cache-memory", args.kv_cache_memory,
+                                                          "--max-num-seqs", str(max(64, args.num_requests))])
+    with LocalCluster(spec, log_dir=os.environ.get("PDSERVE_BENCH_LOGS")) as cluster:
+        pin_cluster(cluster)
+        asyncio.run(run_load(cluster.url, name, workload[:2]))  # warm-up
+        res = asyncio.run(run_load(cluster.url, name, workload))
+        stats = httpx.get(f"{cluster.url}/workers").json()
+        mem = memory_report(cluster, model_bytes, kv_bytes)
+    tps = res["output_tokens"] / res["wall_s"]
+    print(f"\npdserve ({args.num_prefill}P + {args.num_decode}D, continuous batching)")
+    print(f"  output tokens/s {tps:8.1f}   ({res['output_tokens']} tokens in {res['wall_s']:.1f} s)")
+    print(f"  TTFT  {percentiles(res['ttft'])}")
+    print(f"  ITL   {percentiles(res['itl'])}")
+    print(f"  E2EL  {percentiles(res['e2el'])}")
+    for w in stats:
+        print(f"  {w['role']:7s} {w["id"]}: largest step batch {w.get('max_step_batch_size')}, "
+              f"steps {w.get('num_steps')}")
+    print("  memory:")
+    print("\n".join(mem))
+    if not args.skip_hf:
+        hf = hf_static_batching(model_dir, workload, args.hf_batch_size)
+        hf_tps = hf["output_tokens"] / hf["wall_s"]
+        print(f"\nHugging Face generate, static batches of {args.hf_batch_size}")
+        print(f"  output tokens/s {hf_tps:8.1f}   ({hf['output_tokens']} tokens in {hf['wall_s']:.1f} s)")
+        print(f"\ncontinuous / static throughput: {tps / hf_tps:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

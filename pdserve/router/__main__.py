@@ -1,0 +1,3 @@
+from pdserve.router.server import main
+
+main()

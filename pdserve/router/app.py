@@ -1,0 +1,136 @@
+"""The router's FastAPI application: routes, error bodies, and ZMQ lifecycle.
+
+Endpoints:
+    POST /v1/completions, POST /v1/chat/completions   OpenAI-compatible, stream or not
+    GET  /v1/models                                   the served model (with max_model_len)
+    GET  /health                                      {"status": "ok", "num_prefill", "num_decode"}
+    GET  /workers                                     live workers and their latest heartbeat figures
+    GET  /info                                        model, limits, and the bound ZMQ address
+
+Every error is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``;
+request validation errors are 400 (not FastAPI's 422).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from transformers import AutoTokenizer
+
+from pdserve.common.protocol import WorkerRole
+from pdserve.router.config import RouterConfig
+from pdserve.router.engine import RouterEngine
+from pdserve.router.errors import APIError
+from pdserve.router.openai_protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
+                                            ModelList)
+from pdserve.router.registry import WorkerRegistry
+from pdserve.router.serving import OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+
+def _error_json(err: APIError) -> JSONResponse:
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status_code)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """Turn pydantic's error list into one 400 naming the first offending field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    messages, param = [], None
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            detail = (e.get("ctx") or {}).get("error", "")
+            messages.append(f"malformed JSON body{': ' + detail if detail else ''}")
+            continue
+        field = ".".join(loc)
+        if not field and e.get("type") == "missing":
+            messages.append("the request body is missing; expected a JSON object")
+            continue
+        param = param or field or None
+        messages.append(f"{field or 'body'}: {e.get('msg', 'invalid value')}")
+    return APIError(400, "; ".join(messages[:5]), param)
+
+
+def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
+    """The router application. ZMQ is bound when the app's lifespan starts
+    (``uvicorn`` or ``TestClient`` as a context manager) and closed when it ends.
+
+    ``tokenizer`` defaults to ``AutoTokenizer.from_pretrained(config.model)``.
+    """
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(config.model)
+    registry = WorkerRegistry(config.worker_timeout_s)
+    engine = RouterEngine(config.host, config.zmq_port, registry)
+    serving = OpenAIServing(config, tokenizer, engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await engine.start()
+        print(f"pdserve router: workers push to {engine.address}; "
+              f"HTTP on http://{config.host}:{config.port}", flush=True)
+        try:
+            yield
+        finally:
+            await engine.stop()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.state.config = config
+    app.state.engine = engine
+    app.state.registry = registry
+    app.state.serving = serving
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return _error_json(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return _error_json(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return _error_json(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return _error_json(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await serving.create_completion(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serving.create_chat_completion(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(id=config.served_model_name, root=config.model,
+                         max_model_len=config.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "num_prefill": registry.num_live(WorkerRole.PREFILL),
+                "num_decode": registry.num_live(WorkerRole.DECODE)}
+
+    @app.get("/workers")
+    async def workers():
+        return registry.snapshot()
+
+    @app.get("/info")
+    async def info():
+        return {"model": config.model, "served_model_name": config.served_model_name,
+                "max_model_len": config.max_model_len, "zmq_address": engine.address,
+                "worker_timeout_s": config.worker_timeout_s, "num_inflight": engine.num_inflight}
+
+    return app

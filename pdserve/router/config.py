@@ -1,0 +1,96 @@
+"""The router's configuration: one dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+# config.json keys that name the context length, in order of preference.
+_CONTEXT_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def read_context_len(model: str) -> int | None:
+    """The context length recorded in ``{model}/config.json``, or None if absent."""
+    path = os.path.join(model, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for key in _CONTEXT_LEN_KEYS:
+        value = cfg.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@dataclasses.dataclass
+class RouterConfig:
+    """Everything the router process needs.
+
+    Attributes:
+        model: checkpoint directory (the tokenizer and config.json are read from it).
+        served_model_name: the name clients pass as ``model``; default: basename of ``model``.
+        host: interface for both the HTTP server and the ZMQ PULL socket.
+        port: HTTP port.
+        zmq_port: port of the PULL socket workers push to; 0 picks a free one
+            (the bound address is then logged and shown by ``GET /info``).
+        max_model_len: prompt + completion token limit; default: config.json's
+            ``max_position_embeddings``.
+        worker_timeout_s: a worker silent for longer than this is dead.
+        log_level: uvicorn / logging level name.
+    """
+
+    model: str
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    zmq_port: int = 8001
+    max_model_len: int | None = None
+    worker_timeout_s: float = 10.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model must be a checkpoint directory; {self.model!r} is not a directory")
+        if not self.served_model_name:
+            self.served_model_name = os.path.basename(os.path.normpath(self.model))
+        if self.max_model_len is None:
+            self.max_model_len = read_context_len(self.model)
+            if self.max_model_len is None:
+                raise ValueError(f"{self.model}/config.json names no context length "
+                                 f"({', '.join(_CONTEXT_LEN_KEYS)}); pass max_model_len")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        for name in ("port", "zmq_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {value}")
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+        self.log_level = self.log_level.lower()
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add the router's flags. ``--log-level`` is not among them (the caller's
+        top-level parser owns it); ``from_cli_args`` uses ``args.log_level`` if present."""
+        g = parser.add_argument_group("router")
+        g.add_argument("--model", required=True, help="checkpoint directory (tokenizer + config.json)")
+        g.add_argument("--served-model-name", default=None,
+                       help="model name clients use (default: basename of --model)")
+        g.add_argument("--host", default=cls.host, help="interface for HTTP and the ZMQ PULL socket")
+        g.add_argument("--port", type=int, default=cls.port, help="HTTP port")
+        g.add_argument("--zmq-port", type=int, default=cls.zmq_port,
+                       help="port workers push to (0 = a free port, printed at start-up)")
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="prompt + completion token limit (default: from config.json)")
+        g.add_argument("--worker-timeout-s", type=float, default=cls.worker_timeout_s,
+                       help="seconds without a heartbeat after which a worker is dead")
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "RouterConfig":
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})

@@ -1,0 +1,264 @@
+"""The router's side of the ZMQ protocol, inside the asyncio event loop.
+
+Three background tasks share one ``zmq.asyncio`` context:
+
+* ``_recv_loop`` reads the PULL socket workers push to: ``RegisterWorker`` and
+  ``Heartbeat`` update the registry, ``RequestOutputs`` deltas go to the
+  request's ``asyncio.Queue``.
+* ``_send_loop`` drains the outbox into PUSH sockets (one per decode worker,
+  created lazily). Handlers only ``put_nowait`` into the outbox, so submitting
+  and aborting never await, which matters in cancelled tasks (client gone).
+* ``_expire_loop`` drops workers that went silent and fails their requests.
+
+A request's queue yields ``RequestDelta``s from its decode worker, or one
+``RequestFailed`` if that worker died or the router stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pdserve.common.protocol import (AbortRequest, GenerateRequest, Heartbeat, RegisterWorker,
+                                     RequestDelta, RequestOutputs, SamplingParams, WorkerRole)
+from pdserve.common.transport import ProtocolError, decode, encode
+from pdserve.router.registry import WorkerInfo, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RequestFailed:
+    """Put in a request's queue when it cannot finish; ``status_code`` is the HTTP status."""
+
+    message: str
+    status_code: int = 503
+
+
+class NoDecodeWorker(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class RequestHandle:
+    """One in-flight request: where it runs and where its outputs arrive."""
+
+    request_id: str
+    decode_worker_id: str
+    decode_addr: str
+    prefill_worker_id: str | None
+    queue: asyncio.Queue  # RequestDelta | RequestFailed
+
+
+class RouterEngine:
+    """Owns the router's ZMQ sockets, the worker registry and the in-flight requests.
+
+    Args:
+        host, zmq_port: where to bind the PULL socket (port 0 = a free one);
+            ``address`` is the bound ``tcp://host:port`` once ``start`` returned.
+        registry: the worker registry to feed and route with.
+    """
+
+    _SNDHWM = 100_000
+
+    def __init__(self, host: str, zmq_port: int, registry: WorkerRegistry):
+        self.host = host
+        self.zmq_port = zmq_port
+        self.registry = registry
+        self.address: str | None = None
+        self._requests: dict[str, RequestHandle] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._push: dict[str, zmq.asyncio.Socket] = {}
+        self._outbox: asyncio.Queue | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._ctx = zmq.asyncio.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        if self.zmq_port == 0:
+            port = self._pull.bind_to_random_port(f"tcp://{self.host}")
+        else:
+            port = self.zmq_port
+            self._pull.bind(f"tcp://{self.host}:{port}")
+        self.address = f"tcp://{self.host}:{port}"
+        self._outbox = asyncio.Queue()
+        self._tasks = [asyncio.create_task(coro, name=name) for name, coro in (
+            ("router-recv", self._recv_loop()),
+            ("router-send", self._send_loop()),
+            ("router-expire", self._expire_loop()),
+        )]
+        logger.info("router ZMQ PULL socket bound at %s", self.address)
+
+    async def stop(self) -> None:
+        """Abort every in-flight request at its worker, then close all sockets."""
+        self.abort_all("the router is shutting down")
+        if self._outbox is not None:
+            try:
+                await asyncio.wait_for(self._outbox.join(), timeout=1.0)
+            except asyncio.TimeoutError:
+                logger.warning("router stopped with %d unsent messages", self._outbox.qsize())
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for sock in self._push.values():
+            sock.close(linger=100)
+        self._push.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    # --- requests -------------------------------------------------------------------------
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._requests)
+
+    def submit(self, request_id: str, prompt_token_ids: list[int],
+               sampling_params: SamplingParams) -> RequestHandle:
+        """Route a request to a decode worker (and a prefill worker if any is live).
+
+        Raises:
+            NoDecodeWorker: no live decode worker can hold the request's tokens.
+        """
+        num_tokens = len(prompt_token_ids) + sampling_params.max_tokens
+        decode_worker = self.registry.pick(WorkerRole.DECODE, num_tokens)
+        if decode_worker is None:
+            raise NoDecodeWorker()
+        prefill_worker = self.registry.pick(WorkerRole.PREFILL)
+        handle = RequestHandle(request_id, decode_worker.worker_id, decode_worker.input_addr,
+                               prefill_worker.worker_id if prefill_worker else None, asyncio.Queue())
+        self._requests[request_id] = handle
+        decode_worker.num_inflight += 1
+        decode_worker.num_routed += 1
+        if prefill_worker is not None:
+            prefill_worker.num_routed += 1
+        self._send(decode_worker.input_addr, GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt_token_ids,
+            sampling_params=sampling_params,
+            prefill_worker_id=prefill_worker.worker_id if prefill_worker else None,
+            prefill_addr=prefill_worker.input_addr if prefill_worker else None))
+        return handle
+
+    def finish(self, request_id: str) -> None:
+        """Forget a request that finished normally (its worker already freed it)."""
+        handle = self._requests.pop(request_id, None)
+        if handle is not None:
+            self._release(handle)
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request and tell its decode worker to drop it. Never awaits; idempotent."""
+        handle = self._requests.pop(request_id, None)
+        if handle is None:
+            return
+        self._release(handle)
+        if self.registry.get(handle.decode_worker_id) is not None:
+            self._send(handle.decode_addr, AbortRequest(request_id=request_id))
+
+    def abort_all(self, message: str) -> None:
+        """Fail every in-flight request with ``message`` (503) and abort it at its worker."""
+        for handle in list(self._requests.values()):
+            self.abort(handle.request_id)
+            handle.queue.put_nowait(RequestFailed(message))
+
+    def abort_all_threadsafe(self, message: str) -> None:
+        """``abort_all`` from a signal handler or another thread."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.abort_all, message)
+
+    def _release(self, handle: RequestHandle) -> None:
+        worker = self.registry.get(handle.decode_worker_id)
+        if worker is not None and worker.input_addr == handle.decode_addr:
+            worker.num_inflight = max(0, worker.num_inflight - 1)
+
+    def _fail_worker_requests(self, worker: WorkerInfo, message: str) -> None:
+        for handle in list(self._requests.values()):
+            if handle.decode_worker_id == worker.worker_id and handle.decode_addr == worker.input_addr:
+                del self._requests[handle.request_id]
+                handle.queue.put_nowait(RequestFailed(message))
+        sock = self._push.pop(worker.input_addr, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    # --- sockets --------------------------------------------------------------------------
+
+    def _send(self, addr: str, msg: msgspec.Struct) -> None:
+        if self._outbox is None:
+            raise RuntimeError("RouterEngine.start() was not called")
+        self._outbox.put_nowait((addr, encode(msg)))
+
+    async def _send_loop(self) -> None:
+        assert self._outbox is not None and self._ctx is not None
+        while True:
+            addr, frames = await self._outbox.get()
+            try:
+                sock = self._push.get(addr)
+                if sock is None:
+                    sock = self._ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.setsockopt(zmq.SNDHWM, self._SNDHWM)
+                    sock.connect(addr)
+                    self._push[addr] = sock
+                await sock.send_multipart(frames, copy=False)
+            except Exception as e:  # e.g. the socket was closed because its worker died
+                logger.error("sending to %s failed: %s", addr, e)
+            finally:
+                self._outbox.task_done()
+
+    async def _recv_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            frames = await self._pull.recv_multipart()
+            try:
+                msg = decode(frames)
+            except ProtocolError as e:
+                logger.warning("dropping malformed message: %s", e)
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:  # one bad message must not stop the router
+                logger.exception("failed to handle %s", type(msg).__name__)
+
+    def _dispatch(self, msg: msgspec.Struct) -> None:
+        if isinstance(msg, RequestOutputs):
+            self.registry.touch(msg.worker_id)
+            for delta in msg.deltas:
+                self._deliver(delta)
+        elif isinstance(msg, Heartbeat):
+            if not self.registry.heartbeat(msg):
+                logger.debug("heartbeat from unregistered worker %s ignored", msg.worker_id)
+        elif isinstance(msg, RegisterWorker):
+            replaced = self.registry.register(msg)
+            if replaced is not None:
+                self._fail_worker_requests(
+                    replaced, f"worker {replaced.worker_id} restarted; its requests were lost")
+        else:
+            logger.warning("router got an unexpected %s message; dropped", type(msg).__name__)
+
+    def _deliver(self, delta: RequestDelta) -> None:
+        handle = self._requests.get(delta.request_id)
+        if handle is None:
+            return  # finished, aborted or failed already
+        if delta.finish_reason is not None:
+            self.finish(delta.request_id)
+        handle.queue.put_nowait(delta)
+
+    async def _expire_loop(self) -> None:
+        interval = min(1.0, self.registry.worker_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for worker in self.registry.expire():
+                self._fail_worker_requests(
+                    worker, f"{worker.role.name.lower()} worker {worker.worker_id} stopped responding "
+                            f"(nothing heard for over {self.registry.worker_timeout_s:g}s)")
