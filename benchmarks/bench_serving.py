@@ -165,7 +165,7 @@ def main() -> int:
     print(f"  ITL   {percentiles(res['itl'])}")
     print(f"  E2EL  {percentiles(res['e2el'])}")
     for w in stats:
-        print(f"  {w['role']:7s} {w["id"]}: largest step batch {w.get('max_step_batch_size')}, "
+        print(f"  {w['role']:7s} {w['id']}: largest step batch {w.get('max_step_batch_size')}, "
               f"steps {w.get('num_steps')}")
     print("  memory:")
     print("\n".join(mem))
