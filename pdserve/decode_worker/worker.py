@@ -133,6 +133,7 @@ class DecodeWorker(WorkerBase):
             return
         error = self._install_kv(request_id, state)
         if error is not None:
+            self.pairs.reset(state.prefill_worker_id, error)  # the stream can no longer be trusted
             self._remote_failed(request_id, error)
             return
         del self.remote[request_id]

@@ -48,7 +48,7 @@ class PrefillWorker(WorkerBase):
 
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig):
         super().__init__(engine_config, worker_config)
-        self.pairs = PrefillPairs()
+        self.pairs = PrefillPairs(self.worker_id, self.runner.device, worker_config.transfer_timeout_s)
         self.completer = SendCompleter(
             worker_config.transfer_timeout_s,
             on_done=lambda rid, nbytes, checksum, err: self.mailbox.inject(_SendDone(rid, nbytes, checksum, err)))
@@ -137,7 +137,12 @@ class PrefillWorker(WorkerBase):
             for request, send in outgoing:
                 send.send_layer(layer_idx, kv_layer, request.block_table)
 
-        sampled = self.runner.execute(out.scheduled, on_layer_done=on_layer_done if outgoing else None)
+        try:
+            sampled = self.runner.execute(out.scheduled, on_layer_done=on_layer_done if outgoing else None)
+        except Exception as e:
+            for _, send in outgoing:  # unblock the pair: its queued sends will never complete
+                send.abort(f"prefill forward failed: {e}")
+            raise
         self.record_step(len(out.scheduled))
         for request, send in outgoing:
             self.first_token[request.request_id] = sampled[request.request_id]

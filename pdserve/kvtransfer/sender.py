@@ -1,0 +1,295 @@
+"""Prefill side: pairs to decode workers, per-request layer-by-layer sends, completion.
+
+Step loop usage (one ``OutgoingKV`` per request)::
+
+    pair = pairs.get(decode_worker_id, generation)        # after pairs.request_pair(...)
+    mailbox.put(KVTransferHeader(...))                     # header first, in stream order
+    out = OutgoingKV(pair, request_id, num_layers)         # create in the same order as the headers
+    for each layer i (after the model wrote layer i's K/V):
+        out.send_layer(i, kv_cache[i], block_ids)          # gather + async send; never waits
+    completer.submit(out)                                  # on_done(...) later, on a kvtransfer thread
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import torch
+
+from pdserve.kvtransfer import wire
+from pdserve.kvtransfer.checksum import KVChecksum
+from pdserve.kvtransfer.pair import KVPair
+from pdserve.kvtransfer.wire import KVTransferError
+
+logger = logging.getLogger(__name__)
+
+_JOIN_S = 0.5  # how long close() waits for each thread (seconds); threads are daemons
+
+
+class OutgoingKV:
+    """One request's KV on its way to the decode worker.
+
+    Requests sharing a pair must be created in the order their
+    ``KVTransferHeader``s were sent: that order is the stream order D expects.
+    Layers must be sent in order 0 .. num_layers - 1.
+    """
+
+    def __init__(self, pair: KVPair, request_id: str, num_layers: int):
+        if num_layers < 1:
+            raise KVTransferError(f"request {request_id}: num_layers must be >= 1, got {num_layers}")
+        self.pair = pair
+        self.request_id = request_id
+        self.num_layers = num_layers
+        self.num_bytes = 0  # KV bytes handed to the pair so far
+        self._next_layer = 0
+        self._index: torch.Tensor | None = None  # [num_blocks] int64 block ids, on the cache's device
+        self._layer_spec: tuple[torch.Size, torch.dtype] | None = None
+        self._sent: list[torch.Tensor] = []  # gathered layers, kept alive until the sends completed
+        # Owned by the pair's sequencer (under its lock):
+        self._queued: deque[torch.Tensor] = deque()
+        self._all_queued = False
+        self._works: list = []
+        self._issued = threading.Event()  # every message issued, or failed
+        self._error: str | None = None
+        pair._register(self)
+
+    def _fail(self, reason: str) -> None:
+        self._error = self._error or reason
+        self._issued.set()
+
+    def send_layer(self, layer_idx: int, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
+        """Gather ``kv_layer[:, block_ids]`` and start sending it; returns without waiting.
+
+        ``kv_layer``: this layer of P's paged cache, [2, num_blocks_total, block_size, num_kv_heads, head_dim].
+        The gathered copy [2, len(block_ids), block_size, num_kv_heads, head_dim] is what goes on the
+        wire, so P may reuse its blocks as soon as the request is done. A failed pair is not raised
+        here (``wait`` reports it); misuse (layer order, shape change) raises KVTransferError.
+        """
+        if layer_idx != self._next_layer:
+            raise KVTransferError(
+                f"request {self.request_id}: send_layer({layer_idx}) out of order, expected layer {self._next_layer}")
+        if kv_layer.dim() != 5 or kv_layer.shape[0] != 2:
+            raise KVTransferError(f"request {self.request_id}: kv_layer must be [2, num_blocks, block_size, H, D], "
+                                  f"got {list(kv_layer.shape)}")
+        self._next_layer += 1
+        if self._error is not None:
+            return
+        if self._index is None:
+            self._index = torch.tensor(block_ids, dtype=torch.int64, device=kv_layer.device)
+        blocks = kv_layer.index_select(1, self._index)  # [2, num_blocks, block_size, H, D], contiguous
+        tensors = [blocks]
+        if self._layer_spec is None:
+            self._layer_spec = (blocks.shape, blocks.dtype)
+            tensors.insert(0, wire.make_meta(self.request_id, self.num_layers, blocks))
+        elif (blocks.shape, blocks.dtype) != self._layer_spec:
+            raise KVTransferError(f"request {self.request_id}: layer {layer_idx} is {list(blocks.shape)} "
+                                  f"{blocks.dtype}, layer 0 was {list(self._layer_spec[0])} {self._layer_spec[1]}")
+        self._sent.append(blocks)
+        self.num_bytes += blocks.numel() * blocks.element_size()
+        self.pair._enqueue(self, tensors, last=layer_idx == self.num_layers - 1)
+
+    def abort(self, reason: str) -> None:
+        """Give up on this request. If some layers were never sent the stream is broken, so the pair closes."""
+        self._fail(f"request {self.request_id} aborted: {reason}")
+        if self._next_layer < self.num_layers:
+            self.pair.close(f"request {self.request_id} aborted after {self._next_layer}/{self.num_layers} "
+                            f"layers: {reason}")
+
+    def wait(self, timeout_s: float) -> tuple[int, int]:
+        """Wait up to ``timeout_s`` seconds for every layer to be sent and delivered.
+
+        Returns ``(num_bytes, checksum)``: the KV bytes sent and ``KVChecksum`` over the layers sent,
+        computed after delivery from the very buffers sent. Raises KVTransferError (closing the pair)
+        on timeout or a broken pair.
+        """
+        deadline = time.monotonic() + timeout_s
+        rid = self.request_id
+        if not self._issued.wait(timeout_s):
+            reason = (f"request {rid}: only {self._next_layer}/{self.num_layers} layers reached send_layer "
+                      f"(or an earlier request on pair {self.pair.name} stalled) within {timeout_s:.1f}s")
+            self.pair.close(reason)
+            raise KVTransferError(reason)
+        if self._error is not None:
+            raise KVTransferError(f"request {rid}: KV send to {self.pair.peer_desc} failed: {self._error}")
+        with self.pair._device_ctx():
+            for i, work in enumerate(self._works):
+                what = f"request {rid}: send of {'meta' if i == 0 else f'layer {i - 1}/{self.num_layers}'}"
+                self.pair.wait(work, deadline - time.monotonic(), what)
+            checksum = KVChecksum()
+            for blocks in self._sent:
+                checksum.update(blocks)
+            value = checksum.value
+        self._works.clear()
+        self._sent.clear()
+        return self.num_bytes, value
+
+
+class SendCompleter:
+    """Waits for OutgoingKVs off the step loop and reports each once.
+
+    ``on_done(request_id, num_bytes, checksum, error)`` runs on a completer thread;
+    ``error`` is None on success. One thread per pair (started on demand, gone
+    after ``idle_s`` without work), so a stalled decode worker delays no one else.
+    A failure closes the pair.
+    """
+
+    def __init__(self, timeout_s: float, on_done: Callable[[str, int, int, str | None], None],
+                 idle_s: float = 5.0):
+        self.timeout_s = timeout_s
+        self.idle_s = idle_s
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._lanes: dict[KVPair, tuple[queue.Queue, threading.Thread]] = {}
+        self._closed = False
+
+    def submit(self, outgoing: OutgoingKV) -> None:
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("SendCompleter is closed")
+            lane = self._lanes.get(outgoing.pair)
+            if lane is None:
+                q: queue.Queue = queue.Queue()
+                thread = threading.Thread(target=self._run, args=(outgoing.pair, q), daemon=True,
+                                          name=f"kv-send-{outgoing.pair.name}")
+                lane = self._lanes[outgoing.pair] = (q, thread)
+                thread.start()
+            lane[0].put(outgoing)
+
+    def _run(self, pair: KVPair, q: queue.Queue) -> None:
+        while True:
+            try:
+                outgoing = q.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if q.empty():
+                        self._lanes.pop(pair, None)
+                        return
+                continue
+            if outgoing is None:
+                return
+            try:
+                num_bytes, checksum = outgoing.wait(self.timeout_s)
+                error = None
+            except Exception as exc:  # KVTransferError, or a torch error while waiting
+                num_bytes, checksum, error = 0, 0, str(exc) if isinstance(exc, KVTransferError) else repr(exc)
+                outgoing.pair.close(error)
+            try:
+                self._on_done(outgoing.request_id, num_bytes, checksum, error)
+            except Exception:
+                logger.exception("on_done failed for request %s", outgoing.request_id)
+
+    def close(self) -> None:
+        """Stop the threads; a thread inside a wait is left to finish it (daemon), never joined long."""
+        with self._lock:
+            self._closed = True
+            lanes = list(self._lanes.values())
+            self._lanes.clear()
+        for q, _ in lanes:
+            q.put(None)
+        for _, thread in lanes:
+            thread.join(_JOIN_S)
+
+
+class PrefillPairs:
+    """The prefill worker's pairs, keyed by (decode_worker_id, generation); thread-safe.
+
+    ``request_pair`` starts connecting (rank 0) in a background thread; the step loop polls
+    ``get``/``failure``. A failed generation is never retried: D moves to generation + 1.
+    Requesting generation g closes this worker's pairs with the same D at generations < g;
+    a request naming an older generation than one already requested fails at once.
+    """
+
+    def __init__(self, prefill_worker_id: str, device: torch.device | str, timeout_s: float):
+        self.prefill_worker_id = prefill_worker_id
+        self.device = torch.device(device)
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._pairs: dict[tuple[str, int], KVPair | None] = {}  # None while connecting or failed
+        self._errors: dict[tuple[str, int], str] = {}
+        self._newest: dict[str, int] = {}  # decode_worker_id -> newest generation requested
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    def request_pair(self, decode_worker_id: str, store_host: str, store_port: int, generation: int) -> None:
+        key = (decode_worker_id, generation)
+        with self._lock:
+            if self._closed or key in self._pairs or key in self._errors:
+                return
+            newest = self._newest.get(decode_worker_id, generation)
+            if generation < newest:
+                self._errors[key] = (f"pair {self.prefill_worker_id}->{decode_worker_id} g{generation}: stale "
+                                     f"generation, g{newest} was already requested")
+                return
+            self._newest[decode_worker_id] = generation
+            old = [k for k in self._pairs if k[0] == decode_worker_id and k[1] < generation]
+            stale = [self._pairs.pop(k) for k in old]
+            for k in [k for k in self._errors if k[0] == decode_worker_id and k[1] < generation]:
+                self._errors.pop(k)
+            self._pairs[key] = None
+            self._threads = [t for t in self._threads if t.is_alive()]
+            thread = threading.Thread(target=self._connect, args=(key, store_host, store_port), daemon=True,
+                                      name=f"kv-connect-{decode_worker_id}-g{generation}")
+            self._threads.append(thread)
+            thread.start()
+        for pair in stale:
+            if pair is not None:
+                pair.close(f"superseded by generation {generation}")
+
+    def _connect(self, key: tuple[str, int], store_host: str, store_port: int) -> None:
+        decode_worker_id, generation = key
+        try:
+            pair = KVPair.connect(store=None, store_host=store_host, store_port=store_port,
+                                  prefill_worker_id=self.prefill_worker_id, decode_worker_id=decode_worker_id,
+                                  generation=generation, rank=0, device=self.device, timeout_s=self.timeout_s)
+        except Exception as exc:
+            with self._lock:
+                if key in self._pairs:
+                    self._errors[key] = str(exc) if isinstance(exc, KVTransferError) else repr(exc)
+            return
+        with self._lock:
+            keep = not self._closed and key in self._pairs
+            if keep:
+                self._pairs[key] = pair
+        if not keep:
+            pair.close("PrefillPairs closed or pair superseded while connecting")
+
+    def get(self, decode_worker_id: str, generation: int) -> KVPair | None:
+        """The ready, open pair, or None (still connecting, failed, closed or never requested)."""
+        with self._lock:
+            pair = self._pairs.get((decode_worker_id, generation))
+        return pair if pair is not None and pair.is_open else None
+
+    def failure(self, decode_worker_id: str, generation: int) -> str | None:
+        """Why this pair is unusable (connect failed or pair closed), or None if ready/connecting."""
+        key = (decode_worker_id, generation)
+        with self._lock:
+            if key in self._errors:
+                return self._errors[key]
+            newest = self._newest.get(decode_worker_id, generation)
+            if key not in self._pairs and generation < newest:
+                return f"pair {self.prefill_worker_id}->{decode_worker_id} g{generation}: superseded by g{newest}"
+            pair = self._pairs.get(key)
+        return pair.error if pair is not None and not pair.is_open else None
+
+    def close_pair(self, decode_worker_id: str, generation: int, reason: str = "closed by prefill worker") -> None:
+        with self._lock:
+            pair = self._pairs.get((decode_worker_id, generation))
+        if pair is not None:
+            pair.close(reason)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pairs = [p for p in self._pairs.values() if p is not None]
+            threads = list(self._threads)
+        for pair in pairs:
+            pair.close("PrefillPairs closed")
+        for thread in threads:
+            thread.join(_JOIN_S)
+        for pair in pairs:
+            pair.join_note(_JOIN_S)

@@ -1,0 +1,362 @@
+"""KV transfer: checksums, and real prefill/decode processes pairing over gloo (CPU).
+
+Multiprocessing queues stand in for ZMQ here (test plumbing only): headers go
+prefill -> decode over a queue, results come back to the test over another.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+
+import msgspec
+import pytest
+import torch
+
+from pdserve.common.protocol import KVTransferHeader
+from pdserve.kvtransfer import (DecodePairs, KVChecksum, OutgoingKV, PairStoreServer, PrefillPairs, ReceivedKV,
+                                SendCompleter, TransferFailed, combine_checksums, dtype_from_name, dtype_name,
+                                kv_checksum, transfer_backend)
+
+CTX = mp.get_context("spawn")
+HOST = "127.0.0.1"
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 4, 12, 4, 2, 8
+SEED = 1234
+# Batches of (request_id, block_ids); requests in one batch send layer by layer, interleaved.
+PLAN = [[("r0", [3, 7, 1]), ("r1", [0, 5])], [("r2", [2, 4, 6, 8, 11])]]
+
+
+def make_cache(dtype: torch.dtype) -> list[torch.Tensor]:
+    """P's paged cache: NUM_LAYERS x [2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]."""
+    g = torch.Generator().manual_seed(SEED)
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return [torch.randn(shape, generator=g).to(dtype) for _ in range(NUM_LAYERS)]
+
+
+def make_header(request_id: str, block_ids: list[int], generation: int, dtype: torch.dtype,
+                prefill_worker_id: str = "P", num_blocks: int | None = None) -> KVTransferHeader:
+    return KVTransferHeader(
+        request_id=request_id, prefill_worker_id=prefill_worker_id, pair_generation=generation,
+        num_layers=NUM_LAYERS, num_blocks=len(block_ids) if num_blocks is None else num_blocks,
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype_name(dtype),
+        num_tokens=len(block_ids) * BLOCK_SIZE)
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def stop(*procs) -> None:
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
+
+
+# -- process bodies ----------------------------------------------------------
+
+
+def decode_main(ctrl, out, timeout_s: float) -> None:
+    """A decode worker: DecodePairs driven by (cmd, arg) messages on ``ctrl``."""
+
+    def on_received(r):
+        if isinstance(r, ReceivedKV):
+            out.put(("received", r.request_id, as_bytes(r.kv), list(r.kv.shape), str(r.kv.dtype),
+                     r.num_bytes, r.checksum))
+        else:
+            out.put(("failed", r.request_id, r.reason))
+
+    pairs = DecodePairs("D", HOST, "cpu", timeout_s, on_received)
+    out.put(("ready", pairs.store_port))
+    while True:
+        cmd, arg = ctrl.get(timeout=60)
+        if cmd == "generation":
+            out.put(("generation", pairs.generation_for(arg)))
+        elif cmd == "header":
+            pairs.submit(msgspec.msgpack.decode(arg, type=KVTransferHeader))
+        elif cmd == "die":
+            os._exit(1)
+        else:
+            break
+    pairs.close()
+
+
+def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: str, timeout_s: float,
+                 die_at_layer: int | None = None, bad_header: str | None = None) -> None:
+    """A prefill worker: pairs with D, sends ``plan``'s requests, reports on_done results."""
+    dtype_t = dtype_from_name(dtype)
+    pairs = PrefillPairs("P", "cpu", timeout_s)
+    pairs.request_pair("D", HOST, store_port, generation)
+    while (pair := pairs.get("D", generation)) is None:
+        if pairs.failure("D", generation):
+            out.put(("connect_failed", pairs.failure("D", generation)))
+            return
+        time.sleep(0.01)
+    done: queue.Queue = queue.Queue()
+    completer = SendCompleter(timeout_s, lambda *args: done.put(args))
+    cache = make_cache(dtype_t)
+    for batch in plan:
+        outgoing = []
+        for rid, block_ids in batch:
+            n = len(block_ids) + 1 if rid == bad_header else None
+            header = make_header(rid, block_ids, generation, dtype_t, num_blocks=n)
+            headers.put(("header", msgspec.msgpack.encode(header)))
+            outgoing.append((OutgoingKV(pair, rid, NUM_LAYERS), block_ids))
+        for layer in range(NUM_LAYERS):
+            if layer == die_at_layer:
+                time.sleep(0.3)  # let D take the first layers
+                os._exit(1)
+            for out_kv, block_ids in outgoing:
+                out_kv.send_layer(layer, cache[layer], block_ids)
+        for out_kv, _ in outgoing:
+            completer.submit(out_kv)
+    for _ in range(sum(len(b) for b in plan)):
+        out.put(("done",) + done.get(timeout=timeout_s + 5))
+    completer.close()
+    pairs.close()
+
+
+# -- checksum ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_checksum_equal_bytes_and_sensitivity(dtype):
+    a = torch.randn(2, 6, 4, 2, 8).to(dtype)
+    assert kv_checksum(a) == kv_checksum(a.clone())
+    assert kv_checksum(a) == kv_checksum(a.view(torch.int16) if dtype == torch.bfloat16 else a.view(torch.int32))
+    one = a.clone()
+    one[1, 3, 2, 1, 5] += 1
+    assert kv_checksum(one) != kv_checksum(a)
+    swapped = a.clone()
+    swapped[:, [1, 4]] = a[:, [4, 1]]
+    assert kv_checksum(swapped) != kv_checksum(a)
+    assert kv_checksum(a[:, :5]) != kv_checksum(a)  # truncation
+
+
+def test_checksum_fold_is_order_sensitive():
+    x, y = torch.randn(100), torch.randn(100)
+    cs = KVChecksum()
+    cs.update(x)
+    cs.update(y)
+    assert cs.value == combine_checksums(combine_checksums(0, kv_checksum(x)), kv_checksum(y))
+    assert cs.value != combine_checksums(combine_checksums(0, kv_checksum(y)), kv_checksum(x))
+    assert cs.num_bytes == 800
+    assert 0 <= cs.value < 2**63
+
+
+def test_transfer_backend():
+    assert transfer_backend("cpu") == "gloo"
+    assert transfer_backend(torch.device("cuda", 1)) == "nccl"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_checksum_same_on_cuda():
+    a = torch.randn(2, 40, 16, 4, 64).to(torch.bfloat16)
+    assert kv_checksum(a.cuda()) == kv_checksum(a)
+
+
+# -- end to end ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_end_to_end_layer_by_layer(dtype):
+    ctrl, out_d, out_p = CTX.Queue(), CTX.Queue(), CTX.Queue()
+    d = CTX.Process(target=decode_main, args=(ctrl, out_d, 10.0), daemon=True)
+    d.start()
+    procs = [d]
+    try:
+        _, port = out_d.get(timeout=20)
+        ctrl.put(("generation", "P"))
+        _, generation = out_d.get(timeout=5)
+        t0 = time.monotonic()
+        p = CTX.Process(target=prefill_main, args=(port, generation, ctrl, out_p, PLAN, dtype_name(dtype), 10.0),
+                        daemon=True)
+        p.start()
+        procs.append(p)
+        requests = [r for batch in PLAN for r in batch]
+        received = {m[1]: m for m in (out_d.get(timeout=20) for _ in requests)}
+        done = {m[1]: m for m in (out_p.get(timeout=20) for _ in requests)}
+        print(f"\n{dtype}: {len(requests)} requests received {time.monotonic() - t0:.2f}s after P started")
+        cache = make_cache(dtype)
+        for rid, block_ids in requests:
+            kind, _, kv_bytes, shape, kv_dtype, num_bytes, checksum = received[rid]
+            assert kind == "received", received[rid]
+            expected = torch.stack([layer[:, block_ids] for layer in cache])  # [L, 2, nb, bs, H, D]
+            assert shape == list(expected.shape) and kv_dtype == str(dtype)
+            assert kv_bytes == as_bytes(expected)
+            _, _, sent_bytes, sent_checksum, error = done[rid]
+            assert error is None
+            assert num_bytes == sent_bytes == expected.nbytes
+            assert checksum == sent_checksum
+            reference = KVChecksum()
+            for layer in expected:
+                reference.update(layer)
+            assert checksum == reference.value
+    finally:
+        ctrl.put(("stop", None))
+        stop(*procs)
+
+
+# -- missing peers -------------------------------------------------------------
+
+
+def test_decode_header_for_absent_prefill_worker_fails_within_timeout():
+    results: queue.Queue = queue.Queue()
+    timeout_s = 2.0
+    pairs = DecodePairs("D", HOST, "cpu", timeout_s, results.put)
+    try:
+        generation = pairs.generation_for("ghost")
+        t0 = time.monotonic()
+        pairs.submit(make_header("r-ghost", [0, 1], generation, torch.float32, prefill_worker_id="ghost"))
+        failed = results.get(timeout=timeout_s + 10)
+        elapsed = time.monotonic() - t0
+        assert isinstance(failed, TransferFailed) and failed.request_id == "r-ghost"
+        assert "ghost" in failed.reason and "r-ghost" in failed.reason, failed.reason
+        assert elapsed < timeout_s + 1.5, elapsed
+        assert pairs.generation_for("ghost") == generation + 1
+        pairs.submit(make_header("r-stale", [0], generation, torch.float32, prefill_worker_id="ghost"))
+        stale = results.get(timeout=1)
+        assert isinstance(stale, TransferFailed) and "generation" in stale.reason
+    finally:
+        t0 = time.monotonic()
+        pairs.close()
+        assert time.monotonic() - t0 < 3
+
+
+def test_prefill_pair_fails_within_timeout_when_nobody_joins():
+    timeout_s = 2.0
+    server = PairStoreServer(HOST)
+    with socket.socket() as s:  # a port with no store behind it
+        s.bind((HOST, 0))
+        dead_port = s.getsockname()[1]
+    pairs = PrefillPairs("P", "cpu", timeout_s)
+    try:
+        t0 = time.monotonic()
+        pairs.request_pair("D", HOST, server.port, 1)
+        pairs.request_pair("D2", HOST, dead_port, 0)
+        while pairs.failure("D", 1) is None or pairs.failure("D2", 0) is None:
+            assert time.monotonic() - t0 < timeout_s + 1, "no failure reported"
+            time.sleep(0.02)
+        assert pairs.get("D", 1) is None and pairs.get("D2", 0) is None
+        assert "decode worker D did not join" in pairs.failure("D", 1)
+        assert "D2" in pairs.failure("D2", 0)
+        pairs.request_pair("D", HOST, server.port, 0)  # older than g1: refused at once
+        assert "stale" in pairs.failure("D", 0)
+    finally:
+        pairs.close()
+        server.close()
+
+
+# -- broken pairs --------------------------------------------------------------
+
+
+def _forward_header(headers, pairs: DecodePairs, timeout: float = 20) -> None:
+    _, raw = headers.get(timeout=timeout)
+    pairs.submit(msgspec.msgpack.decode(raw, type=KVTransferHeader))
+
+
+def test_prefill_dies_mid_transfer_then_next_generation_works():
+    results: queue.Queue = queue.Queue()
+    timeout_s = 20.0  # failures below must come from the dead peer, not from this timeout
+    pairs = DecodePairs("D", HOST, "cpu", timeout_s, results.put)
+    headers, out_p = CTX.Queue(), CTX.Queue()
+    procs = []
+    try:
+        generation = pairs.generation_for("P")
+        p = CTX.Process(target=prefill_main, args=(pairs.store_port, generation, headers, out_p,
+                                                   [[("r-dead", [1, 2, 3])]], "float32", timeout_s, 2), daemon=True)
+        p.start()
+        procs.append(p)
+        _forward_header(headers, pairs)
+        t0 = time.monotonic()
+        failed = results.get(timeout=timeout_s)
+        elapsed = time.monotonic() - t0
+        assert isinstance(failed, TransferFailed) and failed.request_id == "r-dead"
+        assert "layer" in failed.reason and "prefill worker P" in failed.reason, failed.reason
+        assert elapsed < 3.0, elapsed
+        print(f"\nprefill death noticed after {elapsed:.2f}s: {failed.reason}")
+
+        next_generation = pairs.generation_for("P")
+        assert next_generation == generation + 1
+        p2 = CTX.Process(target=prefill_main, args=(pairs.store_port, next_generation, headers, out_p,
+                                                    [[("r-ok", [4, 0])]], "float32", timeout_s), daemon=True)
+        p2.start()
+        procs.append(p2)
+        _forward_header(headers, pairs)
+        ok = results.get(timeout=timeout_s)
+        assert isinstance(ok, ReceivedKV), ok
+        expected = torch.stack([layer[:, [4, 0]] for layer in make_cache(torch.float32)])
+        assert as_bytes(ok.kv) == as_bytes(expected)
+        _, rid, _, sent_checksum, error = out_p.get(timeout=10)
+        assert (rid, error, sent_checksum) == ("r-ok", None, ok.checksum)
+        p2.join(10)  # P closed its pairs on the way out: D notices without another transfer
+        assert pairs.generation_for("P") == next_generation + 1
+    finally:
+        pairs.close()
+        stop(*procs)
+
+
+def test_header_stream_mismatch_fails_and_resets_pair():
+    results: queue.Queue = queue.Queue()
+    pairs = DecodePairs("D", HOST, "cpu", 10.0, results.put)
+    headers, out_p = CTX.Queue(), CTX.Queue()
+    procs = []
+    try:
+        generation = pairs.generation_for("P")
+        p = CTX.Process(target=prefill_main, args=(pairs.store_port, generation, headers, out_p,
+                                                   [[("r-bad", [1, 2])]], "float32", 10.0, None, "r-bad"), daemon=True)
+        p.start()
+        procs.append(p)
+        _forward_header(headers, pairs)
+        failed = results.get(timeout=15)
+        assert isinstance(failed, TransferFailed) and "num_blocks: header 3, stream 2" in failed.reason, failed
+        assert pairs.generation_for("P") == generation + 1
+        _, rid, _, _, error = out_p.get(timeout=15)  # P's sends fail: D closed the pair
+        assert rid == "r-bad" and error is not None
+    finally:
+        pairs.close()
+        stop(*procs)
+
+
+def test_decode_dies_mid_transfer_sender_fails_fast():
+    ctrl, out_d = CTX.Queue(), CTX.Queue()
+    d = CTX.Process(target=decode_main, args=(ctrl, out_d, 20.0), daemon=True)
+    d.start()
+    timeout_s = 20.0
+    pairs = PrefillPairs("P", "cpu", timeout_s)
+    done: queue.Queue = queue.Queue()
+    completer = SendCompleter(timeout_s, lambda *args: done.put(args))
+    try:
+        _, port = out_d.get(timeout=20)
+        ctrl.put(("generation", "P"))
+        _, generation = out_d.get(timeout=5)
+        pairs.request_pair("D", HOST, port, generation)
+        t0 = time.monotonic()
+        while (pair := pairs.get("D", generation)) is None:
+            assert pairs.failure("D", generation) is None and time.monotonic() - t0 < 10
+            time.sleep(0.01)
+        cache = make_cache(torch.float32)
+        ctrl.put(("header", msgspec.msgpack.encode(make_header("r-x", [5, 6], generation, torch.float32))))
+        out_kv = OutgoingKV(pair, "r-x", NUM_LAYERS)
+        out_kv.send_layer(0, cache[0], [5, 6])
+        time.sleep(0.3)
+        ctrl.put(("die", None))
+        d.join(10)
+        for layer in range(1, NUM_LAYERS):
+            out_kv.send_layer(layer, cache[layer], [5, 6])
+        t0 = time.monotonic()
+        completer.submit(out_kv)
+        rid, _, _, error = done.get(timeout=timeout_s)
+        elapsed = time.monotonic() - t0
+        assert rid == "r-x" and error is not None and "decode worker D" in error, error
+        assert elapsed < 3.0, elapsed
+        assert pairs.get("D", generation) is None and pairs.failure("D", generation) is not None
+    finally:
+        completer.close()
+        pairs.close()
+        stop(d)
