@@ -1,0 +1,226 @@
+"""The whole cluster as real processes: router + 2 prefill + 2 decode workers.
+
+Driven by the real ``openai`` client; greedy output is compared with Hugging Face
+``generate`` on the same checkpoint (a reference no one here wrote).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import random
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pdserve.common.utils import free_port
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.launcher import ClusterSpec, LocalCluster
+
+pytestmark = pytest.mark.cluster
+
+WORDS = ("the quick brown fox jumps over lazy dogs while seven wizards quietly pack boxes of liquor "
+         "near a river bank in autumn light").split()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny"))
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    spec = ClusterSpec(model=model_dir, num_prefill=2, num_decode=2, port=free_port(),
+                       worker_args=["--kv-cache-memory", "16MiB", "--max-num-seqs", "32"],
+                       threads_per_worker=1)
+    with LocalCluster(spec, log_dir=str(tmp_path_factory.mktemp("logs"))) as c:
+        yield c
+    assert not [p for _, p in c.procs if p.poll() is None], "a cluster process outlived stop()"
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+    def generate(prompt_ids: list[int], max_tokens: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+        return out[0, len(prompt_ids):].tolist()
+
+    eos = model.generation_config.eos_token_id
+    generate.eos_token_ids = set(eos if isinstance(eos, list) else [eos])
+    return tok, generate
+
+
+def client(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def workers(cluster) -> list[dict]:
+    return httpx.get(f"{cluster.url}/workers", timeout=10).json()
+
+
+def wait_all_blocks_free(cluster, timeout_s=15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ws = workers(cluster)
+        if all(w["num_free_blocks"] == w["num_blocks"] and w["num_running"] == 0 and w["num_waiting"] == 0
+               for w in ws):
+            return
+        time.sleep(0.3)
+    pytest.fail(f"KV blocks not all free again: {json.dumps(workers(cluster))}")
+
+
+def prompt_text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+def test_models_and_health(cluster, model_dir):
+    models = client(cluster).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    health = httpx.get(f"{cluster.url}/health").json()
+    assert health["num_prefill"] == 2 and health["num_decode"] == 2
+
+
+def test_concurrent_greedy_matches_transformers_and_decode_batches(cluster, reference):
+    tok, generate = reference
+    rng = random.Random(0)
+    jobs = []
+    for i in range(20):
+        kind = ("completion", "completion-stream", "chat", "chat-stream")[i % 4]
+        jobs.append((kind, prompt_text(rng, rng.randint(3, 90)), rng.randint(4, 48)))
+    api = client(cluster)
+
+    def run(job):
+        kind, text, max_tokens = job
+        if kind.startswith("completion"):
+            prompt_ids = tok(text).input_ids
+            if kind.endswith("stream"):
+                chunks = list(api.completions.create(model="tiny", prompt=text, max_tokens=max_tokens,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+                out = "".join(c.choices[0].text for c in chunks if c.choices)
+                usage = chunks[-1].usage
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            else:
+                resp = api.completions.create(model="tiny", prompt=text, max_tokens=max_tokens, temperature=0)
+                out, usage, finish = resp.choices[0].text, resp.usage, [resp.choices[0].finish_reason]
+        else:
+            messages = [{"role": "user", "content": text}]
+            prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(prompt_ids, "input_ids"):
+                prompt_ids = prompt_ids["input_ids"]
+            if kind.endswith("stream"):
+                chunks = list(api.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens,
+                                                          temperature=0, stream=True,
+                                                          stream_options={"include_usage": True}))
+                assert chunks[0].choices[0].delta.role == "assistant"
+                out = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                usage = chunks[-1].usage
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            else:
+                resp = api.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens,
+                                                   temperature=0)
+                out, usage, finish = resp.choices[0].message.content, resp.usage, [resp.choices[0].finish_reason]
+        return prompt_ids, out, usage, finish
+
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, jobs))
+
+    for (kind, _, max_tokens), (prompt_ids, out, usage, finish) in zip(jobs, results):
+        expected_ids = generate(list(prompt_ids), max_tokens)
+        expected = tok.decode(expected_ids, skip_special_tokens=True)
+        assert out == expected, f"{kind}: {out!r} != transformers {expected!r}"
+        assert usage.prompt_tokens == len(prompt_ids)
+        assert usage.completion_tokens == len(expected_ids)
+        assert finish == ["stop" if expected_ids[-1] in generate.eos_token_ids else "length"]
+    wait_all_blocks_free(cluster)
+
+
+def test_decode_workers_batch_under_load(cluster):
+    """16 concurrent long generations: each decode worker runs many of them in one step."""
+    api = client(cluster)
+    rng = random.Random(1)
+
+    def run(i):
+        return api.completions.create(model="tiny", prompt=prompt_text(rng, 5 + i), max_tokens=96, temperature=0,
+                                      extra_body={"ignore_eos": True}).usage.completion_tokens
+
+    with cf.ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(run, range(16))) == [96] * 16
+    ws = workers(cluster)
+    decode_batches = [w["max_step_batch_size"] for w in ws if w["role"] == "decode"]
+    assert min(decode_batches) >= 4, f"decode step batches were at most {decode_batches}"
+    assert all(w["num_steps"] > 0 for w in ws if w["role"] == "prefill"), "a prefill worker never ran"
+    wait_all_blocks_free(cluster)
+
+
+def test_sampling_with_seed_is_reproducible(cluster):
+    api = client(cluster)
+    kw = dict(model="tiny", prompt="seven wizards pack", max_tokens=24, temperature=1.0, top_p=0.9, extra_body={"top_k": 50})
+    a = api.completions.create(seed=1234, **kw).choices[0].text
+    b = api.completions.create(seed=1234, **kw).choices[0].text
+    assert a == b
+
+
+def test_stop_string_never_leaks(cluster, reference):
+    tok, generate = reference
+    api = client(cluster)
+    text = "the quick brown fox jumps over"
+    full = tok.decode(generate(tok(text).input_ids, 30), skip_special_tokens=True)
+    stop = full[10:13]
+    assert stop and stop in full
+    resp = api.completions.create(model="tiny", prompt=text, max_tokens=30, temperature=0, stop=[stop])
+    assert resp.choices[0].text == full[:full.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+    chunks = api.completions.create(model="tiny", prompt=text, max_tokens=30, temperature=0, stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full[:full.index(stop)]
+    wait_all_blocks_free(cluster)
+
+
+def error_of(resp: httpx.Response) -> dict:
+    body = resp.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_bad_inputs_get_openai_errors_and_leak_nothing(cluster):
+    url = f"{cluster.url}/v1/completions"
+    resp = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and error_of(resp)["type"] == "invalid_request_error"
+    resp = httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": "many"})
+    assert resp.status_code == 400
+    resp = httpx.post(url, json={"model": "tiny"})
+    assert resp.status_code == 400
+    resp = httpx.post(url, json={"model": "nope", "prompt": "hi"})
+    assert resp.status_code == 404 and "nope" in error_of(resp)["message"]
+    resp = httpx.post(url, json={"model": "tiny", "prompt": "hi", "max_tokens": 5000})
+    assert resp.status_code == 400 and "2048" in error_of(resp)["message"]
+    resp = httpx.post(f"{cluster.url}/v1/chat/completions", json={"model": "tiny", "messages": "hello"})
+    assert resp.status_code == 400
+    with pytest.raises(openai.BadRequestError):
+        client(cluster).completions.create(model="tiny", prompt="hi", max_tokens=0)
+    wait_all_blocks_free(cluster)
+    ok = client(cluster).completions.create(model="tiny", prompt="still alive", max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_client_disconnect_aborts_and_frees_blocks(cluster):
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": "a river bank", "max_tokens": 1500, "temperature": 0,
+                            "ignore_eos": True, "stream": True}) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        seen = 0
+        for line in lines:
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 3:
+                break
+    wait_all_blocks_free(cluster)

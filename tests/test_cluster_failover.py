@@ -1,0 +1,52 @@
+"""A prefill worker dies: the decode worker recomputes prompts itself and nothing is lost."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import signal
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pdserve.common.utils import free_port
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.launcher import ClusterSpec, LocalCluster
+from tests.test_cluster import wait_all_blocks_free, workers
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny"))
+
+
+def test_prefill_worker_killed_requests_recomputed_locally(model_dir, tmp_path):
+    spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
+                       worker_args=["--kv-cache-memory", "16MiB", "--remote-prefill-timeout", "3",
+                                    "--transfer-timeout", "3"],
+                       router_args=["--worker-timeout-s", "30"])  # the router keeps routing to the dead worker
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = ["the quick brown fox", "seven wizards quietly pack boxes", "a river bank in autumn light near"]
+    with LocalCluster(spec, log_dir=str(tmp_path / "logs")) as cluster:
+        api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=60, max_retries=0)
+        assert api.completions.create(model="tiny", prompt="warm up", max_tokens=4).usage.completion_tokens == 4
+        prefill = dict(cluster.procs)["prefill-0"]
+        prefill.send_signal(signal.SIGKILL)
+        prefill.wait(timeout=10)
+
+        def run(prompt):
+            return api.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+
+        with cf.ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(run, prompts))
+        for prompt, text in zip(prompts, texts):
+            ids = tok(prompt).input_ids
+            out = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):]
+            assert text == tok.decode(out, skip_special_tokens=True)
+        decode = [w for w in workers(cluster) if w["role"] == "decode"]
+        assert decode and decode[0]["num_steps"] > 0
+        wait_all_blocks_free(cluster)
