@@ -92,14 +92,16 @@ class LocalCluster:
     def dead(self) -> list[str]:
         return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]
 
-    def wait_healthy(self, timeout_s: float = 300.0) -> None:
-        """Block until /health reports every worker live.
+    def wait_healthy(self, timeout_s: float = 300.0, should_stop=lambda: False) -> bool:
+        """Block until /health reports every worker live; False if ``should_stop()`` became true first.
 
         Raises:
             RuntimeError: a process exited, or the timeout passed.
         """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if should_stop():
+                return False
             if self.dead():
                 raise RuntimeError(f"cluster process exited during start-up: {', '.join(self.dead())}")
             try:
@@ -107,7 +109,7 @@ class LocalCluster:
                     health = json.load(resp)
                 if health.get("num_prefill") == self.spec.num_prefill and \
                         health.get("num_decode") == self.spec.num_decode:
-                    return
+                    return True
             except OSError:
                 pass
             time.sleep(0.25)
@@ -152,7 +154,8 @@ def run_cluster(spec: ClusterSpec) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     cluster.start()
     try:
-        cluster.wait_healthy()
+        if not cluster.wait_healthy(should_stop=lambda: stopping):
+            return 0
         print(f"pdserve is up: {cluster.url}/v1  (model {spec.model}; "
               f"{spec.num_prefill} prefill, {spec.num_decode} decode). Ctrl-C stops it.", flush=True)
         while not stopping and not cluster.dead():

@@ -3,7 +3,7 @@
 Messages travel over ZeroMQ as two frames: a one-byte kind (``MsgKind``) and
 the msgpack payload. Each kind has its own typed decoder (see
 ``pdserve.common.transport``), so a payload is never interpreted as anything
-but the struct its kind names. No pickle is used anywhere.
+but the struct its kind names. Python objects are never serialized as such.
 
 Rules (vLLM v1 engine-core style):
   * ``array_like=True``: compact positional encoding (fields by position).

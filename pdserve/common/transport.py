@@ -3,7 +3,7 @@
 Wire format: a two-frame multipart message ``[kind: 1 byte, payload: msgpack]``.
 ``encode`` picks the kind from the struct's type; ``decode`` picks the typed
 decoder from the kind byte, so a payload is only ever decoded as the struct its
-kind names (no pickle, no untyped fallback).
+kind names (msgpack only, no untyped fallback).
 
 ``Mailbox`` is what a worker uses: one PULL socket bound on the worker's input
 address and one PUSH socket per peer address, owned by two IO threads. The step
