@@ -77,6 +77,35 @@ class SamplingParams(_Msg):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     min_tokens: int = 0
+    n: int = 1  # parallel samples (choices) of one prompt; they share the prompt's KV blocks
+    logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
+    frequency_penalty: float = 0.0  # OpenAI: logit -= frequency_penalty * count(token in output)
+    presence_penalty: float = 0.0  # OpenAI: logit -= presence_penalty * (token in output)
+
+
+class TokenLogprob(_Msg):
+    """Log-probabilities at one output position, from the model's raw distribution
+    (log-softmax of the logits before temperature, penalties, top-k/top-p)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class WorkerStats(_Msg):
+    """Cumulative counters a worker reports in every heartbeat (since it started)."""
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose KV was already cached
+    num_prompt_tokens: int = 0  # prompt tokens of requests admitted
+    num_generation_tokens: int = 0  # tokens sampled
+    num_kv_transfers: int = 0  # requests whose KV was sent (prefill) / received (decode)
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
+    num_local_prefills: int = 0  # decode worker: prompts prefilled here instead of remotely
 
 
 class RegisterWorker(_Msg):
@@ -104,6 +133,7 @@ class Heartbeat(_Msg):
     num_blocks: int = 0
     max_step_batch_size: int = 0  # largest number of sequences in one step so far
     num_steps: int = 0
+    stats: WorkerStats = msgspec.field(default_factory=WorkerStats)
 
 
 class GenerateRequest(_Msg):
@@ -144,6 +174,8 @@ class RemotePrefillRequest(_Msg):
     transfer_port: int
     pair_generation: int
     dest_block_ids: list[int]
+    num_cached_tokens: int = 0  # the decode worker already holds these tokens' KV (prefix cache, whole blocks):
+    # send only blocks from num_cached_tokens // block_size on
 
 
 class KVTransferHeader(_Msg):
@@ -164,6 +196,7 @@ class KVTransferHeader(_Msg):
     head_dim: int
     dtype: str
     num_tokens: int
+    first_block: int = 0  # index in the request's block table of the first block sent
 
 
 class RemotePrefillDone(_Msg):
@@ -180,6 +213,7 @@ class RemotePrefillDone(_Msg):
     num_bytes: int = 0
     checksum: int = 0
     error: str | None = None
+    first_logprob: TokenLogprob | None = None  # when sampling_params.logprobs is set
 
 
 class RequestDelta(_Msg):
@@ -190,6 +224,9 @@ class RequestDelta(_Msg):
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    index: int = 0  # which of the request's n choices these tokens belong to
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when requested
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class RequestOutputs(_Msg):
