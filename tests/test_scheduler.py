@@ -153,3 +153,80 @@ def test_eos_and_stop_token_and_min_tokens():
     results = sched.update_from_output(out, {"eos": 0, "stop-id": 7, "min": 7})
     status = {r.request_id: s for r, _, s in results}
     assert status == {"eos": RequestStatus.FINISHED_STOPPED, "stop-id": RequestStatus.FINISHED_STOPPED, "min": None}
+
+
+def test_shared_prefix_skips_computation_and_outputs_unchanged():
+    sched, bm = make(block_size=4, budget=64)
+    prefix = list(range(1, 13))  # 3 full blocks
+    first = Request("first", prefix + [50, 51], SamplingParams(max_tokens=2), eos_token_ids=frozenset({0}))
+    sched.add_request(first)
+    run_to_completion(sched)
+    second = Request("second", prefix + [60], SamplingParams(max_tokens=2), eos_token_ids=frozenset({0}))
+    sched.add_request(second)
+    out, _ = fake_step(sched)
+    assert out.scheduled == [(second, 1)]  # 12 of 13 prompt tokens were cache hits
+    assert second.num_cached_tokens == 12 and second.block_table[:3] == first_blocks(first, bm, prefix)
+    assert sched.stats.prefix_cache_hits == 12 and sched.stats.prefix_cache_queries == 14 + 13
+    run_to_completion(sched)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def first_blocks(request, bm, prefix):
+    return bm.find_cached_prefix(prefix + [0], len(prefix))[0]
+
+
+def test_identical_prompt_recomputes_at_least_its_last_token():
+    sched, _ = make(block_size=4, budget=64)
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, list(range(1, 9)), SamplingParams(max_tokens=1)))
+        out, _ = fake_step(sched)
+    assert out.scheduled[0][1] == 4  # 8 tokens = 2 full blocks; only the first is reused (7 token limit)
+
+
+def test_parallel_samples_share_prompt_blocks_and_copy_on_write():
+    sched, bm = make(block_size=4, budget=64)
+    parent = Request("g", list(range(1, 7)), SamplingParams(max_tokens=3, n=3), eos_token_ids=frozenset({0}))
+    sched.add_request(parent)
+    fake_step(sched)  # prompt computed, sample 0's first token; samples 1, 2 fork
+    children = [sched.requests["g#1"], sched.requests["g#2"]]
+    assert [c.sample_index for c in children] == [1, 2] and all(c.group_id == "g" for c in children)
+    assert all(c.block_table == parent.block_table[:2] for c in children)
+    assert bm.ref_count(parent.block_table[1]) == 3  # the partial last prompt block is shared three ways
+    out = sched.schedule()
+    # every sample writes into the shared last block (position 6 or 5): each gets its own copy
+    srcs = {src for src, _ in out.block_copies}
+    assert len(out.block_copies) >= 2 and srcs <= {parent.block_table[1], *[c.block_table[1] for c in children]}
+    tables = [parent.block_table[1]] + [c.block_table[1] for c in children]
+    assert len(set(tables)) == 3  # nobody writes a block another sample reads
+    assert {(r.request_id, n) for r, n in out.scheduled} == {("g", 1), ("g#1", 1), ("g#2", 1)}
+    sched.update_from_output(out, {"g": 7, "g#1": 8, "g#2": 9})
+    run_to_completion(sched)
+    assert [len(r.output_token_ids) for r in [parent, *children]] == [3, 3, 3]
+    assert children[0].output_token_ids[0] == 8 and bm.num_free_blocks == bm.num_blocks
+
+
+def test_abort_group_finishes_every_sample():
+    sched, bm = make(block_size=4)
+    sched.add_request(Request("g", list(range(1, 7)), SamplingParams(max_tokens=9, n=4)))
+    fake_step(sched)
+    assert len(sched.groups["g"]) == 4
+    assert len(sched.finish_group("g", RequestStatus.FINISHED_ABORTED)) == 4
+    assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+def test_conditional_disaggregation_short_or_cached_prompts_stay_local():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(8, 64, 256, remote_prefill_threshold=8), bm)
+    short = req("short", 7)
+    sched.add_request(short, remote_prefill=True)
+    long = req("long", 20)
+    sched.add_request(long, remote_prefill=True)
+    out = sched.schedule()
+    assert out.remote_prefills == [long] and [r for r, _ in out.scheduled] == [short]
+    assert sched.stats.num_local_prefills == 1
+    sched.remote_kv_arrived("long", 5)
+    sched.kv.cache_full_blocks(long)
+    again = Request("again", long.prompt_token_ids, SamplingParams(max_tokens=2))
+    sched.add_request(again, remote_prefill=True)
+    out = sched.schedule()
+    assert again not in out.remote_prefills and again.num_cached_tokens == 16  # fully cached: local

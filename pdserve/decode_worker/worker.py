@@ -44,6 +44,7 @@ class _RemotePrefill:
     prefill_worker_id: str
     prefill_addr: str
     deadline: float
+    sent_at: float = 0.0
     received: ReceivedKV | None = None
     done: RemotePrefillDone | None = None
 
@@ -56,7 +57,6 @@ class DecodeWorker(WorkerBase):
         self.pairs = DecodePairs(self.worker_id, worker_config.host, self.runner.device,
                                  worker_config.transfer_timeout_s, on_received=self.mailbox.inject)
         self.remote: dict[str, _RemotePrefill] = {}
-        self.num_remote_prefill_failures = 0
         self._deltas: list[RequestDelta] = []
 
     def registration(self) -> RegisterWorker:
@@ -89,7 +89,8 @@ class DecodeWorker(WorkerBase):
 
     def _add(self, msg: GenerateRequest) -> None:
         request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
-                          eos_token_ids=self.runner.eos_token_ids, max_model_len=self.runner.max_model_len)
+                          eos_token_ids=self.runner.eos_token_ids, max_model_len=self.runner.max_model_len,
+                          group_id=msg.request_id)
         remote = msg.prefill_worker_id is not None and msg.prefill_addr is not None
         try:
             self.scheduler.add_request(request, remote_prefill=remote)
@@ -103,19 +104,21 @@ class DecodeWorker(WorkerBase):
         state = self.remote.pop(request_id, None)
         if state is not None:
             self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_group(request_id, RequestStatus.FINISHED_ABORTED)
 
     # ---- remote prefill -----------------------------------------------------------
 
     def _send_remote_prefill(self, request: Request) -> None:
         state = self.remote[request.request_id]
-        state.deadline = time.monotonic() + self.config.remote_prefill_timeout_s
+        state.sent_at = time.monotonic()
+        state.deadline = state.sent_at + self.config.remote_prefill_timeout_s
+        first_block = request.num_cached_tokens // self.runner.block_size
         self.mailbox.put(state.prefill_addr, RemotePrefillRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, decode_worker_id=self.worker_id, decode_addr=self.mailbox.address,
             transfer_host=self.pairs.store_host, transfer_port=self.pairs.store_port,
             pair_generation=self.pairs.generation_for(state.prefill_worker_id),
-            dest_block_ids=list(request.block_table)))
+            dest_block_ids=request.block_table[first_block:], num_cached_tokens=request.num_cached_tokens))
 
     def _remote_progress(self, request_id: str, received: ReceivedKV | None = None,
                          done: RemotePrefillDone | None = None) -> None:
@@ -137,12 +140,14 @@ class DecodeWorker(WorkerBase):
             self._remote_failed(request_id, error)
             return
         del self.remote[request_id]
+        self.stats.num_kv_transfers += 1
+        self.stats.kv_transfer_bytes += state.received.num_bytes
+        self.stats.kv_transfer_seconds += time.monotonic() - state.sent_at
         result = self.scheduler.remote_kv_arrived(request_id, state.done.first_token_id)
         if result is not None:
             request, finished = result
-            self._deltas.append(RequestDelta(request_id=request_id, new_token_ids=[state.done.first_token_id],
-                                             finish_reason=finished.finish_reason() if finished else None,
-                                             num_prompt_tokens=request.num_prompt_tokens))
+            logprobs = [state.done.first_logprob] if state.done.first_logprob is not None else None
+            self._emit(request, [state.done.first_token_id], finished, logprobs)
 
     def _install_kv(self, request_id: str, state: _RemotePrefill) -> str | None:
         """Check the received KV and copy it into the request's reserved blocks."""
@@ -153,11 +158,13 @@ class DecodeWorker(WorkerBase):
         if done.checksum != state.received.checksum or done.num_bytes != state.received.num_bytes:
             return (f"KV integrity check failed: sent {done.num_bytes} bytes checksum {done.checksum}, "
                     f"received {state.received.num_bytes} bytes checksum {state.received.checksum}")
-        expected = (self.runner.num_layers, 2, len(request.block_table), self.runner.block_size,
+        first_block = request.num_cached_tokens // self.runner.block_size  # blocks before it were cache hits
+        dest = request.block_table[first_block:]
+        expected = (self.runner.num_layers, 2, len(dest), self.runner.block_size,
                     self.runner.num_kv_heads, self.runner.head_dim)
         if tuple(kv.shape) != expected or kv.dtype != self.runner.dtype:
             return f"KV shape {tuple(kv.shape)} {kv.dtype} does not match this worker's {expected} {self.runner.dtype}"
-        index = torch.tensor(request.block_table, dtype=torch.int64, device=self.runner.device)
+        index = torch.tensor(dest, dtype=torch.int64, device=self.runner.device)
         self.runner.kv_cache.index_copy_(2, index, kv.to(self.runner.device))
         return None
 
@@ -165,7 +172,7 @@ class DecodeWorker(WorkerBase):
         state = self.remote.pop(request_id, None)
         if state is None:
             return
-        self.num_remote_prefill_failures += 1
+        self.stats.kv_transfer_failures += 1
         self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
         if self.config.prefill_failure_policy == "recompute":
             logger.warning("request %s: %s; recomputing the prefill locally", request_id, reason)
@@ -187,16 +194,25 @@ class DecodeWorker(WorkerBase):
         out = self.scheduler.schedule()
         for request in out.remote_prefills:
             self._send_remote_prefill(request)
+        for request, _ in out.scheduled:
+            self.remote.pop(request.request_id, None)  # prefilled here after all (conditional disaggregation)
         if out.scheduled:
-            sampled = self.runner.execute(out.scheduled)
+            sampled = self.runner.execute(out.scheduled, block_copies=out.block_copies)
             self.record_step(len(out.scheduled))
+            logprobs = self.runner.last_logprobs
             for request, token_ids, finished in self.scheduler.update_from_output(out, sampled):
-                self._deltas.append(RequestDelta(
-                    request_id=request.request_id, new_token_ids=token_ids,
-                    finish_reason=finished.finish_reason() if finished else None,
-                    num_prompt_tokens=request.num_prompt_tokens))
+                lp = logprobs.get(request.request_id)
+                self._emit(request, token_ids, finished, [lp] if lp is not None else None)
         self._flush()
         return not out.is_empty()
+
+    def _emit(self, request: Request, token_ids: list[int], finished: RequestStatus | None, logprobs) -> None:
+        self.stats.num_generation_tokens += len(token_ids)
+        self._deltas.append(RequestDelta(
+            request_id=request.group_id, new_token_ids=token_ids,
+            finish_reason=finished.finish_reason() if finished else None,
+            num_prompt_tokens=request.num_prompt_tokens, index=request.sample_index, logprobs=logprobs,
+            num_cached_tokens=request.num_cached_tokens))
 
     def _flush(self) -> None:
         if self._deltas:

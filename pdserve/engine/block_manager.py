@@ -1,52 +1,85 @@
-"""Pure-Python paged KV block manager (no torch).
+"""Pure-Python paged KV block manager with prefix caching (no torch).
 
 The KV cache is split into ``num_blocks`` fixed-size blocks of ``block_size``
 token slots (PagedAttention, Kwon et al., SOSP 2023). A request owns a
 ``block_table: list[int]`` mapping its logical block i to a physical block id.
-This module hands out physical blocks and counts references to them so that a
-block may be shared (e.g. by parallel samples of one prompt) and is returned to
-the free block queue only when its last user lets go.
+This module hands out physical blocks, counts references to them (a block may
+be shared by several requests, e.g. the n samples of one prompt, or requests
+with a common prefix), and remembers which full blocks hold which tokens.
 
-Free block queue policy: FIFO. Freed blocks go to the tail and allocation takes
-from the head, so the block freed longest ago is reused first (this is the order
-an LRU prefix cache will later want to evict in).
+Prefix caching (as in vLLM / SGLang's RadixAttention): a full block is named by
+a hash chained through the previous block's hash and salted with what else
+changes its KV (the model), so equal hashes mean equal prefixes. A hit is
+checked against the block's stored token ids, so a hash collision can only cost
+a miss, never wrong KV.
+
+Free block queue and eviction policy (LRU): a block whose last reference is
+dropped goes to the tail of the free queue but keeps its hash, so it can still
+be hit. Allocation takes from the head, the least recently freed block,
+evicting its hash if it has one. A request frees its blocks last-to-first, so
+the tail of a prompt, the part least likely to be shared, is evicted before
+its head.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Sequence
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
 
+def chain_hash(parent_hash: int, token_ids: Sequence[int], salt: int = 0) -> int:
+    """Hash of a full block given the previous block's hash (0 for the first block).
+
+    Python hashes of ints and tuples of ints do not depend on PYTHONHASHSEED, so
+    the value is the same in every process.
+    """
+    return hash((parent_hash, salt, tuple(token_ids)))
+
+
 class BlockManager:
-    """Hands out KV cache block ids and reference-counts them.
+    """Hands out KV cache block ids, reference-counts them, and caches full blocks by hash.
 
     Args:
         num_blocks: physical blocks in the KV cache (ids ``0 .. num_blocks-1``).
         block_size: token slots per block.
+        enable_prefix_caching: keep full blocks findable by hash after they are freed.
+        salt: mixed into every block hash (identify the model, so two models never share KV).
 
     Raises:
         ValueError: non-positive sizes.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: int = 0):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.salt = salt
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = LRU
         self._ref_counts = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._cached: dict[int, int] = {}  # block hash -> block id
+
+    # ---- sizes ----------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included: they are evictable)."""
         return len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
     def usage(self) -> float:
-        """Fraction of blocks in use, in [0, 1] (vLLM's KV cache usage)."""
+        """Fraction of blocks held by requests, in [0, 1] (vLLM's KV cache usage)."""
         return 1.0 - len(self._free) / self.num_blocks
 
     def num_blocks_for_tokens(self, num_tokens: int) -> int:
@@ -56,34 +89,50 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self._free)
 
+    # ---- allocation -----------------------------------------------------------
+
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks from the free queue, each with ref count 1.
+        """Take ``num_blocks`` blocks from the head of the free queue, each with ref count 1.
+
+        A cached block taken this way is evicted from the prefix cache.
 
         Raises:
             NoFreeBlocksError: fewer than ``num_blocks`` are free (nothing is taken).
         """
         if num_blocks > len(self._free):
             raise NoFreeBlocksError(f"need {num_blocks} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        block_ids = [self._free.popleft() for _ in range(num_blocks)]
-        for block_id in block_ids:
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
             self._ref_counts[block_id] = 1
+            block_ids.append(block_id)
         return block_ids
 
-    def share(self, block_ids: list[int]) -> None:
-        """Add one reference to each block (a second owner of the same KV)."""
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Add one reference to each block, including cached blocks that no request holds."""
         for block_id in block_ids:
-            if self._ref_counts[block_id] <= 0:
-                raise ValueError(f"block {block_id} is free and cannot be shared")
+            if self._ref_counts[block_id] == 0:
+                if self._block_hash[block_id] is None:
+                    raise ValueError(f"block {block_id} is free and holds no cached KV")
+                del self._free[block_id]
             self._ref_counts[block_id] += 1
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; blocks reaching zero return to the queue.
+    def is_writable(self, block_id: int) -> bool:
+        """True if writing into the block in place cannot change KV that others rely on.
 
-        Blocks are released last-to-first so a request's tail blocks (least
-        likely to be shared) are reused before its head blocks.
+        A shared block, or one in the prefix cache, must be copied first (copy-on-write).
+        """
+        return self._ref_counts[block_id] == 1 and self._block_hash[block_id] is None
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block; blocks reaching zero go to the free queue's tail.
+
+        Blocks are released last-to-first, so a request's tail blocks are evicted
+        before its head blocks.
 
         Raises:
             ValueError: a block that is already free (a double free is a bug).
@@ -94,4 +143,56 @@ class BlockManager:
                 raise ValueError(f"double free of KV block {block_id}")
             self._ref_counts[block_id] = count - 1
             if count == 1:
-                self._free.append(block_id)
+                self._free[block_id] = None
+
+    # ---- prefix cache ----------------------------------------------------------
+
+    def find_cached_prefix(self, token_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[int]]:
+        """Longest run of cached full blocks that prefixes ``token_ids[:max_tokens]``.
+
+        Takes no references (call ``share`` on the result to keep the blocks).
+
+        Returns:
+            (block_ids, block_hashes) of the hit blocks, in order.
+        """
+        hits: list[int] = []
+        hashes: list[int] = []
+        if not self.enable_prefix_caching:
+            return hits, hashes
+        bs = self.block_size
+        parent = 0
+        for start in range(0, max_tokens - bs + 1, bs):
+            block_tokens = tuple(token_ids[start:start + bs])
+            block_hash = chain_hash(parent, block_tokens, self.salt)
+            block_id = self._cached.get(block_hash)
+            if block_id is None or self._block_tokens[block_id] != block_tokens:
+                break
+            hits.append(block_id)
+            hashes.append(block_hash)
+            parent = block_hash
+        return hits, hashes
+
+    def cache_block(self, block_id: int, parent_hash: int, token_ids: Sequence[int]) -> int:
+        """Record that full block ``block_id`` holds ``token_ids`` after ``parent_hash``; return its hash.
+
+        If an equal block is already cached, the existing one stays the cache's
+        entry (this one is simply not findable).
+        """
+        block_hash = chain_hash(parent_hash, token_ids, self.salt)
+        if self.enable_prefix_caching and block_hash not in self._cached and self._block_hash[block_id] is None:
+            self._cached[block_hash] = block_id
+            self._block_hash[block_id] = block_hash
+            self._block_tokens[block_id] = tuple(token_ids)
+        return block_hash
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._block_hash[block_id]
+        if block_hash is not None:
+            del self._cached[block_hash]
+            self._block_hash[block_id] = None
+            self._block_tokens[block_id] = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds."""
+        for block_id in list(self._free):
+            self._evict(block_id)

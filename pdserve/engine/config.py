@@ -23,6 +23,9 @@ class EngineConfig:
         max_model_len: longest sequence; None = the model's max_position_embeddings.
         seed: seeds sampling for requests that give no seed.
         num_threads: torch intra-op CPU threads; None leaves torch's default.
+        enable_prefix_caching: reuse the KV of full blocks whose tokens (and all before) match.
+        remote_prefill_threshold: decode worker: prompts with fewer uncached tokens than this are
+            prefilled locally instead of by a prefill worker (conditional disaggregation).
     """
 
     model: str
@@ -35,6 +38,8 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None
+    enable_prefix_caching: bool = True
+    remote_prefill_threshold: int = 16
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -57,10 +62,15 @@ class EngineConfig:
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="turn prefix caching off (on by default)")
+        g.add_argument("--remote-prefill-threshold", type=int, default=16,
+                       help="decode worker: prefill prompts with fewer uncached tokens locally")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
         return cls(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                   seed=args.seed, num_threads=args.num_threads)
+                   seed=args.seed, num_threads=args.num_threads, enable_prefix_caching=args.enable_prefix_caching,
+                   remote_prefill_threshold=args.remote_prefill_threshold)

@@ -48,6 +48,8 @@ class Request:
         sampling_params: SamplingParams,
         eos_token_ids: frozenset[int] = frozenset(),
         max_model_len: int | None = None,
+        group_id: str | None = None,
+        sample_index: int = 0,
     ):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
@@ -64,6 +66,11 @@ class Request:
         self.error: str | None = None
         self.num_preemptions = 0
         self.remote_prefill = False  # decode worker: the prompt's KV comes from a prefill worker
+        self.group_id = group_id or request_id  # the router's request_id, shared by the n samples
+        self.sample_index = sample_index  # which of the n samples (choices) this is
+        self.block_hashes: list[int] = []  # prefix-cache hash of each full, computed block
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.forked = sample_index > 0  # sample 0 forks samples 1..n-1 after its prompt is computed
 
     @property
     def num_prompt_tokens(self) -> int:

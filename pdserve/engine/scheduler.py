@@ -9,17 +9,24 @@ under a token budget of ``max_num_batched_tokens``:
 * a decoding request needs 1 token (its last sampled token);
 * a prefilling request needs the rest of its prompt, cut to what the budget
   leaves (chunked prefill), so a long prompt never stalls the others;
-* a preempted request needs everything again (recompute).
+* a preempted request needs everything again (recompute), minus prefix hits.
 
 Running requests are served first, in admission order, then waiting ones in
-arrival order (FIFO). When the block manager runs out of blocks, the most
-recently admitted running request is preempted: its blocks are freed and it
-goes back to the head of the waiting queue to be recomputed later.
+arrival order (FIFO). When blocks run out, the most recently admitted running
+request is preempted: its blocks are freed (full ones stay in the prefix cache)
+and it goes back to the head of the waiting queue.
 
 On the decode worker, a waiting request marked ``remote_prefill`` is admitted by
-reserving blocks for its whole prompt and parking it in
+reserving blocks for its whole prompt (prefix hits shared) and parking it in
 ``WAITING_FOR_REMOTE_KVS``; ``remote_kv_arrived`` later makes it a running
-decode request whose first token was sampled by the prefill worker.
+decode request whose first token was sampled by the prefill worker. A prompt
+with fewer than ``remote_prefill_threshold`` uncached tokens, or whose every
+full block is cached, is prefilled locally instead (conditional disaggregation).
+
+Parallel sampling: a request with ``n > 1`` runs as sample 0 until its prompt
+is computed; then samples 1..n-1 fork from it, sharing its prompt blocks, and
+each recomputes the last prompt token to draw its own first token (that write
+lands in a shared block, so it is copied first: copy-on-write).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 
 
@@ -39,16 +47,31 @@ class SchedulerConfig:
         max_num_seqs: most requests in flight (running or awaiting remote KV).
         max_num_batched_tokens: most new tokens computed in one step.
         max_model_len: longest sequence (prompt + output) in tokens.
+        remote_prefill_threshold: prompts with fewer uncached tokens are prefilled locally.
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    remote_prefill_threshold: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.remote_prefill_threshold < 0:
+            raise ValueError("remote_prefill_threshold must be >= 0")
+
+
+@dataclass
+class SchedulerStats:
+    """Cumulative counters (tokens unless named otherwise)."""
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prompt_tokens: int = 0
+    num_local_prefills: int = 0
 
 
 @dataclass
@@ -56,11 +79,13 @@ class SchedulerOutput:
     """What one step computes.
 
     ``scheduled`` pairs each request with its ``num_new_tokens``, in batch order.
+    ``block_copies`` are (src, dst) block copies to do before the forward.
     ``remote_prefills`` were just parked in ``WAITING_FOR_REMOTE_KVS`` and must
     be sent to their prefill worker. ``preempted`` lost their blocks this step.
     """
 
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     remote_prefills: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
@@ -73,24 +98,27 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Decides, step by step, which requests compute how many tokens.
-
-    Owns every request's ``block_table`` and all calls into the block manager.
-    """
+    """Decides, step by step, which requests compute how many tokens."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
+        self.kv = KVCacheManager(block_manager)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
+        self.groups: dict[str, list[str]] = {}  # group_id (router request_id) -> request ids
+        self.stats = SchedulerStats()
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions
 
     # ---- queues -------------------------------------------------------------
 
     def add_request(self, request: Request, remote_prefill: bool = False) -> None:
-        """Queue a new request; ``remote_prefill`` parks it for remote KV on admission.
+        """Queue a new request; ``remote_prefill`` asks for its prompt KV from a prefill worker.
 
         Raises:
             ValueError: duplicate request_id, or a prompt that can never fit
@@ -99,19 +127,16 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request_id {request.request_id}")
         if request.num_tokens > self.config.max_model_len:
-            raise ValueError(
-                f"request {request.request_id} has {request.num_tokens} tokens; "
-                f"max_model_len is {self.config.max_model_len}"
-            )
+            raise ValueError(f"request {request.group_id} has {request.num_tokens} tokens; "
+                             f"max_model_len is {self.config.max_model_len}")
         needed = self.block_manager.num_blocks_for_tokens(request.num_tokens + 1)
         if needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request {request.request_id} needs {needed} KV blocks; "
-                f"the cache has {self.block_manager.num_blocks}"
-            )
+            raise ValueError(f"request {request.group_id} needs {needed} KV blocks; "
+                             f"the cache has {self.block_manager.num_blocks}")
         request.remote_prefill = remote_prefill
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        self.groups.setdefault(request.group_id, []).append(request.request_id)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -135,7 +160,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve_or_preempt(request, request.num_computed_tokens + num_new, out):
+            if not self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out):
                 break  # ``request`` itself was the last one left and got preempted
             out.scheduled.append((request, num_new))
             budget -= num_new
@@ -147,39 +172,43 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and self.num_running < self.config.max_num_seqs:
             request = self.waiting[0]
+            hit = self.kv.find_prefix(request)
+            num_cached = hit.num_blocks * self.kv.block_size
+            if request.remote_prefill and self._prefill_locally(request, hit):
+                request.remote_prefill = False
+                self.stats.num_local_prefills += 1
             if request.remote_prefill:
-                num_blocks = self.block_manager.num_blocks_for_tokens(request.num_tokens)
-                if not self.block_manager.can_allocate(num_blocks):
+                if not self.kv.allocate_slots(request, request.num_tokens, out.block_copies, hit):
                     return
-                self.waiting.popleft()
-                request.block_table = self.block_manager.allocate(num_blocks)
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.waiting_for_remote_kvs[request.request_id] = request
                 out.remote_prefills.append(request)
-                continue
-            if budget <= 0:
-                return
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._reserve(request, request.num_computed_tokens + num_new):
-                return
+            else:
+                if budget <= 0:
+                    return
+                num_new = min(request.num_tokens - num_cached, budget)
+                if not self.kv.allocate_slots(request, num_cached + num_new, out.block_copies, hit):
+                    return
+                request.num_computed_tokens = num_cached
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                out.scheduled.append((request, num_new))
+                budget -= num_new
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append((request, num_new))
-            budget -= num_new
+            request.num_cached_tokens = num_cached
+            if request.num_preemptions == 0 and request.sample_index == 0:
+                self.stats.prefix_cache_queries += request.num_prompt_tokens
+                self.stats.prefix_cache_hits += num_cached
+                self.stats.num_prompt_tokens += request.num_prompt_tokens
 
-    def _reserve(self, request: Request, num_tokens: int) -> bool:
-        """Grow ``request.block_table`` to hold ``num_tokens`` slots, if blocks allow."""
-        missing = self.block_manager.num_blocks_for_tokens(num_tokens) - len(request.block_table)
-        if missing <= 0:
-            return True
-        if not self.block_manager.can_allocate(missing):
-            return False
-        request.block_table.extend(self.block_manager.allocate(missing))
-        return True
+    def _prefill_locally(self, request: Request, hit) -> bool:
+        """Conditional disaggregation: is a round trip to a prefill worker not worth it?"""
+        num_uncached = request.num_tokens - hit.num_blocks * self.kv.block_size
+        fully_cached = hit.num_blocks > 0 and hit.num_blocks == (request.num_tokens - 1) // self.kv.block_size
+        return fully_cached or num_uncached < self.config.remote_prefill_threshold
 
-    def _reserve_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
-        while not self._reserve(request, num_tokens):
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        while not self.kv.allocate_slots(request, num_tokens, out.block_copies):
             victim = self.running.pop()  # most recently admitted
             self._preempt(victim)
             out.preempted.append(victim)
@@ -188,13 +217,12 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.block_manager.free(request.block_table)
-        request.block_table = []
+        self.kv.free(request)
         request.num_computed_tokens = 0
         request.remote_prefill = False  # recompute locally
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self.num_preemptions += 1
+        self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def update_from_output(
@@ -216,14 +244,34 @@ class Scheduler:
             if request.status.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
             token_id = sampled.get(request.request_id)
-            if token_id is None:
-                continue
-            finished = request.append_token(token_id)
-            if finished is not None:
-                self.finish_request(request.request_id, finished)
-            results.append((request, [token_id], finished))
+            if token_id is not None:
+                results.append(self._append(request, token_id))
         return results
+
+    def _append(self, request: Request, token_id: int) -> tuple[Request, list[int], RequestStatus | None]:
+        finished = request.append_token(token_id)
+        if not request.forked:
+            self._fork(request)
+        if finished is not None:
+            self.finish_request(request.request_id, finished)
+        return request, [token_id], finished
+
+    def _fork(self, parent: Request) -> None:
+        """Start samples 1..n-1 of ``parent``'s group, sharing its prompt blocks."""
+        parent.forked = True
+        num_prompt = parent.num_prompt_tokens
+        for index in range(1, parent.sampling_params.n):
+            child = Request(f"{parent.group_id}#{index}", parent.prompt_token_ids, parent.sampling_params,
+                            eos_token_ids=parent.eos_token_ids, max_model_len=parent.max_model_len,
+                            group_id=parent.group_id, sample_index=index)
+            self.kv.fork(parent, child, num_prompt)
+            child.num_computed_tokens = num_prompt - 1  # recompute the last prompt token: own first sample
+            child.status = RequestStatus.RUNNING
+            self.requests[child.request_id] = child
+            self.groups[parent.group_id].append(child.request_id)
+            self.running.append(child)
 
     # ---- remote KV (decode worker) --------------------------------------------
 
@@ -238,9 +286,8 @@ class Scheduler:
         request.num_computed_tokens = request.num_prompt_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        finished = request.append_token(first_token_id)
-        if finished is not None:
-            self.finish_request(request_id, finished)
+        self.kv.cache_full_blocks(request)
+        _, _, finished = self._append(request, first_token_id)
         return request, finished
 
     def recompute_locally(self, request_id: str) -> bool:
@@ -249,7 +296,7 @@ class Scheduler:
         if request is None:
             return False
         request.remote_prefill = False
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_cached_tokens  # prefix hits are still valid
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return True
@@ -268,8 +315,15 @@ class Scheduler:
             del self.waiting_for_remote_kvs[request_id]
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
-        if request.block_table:
-            self.block_manager.free(request.block_table)
-            request.block_table = []
+        members = self.groups.get(request.group_id)
+        if members is not None:
+            members.remove(request_id)
+            if not members:
+                del self.groups[request.group_id]
+        self.kv.free(request)
         request.status = status
         return request
+
+    def finish_group(self, group_id: str, status: RequestStatus) -> list[Request]:
+        """Finish every sample of a router request (e.g. on abort)."""
+        return [r for rid in list(self.groups.get(group_id, ())) if (r := self.finish_request(rid, status))]

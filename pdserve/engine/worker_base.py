@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import signal
+
+import msgspec
 import threading
 import time
 
 from pdserve.common.config import WorkerConfig
-from pdserve.common.protocol import FinishReason, Heartbeat, RegisterWorker, RequestDelta, WorkerRole
+from pdserve.common.protocol import FinishReason, Heartbeat, RegisterWorker, RequestDelta, WorkerRole, WorkerStats
 from pdserve.common.transport import Mailbox
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
@@ -40,13 +42,17 @@ class WorkerBase:
         self.config = worker_config
         self.worker_id = worker_config.worker_id
         self.runner = ModelRunner(engine_config)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
+                                          enable_prefix_caching=engine_config.enable_prefix_caching,
+                                          salt=self.runner.model_fingerprint)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=engine_config.max_num_seqs,
                             max_num_batched_tokens=engine_config.max_num_batched_tokens,
-                            max_model_len=self.runner.max_model_len),
+                            max_model_len=self.runner.max_model_len,
+                            remote_prefill_threshold=engine_config.remote_prefill_threshold),
             self.block_manager,
         )
+        self.stats = WorkerStats()  # transfer and token counters; scheduler counters are merged in heartbeat()
         self.mailbox = Mailbox(worker_config.host, worker_config.port)
         self.model_name = engine_config.model.rstrip("/").split("/")[-1]
         self.max_step_batch_size = 0
@@ -117,7 +123,14 @@ class WorkerBase:
         return Heartbeat(worker_id=self.worker_id, role=self.role, num_running=self.scheduler.num_running,
                          num_waiting=self.scheduler.num_waiting, num_free_blocks=self.block_manager.num_free_blocks,
                          num_blocks=self.block_manager.num_blocks, max_step_batch_size=self.max_step_batch_size,
-                         num_steps=self.num_steps)
+                         num_steps=self.num_steps, stats=self.worker_stats())
+
+    def worker_stats(self) -> WorkerStats:
+        s = self.scheduler.stats
+        return msgspec.structs.replace(
+            self.stats, num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, num_prompt_tokens=s.num_prompt_tokens,
+            num_local_prefills=s.num_local_prefills)
 
     def record_step(self, batch_size: int) -> None:
         self.num_steps += 1

@@ -18,13 +18,14 @@ For each ``RemotePrefillRequest``:
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import msgspec
 
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (AbortRequest, KVTransferHeader, RemotePrefillDone, RemotePrefillRequest,
-                                     WorkerRole)
+                                     TokenLogprob, WorkerRole)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.worker_base import WorkerBase
@@ -41,6 +42,7 @@ class _SendDone:
     num_bytes: int
     checksum: int
     error: str | None
+    finished_at: float = 0.0
 
 
 class PrefillWorker(WorkerBase):
@@ -51,12 +53,12 @@ class PrefillWorker(WorkerBase):
         self.pairs = PrefillPairs(self.worker_id, self.runner.device, worker_config.transfer_timeout_s)
         self.completer = SendCompleter(
             worker_config.transfer_timeout_s,
-            on_done=lambda rid, nbytes, checksum, err: self.mailbox.inject(_SendDone(rid, nbytes, checksum, err)))
+            on_done=lambda rid, nbytes, checksum, err: self.mailbox.inject(
+                _SendDone(rid, nbytes, checksum, err, time.monotonic())))
         self.pending_pair: dict[str, RemotePrefillRequest] = {}  # waiting for the pair to connect
         self.origin: dict[str, RemotePrefillRequest] = {}  # admitted, by request_id
-        self.first_token: dict[str, int] = {}  # sampled, send in flight
-        self.num_transfers = 0
-        self.num_transfer_failures = 0
+        self.first_token: dict[str, tuple[int, TokenLogprob | None]] = {}  # sampled, send in flight
+        self.send_started: dict[str, float] = {}
 
     def close(self) -> None:
         self.completer.close()
@@ -80,15 +82,18 @@ class PrefillWorker(WorkerBase):
 
     def _send_done(self, event: _SendDone) -> None:
         origin = self.origin.pop(event.request_id)
-        first_token = self.first_token.pop(event.request_id)
-        self.num_transfers += 1
+        first_token, first_logprob = self.first_token.pop(event.request_id)
+        self.stats.num_kv_transfers += 1
+        self.stats.kv_transfer_seconds += event.finished_at - self.send_started.pop(event.request_id)
         if event.error is not None:
-            self.num_transfer_failures += 1
+            self.stats.kv_transfer_failures += 1
             self.pairs.close_pair(origin.decode_worker_id, origin.pair_generation)
+        else:
+            self.stats.kv_transfer_bytes += event.num_bytes
         self._reply(origin, RemotePrefillDone(
             request_id=event.request_id, prefill_worker_id=self.worker_id, first_token_id=first_token,
             num_tokens=len(origin.prompt_token_ids), num_bytes=event.num_bytes, checksum=event.checksum,
-            error=event.error))
+            error=event.error, first_logprob=first_logprob))
 
     def _reply(self, origin: RemotePrefillRequest, msg) -> None:
         self.mailbox.put(origin.decode_addr, msg)
@@ -110,7 +115,7 @@ class PrefillWorker(WorkerBase):
                 self._fail(origin, failure)
                 continue
             # Only the first token is sampled here; the decode worker produces the rest.
-            params = msgspec.structs.replace(origin.sampling_params, max_tokens=1)
+            params = msgspec.structs.replace(origin.sampling_params, max_tokens=1, n=1)
             request = Request(request_id, origin.prompt_token_ids, params, eos_token_ids=self.runner.eos_token_ids,
                               max_model_len=self.runner.max_model_len)
             try:
@@ -134,24 +139,30 @@ class PrefillWorker(WorkerBase):
 
         def on_layer_done(layer_idx: int) -> None:
             kv_layer = self.runner.kv_cache[layer_idx]
-            for request, send in outgoing:
-                send.send_layer(layer_idx, kv_layer, request.block_table)
+            for request, send, first_block in outgoing:
+                send.send_layer(layer_idx, kv_layer, request.block_table[first_block:])
 
         try:
-            sampled = self.runner.execute(out.scheduled, on_layer_done=on_layer_done if outgoing else None)
+            sampled = self.runner.execute(out.scheduled, on_layer_done=on_layer_done if outgoing else None,
+                                          block_copies=out.block_copies)
         except Exception as e:
-            for _, send in outgoing:  # unblock the pair: its queued sends will never complete
+            for _, send, _ in outgoing:  # unblock the pair: its queued sends will never complete
                 send.abort(f"prefill forward failed: {e}")
             raise
         self.record_step(len(out.scheduled))
-        for request, send in outgoing:
-            self.first_token[request.request_id] = sampled[request.request_id]
+        for request, send, _ in outgoing:
+            self.first_token[request.request_id] = (sampled[request.request_id],
+                                                    self.runner.last_logprobs.get(request.request_id))
+            self.stats.num_generation_tokens += 1
             self.completer.submit(send)
         self.scheduler.update_from_output(out, sampled)  # max_tokens=1: finished, blocks freed
         return True
 
-    def _start_transfers(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, OutgoingKV]]:
-        """Header + OutgoingKV for each request whose prompt completes in this step."""
+    def _start_transfers(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, OutgoingKV, int]]:
+        """Header + OutgoingKV (+ first block to send) for each request whose prompt completes in this step.
+
+        Blocks the decode worker already holds (its prefix-cache hits) are not sent.
+        """
         outgoing = []
         runner = self.runner
         for request, num_new in scheduled:
@@ -164,11 +175,14 @@ class PrefillWorker(WorkerBase):
                 self.origin.pop(request.request_id)
                 self._fail(origin, "KV transfer pair to the decode worker was closed")
                 continue
+            first_block = origin.num_cached_tokens // runner.block_size
             self._reply(origin, KVTransferHeader(
                 request_id=request.request_id, prefill_worker_id=self.worker_id,
                 pair_generation=origin.pair_generation, num_layers=runner.num_layers,
-                num_blocks=len(request.block_table), block_size=runner.block_size,
+                num_blocks=len(request.block_table) - first_block, block_size=runner.block_size,
                 num_kv_heads=runner.num_kv_heads, head_dim=runner.head_dim,
-                dtype=str(runner.dtype).removeprefix("torch."), num_tokens=request.num_tokens))
-            outgoing.append((request, OutgoingKV(pair, request.request_id, runner.num_layers)))
+                dtype=str(runner.dtype).removeprefix("torch."), num_tokens=request.num_tokens,
+                first_block=first_block))
+            self.send_started[request.request_id] = time.monotonic()
+            outgoing.append((request, OutgoingKV(pair, request.request_id, runner.num_layers), first_block))
         return outgoing
