@@ -46,3 +46,13 @@ def allocate_kv_cache(
 ) -> torch.Tensor:
     """Preallocate the zeroed cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
     return torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+
+
+def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (all layers, K and V): ``kv_cache[:, :, dst] = kv_cache[:, :, src]``.
+
+    Used for copy-on-write before a request writes into a block it shares.
+    """
+    src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=kv_cache.device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=kv_cache.device)
+    kv_cache.index_copy_(2, dst, kv_cache.index_select(2, src))

@@ -10,14 +10,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zlib
 from dataclasses import dataclass
 
 import torch
 
+from pdserve.common.protocol import TokenLogprob
 from pdserve.common.utils import resolve_device, resolve_dtype
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kv_cache import allocate_kv_cache, kv_cache_block_bytes, num_blocks_for_budget
+from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.engine.loader import load_model
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow
@@ -77,6 +79,9 @@ class ModelRunner:
         hf_config = self.model.config
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         self.eos_token_ids = read_eos_token_ids(config.model, hf_config)
+        # Salts prefix-cache hashes: KV from another model or dtype must never be a hit.
+        self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{hf_config.to_json_string()}"
+                                            .encode())
         self.block_size = config.block_size
         self.num_layers = self.model.num_layers
         self.num_kv_heads = self.model.num_kv_heads
@@ -87,6 +92,7 @@ class ModelRunner:
                                           self.head_dim, self.dtype, self.device)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         self.sampler = Sampler(config.seed)
+        self.last_logprobs: dict[str, TokenLogprob] = {}  # of the last execute(), for requests that asked
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20, self.dtype,
                     self.device)
@@ -131,16 +137,22 @@ class ModelRunner:
                           sample_requests)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Request, int]], on_layer_done=None) -> dict[str, int]:
+    def execute(self, scheduled: list[tuple[Request, int]], on_layer_done=None,
+                block_copies: list[tuple[int, int]] = ()) -> dict[str, int]:
         """Run one forward over ``scheduled`` and sample.
 
         Args:
             scheduled: (request, num_new_tokens) pairs, as the scheduler gave them.
             on_layer_done: called with layer index once that layer's K/V are in the cache.
+            block_copies: (src, dst) block pairs to copy first (the scheduler's copy-on-write).
 
         Returns:
             request_id -> sampled token id, for requests whose last known token was computed.
+            Their logprobs, for requests with ``sampling_params.logprobs`` set, go to ``self.last_logprobs``.
         """
+        self.last_logprobs = {}
+        if block_copies:
+            copy_blocks(self.kv_cache, block_copies)
         if not scheduled:
             return {}
         inp = self.prepare_inputs(scheduled)
@@ -148,9 +160,18 @@ class ModelRunner:
         if not inp.sample_requests:
             return {}
         logits = self.model.compute_logits(hidden[inp.sample_indices])  # (num_sampled, vocab)
-        rows = [SamplingRow(r.sampling_params, r.num_output_tokens, self._banned(r)) for r in inp.sample_requests]
-        tokens = self.sampler(logits, rows)
-        return {r.request_id: t for r, t in zip(inp.sample_requests, tokens)}
+        return self._sample(logits, inp.sample_requests)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> dict[str, int]:
+        """Sample one token per request; keep the logprobs of those that asked in ``last_logprobs``."""
+        rows = [
+            SamplingRow(r.sampling_params, r.num_output_tokens, self._banned(r), output_token_ids=r.output_token_ids,
+                        sample_index=getattr(r, "sample_index", 0))
+            for r in requests
+        ]
+        out = self.sampler(logits, rows)
+        self.last_logprobs = {r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None}
+        return {r.request_id: t for r, t in zip(requests, out.token_ids)}
 
     def _banned(self, request: Request) -> tuple[int, ...]:
         params = request.sampling_params

@@ -1,24 +1,35 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Token sampling: greedy, temperature, top-k, top-p, penalties, logprobs, per-request seeds.
+
+Order of operations on one row of logits (vLLM's order):
+
+    raw logits --> logprobs (log-softmax, for rows that ask; "raw" logprobs)
+        |
+        +--> banned tokens (-inf) --> frequency/presence penalties
+             --> greedy argmax, or temperature --> top-k/top-p --> draw
 
 Sampling uses the exponential-race form of the Gumbel-max trick: with
 ``q ~ Exponential(1)`` per vocabulary entry, ``argmax(p / q)`` is a draw from
 ``p``. It is one batched op, and lets each seeded row draw its own noise.
 
 Seeded requests are reproducible across workers: the noise for output token
-``k`` comes from a generator seeded with ``(seed, k)``, so the same seed gives
-the same text whether the first token was sampled by a prefill worker and the
-rest by a decode worker, or a preempted request was recomputed.
+``k`` of choice ``sample_index`` comes from a generator seeded with
+``(seed, sample_index, k)`` only, so the same seed gives the same text whether
+the first token was sampled by a prefill worker and the rest by a decode
+worker, or a preempted request was recomputed; and the ``n`` choices of one
+seeded request differ from each other.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.protocol import SamplingParams
+from pdserve.common.protocol import SamplingParams, TokenLogprob
 
 _GREEDY_EPS = 1e-5
+_MASK64 = 2**64 - 1
 
 
 @dataclass
@@ -28,10 +39,23 @@ class SamplingRow:
     params: SamplingParams
     num_output_tokens: int  # tokens already generated (this draw is number num_output_tokens)
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
+    output_token_ids: Sequence[int] = ()  # tokens generated so far (not the prompt), for penalties
+    sample_index: int = 0  # which of the request's n choices this row samples
+
+
+@dataclass
+class SamplerOutput:
+    """One entry per logits row.
+
+    ``logprobs[i]`` is None unless ``rows[i].params.logprobs`` is set.
+    """
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
 
 
 class Sampler:
-    """Turns logits into token ids.
+    """Turns logits into token ids (and, where asked, their logprobs).
 
     Args:
         seed: seeds the worker's generator, used by rows without ``params.seed``.
@@ -48,33 +72,41 @@ class Sampler:
         return self._generator
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
-            logits: [num_rows, vocab_size] float32.
+            logits: [num_rows, vocab_size]; not modified.
             rows: one entry per logits row.
-
-        Returns:
-            num_rows token ids.
         """
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         logits = logits.float()
-        for i, row in enumerate(rows):
-            if row.banned_token_ids:
-                logits[i, list(row.banned_token_ids)] = float("-inf")
+        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        # Indexing with a list copies, so the edits below do not reach these raw logprobs.
+        raw_logprobs = logits[asked].log_softmax(dim=-1) if asked else None  # (A, V)
+        logits = _apply_banned(logits, rows)
+        logits = _apply_penalties(logits, rows)
+        token_ids = self._sample(logits, rows)  # (R,)
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            for i, lp in zip(asked, _gather_logprobs(raw_logprobs, token_ids[asked], [rows[i] for i in asked])):
+                logprobs[i] = lp
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[num_rows, vocab_size] processed logits -> [num_rows] int64 token ids."""
         temperatures = torch.tensor([r.params.temperature for r in rows], device=logits.device)
         greedy = temperatures < _GREEDY_EPS
         greedy_tokens = logits.argmax(dim=-1)
-        if bool(greedy.all()):
-            return greedy_tokens.tolist()
+        if all(r.params.temperature < _GREEDY_EPS for r in rows):
+            return greedy_tokens
 
         scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
         scaled = _apply_top_k_top_p(scaled, rows)
         probs = scaled.softmax(dim=-1)  # (R, V)
         noise = self._exponential_noise(probs, rows)  # (R, V)
         sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, greedy_tokens, sampled).tolist()
+        return torch.where(greedy, greedy_tokens, sampled)
 
     def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         noise = torch.empty_like(probs)
@@ -87,9 +119,68 @@ class Sampler:
             if row.params.seed is None:
                 continue
             gen = torch.Generator(device=probs.device)
-            gen.manual_seed((row.params.seed * 1_000_003 + row.num_output_tokens) % (2**63))
+            gen.manual_seed(row_seed(row.params.seed, row.sample_index, row.num_output_tokens))
             noise[i].exponential_(generator=gen)
         return noise.clamp_(min=1e-10)
+
+
+def row_seed(seed: int, sample_index: int, num_output_tokens: int) -> int:
+    """The generator seed of one seeded draw; a function of its arguments only.
+
+    Choice 0 keeps the single-sample stream ``seed * 1_000_003 + k``, so n=1
+    output is what it was before choices existed; other choices hash the index in.
+    """
+    value = (seed * 1_000_003 + num_output_tokens) % 2**63
+    if sample_index:
+        value = _splitmix64(value ^ _splitmix64(sample_index)) % 2**63
+    return value
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64 finalizer (Steele, Lea, Flood 2014): a bijective 64-bit mixer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _apply_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Set banned tokens to -inf, on a copy (only made when some row bans a token)."""
+    pairs = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
+    if not pairs:
+        return logits
+    row_idx, token_idx = zip(*pairs)
+    logits = logits.clone()
+    logits[list(row_idx), list(token_idx)] = float("-inf")
+    return logits
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """OpenAI frequency/presence penalties over each row's output tokens (not its prompt).
+
+    ``logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0)``.
+
+    Args:
+        logits: [num_rows, vocab_size]; returned unchanged (same tensor) when no row is penalized.
+    """
+    penalized = [i for i, r in enumerate(rows)
+                 if (r.params.frequency_penalty or r.params.presence_penalty) and r.output_token_ids]
+    if not penalized:
+        return logits
+    vocab_size = logits.shape[1]
+    max_len = max(len(rows[i].output_token_ids) for i in penalized)
+    # Pad with vocab_size: an extra column that collects the padding and is dropped.
+    padded = [list(rows[i].output_token_ids) + [vocab_size] * (max_len - len(rows[i].output_token_ids))
+              for i in penalized]
+    ids = torch.tensor(padded, dtype=torch.int64, device=logits.device)  # (P, L)
+    counts = torch.zeros((len(penalized), vocab_size + 1), device=logits.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+    counts = counts[:, :vocab_size]  # (P, V)
+    freq = torch.tensor([rows[i].params.frequency_penalty for i in penalized], device=logits.device)
+    pres = torch.tensor([rows[i].params.presence_penalty for i in penalized], device=logits.device)
+    penalty = freq.unsqueeze(1) * counts + pres.unsqueeze(1) * (counts > 0)  # (P, V)
+    index = torch.tensor(penalized, dtype=torch.int64, device=logits.device)
+    return logits.index_add(0, index, penalty, alpha=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -113,3 +204,27 @@ def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.T
     drop |= mass_before >= p  # the top entry always has mass_before 0, so it is kept
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                     rows: list[SamplingRow]) -> list[TokenLogprob]:
+    """TokenLogprobs of rows that asked.
+
+    Args:
+        logprobs: [num_asked, vocab_size] raw log-softmax.
+        token_ids: [num_asked] sampled ids.
+        rows: the rows that asked, in the same order.
+    """
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()  # (A,)
+    token_list = token_ids.tolist()
+    max_k = min(max(r.params.logprobs for r in rows), logprobs.shape[1])
+    top_values: list[list[float]] = [[] for _ in rows]
+    top_ids: list[list[int]] = [[] for _ in rows]
+    if max_k > 0:
+        values, ids = logprobs.topk(max_k, dim=-1)  # (A, max_k), sorted descending
+        top_values, top_ids = values.tolist(), ids.tolist()
+    return [
+        TokenLogprob(token_id=token_list[a], logprob=sampled[a], top_token_ids=top_ids[a][:row.params.logprobs],
+                     top_logprobs=top_values[a][:row.params.logprobs])
+        for a, row in enumerate(rows)
+    ]
