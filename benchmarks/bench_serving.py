@@ -36,10 +36,13 @@ from pdserve.engine.tiny_model import ensure_default_model
 from pdserve.launcher import ClusterSpec, LocalCluster
 
 
-def make_workload(n: int, vocab_size: int, seed: int, min_in: int, max_in: int, min_out: int, max_out: int):
+def make_workload(n: int, vocab_size: int, seed: int, min_in: int, max_in: int, min_out: int, max_out: int,
+                  shared_prefix: int = 0):
+    """n (prompt_token_ids, max_tokens) pairs; the first ``shared_prefix`` prompt tokens are common to all."""
     rng = random.Random(seed)
-    return [([rng.randrange(10, vocab_size) for _ in range(rng.randint(min_in, max_in))], rng.randint(min_out, max_out))
-            for _ in range(n)]
+    prefix = [rng.randrange(10, vocab_size) for _ in range(shared_prefix)]
+    return [(prefix + [rng.randrange(10, vocab_size) for _ in range(rng.randint(min_in, max_in))],
+             rng.randint(min_out, max_out)) for _ in range(n)]
 
 
 def percentiles(values: list[float]) -> str:
@@ -81,11 +84,12 @@ async def run_load(url: str, model: str, workload) -> dict:
 
 
 def pin_cluster(cluster: LocalCluster) -> None:
-    if (os.cpu_count() or 1) < 2:
-        return
-    for name, proc in cluster.procs:
-        cores = {1} if name.startswith("decode") else {0}
-        os.sched_setaffinity(proc.pid, cores)
+    """Workers round-robin over cores (1P+1D: prefill on 0, decode on 1); the router shares core 0."""
+    num_cores = os.cpu_count() or 1
+    workers = [proc for name, proc in cluster.procs if name != "router"]
+    for i, proc in enumerate(workers):
+        os.sched_setaffinity(proc.pid, {i % num_cores})
+    os.sched_setaffinity(dict(cluster.procs)["router"].pid, {0})
 
 
 def memory_report(cluster: LocalCluster, model_bytes: int, kv_bytes: int) -> list[str]:
@@ -131,6 +135,10 @@ def main() -> int:
     ap.add_argument("--max-output", type=int, default=256)
     ap.add_argument("--num-prefill", type=int, default=1)
     ap.add_argument("--num-decode", type=int, default=1)
+    ap.add_argument("--colocated", action="store_true", help="no prefill workers (use with --num-decode 2)")
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt starts with")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--remote-prefill-threshold", type=int, default=16)
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--hf-batch-size", type=int, default=8)
     ap.add_argument("--skip-hf", action="store_true")
@@ -144,22 +152,30 @@ def main() -> int:
                       if n.endswith(".safetensors"))
     kv_bytes = parse_size(args.kv_cache_memory)
     workload = make_workload(args.num_requests, cfg["vocab_size"], args.seed, args.min_input, args.max_input,
-                             args.min_output, args.max_output)
+                             args.min_output, args.max_output, args.shared_prefix)
+    if args.colocated:
+        args.num_prefill = 0
     name = os.path.basename(model_dir.rstrip("/"))
     print(f"model {model_dir} ({model_bytes / 2**20:.0f} MiB), {len(workload)} requests, "
           f"prompts {args.min_input}-{args.max_input} tokens, outputs {args.min_output}-{args.max_output} tokens")
 
     spec = ClusterSpec(model=model_dir, num_prefill=args.num_prefill, num_decode=args.num_decode, port=free_port(),
-                       threads_per_worker=1, worker_args=["--kv-cache-memory", args.kv_cache_memory,
-                                                          "--max-num-seqs", str(max(64, args.num_requests))])
+                       threads_per_worker=1,
+                       worker_args=["--kv-cache-memory", args.kv_cache_memory,
+                                    "--max-num-seqs", str(max(64, args.num_requests)),
+                                    "--remote-prefill-threshold", str(args.remote_prefill_threshold),
+                                    *(["--no-prefix-caching"] if args.no_prefix_caching else [])])
     with LocalCluster(spec, log_dir=os.environ.get("PDSERVE_BENCH_LOGS")) as cluster:
         pin_cluster(cluster)
-        asyncio.run(run_load(cluster.url, name, workload[:2]))  # warm-up
+        warmup = make_workload(2, cfg["vocab_size"], args.seed + 1, 16, 32, 4, 4)  # shares no prefix
+        asyncio.run(run_load(cluster.url, name, warmup))
         res = asyncio.run(run_load(cluster.url, name, workload))
         stats = httpx.get(f"{cluster.url}/workers").json()
         mem = memory_report(cluster, model_bytes, kv_bytes)
     tps = res["output_tokens"] / res["wall_s"]
-    print(f"\npdserve ({args.num_prefill}P + {args.num_decode}D, continuous batching)")
+    mode = "colocated" if args.colocated else "disaggregated"
+    print(f"\npdserve {mode} ({args.num_prefill}P + {args.num_decode}D, continuous batching, "
+          f"prefix caching {'off' if args.no_prefix_caching else 'on'})")
     print(f"  output tokens/s {tps:8.1f}   ({res['output_tokens']} tokens in {res['wall_s']:.1f} s)")
     print(f"  TTFT  {percentiles(res['ttft'])}")
     print(f"  ITL   {percentiles(res['itl'])}")

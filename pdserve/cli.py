@@ -1,6 +1,6 @@
 """The ``pdserve`` command.
 
-    pdserve up [--model DIR] [--num-prefill N] [--num-decode M] [--host H] [--port P]
+    pdserve up [--model DIR] [--num-prefill N] [--num-decode M] [--colocated] [--host H] [--port P]
     pdserve router  --model DIR [--host H] [--port P] [--zmq-port Z]
     pdserve prefill --model DIR --router tcp://HOST:Z
     pdserve decode  --model DIR --router tcp://HOST:Z
@@ -29,7 +29,13 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     if model is None:
         model = str(ensure_default_model("tiny"))
         print(f"pdserve: no --model given; using the built-in tiny model at {model}", flush=True)
-    spec = ClusterSpec(model=model, num_prefill=args.num_prefill, num_decode=args.num_decode, host=args.host,
+    num_prefill = 1 if args.num_prefill is None else args.num_prefill
+    if args.colocated:
+        if num_prefill and args.num_prefill is not None:
+            print("pdserve: --colocated runs no prefill workers; drop --num-prefill", file=sys.stderr)
+            return 2
+        num_prefill = 0
+    spec = ClusterSpec(model=model, num_prefill=num_prefill, num_decode=args.num_decode, host=args.host,
                        port=args.port, zmq_port=args.zmq_port, worker_args=extra,
                        threads_per_worker=args.threads_per_worker)
     return run_cluster(spec)
@@ -77,8 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start a local cluster (router + workers as processes)",
                         description="Any other flag (e.g. --kv-cache-memory 1GiB) is passed to every worker.")
     up.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
-    up.add_argument("--num-prefill", type=int, default=1)
+    up.add_argument("--num-prefill", type=int, default=None, help="prefill workers (default 1)")
     up.add_argument("--num-decode", type=int, default=1)
+    up.add_argument("--colocated", action="store_true",
+                    help="no prefill workers: each worker prefills (chunked, mixed with decode) and decodes, "
+                         "the baseline disaggregation is measured against")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--zmq-port", type=int, default=None)

@@ -17,10 +17,13 @@ from pdserve.common.utils import free_port
 pytestmark = pytest.mark.cluster
 
 
-def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path):
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path, mode):
     port = free_port()
     env = dict(os.environ, PDSERVE_CACHE=str(tmp_path / "cache"))
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--port", str(port), "--kv-cache-memory", "8MiB"],
+    extra = ["--colocated"] if mode == "colocated" else []
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--port", str(port), "--kv-cache-memory", "8MiB",
+                             *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     children: list[psutil.Process] = []
     try:
@@ -31,11 +34,13 @@ def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path):
             line = proc.stdout.readline()
         assert f"http://127.0.0.1:{port}/v1" in line
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) == 3  # router, prefill, decode
+        assert len(children) == (2 if extra else 3)  # router, [prefill,] decode
         assert (tmp_path / "cache" / "tiny-llama-v1" / "config.json").exists()
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                           json={"model": "tiny-llama-v1", "prompt": "hello", "max_tokens": 5, "temperature": 0})
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
+        health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+        assert health["num_prefill"] == (0 if extra else 1) and health["num_decode"] == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         gone, alive = psutil.wait_procs(children, timeout=15)

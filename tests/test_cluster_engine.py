@@ -1,0 +1,123 @@
+"""Engine depth through the whole cluster: prefix caching, chunked prefill and
+preemption all active at once, and greedy output still equal to transformers.
+
+The decode worker's KV budget (48 blocks of 16 tokens) is far too small for 12
+concurrent requests, and the token budget (32) is shorter than most prompts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pdserve.common.utils import free_port
+from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.launcher import ClusterSpec, LocalCluster
+from tests.test_cluster import WORDS, wait_all_blocks_free
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny"))
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers * (K, V) * block_size * kv_heads * head_dim * fp32
+    spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
+                       worker_args=["--kv-cache-memory", str(48 * block_bytes), "--max-num-batched-tokens", "32",
+                                    "--remote-prefill-threshold", "8"])
+    with LocalCluster(spec, log_dir=str(tmp_path_factory.mktemp("logs"))) as c:
+        yield c
+
+
+def metric_totals(cluster) -> dict[str, float]:
+    """Sum of every sample of each metric family (over workers and roles)."""
+    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def test_greedy_matches_transformers_with_prefix_cache_chunking_and_preemption(cluster, model_dir):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rng = random.Random(3)
+    system = " ".join(rng.choice(WORDS) for _ in range(40))  # a shared prefix of several blocks
+    prompts = [system + " " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 30))) for _ in range(12)]
+    api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=300, max_retries=0)
+    before = metric_totals(cluster)
+
+    def run(i):
+        return api.completions.create(model="tiny", prompt=prompts[i], max_tokens=40 + i, temperature=0).choices[0]
+
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        choices = list(pool.map(run, range(len(prompts))))
+    for i, (prompt, choice) in enumerate(zip(prompts, choices)):
+        ids = tok(prompt).input_ids
+        assert len(ids) > 32  # longer than the token budget: prefilled in chunks
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=40 + i, do_sample=False)[0, len(ids):]
+        assert choice.text == tok.decode(out, skip_special_tokens=True), f"prompt {i} differs from transformers"
+
+    after = metric_totals(cluster)
+    assert after["vllm:num_preemptions_total"] > before.get("vllm:num_preemptions_total", 0), "nothing was preempted"
+    assert after["vllm:prefix_cache_hits_total"] > before.get("vllm:prefix_cache_hits_total", 0), "no prefix hit"
+    wait_all_blocks_free(cluster)
+
+
+def test_repeated_prompt_hits_prefix_cache_on_both_workers(cluster):
+    api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    prompt = " ".join(WORDS[:30])
+    first = api.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+    before = metric_totals(cluster)
+    second = api.completions.create(model="tiny", prompt=prompt + " again", max_tokens=5, temperature=0)
+    after = metric_totals(cluster)
+    assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] >= 16
+    assert first.choices[0].text and second.choices[0].text
+    wait_all_blocks_free(cluster)
+
+
+def test_parallel_sampling_n(cluster):
+    api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    greedy = api.completions.create(model="tiny", prompt="seven wizards pack", max_tokens=12, temperature=0)
+    resp = api.completions.create(model="tiny", prompt="seven wizards pack", max_tokens=12, temperature=0, n=3)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    assert all(c.text == greedy.choices[0].text for c in resp.choices)
+    assert resp.usage.completion_tokens == 3 * greedy.usage.completion_tokens
+    sampled = api.completions.create(model="tiny", prompt="seven wizards pack", max_tokens=12, temperature=1.0,
+                                     n=4, seed=7)
+    again = api.completions.create(model="tiny", prompt="seven wizards pack", max_tokens=12, temperature=1.0,
+                                   n=4, seed=7)
+    texts = [c.text for c in sorted(sampled.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(again.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1  # the samples differ from each other
+    wait_all_blocks_free(cluster)
+
+
+def test_logprobs_and_penalties(cluster):
+    api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    resp = api.completions.create(model="tiny", prompt="a river bank", max_tokens=6, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert len(lp.token_logprobs) == 6 and all(len(t) == 3 for t in lp.top_logprobs)
+    assert all(v <= 0 for v in lp.token_logprobs)
+    assert "".join(lp.tokens) == resp.choices[0].text
+    chat = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    assert len(chat.choices[0].logprobs.content) == 4
+    plain = api.completions.create(model="tiny", prompt="a a a a", max_tokens=20, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    penalized = api.completions.create(model="tiny", prompt="a a a a", max_tokens=20, temperature=0,
+                                       frequency_penalty=2.0, presence_penalty=2.0, extra_body={"ignore_eos": True})
+    assert plain.choices[0].text != penalized.choices[0].text
+    wait_all_blocks_free(cluster)
