@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
 from pdserve.common.protocol import (AbortRequest, FinishReason, GenerateRequest, Heartbeat,
-                                     RegisterWorker, RequestDelta, RequestOutputs, WorkerRole)
+                                     RegisterWorker, RequestDelta, RequestOutputs, TokenLogprob,
+                                     WorkerRole, WorkerStats)
 from pdserve.common.transport import bind_pull, decode, encode
 from pdserve.engine.tiny_model import write_tiny_model
 from pdserve.router import RouterConfig, build_app
@@ -160,10 +161,22 @@ def test_registry_kv_capacity_and_restart():
 
 # --- HTTP API against a fake decode worker ------------------------------------------------
 
+def fake_logprob(token_id: int, position: int, index: int, num_top: int) -> TokenLogprob:
+    """What FakeDecodeWorker reports for token ``token_id`` at ``position`` of choice ``index``:
+    the sampled token first among ``num_top`` alternatives, each 1.0 below the previous."""
+    logprob = -0.25 * (index + 1) - 0.01 * position
+    top_ids = [(token_id + j) % 2048 for j in range(num_top)]
+    return TokenLogprob(token_id=token_id, logprob=logprob, top_token_ids=top_ids,
+                        top_logprobs=[logprob - j for j in range(num_top)])
+
+
 class FakeDecodeWorker:
-    """Registers with the router, heartbeats, and answers each GenerateRequest with
-    ``script`` token ids, one per delta, every ``delay_s``; finishes with
-    ``finish_reason`` (None = never finishes on its own)."""
+    """Registers with the router, heartbeats, and answers each GenerateRequest as a
+    real decode worker would: every ``delay_s`` one step, which sends one token
+    per unfinished choice (choice i follows ``scripts[i]``, else ``script``) in
+    one ``RequestOutputs``; a choice finishes with ``finish_reason`` after its
+    script or ``max_tokens`` (None = never finishes on its own). With
+    ``sampling_params.logprobs`` set, each token carries ``fake_logprob``."""
 
     def __init__(self, router_addr, worker_id="fake-d0", num_blocks=1000, block_size=16):
         self.ctx = zmq.Context()
@@ -173,11 +186,16 @@ class FakeDecodeWorker:
         self.push.connect(router_addr)
         self.worker_id, self.num_blocks, self.block_size = worker_id, num_blocks, block_size
         self.script: list[int] = []
+        self.scripts: dict[int, list[int]] = {}
         self.finish_reason: FinishReason | None = FinishReason.LENGTH
         self.delay_s = 0.0
         self.heartbeating = True
+        self.send_logprobs = True
+        self.stats = WorkerStats()
+        self.num_waiting, self.num_free_blocks = 0, num_blocks
         self.received: list = []
-        self.aborted: set[str] = set()
+        self.aborted: dict[str, float] = {}  # request_id -> time the AbortRequest arrived
+        self.finished_at: dict[tuple[str, int], float] = {}  # (request_id, index) -> time
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -185,41 +203,64 @@ class FakeDecodeWorker:
     def _send(self, msg):
         self.push.send_multipart(encode(msg))
 
+    def _heartbeat(self, num_running):
+        self._send(Heartbeat(worker_id=self.worker_id, role=WorkerRole.DECODE, num_running=num_running,
+                             num_waiting=self.num_waiting, num_blocks=self.num_blocks,
+                             num_free_blocks=self.num_free_blocks, max_step_batch_size=3,
+                             stats=self.stats))
+
+    def _step(self, req, sent: list[int], now: float) -> list[RequestDelta]:
+        """One step of ``req``: a delta per unfinished choice; marks finished ones with -1."""
+        deltas = []
+        sp = req.sampling_params
+        for i in range(sp.n):
+            if sent[i] < 0:
+                continue
+            script = self.scripts.get(i, self.script)
+            last = sent[i] + 1 >= min(len(script), sp.max_tokens)
+            reason = self.finish_reason if last else None
+            if sent[i] < len(script):
+                token = script[sent[i]]
+                logprobs = None
+                if sp.logprobs is not None and self.send_logprobs:
+                    logprobs = [fake_logprob(token, sent[i], i, sp.logprobs)]
+                deltas.append(RequestDelta(request_id=req.request_id, new_token_ids=[token], index=i,
+                                           finish_reason=reason, logprobs=logprobs))
+            sent[i] = -1 if reason is not None else sent[i] + 1
+            if reason is not None:
+                self.finished_at[(req.request_id, i)] = now
+        return deltas
+
     def _run(self):
         reg = RegisterWorker(worker_id=self.worker_id, role=WorkerRole.DECODE, input_addr=self.addr,
                              model_name="tiny", num_blocks=self.num_blocks, block_size=self.block_size)
         self._send(reg)
-        pending: list[tuple[GenerateRequest, int, float]] = []  # (request, tokens sent, next time)
+        pending: list[tuple[GenerateRequest, list[int], float]] = []  # (request, sent per choice, due)
         next_beat = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             if self.heartbeating and now >= next_beat:
-                self._send(Heartbeat(worker_id=self.worker_id, role=WorkerRole.DECODE, num_running=len(pending),
-                                     num_blocks=self.num_blocks, num_free_blocks=self.num_blocks,
-                                     max_step_batch_size=3))
+                self._heartbeat(len(pending))
                 next_beat = now + 0.1
             while self.pull.poll(0):
                 msg = decode(self.pull.recv_multipart())
                 self.received.append(msg)
                 if isinstance(msg, GenerateRequest):
-                    pending.append((msg, 0, now))
+                    pending.append((msg, [0] * msg.sampling_params.n, now))
                 elif isinstance(msg, AbortRequest):
-                    self.aborted.add(msg.request_id)
-            still = []
+                    self.aborted[msg.request_id] = now
+            still, deltas = [], []
             for req, sent, due in pending:
                 if req.request_id in self.aborted:
                     continue
                 if now < due or not self.heartbeating:
                     still.append((req, sent, due))
                     continue
-                last = sent + 1 >= min(len(self.script), req.sampling_params.max_tokens)
-                reason = self.finish_reason if last else None
-                if sent < len(self.script):
-                    delta = RequestDelta(request_id=req.request_id, new_token_ids=[self.script[sent]],
-                                         finish_reason=reason)
-                    self._send(RequestOutputs(worker_id=self.worker_id, deltas=[delta]))
-                if reason is None:
-                    still.append((req, sent + 1, now + self.delay_s))
+                deltas += self._step(req, sent, now)
+                if any(k >= 0 for k in sent):
+                    still.append((req, sent, now + self.delay_s))
+            if deltas:
+                self._send(RequestOutputs(worker_id=self.worker_id, deltas=deltas))
             pending = still
             time.sleep(0.002)
 
@@ -278,10 +319,19 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 @pytest.mark.parametrize("path,body,status,param", [
     ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
     ("/v1/completions", {**COMPLETION, "max_tokens": "many"}, 400, "max_tokens"),
-    ("/v1/completions", {**COMPLETION, "n": 2}, 400, "n"),
-    ("/v1/completions", {**COMPLETION, "logprobs": 1}, 400, "logprobs"),
+    ("/v1/completions", {**COMPLETION, "n": 0}, 400, "n"),
+    ("/v1/completions", {**COMPLETION, "n": 17}, 400, "n"),
+    ("/v1/completions", {**COMPLETION, "n": 2, "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {**COMPLETION, "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {**COMPLETION, "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {**COMPLETION, "logprobs": -1}, 400, "logprobs"),
     ("/v1/completions", {**COMPLETION, "echo": True}, 400, "echo"),
-    ("/v1/completions", {**COMPLETION, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {**COMPLETION, "echo": True, "logprobs": 1}, 400, "echo"),
+    ("/v1/completions", {**COMPLETION, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {**COMPLETION, "frequency_penalty": -2.01}, 400, "frequency_penalty"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": -3}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {**CHAT, "frequency_penalty": 7}, 400, "frequency_penalty"),
+    ("/v1/completions", {**COMPLETION, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
     ("/v1/completions", {**COMPLETION, "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {**COMPLETION, "prompt": [99999]}, 400, "prompt"),
@@ -297,7 +347,10 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     ("/v1/chat/completions", {"model": "tiny", "messages": "hello"}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
-    ("/v1/chat/completions", {**CHAT, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": False, "top_logprobs": 0}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "n": 17}, 400, "n"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages.0.content"),
 ])
@@ -415,3 +468,199 @@ def test_worker_timeout_fails_inflight_requests(router, worker, tok):
     assert "stopped responding" in err["message"]
     assert router.get("/health").json()["num_decode"] == 0
     assert router.get("/workers").json() == []
+
+
+# --- n > 1, logprobs, penalties -----------------------------------------------------------
+
+def by_index(chunks):
+    """Stream chunks -> {index: (text, [finish_reasons], [chunk choices])}."""
+    out = {}
+    for c in chunks:
+        for ch in c["choices"]:
+            text, finishes, choices = out.setdefault(ch["index"], ["", [], []])
+            out[ch["index"]][0] = text + ch.get("text", ch.get("delta", {}).get("content") or "")
+            if ch["finish_reason"]:
+                finishes.append(ch["finish_reason"])
+            choices.append(ch)
+    return out
+
+
+def test_penalties_seed_and_n_pass_through(router, worker, tok):
+    worker.script = tok.encode(" ok")
+    resp = router.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4, "n": 2, "best_of": 2,
+                                                      "frequency_penalty": 0.5, "presence_penalty": -2,
+                                                      "seed": 11})
+    assert resp.status_code == 200, resp.text
+    sp = worker.requests()[0].sampling_params
+    assert (sp.n, sp.frequency_penalty, sp.presence_penalty, sp.seed, sp.logprobs) == (2, 0.5, -2.0, 11, None)
+    assert [c["index"] for c in resp.json()["choices"]] == [0, 1]
+
+
+def test_n3_non_stream_choices_and_usage(router, worker, tok):
+    texts = [" one", " two two", " three three three"]
+    worker.scripts = {i: tok.encode(t) for i, t in enumerate(texts)}
+    resp = router.post("/v1/completions", json={**COMPLETION, "n": 3, "max_tokens": 20})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert [(c["index"], c["text"], c["finish_reason"], c["logprobs"]) for c in body["choices"]] == [
+        (i, t, "length", None) for i, t in enumerate(texts)]
+    n = sum(len(s) for s in worker.scripts.values())
+    p = len(tok.encode("hello"))
+    assert body["usage"] == {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    (req,) = worker.requests()
+    assert req.sampling_params.n == 3
+    time.sleep(0.05)
+    assert req.request_id not in worker.aborted  # the worker finished every choice itself
+
+
+def test_n3_stream_completions_and_chat(router, worker, tok):
+    texts = [" a b c d", " e", " f g"]
+    worker.scripts = {i: tok.encode(t) for i, t in enumerate(texts)}
+    resp = router.post("/v1/completions", json={**COMPLETION, "n": 3, "max_tokens": 20, "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+    events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(len(c["choices"]) == 1 for c in chunks[:-1])
+    got = by_index(chunks[:-1])
+    assert {i: (t, f) for i, (t, f, _) in got.items()} == {i: (t, ["length"]) for i, t in enumerate(texts)}
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == sum(len(s) for s in worker.scripts.values())
+
+    resp = router.post("/v1/chat/completions", json={**CHAT, "n": 3, "max_tokens": 20, "stream": True})
+    chunks = [json.loads(e) for e in sse_events(resp)[:-1]]
+    roles = [c["choices"][0] for c in chunks if "role" in c["choices"][0]["delta"]]
+    assert [(r["index"], r["delta"]) for r in roles] == [(i, {"role": "assistant", "content": ""})
+                                                        for i in range(3)]
+    assert chunks[:3] == [chunks[i] for i in range(3) if "role" in chunks[i]["choices"][0]["delta"]]
+    got = by_index(chunks)
+    assert {i: (t, f) for i, (t, f, _) in got.items()} == {i: (t, ["length"]) for i, t in enumerate(texts)}
+
+
+def test_stop_string_on_one_choice_aborts_only_when_all_done(router, worker, tok):
+    worker.scripts = {0: tok.encode(" and so on" * 6),  # 24 tokens, ends by length
+                      1: tok.encode(" the quick brown fox jumps over the lazy dog" * 5),  # stops early
+                      2: tok.encode(" short")}
+    worker.delay_s = 0.005
+    resp = router.post("/v1/completions", json={**COMPLETION, "n": 3, "max_tokens": 100, "stop": "fox"})
+    assert resp.status_code == 200, resp.text
+    choices = resp.json()["choices"]
+    assert [(c["text"], c["finish_reason"]) for c in choices] == [
+        (" and so on" * 6, "length"), (" the quick brown ", "stop"), (" short", "length")]
+    rid = worker.requests()[0].request_id
+    wait_for(lambda: rid in worker.aborted)  # choice 1 was still running on the worker
+    assert worker.aborted[rid] >= worker.finished_at[(rid, 0)]  # not before choice 0 ended
+    assert (rid, 1) not in worker.finished_at
+
+
+def test_completion_logprobs(router, worker, tok):
+    text = " café 🙂 ok"
+    worker.script = ids = tok.encode(text)
+    resp = router.post("/v1/completions", json={**COMPLETION, "logprobs": 2, "max_tokens": 30})
+    assert resp.status_code == 200, resp.text
+    assert worker.requests()[0].sampling_params.logprobs == 2
+    (choice,) = resp.json()["choices"]
+    assert choice["text"] == text
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    assert lp["token_logprobs"] == pytest.approx([fake_logprob(t, i, 0, 2).logprob for i, t in enumerate(ids)])
+    for i, (t, top) in enumerate(zip(ids, lp["top_logprobs"])):
+        expected = fake_logprob(t, i, 0, 2)
+        want = {}
+        for tid, value in zip(expected.top_token_ids, expected.top_logprobs):
+            want.setdefault(tok.decode([tid]), value)
+        assert top == pytest.approx(want) and 1 <= len(top) <= 3
+    offsets = lp["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and len(offsets) == len(ids)
+    # Stream: the chunks' entries add up to the same lists, text and entries in step.
+    resp = router.post("/v1/completions", json={**COMPLETION, "logprobs": 2, "max_tokens": 30, "stream": True})
+    chunks = [json.loads(e)["choices"][0] for e in sse_events(resp)[:-1]]
+    assert "".join(c["text"] for c in chunks) == text
+    merged = {k: [x for c in chunks if c["logprobs"] for x in c["logprobs"][k]] for k in lp}
+    assert merged == lp
+    for c in chunks:  # every chunk with text carries the entries of its tokens
+        assert bool(c["text"]) <= bool(c["logprobs"])
+
+
+def test_chat_logprobs_bytes_and_top(router, worker, tok):
+    text = "naïve 日本 ok"
+    worker.script = ids = tok.encode(text)
+    body = {**CHAT, "logprobs": True, "top_logprobs": 3, "max_tokens": 30, "n": 2}
+    resp = router.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    assert worker.requests()[0].sampling_params.logprobs == 3
+    for index, choice in enumerate(resp.json()["choices"]):
+        content = choice["logprobs"]["content"]
+        assert len(content) == len(ids)
+        assert b"".join(bytes(e["bytes"]) for e in content).decode() == text  # real token bytes
+        for i, (t, e) in enumerate(zip(ids, content)):
+            expected = fake_logprob(t, i, index, 3)
+            assert e["token"] == tok.decode([t]) and e["logprob"] == pytest.approx(expected.logprob)
+            assert [x["logprob"] for x in e["top_logprobs"]] == pytest.approx(expected.top_logprobs)
+            assert [x["token"] for x in e["top_logprobs"]] == [tok.decode([x]) for x in expected.top_token_ids]
+            assert set(e) == {"token", "logprob", "bytes", "top_logprobs"}
+    resp = router.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "max_tokens": 30})
+    content = resp.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(ids) and all(e["top_logprobs"] == [] for e in content)
+    resp = router.post("/v1/chat/completions", json={**CHAT, "logprobs": True, "max_tokens": 30, "stream": True})
+    chunks = [json.loads(e)["choices"][0] for e in sse_events(resp)[:-1]]
+    streamed = [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert streamed == content
+    resp = router.post("/v1/chat/completions", json=CHAT)
+    assert resp.json()["choices"][0]["logprobs"] is None
+
+
+def test_missing_logprobs_fail_loudly(router, worker, tok):
+    worker.script = tok.encode(" hi")
+    worker.send_logprobs = False
+    err = error_of(router.post("/v1/completions", json={**COMPLETION, "logprobs": 1}), 500)
+    assert "logprobs" in err["message"] and "fake-d0" in err["message"]
+
+
+def choice_output(tok, stop=(), logprobs=True):
+    from pdserve.router.outputs import ChoiceOutput
+    return ChoiceOutput(0, IncrementalDetokenizer(tok, stop=stop), logprobs)
+
+
+def feed(choice, ids, finish_at_end=True):
+    """Feed ids one delta each; return the ChoiceDeltas."""
+    outs = []
+    for i, t in enumerate(ids):
+        last = finish_at_end and i == len(ids) - 1
+        delta = RequestDelta(request_id="r", new_token_ids=[t], logprobs=[fake_logprob(t, i, 0, 1)],
+                             finish_reason=FinishReason.LENGTH if last else None)
+        out = choice.add(delta)
+        if out is not None:
+            outs.append(out)
+        if choice.finished:
+            break
+    return outs
+
+
+def test_logprob_entries_follow_emitted_text(tok):
+    ids = tok.encode(MULTIBYTE)
+    outs = feed(choice_output(tok), ids)
+    assert "".join(o.text for o in outs) == MULTIBYTE
+    assert [e.token_id for o in outs for e in o.tokens] == ids
+    for o in outs:  # an entry never comes before its token's text
+        assert bool(o.tokens) == bool(o.text) or o.finish_reason
+    # A token ending mid-character has no text of its own: it goes out with the one completing it.
+    split = next(i for i, t in enumerate(ids) if tok.decode([t]).endswith("\ufffd"))
+    carrier = next(o for o in outs if any(e.token_id == ids[split] for e in o.tokens))
+    assert len(carrier.tokens) >= 2 and "\ufffd" not in carrier.text
+
+
+def test_logprob_entries_cut_at_stop_string(tok):
+    text = "the quick brown fox jumps over"
+    ids = tok.encode(text)
+    choice = choice_output(tok, stop=["fox j"])
+    outs = feed(choice, ids)
+    assert choice.finish_reason == "stop" and choice.text == "the quick brown "
+    kept = [e for o in outs for e in o.tokens]
+    assert kept == choice.entries
+    starts = [e.start for e in kept]
+    assert all(s < len(choice.text) for s in starts)
+    # Exactly the tokens whose text starts before the cut survive.
+    prefix_lens = [len(tok.decode(ids[:i])) for i in range(len(ids))]
+    assert [e.token_id for e in kept] == [t for t, s in zip(ids, prefix_lens) if s < len(choice.text)]
+    assert "".join(o.text for o in outs) == choice.text

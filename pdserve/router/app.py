@@ -6,6 +6,17 @@ Endpoints:
     GET  /health                                      {"status": "ok", "num_prefill", "num_decode"}
     GET  /workers                                     live workers and their latest heartbeat figures
     GET  /info                                        model, limits, and the bound ZMQ address
+    GET  /metrics                                     Prometheus text format (see ``metrics.py``)
+
+Both generation endpoints take ``n`` (1..16 choices; ``best_of`` only if equal
+to ``n``), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``max_tokens``,
+``stop``, ``frequency_penalty`` and ``presence_penalty`` (each in [-2, 2]),
+``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and ``skip_special_tokens``.
+Log-probabilities: completions ``logprobs: 0..20`` (legacy
+``{tokens, token_logprobs, top_logprobs, text_offset}``), chat ``logprobs: true``
+with ``top_logprobs: 0..20`` (``{content: [{token, logprob, bytes, top_logprobs}]}``).
+With ``n > 1`` the response has one choice per index; stream chunks carry one
+choice each (``choices[0].index``) and usage sums the tokens of all choices.
 
 Every error is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``;
 request validation errors are 400 (not FastAPI's 422).
@@ -18,7 +29,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
@@ -26,6 +37,7 @@ from pdserve.common.protocol import WorkerRole
 from pdserve.router.config import RouterConfig
 from pdserve.router.engine import RouterEngine
 from pdserve.router.errors import APIError
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                             ModelList)
 from pdserve.router.registry import WorkerRegistry
@@ -68,8 +80,9 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(config.model)
     registry = WorkerRegistry(config.worker_timeout_s)
-    engine = RouterEngine(config.host, config.zmq_port, registry)
-    serving = OpenAIServing(config, tokenizer, engine)
+    metrics = RouterMetrics(config.served_model_name, registry, config.max_model_len)
+    engine = RouterEngine(config.host, config.zmq_port, registry, metrics.workers)
+    serving = OpenAIServing(config, tokenizer, engine, metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -86,6 +99,7 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     app.state.engine = engine
     app.state.registry = registry
     app.state.serving = serving
+    app.state.metrics = metrics
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -106,10 +120,12 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
+        """OpenAI completions: one prompt, ``n`` choices, optional legacy ``logprobs``."""
         return await serving.create_completion(body, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """OpenAI chat completions: ``n`` choices, optional ``logprobs``/``top_logprobs``."""
         return await serving.create_chat_completion(body, request)
 
     @app.get("/v1/models")
@@ -126,6 +142,12 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     @app.get("/workers")
     async def workers():
         return registry.snapshot()
+
+    @app.get("/metrics")
+    async def prometheus_metrics(request: Request):
+        """vLLM-named gauges, counters and histograms of the router and its workers."""
+        body, content_type = metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/info")
     async def info():

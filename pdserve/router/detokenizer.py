@@ -64,6 +64,11 @@ class IncrementalDetokenizer:
         self.stopped = False  # a stop string matched
         self.stop_str: str | None = None
 
+    @property
+    def num_emitted_chars(self) -> int:
+        """How much of ``text`` has been returned as deltas so far."""
+        return self._num_emitted
+
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 

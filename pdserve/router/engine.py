@@ -11,7 +11,9 @@ Three background tasks share one ``zmq.asyncio`` context:
 * ``_expire_loop`` drops workers that went silent and fails their requests.
 
 A request's queue yields ``RequestDelta``s from its decode worker, or one
-``RequestFailed`` if that worker died or the router stopped.
+``RequestFailed`` if that worker died or the router stopped. A request with
+``n`` choices gets deltas for all of them (``delta.index``); it is finished at
+the worker, and forgotten here, once every choice has had a ``finish_reason``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import zmq.asyncio
 from pdserve.common.protocol import (AbortRequest, GenerateRequest, Heartbeat, RegisterWorker,
                                      RequestDelta, RequestOutputs, SamplingParams, WorkerRole)
 from pdserve.common.transport import ProtocolError, decode, encode
+from pdserve.router.metrics import WorkerStatsCollector
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,12 @@ class NoDecodeWorker(Exception):
     pass
 
 
+def request_num_tokens(num_prompt_tokens: int, params: SamplingParams) -> int:
+    """KV tokens a request may need: the prompt once (its n choices share its
+    blocks) plus each choice's completion."""
+    return num_prompt_tokens + params.n * params.max_tokens
+
+
 @dataclasses.dataclass
 class RequestHandle:
     """One in-flight request: where it runs and where its outputs arrive."""
@@ -53,6 +62,8 @@ class RequestHandle:
     decode_addr: str
     prefill_worker_id: str | None
     queue: asyncio.Queue  # RequestDelta | RequestFailed
+    num_choices: int = 1
+    finished_choices: set[int] = dataclasses.field(default_factory=set)  # finished at the worker
 
 
 class RouterEngine:
@@ -62,14 +73,17 @@ class RouterEngine:
         host, zmq_port: where to bind the PULL socket (port 0 = a free one);
             ``address`` is the bound ``tcp://host:port`` once ``start`` returned.
         registry: the worker registry to feed and route with.
+        worker_stats: where heartbeats' ``WorkerStats`` go for ``/metrics`` (optional).
     """
 
     _SNDHWM = 100_000
 
-    def __init__(self, host: str, zmq_port: int, registry: WorkerRegistry):
+    def __init__(self, host: str, zmq_port: int, registry: WorkerRegistry,
+                 worker_stats: WorkerStatsCollector | None = None):
         self.host = host
         self.zmq_port = zmq_port
         self.registry = registry
+        self.worker_stats = worker_stats
         self.address: str | None = None
         self._requests: dict[str, RequestHandle] = {}
         self._ctx: zmq.asyncio.Context | None = None
@@ -132,13 +146,14 @@ class RouterEngine:
         Raises:
             NoDecodeWorker: no live decode worker can hold the request's tokens.
         """
-        num_tokens = len(prompt_token_ids) + sampling_params.max_tokens
+        num_tokens = request_num_tokens(len(prompt_token_ids), sampling_params)
         decode_worker = self.registry.pick(WorkerRole.DECODE, num_tokens)
         if decode_worker is None:
             raise NoDecodeWorker()
         prefill_worker = self.registry.pick(WorkerRole.PREFILL)
         handle = RequestHandle(request_id, decode_worker.worker_id, decode_worker.input_addr,
-                               prefill_worker.worker_id if prefill_worker else None, asyncio.Queue())
+                               prefill_worker.worker_id if prefill_worker else None, asyncio.Queue(),
+                               num_choices=sampling_params.n)
         self._requests[request_id] = handle
         decode_worker.num_inflight += 1
         decode_worker.num_routed += 1
@@ -238,9 +253,13 @@ class RouterEngine:
         elif isinstance(msg, Heartbeat):
             if not self.registry.heartbeat(msg):
                 logger.debug("heartbeat from unregistered worker %s ignored", msg.worker_id)
+            elif self.worker_stats is not None:
+                self.worker_stats.observe_heartbeat(msg)
         elif isinstance(msg, RegisterWorker):
             replaced = self.registry.register(msg)
             if replaced is not None:
+                if self.worker_stats is not None:
+                    self.worker_stats.observe_restart(replaced.worker_id, replaced.role)
                 self._fail_worker_requests(
                     replaced, f"worker {replaced.worker_id} restarted; its requests were lost")
         else:
@@ -250,8 +269,14 @@ class RouterEngine:
         handle = self._requests.get(delta.request_id)
         if handle is None:
             return  # finished, aborted or failed already
+        if not 0 <= delta.index < handle.num_choices:
+            logger.warning("request %s: delta for choice %d of %d dropped", delta.request_id,
+                           delta.index, handle.num_choices)
+            return
         if delta.finish_reason is not None:
-            self.finish(delta.request_id)
+            handle.finished_choices.add(delta.index)
+            if len(handle.finished_choices) == handle.num_choices:
+                self.finish(delta.request_id)
         handle.queue.put_nowait(delta)
 
     async def _expire_loop(self) -> None:

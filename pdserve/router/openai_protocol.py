@@ -1,10 +1,15 @@
 """OpenAI-compatible request and response bodies (pydantic 2).
 
 Requests ignore unknown fields (as vLLM does). Fields we parse but cannot honour
-yet (``n > 1``, ``logprobs``, tools, ...) are rejected with 400 by
-``check_supported`` rather than silently ignored. Extension fields beyond
-OpenAI's (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``skip_special_tokens``) follow vLLM's names.
+yet (``echo``, ``best_of`` other than ``n``, ``logit_bias``, tools, ...) are
+rejected with 400 by ``preprocess.check_*_supported`` rather than silently
+ignored. Extension fields beyond OpenAI's (``top_k``, ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) follow vLLM's names.
+
+Log-probabilities come in OpenAI's two shapes: the legacy completions one
+(``CompletionLogprobs``: parallel lists, ``top_logprobs`` as one
+``{token: logprob}`` dict per position) and the chat one (``ChatLogprobs``:
+one ``ChatLogprobToken`` per position with ``bytes`` and a ``top_logprobs`` list).
 """
 
 from __future__ import annotations
@@ -120,10 +125,39 @@ class UsageInfo(_Response):
                    total_tokens=num_prompt_tokens + num_completion_tokens)
 
 
+class CompletionLogprobs(_Response):
+    """Legacy (completions) log-probabilities of a choice's tokens, one entry per token.
+
+    ``text_offset[i]`` is where token i's text starts in the choice's text;
+    ``top_logprobs[i]`` holds the top alternatives and the sampled token.
+    """
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token's UTF-8 bytes (a token may hold part of a character)
+
+
+class ChatLogprobToken(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    """Chat log-probabilities of a choice's (or a chunk's) tokens."""
+
+    content: list[ChatLogprobToken] | None = None
+
+
 class CompletionChoice(_Response):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -144,7 +178,7 @@ class ChatResponseMessage(_Response):
 class ChatCompletionChoice(_Response):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 
@@ -171,7 +205,7 @@ class DeltaMessage(_Response):
 class ChatCompletionStreamChoice(_Response):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
 
 

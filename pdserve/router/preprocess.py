@@ -24,24 +24,35 @@ def check_model(req: SamplingRequest, served_model_name: str) -> None:
         raise model_not_found(req.model)
 
 
+MAX_N = 16  # most choices (parallel samples) of one request
+MAX_LOGPROBS = 20  # most top alternatives per position (OpenAI's limit)
+_PENALTY_RANGE = 2.0  # frequency_penalty / presence_penalty lie in [-2, 2]
+
+
 def _check_sampling_supported(req: SamplingRequest) -> None:
-    if req.n not in (None, 1):
-        raise not_supported("n", "`n` > 1")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
     for name in ("frequency_penalty", "presence_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise not_supported(name, f"non-zero `{name}`")
+        value = getattr(req, name)
+        if value is not None and not (math.isfinite(value) and abs(value) <= _PENALTY_RANGE):
+            raise bad_request(f"{name} must be in [-{_PENALTY_RANGE:g}, {_PENALTY_RANGE:g}], "
+                              f"got {value}", name)
     if req.repetition_penalty not in (None, 1):
         raise not_supported("repetition_penalty", "`repetition_penalty` other than 1")
     if req.logit_bias:
         raise not_supported("logit_bias")
 
 
+def _check_num_logprobs(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise bad_request(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}", param)
+
+
 def check_completion_supported(req: CompletionRequest) -> None:
     _check_sampling_supported(req)
-    if req.best_of not in (None, 1):
-        raise not_supported("best_of", "`best_of` > 1")
-    if req.logprobs is not None:
-        raise not_supported("logprobs")
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise not_supported("best_of", "`best_of` other than `n`")
+    _check_num_logprobs(req.logprobs, "logprobs")
     if req.echo:
         raise not_supported("echo")
     if req.suffix:
@@ -50,8 +61,9 @@ def check_completion_supported(req: CompletionRequest) -> None:
 
 def check_chat_supported(req: ChatCompletionRequest) -> None:
     _check_sampling_supported(req)
-    if req.logprobs or req.top_logprobs:
-        raise not_supported("logprobs")
+    _check_num_logprobs(req.top_logprobs, "top_logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     if req.tools or req.functions:
         raise not_supported("tools", "tool calling")
     if req.tool_choice not in (None, "none", "auto"):
@@ -64,6 +76,17 @@ def check_chat_supported(req: ChatCompletionRequest) -> None:
                 if part.type != "text" or part.text is None:
                     raise not_supported(f"messages.{i}.content",
                                         f"content part of type `{part.type}`")
+
+
+def requested_logprobs(req: SamplingRequest) -> int | None:
+    """How many top alternatives per position the client wants, or None for no logprobs.
+
+    Completions: ``logprobs`` (an int). Chat: ``top_logprobs`` (0 if absent) when
+    ``logprobs`` is true. Either way the sampled token's logprob comes too.
+    """
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return getattr(req, "logprobs", None)
 
 
 def completion_prompt_ids(req: CompletionRequest, tokenizer) -> list[int]:
@@ -141,7 +164,11 @@ def resolve_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model
 
 
 def build_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int) -> SamplingParams:
-    """Validate the sampling fields and pack them into the wire ``SamplingParams``."""
+    """Validate the sampling fields and pack them into the wire ``SamplingParams``.
+
+    ``n``, the penalties and the logprob counts were range-checked by
+    ``check_*_supported`` already.
+    """
     temperature = 1.0 if req.temperature is None else req.temperature
     if not (math.isfinite(temperature) and temperature >= 0):
         raise bad_request(f"temperature must be >= 0, got {temperature}", "temperature")
@@ -167,4 +194,6 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int
     return SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=req.seed,
         stop=[s for s in req.stop_list() if s], stop_token_ids=stop_token_ids,
-        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens)
+        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, n=req.n or 1,
+        logprobs=requested_logprobs(req), frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0)

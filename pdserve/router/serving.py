@@ -3,13 +3,17 @@
 A request's life in the router:
 
     check + tokenize (preprocess) -> submit to a decode worker (engine)
-        -> RequestDelta tokens -> IncrementalDetokenizer -> text deltas
+        -> RequestDelta tokens, per choice (delta.index)
+        -> ChoiceOutput (IncrementalDetokenizer + logprob alignment) -> ChoiceDelta
         -> one JSON response, or SSE chunks ending with ``data: [DONE]``
 
-The request is aborted at its decode worker whenever the router stops caring
-before the worker finished it: a stop string matched, the client went away, or
-the handler failed. ``RouterEngine.abort`` is a no-op for finished requests,
-so every path simply calls it on the way out.
+A request with ``n`` choices is one request at the worker; each choice
+finishes on its own (its finish_reason, its stop strings), the request when
+all have. The request is aborted at its decode worker whenever the router
+stops caring before the worker finished it: every choice ended from the
+router's view (some by a stop string while the worker still generates them),
+the client went away, or the handler failed. ``RouterEngine.abort`` is a no-op
+for requests the worker finished, so every path simply calls it on the way out.
 """
 
 from __future__ import annotations
@@ -26,17 +30,23 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from pdserve.common.protocol import FinishReason, SamplingParams, WorkerRole
+from pdserve.common.protocol import FinishReason, RequestDelta, SamplingParams, WorkerRole
+from pdserve.router import preprocess
 from pdserve.router.config import RouterConfig
 from pdserve.router.detokenizer import IncrementalDetokenizer
-from pdserve.router.engine import NoDecodeWorker, RequestFailed, RequestHandle, RouterEngine
+from pdserve.router.engine import (NoDecodeWorker, RequestFailed, RequestHandle, RouterEngine,
+                                   request_num_tokens)
 from pdserve.router.errors import APIError, bad_request, unavailable
+from pdserve.router.logprobs import TokenEntry, TokenTexts, chat_logprobs, completion_logprobs
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import (ChatCompletionChoice, ChatCompletionChunk,
                                             ChatCompletionRequest, ChatCompletionResponse,
-                                            ChatCompletionStreamChoice, ChatResponseMessage,
-                                            CompletionChoice, CompletionRequest, CompletionResponse,
-                                            DeltaMessage, SamplingRequest, UsageInfo)
-from pdserve.router import preprocess
+                                            ChatCompletionStreamChoice, ChatLogprobs,
+                                            ChatResponseMessage, CompletionChoice,
+                                            CompletionLogprobs, CompletionRequest,
+                                            CompletionResponse, DeltaMessage, SamplingRequest,
+                                            UsageInfo)
+from pdserve.router.outputs import ChoiceDelta, ChoiceOutput, MissingLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +64,29 @@ class _Run:
 
     response_id: str
     handle: RequestHandle
-    detokenizer: IncrementalDetokenizer
+    choices: list[ChoiceOutput]
     num_prompt_tokens: int
-    created: int
+    num_logprobs: int | None  # top alternatives per position; None = no logprobs
+    arrival: float  # time.monotonic() when the HTTP request came in
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    first_token_at: float | None = None
+    last_delta_at: dict[int, float] = dataclasses.field(default_factory=dict)  # per choice
+    failure: str | None = None  # finish reason of choices cut short: "abort" / "error"
 
     @property
     def request_id(self) -> str:
         return self.handle.request_id
 
+    @property
+    def done(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
     def usage(self) -> UsageInfo:
-        return UsageInfo.of(self.num_prompt_tokens, self.detokenizer.num_output_tokens)
+        return UsageInfo.of(self.num_prompt_tokens, self.num_output_tokens)
 
 
 def _sse(obj: BaseModel) -> str:
@@ -71,69 +94,92 @@ def _sse(obj: BaseModel) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, config: RouterConfig, tokenizer, engine: RouterEngine):
+    def __init__(self, config: RouterConfig, tokenizer, engine: RouterEngine,
+                 metrics: RouterMetrics):
         self.config = config
         self.model_name = config.served_model_name
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.engine = engine
+        self.metrics = metrics
+        self.token_texts = TokenTexts(tokenizer)
 
     # --- endpoints ------------------------------------------------------------------------
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
         preprocess.check_model(req, self.model_name)
         preprocess.check_completion_supported(req)
         prompt_ids = preprocess.completion_prompt_ids(req, self.tokenizer)
-        run = self._submit(req, prompt_ids, "cmpl")
+        run = self._submit(req, prompt_ids, "cmpl", arrival)
 
-        def chunk(text: str, reason: str | None) -> CompletionResponse:
-            return CompletionResponse(id=run.response_id, created=run.created, model=self.model_name,
-                                      choices=[CompletionChoice(text=text, finish_reason=reason)])
+        def logprobs(tokens: list[TokenEntry], always: bool = False) -> CompletionLogprobs | None:
+            if run.num_logprobs is None or not (tokens or always):
+                return None
+            return completion_logprobs(tokens, run.num_logprobs, self.token_texts)
 
-        def usage_chunk() -> CompletionResponse:
+        def response(choices: list[CompletionChoice], usage: UsageInfo | None = None):
             return CompletionResponse(id=run.response_id, created=run.created, model=self.model_name,
-                                      choices=[], usage=run.usage())
+                                      choices=choices, usage=usage)
+
+        def chunk(out: ChoiceDelta) -> CompletionResponse:
+            return response([CompletionChoice(index=out.index, text=out.text,
+                                              logprobs=logprobs(out.tokens),
+                                              finish_reason=out.finish_reason)])
 
         if req.stream:
-            return self._stream(run, None, chunk, usage_chunk if req.include_usage() else None)
-        reason = await self._collect(run, raw)
-        if reason is None:
+            usage_chunk = (lambda: response([], run.usage())) if req.include_usage() else None
+            return self._stream(run, [], chunk, usage_chunk)
+        if not await self._collect(run, raw):
             return Response(status_code=499)
-        body = chunk(run.detokenizer.text, reason)
-        body.usage = run.usage()
+        body = response([CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                          logprobs=logprobs(c.entries, always=True))
+                         for c in run.choices], run.usage())
         return JSONResponse(body.model_dump())
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        arrival = time.monotonic()
         preprocess.check_model(req, self.model_name)
         preprocess.check_chat_supported(req)
         prompt_ids = preprocess.chat_prompt_ids(req, self.tokenizer)
-        run = self._submit(req, prompt_ids, "chatcmpl")
+        run = self._submit(req, prompt_ids, "chatcmpl", arrival)
 
-        def chunk(text: str | None, reason: str | None, role: str | None = None) -> ChatCompletionChunk:
-            delta = DeltaMessage(role=role, content=text if role is not None else (text or None))
-            return ChatCompletionChunk(
-                id=run.response_id, created=run.created, model=self.model_name,
-                choices=[ChatCompletionStreamChoice(delta=delta, finish_reason=reason)])
+        def logprobs(tokens: list[TokenEntry], always: bool = False) -> ChatLogprobs | None:
+            if run.num_logprobs is None or not (tokens or always):
+                return None
+            return chat_logprobs(tokens, run.num_logprobs, self.token_texts)
+
+        def stream_chunk(choice: ChatCompletionStreamChoice) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=run.response_id, created=run.created,
+                                       model=self.model_name, choices=[choice])
+
+        def chunk(out: ChoiceDelta) -> ChatCompletionChunk:
+            return stream_chunk(ChatCompletionStreamChoice(
+                index=out.index, delta=DeltaMessage(content=out.text or None),
+                logprobs=logprobs(out.tokens), finish_reason=out.finish_reason))
 
         def usage_chunk() -> ChatCompletionChunk:
             return ChatCompletionChunk(id=run.response_id, created=run.created, model=self.model_name,
                                        choices=[], usage=run.usage())
 
         if req.stream:
-            first = chunk("", None, role="assistant")
-            return self._stream(run, first, chunk, usage_chunk if req.include_usage() else None)
-        reason = await self._collect(run, raw)
-        if reason is None:
+            roles = [stream_chunk(ChatCompletionStreamChoice(
+                index=c.index, delta=DeltaMessage(role="assistant", content=""))) for c in run.choices]
+            return self._stream(run, roles, chunk, usage_chunk if req.include_usage() else None)
+        if not await self._collect(run, raw):
             return Response(status_code=499)
         body = ChatCompletionResponse(
             id=run.response_id, created=run.created, model=self.model_name, usage=run.usage(),
-            choices=[ChatCompletionChoice(message=ChatResponseMessage(content=run.detokenizer.text),
-                                          finish_reason=reason)])
+            choices=[ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                          logprobs=logprobs(c.entries, always=True),
+                                          finish_reason=c.finish_reason)
+                     for c in run.choices])
         return JSONResponse(body.model_dump())
 
     # --- shared steps ---------------------------------------------------------------------
 
-    def _submit(self, req: SamplingRequest, prompt_ids: list[int], id_prefix: str) -> _Run:
+    def _submit(self, req: SamplingRequest, prompt_ids: list[int], id_prefix: str,
+                arrival: float) -> _Run:
         """Check lengths and sampling fields, pick workers, send the request."""
         requested = preprocess.requested_max_tokens(req)
         max_tokens = preprocess.resolve_max_tokens(requested, len(prompt_ids), self.config.max_model_len)
@@ -144,91 +190,122 @@ class OpenAIServing:
             handle = self.engine.submit(request_id, prompt_ids, params)
         except NoDecodeWorker:
             raise unavailable(_NO_DECODE_WORKER) from None
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop,
-                                             skip_special_tokens=req.skip_special_tokens,
-                                             min_tokens=params.min_tokens)
-        logger.debug("request %s: %d prompt tokens, max_tokens=%d -> decode worker %s",
-                     request_id, len(prompt_ids), params.max_tokens, handle.decode_worker_id)
-        return _Run(f"{id_prefix}-{request_id}", handle, detokenizer, len(prompt_ids), int(time.time()))
+        choices = [ChoiceOutput(i, IncrementalDetokenizer(
+            self.tokenizer, prompt_ids, params.stop, skip_special_tokens=req.skip_special_tokens,
+            min_tokens=params.min_tokens), logprobs=params.logprobs is not None)
+            for i in range(params.n)]
+        logger.debug("request %s: %d prompt tokens, n=%d, max_tokens=%d -> decode worker %s",
+                     request_id, len(prompt_ids), params.n, params.max_tokens, handle.decode_worker_id)
+        return _Run(f"{id_prefix}-{request_id}", handle, choices, len(prompt_ids), params.logprobs,
+                    arrival)
 
     def _fit_kv_cache(self, params: SamplingParams, num_prompt_tokens: int,
                       fill_to_limit: bool) -> SamplingParams:
         """503 without decode workers; 400 if no decode worker's KV cache can hold the request.
 
-        A max_tokens the client left out shrinks to what the largest KV cache holds instead.
+        A max_tokens the client left out shrinks to what the largest KV cache holds instead
+        (split evenly over the n choices).
         """
         decode_workers = self.engine.registry.live(WorkerRole.DECODE)
         if not decode_workers:
             raise unavailable(_NO_DECODE_WORKER)
-        num_tokens = num_prompt_tokens + params.max_tokens
+        num_tokens = request_num_tokens(num_prompt_tokens, params)
         if any(w.fits(num_tokens) for w in decode_workers):
             return params
         largest = self.engine.registry.largest_decode()
         assert largest is not None and largest.num_kv_tokens is not None
-        if fill_to_limit and largest.num_kv_tokens > num_prompt_tokens:
-            max_tokens = largest.num_kv_tokens - num_prompt_tokens
+        max_tokens = (largest.num_kv_tokens - num_prompt_tokens) // params.n
+        if fill_to_limit and max_tokens >= 1:
             return msgspec.structs.replace(params, max_tokens=max_tokens,
                                            min_tokens=min(params.min_tokens, max_tokens))
         num_needed = -(-num_tokens // largest.block_size)
+        completion = (f"{params.max_tokens} for the completion" if params.n == 1 else
+                      f"{params.n} x {params.max_tokens} for {params.n} completions")
         raise bad_request(
             f"This request needs {num_needed} KV cache blocks of {largest.block_size} tokens "
-            f"({num_prompt_tokens} in the prompt, {params.max_tokens} for the completion), but the "
+            f"({num_prompt_tokens} in the prompt, {completion}), but the "
             f"largest live decode worker has only {largest.num_blocks} blocks "
             f"({largest.num_kv_tokens} tokens). Please reduce the length of the prompt or of the "
             f"completion.", "max_tokens")
 
-    async def _outputs(self, run: _Run) -> AsyncIterator[tuple[str, str | None]]:
-        """Yield ``(text_delta, finish_reason)`` until the request finishes.
+    async def _outputs(self, run: _Run) -> AsyncIterator[ChoiceDelta]:
+        """Yield each choice's deltas until every choice finished.
 
         Raises:
             APIError: the worker failed the request or went away.
             ClientDisconnected: the disconnect watcher fired.
         """
-        detok = run.detokenizer
-        while True:
+        while not run.done:
             item = await run.handle.queue.get()
             if item is _CLIENT_GONE:
+                run.failure = "abort"
                 raise ClientDisconnected()
             if isinstance(item, RequestFailed):
+                run.failure = "error"
                 raise APIError(item.status_code, item.message)
             if item.error is not None or item.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                raise APIError(500, f"request {run.request_id} failed on decode worker "
-                                    f"{run.handle.decode_worker_id}: {item.error or 'aborted'}")
-            text = detok.add_tokens(item.new_token_ids)
-            if detok.stopped:
-                self.engine.abort(run.request_id)  # free the worker's KV blocks now
-                yield text, "stop"
-                return
-            if item.finish_reason is not None:
-                yield text + detok.flush(), item.finish_reason.to_openai()
-                return
-            if text:
-                yield text, None
+                run.failure = "abort" if item.finish_reason == FinishReason.ABORT else "error"
+                raise self._worker_error(run, item.error or "aborted")
+            choice = run.choices[item.index]  # the engine checked the index
+            if choice.finished:
+                continue  # stopped by a stop string; the worker goes on until all choices end
+            self._observe_timing(run, item)
+            try:
+                out = choice.add(item)
+            except MissingLogprobs as e:
+                run.failure = "error"
+                raise self._worker_error(run, f"logprobs were requested: {e}") from None
+            if run.done:  # free the worker's KV blocks before the client reads the last chunk
+                self.engine.abort(run.request_id)
+            if out is not None:
+                yield out
 
-    async def _collect(self, run: _Run, raw: Request) -> str | None:
-        """Run a non-stream request to the end; its finish reason, or None if the client left."""
+    def _worker_error(self, run: _Run, message: str) -> APIError:
+        return APIError(500, f"request {run.request_id} failed on decode worker "
+                             f"{run.handle.decode_worker_id}: {message}")
+
+    def _observe_timing(self, run: _Run, delta: RequestDelta) -> None:
+        if not delta.new_token_ids:
+            return
+        now, worker_id = time.monotonic(), run.handle.decode_worker_id
+        if run.first_token_at is None:
+            run.first_token_at = now
+            self.metrics.observe_first_token(worker_id, now - run.arrival)
+        last = run.last_delta_at.get(delta.index)
+        if last is not None:
+            self.metrics.observe_inter_token(worker_id, now - last)
+        run.last_delta_at[delta.index] = now
+
+    def _close(self, run: _Run) -> None:
+        """The handler is done with the request: abort it at the worker (no-op if finished
+        there) and record its end; choices cut short count as ``run.failure`` or abort."""
+        self.engine.abort(run.request_id)
+        self.metrics.observe_request(
+            run.handle.decode_worker_id, time.monotonic() - run.arrival, run.num_prompt_tokens,
+            run.num_output_tokens, [c.finish_reason or run.failure or "abort" for c in run.choices])
+
+    async def _collect(self, run: _Run, raw: Request) -> bool:
+        """Run a non-stream request to the end; False if the client left first."""
         watcher = asyncio.create_task(_watch_disconnect(raw, run.handle.queue))
-        reason = None
         try:
-            async for _, reason in self._outputs(run):
+            async for _ in self._outputs(run):
                 pass
-            return reason
+            return True
         except ClientDisconnected:
             logger.info("request %s: client disconnected; aborted", run.request_id)
-            return None
+            return False
         finally:
             watcher.cancel()
-            self.engine.abort(run.request_id)
+            self._close(run)
 
-    def _stream(self, run: _Run, first: BaseModel | None,
-                chunk: Callable[[str, str | None], BaseModel],
+    def _stream(self, run: _Run, first: list[BaseModel], chunk: Callable[[ChoiceDelta], BaseModel],
                 usage_chunk: Callable[[], BaseModel] | None) -> StreamingResponse:
         async def events() -> AsyncIterator[str]:
             try:
-                if first is not None:
-                    yield _sse(first)
-                async for text, reason in self._outputs(run):
-                    yield _sse(chunk(text, reason))
+                for obj in first:
+                    yield _sse(obj)
+                async for out in self._outputs(run):
+                    yield _sse(chunk(out))
                 if usage_chunk is not None:
                     yield _sse(usage_chunk())
                 yield "data: [DONE]\n\n"
@@ -236,7 +313,7 @@ class OpenAIServing:
                 logger.warning("request %s failed mid-stream: %s", run.request_id, e.message)
                 yield _sse(e.to_response())
             finally:  # also runs when the client went away and the stream was cancelled
-                self.engine.abort(run.request_id)
+                self._close(run)
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -249,4 +326,3 @@ async def _watch_disconnect(raw: Request, queue: asyncio.Queue) -> None:
         if message["type"] == "http.disconnect":
             queue.put_nowait(_CLIENT_GONE)
             return
-

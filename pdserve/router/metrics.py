@@ -1,0 +1,238 @@
+"""Prometheus metrics for ``GET /metrics``: the router's own observations and the workers' figures.
+
+Each app owns a ``CollectorRegistry`` (never the global one, so a process can
+build several apps). Names follow vLLM's where vLLM has one, so its dashboards
+work; counters are named without ``_total`` and the client library appends it
+(``vllm:prompt_tokens_total``). Every series is labelled ``model_name`` (the
+served model name); per-worker series also ``worker`` (worker id) and ``role``
+(``prefill``/``decode``).
+
+From heartbeats, computed at scrape time by ``WorkerStatsCollector``:
+
+    gauges    vllm:num_requests_running, vllm:num_requests_waiting,
+              vllm:kv_cache_usage_perc (1 - num_free_blocks / num_blocks)
+              -- latest heartbeat of each live worker;
+              pdserve:num_workers{role} -- live workers per role
+    counters  vllm:prefix_cache_queries, vllm:prefix_cache_hits, vllm:num_preemptions,
+              vllm:prompt_tokens, vllm:generation_tokens, pdserve:kv_transfers,
+              pdserve:kv_transfer_bytes, pdserve:kv_transfer_seconds,
+              pdserve:kv_transfer_failures, pdserve:local_prefills
+              -- each worker's cumulative ``WorkerStats``
+
+From the router's own clock (``RouterMetrics``; ``worker`` = the request's
+decode worker, ``role="decode"``):
+
+    counter    vllm:request_success{finished_reason=stop|length|abort|error}, one per choice
+    histograms vllm:time_to_first_token_seconds (arrival -> first token of any choice),
+               vllm:inter_token_latency_seconds (between a choice's deltas, usually one token),
+               vllm:e2e_request_latency_seconds, vllm:request_prompt_tokens,
+               vllm:request_generation_tokens (summed over choices)
+
+Times are taken when the HTTP handler reads a delta, so they are what the
+client sees, give or take the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdserve.common.protocol import Heartbeat, WorkerRole, WorkerStats
+from pdserve.router.registry import WorkerRegistry
+
+_WORKER_LABELS = ["model_name", "worker", "role"]
+
+# (metric name, WorkerStats field, help)
+_WORKER_COUNTERS = (
+    ("vllm:prefix_cache_queries", "prefix_cache_queries",
+     "Prefix cache queries, in prompt tokens looked up."),
+    ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached."),
+    ("vllm:num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
+    ("vllm:prompt_tokens", "num_prompt_tokens", "Prompt tokens of requests admitted."),
+    ("vllm:generation_tokens", "num_generation_tokens", "Tokens sampled."),
+    ("pdserve:kv_transfers", "num_kv_transfers",
+     "Requests whose KV was sent (prefill workers) or received (decode workers)."),
+    ("pdserve:kv_transfer_bytes", "kv_transfer_bytes", "KV bytes sent or received."),
+    ("pdserve:kv_transfer_seconds", "kv_transfer_seconds", "Seconds spent moving KV."),
+    ("pdserve:kv_transfer_failures", "kv_transfer_failures", "KV transfers that failed."),
+    ("pdserve:local_prefills", "num_local_prefills",
+     "Prompts a decode worker prefilled itself instead of remotely."),
+)
+_STAT_FIELDS = WorkerStats.__struct_fields__
+
+# Buckets in the spirit of vLLM's.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def _one_two_five_buckets(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (token-count histograms)."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return buckets
+            buckets.append(float(m * scale))
+        scale *= 10
+
+
+def _role(role: WorkerRole) -> str:
+    return WorkerRole(role).name.lower()
+
+
+class _WorkerTotals:
+    """One worker's cumulative figures as exposed: ``base`` (its earlier runs) + ``last``.
+
+    A run is one life of the worker process; its ``WorkerStats`` count from 0.
+    A new run is noticed by a re-register under a new address (``restarted``)
+    or by any figure going down, and then the old run's figures move to ``base``.
+    """
+
+    def __init__(self) -> None:
+        self.base = dict.fromkeys(_STAT_FIELDS, 0)
+        self.last = dict.fromkeys(_STAT_FIELDS, 0)
+
+    def update(self, stats: WorkerStats) -> None:
+        new = msgspec.structs.asdict(stats)
+        if any(new[k] < self.last[k] for k in _STAT_FIELDS):
+            self.restarted()
+        self.last = new
+
+    def restarted(self) -> None:
+        for k in _STAT_FIELDS:
+            self.base[k] += self.last[k]
+        self.last = dict.fromkeys(_STAT_FIELDS, 0)
+
+    def total(self, field: str) -> float:
+        return self.base[field] + self.last[field]
+
+
+class WorkerStatsCollector(Collector):
+    """The workers' figures, read at scrape time.
+
+    Gauges describe the present, so they come from live workers only. Counters
+    come from every worker ever heard from since the router started: a
+    worker's totals are kept after it dies or leaves, and a restarted worker's
+    new run is added on top of its old one. So each counter series only ever
+    grows while the router runs, and sums over workers (``sum(rate(...))``,
+    cluster totals) never dip when a worker goes away. The cost is one small
+    record per worker id ever seen, which the ids a cluster uses keep bounded.
+    """
+
+    def __init__(self, model_name: str, registry: WorkerRegistry):
+        self.model_name = model_name
+        self.registry = registry
+        self._totals: dict[tuple[str, str], _WorkerTotals] = {}  # (worker id, role) -> totals
+
+    def observe_heartbeat(self, msg: Heartbeat) -> None:
+        key = (msg.worker_id, _role(msg.role))
+        self._totals.setdefault(key, _WorkerTotals()).update(msg.stats)
+
+    def observe_restart(self, worker_id: str, role: WorkerRole) -> None:
+        totals = self._totals.get((worker_id, _role(role)))
+        if totals is not None:
+            totals.restarted()
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterable[Metric]:
+        families = self._families()
+        running, waiting, kv_usage, num_workers = families[:4]
+        for w in self.registry.live():
+            hb = w.heartbeat
+            if hb is None:
+                continue
+            labels = [self.model_name, w.worker_id, _role(w.role)]
+            running.add_metric(labels, hb.num_running)
+            waiting.add_metric(labels, hb.num_waiting)
+            num_blocks = hb.num_blocks or w.num_blocks
+            usage = 1.0 - hb.num_free_blocks / num_blocks if num_blocks > 0 else 0.0
+            kv_usage.add_metric(labels, min(1.0, max(0.0, usage)))
+        for role in WorkerRole:
+            num_workers.add_metric([self.model_name, _role(role)], self.registry.num_live(role))
+        for family, (_, field, _) in zip(families[4:], _WORKER_COUNTERS):
+            for (worker_id, role), totals in self._totals.items():
+                family.add_metric([self.model_name, worker_id, role], totals.total(field))
+        return families
+
+    @staticmethod
+    def _families() -> list[Metric]:
+        return [
+            GaugeMetricFamily("vllm:num_requests_running", "Requests running on the worker "
+                              "(latest heartbeat).", labels=_WORKER_LABELS),
+            GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting on the worker "
+                              "(latest heartbeat).", labels=_WORKER_LABELS),
+            GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage of the worker: "
+                              "1 = full (latest heartbeat).", labels=_WORKER_LABELS),
+            GaugeMetricFamily("pdserve:num_workers", "Live workers per role.",
+                              labels=["model_name", "role"]),
+            *(CounterMetricFamily(name, doc, labels=_WORKER_LABELS)
+              for name, _, doc in _WORKER_COUNTERS),
+        ]
+
+
+class RouterMetrics:
+    """All of one router app's metrics; ``render()`` is the ``/metrics`` body.
+
+    The engine feeds ``workers`` with heartbeats and restarts; the serving
+    layer reports each request's tokens and end.
+    """
+
+    def __init__(self, model_name: str, registry: WorkerRegistry, max_model_len: int):
+        self.model_name = model_name
+        self.prometheus = CollectorRegistry()
+        self.workers = WorkerStatsCollector(model_name, registry)
+        self.prometheus.register(self.workers)
+        reg = self.prometheus
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests (choices) by finish reason.",
+            _WORKER_LABELS + ["finished_reason"], registry=reg)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds",
+                              "Time to first token in seconds (request arrival at the router).",
+                              _WORKER_LABELS, buckets=_TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Time between a choice's consecutive token deltas in seconds.",
+                             _WORKER_LABELS, buckets=_ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "End-to-end request latency in seconds (any finish).",
+                             _WORKER_LABELS, buckets=_E2E_BUCKETS, registry=reg)
+        token_buckets = _one_two_five_buckets(max_model_len)
+        self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                       _WORKER_LABELS, buckets=token_buckets, registry=reg)
+        self.generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request (all choices).",
+            _WORKER_LABELS, buckets=token_buckets, registry=reg)
+
+    def _labels(self, decode_worker_id: str) -> tuple[str, str, str]:
+        return self.model_name, decode_worker_id, "decode"
+
+    def observe_first_token(self, decode_worker_id: str, seconds: float) -> None:
+        self.ttft.labels(*self._labels(decode_worker_id)).observe(seconds)
+
+    def observe_inter_token(self, decode_worker_id: str, seconds: float) -> None:
+        self.itl.labels(*self._labels(decode_worker_id)).observe(seconds)
+
+    def observe_request(self, decode_worker_id: str, e2e_s: float, num_prompt_tokens: int,
+                        num_generation_tokens: int, finish_reasons: list[str]) -> None:
+        """A request ended (any way); ``finish_reasons`` has one entry per choice."""
+        labels = self._labels(decode_worker_id)
+        self.e2e.labels(*labels).observe(e2e_s)
+        self.prompt_tokens.labels(*labels).observe(num_prompt_tokens)
+        self.generation_tokens.labels(*labels).observe(num_generation_tokens)
+        for reason in finish_reasons:
+            self.request_success.labels(*labels, reason).inc()
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition (Prometheus text, or OpenMetrics if ``accept`` asks) and its content type."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.prometheus), content_type
