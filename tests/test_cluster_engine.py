@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import random
+import time
 
 import httpx
 import openai
@@ -50,6 +51,16 @@ def metric_totals(cluster) -> dict[str, float]:
     return totals
 
 
+def wait_metric_increase(cluster, name: str, before: dict[str, float], min_delta: float, timeout_s: float = 10.0):
+    """Worker counters reach /metrics with the next heartbeat (every second): poll for them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        delta = metric_totals(cluster).get(name, 0.0) - before.get(name, 0.0)
+        if delta >= min_delta or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.3)
+
+
 def test_greedy_matches_transformers_with_prefix_cache_chunking_and_preemption(cluster, model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -70,21 +81,33 @@ def test_greedy_matches_transformers_with_prefix_cache_chunking_and_preemption(c
         out = ref.generate(torch.tensor([ids]), max_new_tokens=40 + i, do_sample=False)[0, len(ids):]
         assert choice.text == tok.decode(out, skip_special_tokens=True), f"prompt {i} differs from transformers"
 
-    after = metric_totals(cluster)
-    assert after["vllm:num_preemptions_total"] > before.get("vllm:num_preemptions_total", 0), "nothing was preempted"
-    assert after["vllm:prefix_cache_hits_total"] > before.get("vllm:prefix_cache_hits_total", 0), "no prefix hit"
+    assert wait_metric_increase(cluster, "vllm:num_preemptions_total", before, 1) >= 1, "nothing was preempted"
+    assert wait_metric_increase(cluster, "vllm:prefix_cache_hits_total", before, 1) >= 1, "no prefix-cache hit"
     wait_all_blocks_free(cluster)
 
 
-def test_repeated_prompt_hits_prefix_cache_on_both_workers(cluster):
+def test_partial_prefix_hit_sends_only_missing_blocks(cluster, model_dir):
+    """Both workers hold the prompt's first blocks: the prefill worker computes only the tail and
+    sends only the blocks the decode worker lacks, and the output is still transformers'."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
-    prompt = " ".join(WORDS[:30])
-    first = api.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
+    rng = random.Random(11)
+    head = " ".join(rng.choice(WORDS) for _ in range(40))
+    prompt = head + " " + " ".join(rng.choice(WORDS) for _ in range(40))
+    api.completions.create(model="tiny", prompt=head, max_tokens=2, temperature=0)
+    wait_all_blocks_free(cluster)  # also waits for the heartbeat that carries those counters
     before = metric_totals(cluster)
-    second = api.completions.create(model="tiny", prompt=prompt + " again", max_tokens=5, temperature=0)
-    after = metric_totals(cluster)
-    assert after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"] >= 16
-    assert first.choices[0].text and second.choices[0].text
+    text = api.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    ids = tok(prompt).input_ids
+    cached = (len(tok(head).input_ids) - 1) // 16 * 16  # full blocks of the head, on each worker
+    assert wait_metric_increase(cluster, "vllm:prefix_cache_hits_total", before, 2 * cached) >= 2 * cached
+    sent = wait_metric_increase(cluster, "pdserve:kv_transfer_bytes_total", before, 1)
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    total_blocks = -(-len(ids) // 16)
+    assert 0 < sent <= 2 * (total_blocks - cached // 16) * block_bytes  # both sides count; only the tail moved
+    out = ref.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]
+    assert text == tok.decode(out, skip_special_tokens=True)
     wait_all_blocks_free(cluster)
 
 
