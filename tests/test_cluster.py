@@ -67,11 +67,14 @@ def workers(cluster) -> list[dict]:
 
 
 def wait_all_blocks_free(cluster, timeout_s=15.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    """Wait until every worker reports all blocks free and nothing queued, in a heartbeat sent after this call."""
+    start = time.monotonic()
+    deadline = start + timeout_s
     while time.monotonic() < deadline:
         ws = workers(cluster)
-        if all(w["num_free_blocks"] == w["num_blocks"] and w["num_running"] == 0 and w["num_waiting"] == 0
-               for w in ws):
+        fresh = all(w["last_seen_s_ago"] < time.monotonic() - start - 0.05 for w in ws)
+        if fresh and all(w["num_free_blocks"] == w["num_blocks"] and w["num_running"] == 0 and
+                         w["num_waiting"] == 0 for w in ws):
             return
         time.sleep(0.3)
     pytest.fail(f"KV blocks not all free again: {json.dumps(workers(cluster))}")
