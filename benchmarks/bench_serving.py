@@ -83,6 +83,17 @@ async def run_load(url: str, model: str, workload) -> dict:
             "output_tokens": sum(r[2] for r in results), "e2el": [r[3] for r in results]}
 
 
+def metric_totals(text: str) -> dict[str, float]:
+    """Each Prometheus sample name summed over its label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
 def pin_cluster(cluster: LocalCluster) -> None:
     """Workers round-robin over cores (1P+1D: prefill on 0, decode on 1); the router shares core 0."""
     num_cores = os.cpu_count() or 1
@@ -170,7 +181,9 @@ def main() -> int:
         warmup = make_workload(2, cfg["vocab_size"], args.seed + 1, 16, 32, 4, 4)  # shares no prefix
         asyncio.run(run_load(cluster.url, name, warmup))
         res = asyncio.run(run_load(cluster.url, name, workload))
+        time.sleep(1.5)  # one more heartbeat, so the worker counters are current
         stats = httpx.get(f"{cluster.url}/workers").json()
+        metrics = metric_totals(httpx.get(f"{cluster.url}/metrics").text)
         mem = memory_report(cluster, model_bytes, kv_bytes)
     tps = res["output_tokens"] / res["wall_s"]
     mode = "colocated" if args.colocated else "disaggregated"
@@ -183,6 +196,14 @@ def main() -> int:
     for w in stats:
         print(f"  {w['role']:7s} {w['id']}: largest step batch {w.get('max_step_batch_size')}, "
               f"steps {w.get('num_steps')}")
+    queries = metrics.get("vllm:prefix_cache_queries_total", 0.0)
+    hits = metrics.get("vllm:prefix_cache_hits_total", 0.0)
+    print(f"  prefix cache: {hits:.0f} of {queries:.0f} prompt tokens hit ({hits / max(queries, 1):.1%}), "
+          f"preemptions {metrics.get('vllm:num_preemptions_total', 0):.0f}")
+    print(f"  KV transfer: {metrics.get('pdserve:kv_transfer_bytes_total', 0) / 2 / 2**20:.1f} MiB in "
+          f"{metrics.get('pdserve:kv_transfers_total', 0) / 2:.0f} transfers, "
+          f"failures {metrics.get('pdserve:kv_transfer_failures_total', 0):.0f}, "
+          f"local prefills {metrics.get('pdserve:local_prefills_total', 0):.0f}")
     print("  memory:")
     print("\n".join(mem))
     if not args.skip_hf:

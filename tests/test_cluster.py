@@ -71,7 +71,7 @@ def wait_all_blocks_free(cluster, timeout_s=15.0) -> None:
     start = time.monotonic()
     deadline = start + timeout_s
     while time.monotonic() < deadline:
-        ws = workers(cluster)
+        ws = [w for w in workers(cluster) if w["last_seen_s_ago"] < 3.0]  # silent longer: dead, holds nothing
         fresh = all(w["last_seen_s_ago"] < time.monotonic() - start - 0.05 for w in ws)
         if fresh and all(w["num_free_blocks"] == w["num_blocks"] and w["num_running"] == 0 and
                          w["num_waiting"] == 0 for w in ws):
