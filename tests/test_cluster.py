@@ -89,6 +89,8 @@ def test_models_and_health(cluster, model_dir):
     assert [m.id for m in models.data] == ["tiny"]
     health = httpx.get(f"{cluster.url}/health").json()
     assert health["num_prefill"] == 2 and health["num_decode"] == 2
+    # KV sizing: num_blocks = --kv-cache-memory (16 MiB) // bytes per block (2 layers * K,V * 16 * 2 * 16 * fp32)
+    assert {w["num_blocks"] for w in workers(cluster)} == {16 * 2**20 // 8192}
 
 
 def test_concurrent_greedy_matches_transformers_and_decode_batches(cluster, reference):

@@ -144,3 +144,14 @@ def test_logprobs_and_penalties(cluster):
                                        frequency_penalty=2.0, presence_penalty=2.0, extra_body={"ignore_eos": True})
     assert plain.choices[0].text != penalized.choices[0].text
     wait_all_blocks_free(cluster)
+
+
+def test_short_prompt_is_prefilled_by_the_decode_worker(cluster):
+    """Conditional disaggregation: fewer uncached tokens than --remote-prefill-threshold (8) stay local."""
+    api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    wait_all_blocks_free(cluster)
+    before = metric_totals(cluster)
+    api.completions.create(model="tiny", prompt="lazy dogs", max_tokens=3, temperature=0)
+    assert wait_metric_increase(cluster, "pdserve:local_prefills_total", before, 1) >= 1
+    assert metric_totals(cluster).get("pdserve:kv_transfers_total", 0) == before.get("pdserve:kv_transfers_total", 0)
+    wait_all_blocks_free(cluster)

@@ -1,0 +1,24 @@
+import pytest
+import torch
+
+from pdserve.engine.kv_cache import (allocate_kv_cache, copy_blocks, kv_cache_block_bytes,
+                                     num_blocks_for_budget)
+
+
+def test_block_bytes_and_budget():
+    # 2 layers * (K, V) * 16 slots * 2 kv heads * 16 head_dim * 4 bytes
+    assert kv_cache_block_bytes(2, 16, 2, 16, torch.float32) == 8192
+    assert kv_cache_block_bytes(2, 16, 2, 16, torch.bfloat16) == 4096
+    assert num_blocks_for_budget(16 * 2**20, 8192) == 2048
+    assert num_blocks_for_budget(8192 * 3 + 100, 8192) == 3
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        num_blocks_for_budget(8000, 8192)
+
+
+def test_allocate_and_copy_blocks():
+    cache = allocate_kv_cache(2, 5, 4, 2, 8, torch.float32, "cpu")
+    assert cache.shape == (2, 2, 5, 4, 2, 8) and not cache.any()
+    cache[:, :, 1] = 1.0
+    cache[:, :, 3] = 3.0
+    copy_blocks(cache, [(1, 0), (3, 4)])
+    assert (cache[:, :, 0] == 1).all() and (cache[:, :, 4] == 3).all() and (cache[:, :, 2] == 0).all()
