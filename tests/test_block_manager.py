@@ -64,7 +64,7 @@ def test_blocks_for_tokens():
 def cache_sequence(bm, token_ids):
     """Allocate blocks for token_ids, name every full block, return (blocks, hashes)."""
     blocks = bm.allocate(bm.num_blocks_for_tokens(len(token_ids)))
-    parent, hashes = 0, []
+    parent, hashes = b"", []
     for i in range(len(token_ids) // bm.block_size):
         parent = bm.cache_block(blocks[i], parent, token_ids[i * bm.block_size:(i + 1) * bm.block_size])
         hashes.append(parent)
@@ -90,7 +90,7 @@ def test_prefix_hit_survives_free_and_is_verified():
 def test_hash_collision_is_a_miss_not_wrong_kv(monkeypatch):
     from pdserve.engine import block_manager as mod
     bm = BlockManager(num_blocks=4, block_size=2)
-    monkeypatch.setattr(mod, "chain_hash", lambda parent, tokens, salt=0: 42)  # every block collides
+    monkeypatch.setattr(mod, "chain_hash", lambda parent, tokens, salt=0: b"same")  # every block collides
     blocks, _ = cache_sequence(bm, [1, 2])
     assert bm.find_cached_prefix([1, 2, 3], 3)[0] == blocks[:1]
     assert bm.find_cached_prefix([5, 6, 7], 3)[0] == []
@@ -114,7 +114,7 @@ def test_lru_eviction_order_and_disabled_cache():
 def test_salt_separates_models():
     a = BlockManager(num_blocks=4, block_size=2, salt=1)
     b = BlockManager(num_blocks=4, block_size=2, salt=2)
-    assert a.cache_block(0, 0, [1, 2]) != b.cache_block(0, 0, [1, 2])
+    assert a.cache_block(0, b"", [1, 2]) != b.cache_block(0, b"", [1, 2])
 
 
 def test_cached_or_shared_blocks_are_not_writable():
@@ -123,5 +123,12 @@ def test_cached_or_shared_blocks_are_not_writable():
     assert bm.is_writable(x)
     bm.share([x])
     assert not bm.is_writable(x)
-    bm.cache_block(y, 0, [1, 2])
+    bm.cache_block(y, b"", [1, 2])
     assert not bm.is_writable(y)
+
+
+def test_same_tokens_after_different_prefix_is_a_miss():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    blocks, _ = cache_sequence(bm, [1, 2, 3, 4])
+    assert bm.find_cached_prefix([9, 9, 3, 4, 0], 5)[0] == []  # block [3, 4] cached, but after [1, 2]
+    assert bm.find_cached_prefix([1, 2, 3, 4, 0], 5)[0] == blocks

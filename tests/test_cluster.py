@@ -234,3 +234,35 @@ def test_client_disconnect_aborts_and_frees_blocks(cluster):
             if seen >= 3:
                 break
     wait_all_blocks_free(cluster)
+
+
+def test_workers_survive_malformed_requests_sent_past_the_router(cluster):
+    """Token ids outside the vocabulary, or an empty prompt, sent straight to the workers over ZMQ."""
+    import zmq
+
+    from pdserve.common.protocol import GenerateRequest, RemotePrefillRequest, SamplingParams
+    from pdserve.common.transport import encode
+
+    ws = workers(cluster)
+    decode = next(w for w in ws if w["role"] == "decode")
+    prefill = next(w for w in ws if w["role"] == "prefill")
+    ctx = zmq.Context()
+    try:
+        to_decode = ctx.socket(zmq.PUSH)
+        to_decode.connect(decode["address"])
+        to_decode.send_multipart(encode(GenerateRequest(request_id="bad-ids", prompt_token_ids=[1, 10**9],
+                                                        sampling_params=SamplingParams())))
+        to_prefill = ctx.socket(zmq.PUSH)
+        to_prefill.connect(prefill["address"])
+        to_prefill.send_multipart(encode(RemotePrefillRequest(
+            request_id="bad-empty", prompt_token_ids=[], sampling_params=SamplingParams(),
+            decode_worker_id=decode["id"], decode_addr=decode["address"], transfer_host="127.0.0.1",
+            transfer_port=1, pair_generation=0, dest_block_ids=[])))
+        time.sleep(1.0)
+    finally:
+        ctx.destroy(linger=200)
+    out = client(cluster).completions.create(model="tiny", prompt="still serving after bad input", max_tokens=4,
+                                             temperature=0)
+    assert out.usage.completion_tokens == 4
+    assert not cluster.dead(), f"a worker died: {cluster.dead()}"
+    wait_all_blocks_free(cluster)

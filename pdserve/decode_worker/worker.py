@@ -45,6 +45,7 @@ class _RemotePrefill:
     prefill_addr: str
     deadline: float
     sent_at: float = 0.0
+    pair_generation: int | None = None
     received: ReceivedKV | None = None
     done: RemotePrefillDone | None = None
 
@@ -88,11 +89,10 @@ class DecodeWorker(WorkerBase):
             logger.warning("decode worker ignores %s", type(msg).__name__)
 
     def _add(self, msg: GenerateRequest) -> None:
-        request = Request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
-                          eos_token_ids=self.runner.eos_token_ids, max_model_len=self.runner.max_model_len,
-                          group_id=msg.request_id)
         remote = msg.prefill_worker_id is not None and msg.prefill_addr is not None
         try:
+            request = self.new_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
+                                       group_id=msg.request_id)
             self.scheduler.add_request(request, remote_prefill=remote)
         except ValueError as e:
             self._deltas.append(error_delta(msg.request_id, str(e)))
@@ -113,11 +113,12 @@ class DecodeWorker(WorkerBase):
         state.sent_at = time.monotonic()
         state.deadline = state.sent_at + self.config.remote_prefill_timeout_s
         first_block = request.num_cached_tokens // self.runner.block_size
+        state.pair_generation = self.pairs.generation_for(state.prefill_worker_id)
         self.mailbox.put(state.prefill_addr, RemotePrefillRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, decode_worker_id=self.worker_id, decode_addr=self.mailbox.address,
             transfer_host=self.pairs.store_host, transfer_port=self.pairs.store_port,
-            pair_generation=self.pairs.generation_for(state.prefill_worker_id),
+            pair_generation=state.pair_generation,
             dest_block_ids=request.block_table[first_block:], num_cached_tokens=request.num_cached_tokens))
 
     def _remote_progress(self, request_id: str, received: ReceivedKV | None = None,
@@ -136,7 +137,8 @@ class DecodeWorker(WorkerBase):
             return
         error = self._install_kv(request_id, state)
         if error is not None:
-            self.pairs.reset(state.prefill_worker_id, error)  # the stream can no longer be trusted
+            # the stream of that pair generation can no longer be trusted (a newer one is left alone)
+            self.pairs.reset(state.prefill_worker_id, error, generation=state.pair_generation)
             self._remote_failed(request_id, error)
             return
         del self.remote[request_id]

@@ -8,10 +8,10 @@ be shared by several requests, e.g. the n samples of one prompt, or requests
 with a common prefix), and remembers which full blocks hold which tokens.
 
 Prefix caching (as in vLLM / SGLang's RadixAttention): a full block is named by
-a hash chained through the previous block's hash and salted with what else
-changes its KV (the model), so equal hashes mean equal prefixes. A hit is
-checked against the block's stored token ids, so a hash collision can only cost
-a miss, never wrong KV.
+a SHA-256 hash chained through the previous block's hash and salted with what
+else changes its KV (the model), so equal hashes mean equal prefixes (a
+collision would need a SHA-256 collision). A hit is also checked against the
+block's stored token ids.
 
 Free block queue and eviction policy (LRU): a block whose last reference is
 dropped goes to the tail of the free queue but keeps its hash, so it can still
@@ -23,21 +23,27 @@ its head.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+
+ROOT_HASH = b""  # the "previous block" of a sequence's first block
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
 
-def chain_hash(parent_hash: int, token_ids: Sequence[int], salt: int = 0) -> int:
-    """Hash of a full block given the previous block's hash (0 for the first block).
+def chain_hash(parent_hash: bytes, token_ids: Sequence[int], salt: int = 0) -> bytes:
+    """SHA-256 of a full block given the previous block's hash (``ROOT_HASH`` for the first block).
 
-    Python hashes of ints and tuples of ints do not depend on PYTHONHASHSEED, so
-    the value is the same in every process.
+    The same in every process; 32 bytes.
     """
-    return hash((parent_hash, salt, tuple(token_ids)))
+    digest = hashlib.sha256(parent_hash)
+    digest.update(salt.to_bytes(8, "little", signed=False))
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockManager:
@@ -62,9 +68,9 @@ class BlockManager:
         self.salt = salt
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = LRU
         self._ref_counts = [0] * num_blocks
-        self._block_hash: list[int | None] = [None] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
 
     # ---- sizes ----------------------------------------------------------------
 
@@ -147,7 +153,7 @@ class BlockManager:
 
     # ---- prefix cache ----------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[int]]:
+    def find_cached_prefix(self, token_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[bytes]]:
         """Longest run of cached full blocks that prefixes ``token_ids[:max_tokens]``.
 
         Takes no references (call ``share`` on the result to keep the blocks).
@@ -156,11 +162,11 @@ class BlockManager:
             (block_ids, block_hashes) of the hit blocks, in order.
         """
         hits: list[int] = []
-        hashes: list[int] = []
+        hashes: list[bytes] = []
         if not self.enable_prefix_caching:
             return hits, hashes
         bs = self.block_size
-        parent = 0
+        parent = ROOT_HASH
         for start in range(0, max_tokens - bs + 1, bs):
             block_tokens = tuple(token_ids[start:start + bs])
             block_hash = chain_hash(parent, block_tokens, self.salt)
@@ -172,7 +178,7 @@ class BlockManager:
             parent = block_hash
         return hits, hashes
 
-    def cache_block(self, block_id: int, parent_hash: int, token_ids: Sequence[int]) -> int:
+    def cache_block(self, block_id: int, parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
         """Record that full block ``block_id`` holds ``token_ids`` after ``parent_hash``; return its hash.
 
         If an equal block is already cached, the existing one stays the cache's

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.block_manager import ROOT_HASH, BlockManager
 from pdserve.engine.request import Request
 
 
@@ -29,7 +29,7 @@ class PrefixHit:
     """Cached full blocks that prefix a request's tokens."""
 
     block_ids: list[int]
-    block_hashes: list[int]
+    block_hashes: list[bytes]
 
     @property
     def num_blocks(self) -> int:
@@ -92,7 +92,7 @@ class KVCacheManager:
         tokens = None
         for i in range(len(request.block_hashes), num_full):
             tokens = tokens or request.all_token_ids
-            parent = request.block_hashes[-1] if request.block_hashes else 0
+            parent = request.block_hashes[-1] if request.block_hashes else ROOT_HASH
             request.block_hashes.append(
                 self.block_manager.cache_block(request.block_table[i], parent, tokens[i * bs:(i + 1) * bs]))
 

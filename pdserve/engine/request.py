@@ -68,7 +68,7 @@ class Request:
         self.remote_prefill = False  # decode worker: the prompt's KV comes from a prefill worker
         self.group_id = group_id or request_id  # the router's request_id, shared by the n samples
         self.sample_index = sample_index  # which of the n samples (choices) this is
-        self.block_hashes: list[int] = []  # prefix-cache hash of each full, computed block
+        self.block_hashes: list[bytes] = []  # prefix-cache hash of each full, computed block
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.forked = sample_index > 0  # sample 0 forks samples 1..n-1 after its prompt is computed
 

@@ -20,6 +20,7 @@ from pdserve.common.transport import Mailbox
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,20 @@ class WorkerBase:
             self.stats, num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_prompt_tokens=s.num_prompt_tokens,
             num_local_prefills=s.num_local_prefills)
+
+    def new_request(self, request_id: str, prompt_token_ids: list[int], params, **kw) -> Request:
+        """Build a Request, checking what the router cannot know about this worker's model.
+
+        Raises:
+            ValueError: empty prompt or a token id outside the model's vocabulary.
+        """
+        vocab_size = self.runner.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id}: token ids {bad[:5]} are outside the model's vocabulary "
+                             f"(size {vocab_size})")
+        return Request(request_id, prompt_token_ids, params, eos_token_ids=self.runner.eos_token_ids,
+                       max_model_len=self.runner.max_model_len, **kw)
 
     def record_step(self, batch_size: int) -> None:
         self.num_steps += 1

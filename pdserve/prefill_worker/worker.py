@@ -83,12 +83,13 @@ class PrefillWorker(WorkerBase):
     def _send_done(self, event: _SendDone) -> None:
         origin = self.origin.pop(event.request_id)
         first_token, first_logprob = self.first_token.pop(event.request_id)
-        self.stats.num_kv_transfers += 1
-        self.stats.kv_transfer_seconds += event.finished_at - self.send_started.pop(event.request_id)
+        started = self.send_started.pop(event.request_id)
         if event.error is not None:
             self.stats.kv_transfer_failures += 1
             self.pairs.close_pair(origin.decode_worker_id, origin.pair_generation)
-        else:
+        else:  # count successes only, as the decode worker does
+            self.stats.num_kv_transfers += 1
+            self.stats.kv_transfer_seconds += event.finished_at - started
             self.stats.kv_transfer_bytes += event.num_bytes
         self._reply(origin, RemotePrefillDone(
             request_id=event.request_id, prefill_worker_id=self.worker_id, first_token_id=first_token,
@@ -116,9 +117,8 @@ class PrefillWorker(WorkerBase):
                 continue
             # Only the first token is sampled here; the decode worker produces the rest.
             params = msgspec.structs.replace(origin.sampling_params, max_tokens=1, n=1)
-            request = Request(request_id, origin.prompt_token_ids, params, eos_token_ids=self.runner.eos_token_ids,
-                              max_model_len=self.runner.max_model_len)
             try:
+                request = self.new_request(request_id, origin.prompt_token_ids, params)
                 self.scheduler.add_request(request)
             except ValueError as e:
                 self._fail(origin, str(e))
