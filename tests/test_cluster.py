@@ -18,18 +18,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.utils import free_port
-from pdserve.engine.tiny_model import write_tiny_model
 from pdserve.launcher import ClusterSpec, LocalCluster
 
 pytestmark = pytest.mark.cluster
 
 WORDS = ("the quick brown fox jumps over lazy dogs while seven wizards quietly pack boxes of liquor "
          "near a river bank in autumn light").split()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -19,16 +19,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.utils import free_port
-from pdserve.engine.tiny_model import write_tiny_model
 from pdserve.launcher import ClusterSpec, LocalCluster
 from tests.test_cluster import WORDS, wait_all_blocks_free
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.utils import free_port
-from pdserve.engine.tiny_model import write_tiny_model
 from pdserve.launcher import ClusterSpec, LocalCluster
 from tests.test_cluster import wait_all_blocks_free, workers
 
 pytestmark = pytest.mark.cluster
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny"))
 
 
 def test_prefill_worker_killed_requests_recomputed_locally(model_dir, tmp_path):

@@ -9,15 +9,9 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.tiny_model import write_tiny_model
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(write_tiny_model(tmp_path_factory.mktemp("llm") / "tiny", preset="tiny"))
 
 
 @pytest.fixture(scope="module")

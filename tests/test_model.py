@@ -181,6 +181,7 @@ def _tp_worker(rank, world_size, model_dir, init_file, out_path):
         logits = torch.cat([seq.step(model, cache, prompt), seq.step(model, cache, [3])])  # prefill, decode
         if rank == 0:
             torch.save(logits, out_path)
+        dist.barrier()  # both ranks done before teardown: a rank leaving early makes gloo abort the other
     finally:
         dist.destroy_process_group()
 

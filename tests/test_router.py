@@ -20,17 +20,11 @@ from pdserve.common.protocol import (AbortRequest, FinishReason, GenerateRequest
                                      RegisterWorker, RequestDelta, RequestOutputs, TokenLogprob,
                                      WorkerRole, WorkerStats)
 from pdserve.common.transport import bind_pull, decode, encode
-from pdserve.engine.tiny_model import write_tiny_model
 from pdserve.router import RouterConfig, build_app
 from pdserve.router.detokenizer import IncrementalDetokenizer
 from pdserve.router.registry import WorkerRegistry
 
 MULTIBYTE = "naïve café: 日本語 🙂 € ok"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return str(write_tiny_model(tmp_path_factory.mktemp("model") / "tiny", preset="tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -196,8 +196,6 @@ class DecodeWorker(WorkerBase):
         out = self.scheduler.schedule()
         for request in out.remote_prefills:
             self._send_remote_prefill(request)
-        for request, _ in out.scheduled:
-            self.remote.pop(request.request_id, None)  # prefilled here after all (conditional disaggregation)
         if out.scheduled:
             sampled = self.runner.execute(out.scheduled, block_copies=out.block_copies)
             self.record_step(len(out.scheduled))
@@ -210,6 +208,8 @@ class DecodeWorker(WorkerBase):
 
     def _emit(self, request: Request, token_ids: list[int], finished: RequestStatus | None, logprobs) -> None:
         self.stats.num_generation_tokens += len(token_ids)
+        if finished is not None:  # a request routed to a prefill worker but prefilled here leaves its entry
+            self.remote.pop(request.group_id, None)
         self._deltas.append(RequestDelta(
             request_id=request.group_id, new_token_ids=token_ids,
             finish_reason=finished.finish_reason() if finished else None,
