@@ -32,7 +32,7 @@ import psutil
 import torch
 
 from pdserve.common.utils import free_port, parse_size
-from pdserve.engine.tiny_model import ensure_default_model
+from pdserve.models.tiny_model import ensure_default_model
 from pdserve.launcher import ClusterSpec, LocalCluster
 
 

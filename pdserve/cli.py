@@ -22,7 +22,7 @@ def _setup_logging(level: str) -> None:
 
 
 def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
-    from pdserve.engine.tiny_model import ensure_default_model
+    from pdserve.models.tiny_model import ensure_default_model
     from pdserve.launcher import ClusterSpec, run_cluster
 
     model = args.model
@@ -64,7 +64,7 @@ def _cmd_worker(role: str, args: argparse.Namespace) -> int:
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from pdserve.engine.tiny_model import write_tiny_model
+    from pdserve.models.tiny_model import write_tiny_model
 
     path = write_tiny_model(args.out_dir, preset=args.preset, seed=args.seed)
     print(path)

@@ -4,8 +4,9 @@
     outputs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=32, temperature=0))
     print(outputs[0].outputs[0].text)
 
-The engine is the same one a decode worker runs (``ModelRunner`` + ``Scheduler``
-+ ``BlockManager``), with every prefill local. All prompts of one call are
+The engine is the same ``EngineCore`` the prefill and decode workers wrap,
+with every prefill local; requests pass the same checks as at the router
+(``pdserve.common.validation``). All prompts of one call are
 queued at once and run with continuous batching, chunked prefill, prefix
 caching and preemption as in the server. Text is made as the router makes it:
 one ``IncrementalDetokenizer`` per choice, so stop strings cut the text exactly
@@ -14,15 +15,14 @@ at once (its KV blocks are freed).
 
 Life of one ``generate`` call::
 
-    prompts --tokenize/check--> Request per prompt --scheduler--> step loop
-      step: schedule -> runner.execute -> update_from_output -> detokenize per choice
+    prompts --tokenize/check--> core.add_request per prompt --> step loop
+      step: core.step() (schedule -> execute -> update) -> detokenize per choice
     every choice finished --> RequestOutput per prompt, in input order
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,14 +32,15 @@ from transformers import AutoTokenizer
 
 from pdserve.common.protocol import SamplingParams, TokenLogprob
 from pdserve.common.utils import parse_size
-from pdserve.engine.block_manager import BlockManager
+from pdserve.common.validation import ValidationError, check_request
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.engine.core import EngineCore
+from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.request import RequestStatus
+from pdserve.tokenizer.chat import render_chat_prompt
+from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "check_sampling_params"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams"]
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -71,28 +72,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     finished: bool = True
-
-
-def check_sampling_params(params: SamplingParams) -> None:
-    """Reject values the engine cannot honour.
-
-    Raises:
-        ValueError: naming the field and its allowed range.
-    """
-    if params.max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-    if not (math.isfinite(params.temperature) and params.temperature >= 0):
-        raise ValueError(f"temperature must be >= 0, got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k is not None and params.top_k < 1:
-        raise ValueError(f"top_k must be None (disabled) or >= 1, got {params.top_k}")
-    if params.n < 1:
-        raise ValueError(f"n must be >= 1, got {params.n}")
-    if not 0 <= params.min_tokens <= params.max_tokens:
-        raise ValueError(f"min_tokens must be in [0, max_tokens={params.max_tokens}], got {params.min_tokens}")
-    if params.logprobs is not None and params.logprobs < 0:
-        raise ValueError(f"logprobs must be None or >= 0, got {params.logprobs}")
 
 
 class _Choice:
@@ -151,24 +130,32 @@ class LLM:
             enable_prefix_caching, num_threads.
 
     Attributes:
-        runner, scheduler, block_manager, tokenizer: the engine's parts.
+        core: the ``EngineCore`` (``core.runner``, ``core.scheduler``, ``core.block_manager``).
+        tokenizer: the Hugging Face tokenizer.
     """
 
     def __init__(self, model: str, tokenizer: str | None = None, **engine_kwargs):
         if "kv_cache_memory" in engine_kwargs:
             engine_kwargs["kv_cache_memory"] = parse_size(engine_kwargs["kv_cache_memory"])
+        # Every prefill is local here: no threshold for handing prompts to a prefill worker.
+        engine_kwargs.setdefault("remote_prefill_threshold", 0)
         self.config = EngineConfig(model=model, **engine_kwargs)
-        self.runner = ModelRunner(self.config)
+        self.core = EngineCore(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                          enable_prefix_caching=self.config.enable_prefix_caching,
-                                          salt=self.runner.model_fingerprint)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_seqs=self.config.max_num_seqs,
-                                                   max_num_batched_tokens=self.config.max_num_batched_tokens,
-                                                   max_model_len=self.runner.max_model_len), self.block_manager)
-        self.max_model_len = self.runner.max_model_len
-        self.vocab_size = int(self.runner.model.config.vocab_size)
+        self.max_model_len = self.core.limits.max_model_len
         self._ids = itertools.count()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.limits.vocab_size
+
+    @property
+    def scheduler(self):
+        return self.core.scheduler
+
+    @property
+    def block_manager(self):
+        return self.core.block_manager
 
     # ---- public API -------------------------------------------------------------
 
@@ -199,12 +186,8 @@ class LLM:
         /v1/chat/completions does. ``RequestOutput.prompt`` is the templated text.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encoded = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
-            # The template wrote any special tokens as text: do not add them again.
-            encoded.append((text, self.tokenizer.encode(text, add_special_tokens=False)))
+        encoded = [render_chat_prompt(self.tokenizer, conversation, add_generation_prompt)
+                   for conversation in conversations]
         return self._generate(encoded, sampling_params, use_tqdm)
 
     # ---- internals ----------------------------------------------------------------
@@ -221,8 +204,10 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(encoded)} prompts")
         groups: list[_Group] = []
         for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list)):
-            check_sampling_params(params)
-            self._check_prompt(i, ids, params)
+            try:
+                check_request(ids, params, self.core.limits, stop_at_max_model_len=True)
+            except ValidationError as e:  # checked before any work: nothing to undo
+                raise ValidationError(f"prompt {i}: {e.message}", e.param) from None
             choices = [_Choice(k, IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                          min_tokens=params.min_tokens), params.logprobs is not None)
                        for k in range(params.n)]
@@ -230,37 +215,15 @@ class LLM:
         self._run({g.request_id: g for g in groups}, use_tqdm)
         return [g.result() for g in groups]
 
-    def _check_prompt(self, index: int, ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError unless prompt ``index`` can run to completion in this engine."""
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {index}: token id {bad[0]} is out of range [0, {self.vocab_size})")
-        num_prompt = len(ids)
-        if num_prompt >= self.max_model_len:
-            raise ValueError(f"prompt {index} has {num_prompt} tokens; max_model_len is {self.max_model_len} "
-                             f"tokens, which leaves no room for output")
-        # One choice must fit alone (the others wait or are preempted); it stops at max_model_len.
-        num_tokens = max(num_prompt + 1, min(num_prompt + params.max_tokens, self.max_model_len))
-        bm = self.block_manager
-        needed = bm.num_blocks_for_tokens(num_tokens)
-        if needed > bm.num_blocks:
-            raise ValueError(f"prompt {index} needs {needed} KV blocks ({num_prompt} prompt tokens + up to "
-                             f"{params.max_tokens} max_tokens); the KV cache has {bm.num_blocks} blocks of "
-                             f"{bm.block_size} tokens: raise kv_cache_memory or lower max_tokens")
-
     def _run(self, groups: dict[str, _Group], use_tqdm: bool) -> None:
         """Queue every group and step the engine until all choices are done."""
-        for g in groups.values():
-            self.scheduler.add_request(Request(g.request_id, g.prompt_token_ids, g.params,
-                                               eos_token_ids=self.runner.eos_token_ids,
-                                               max_model_len=self.max_model_len, group_id=g.request_id))
         pbar = tqdm(total=len(groups), desc="Processed prompts", unit="prompt", disable=not use_tqdm)
         start = time.perf_counter()
         num_output_tokens = 0
         try:
-            while self.scheduler.has_unfinished():
+            for g in groups.values():
+                self.core.add_request(g.request_id, g.prompt_token_ids, g.params, stop_at_max_model_len=True)
+            while self.core.has_unfinished():
                 num_new, done = self._step(groups)
                 num_output_tokens += num_new
                 if done:
@@ -269,30 +232,32 @@ class LLM:
                     pbar.update(len(done))
         finally:
             pbar.close()
-            for group_id in list(self.scheduler.groups):  # interrupted: free every block
-                self.scheduler.finish_group(group_id, RequestStatus.FINISHED_ABORTED)
+            for group_id in list(self.core.scheduler.groups):  # interrupted: free every block
+                self.core.abort(group_id)
 
     def _step(self, groups: dict[str, _Group]) -> tuple[int, list[_Group]]:
         """One engine step; return (tokens sampled, groups that finished)."""
-        out = self.scheduler.schedule()
-        if out.is_empty():
-            raise RuntimeError(f"the scheduler made no progress with {self.scheduler.num_waiting} requests waiting")
-        for request, _ in out.scheduled:
+        scheduler_output, outputs = self.core.step()
+        if scheduler_output.is_empty():
+            raise RuntimeError(f"the scheduler made no progress with {self.core.scheduler.num_waiting} "
+                               f"requests waiting")
+        for request, _ in scheduler_output.scheduled:
             group = groups[request.group_id]
             if request.sample_index == 0 and group.num_cached_tokens is None:  # first admission
                 group.num_cached_tokens = request.num_cached_tokens
-        sampled = self.runner.execute(out.scheduled, block_copies=out.block_copies)
-        logprobs = self.runner.last_logprobs
-        results = self.scheduler.update_from_output(out, sampled)
-        done = []
-        for request, token_ids, finished in results:
-            group = groups[request.group_id]
-            choice = group.choices[request.sample_index]
-            if not choice.add(token_ids[0], logprobs.get(request.request_id), finished):
-                continue
-            if finished is None:  # a stop string matched: the scheduler did not know
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            group.num_finished += 1
-            if group.num_finished == len(group.choices):
-                done.append(group)
-        return len(results), done
+        done = [group for output in outputs if (group := self._take(groups[output.request.group_id], output))]
+        return len(outputs), done
+
+    def _take(self, group: _Group, output: EngineCoreOutput) -> _Group | None:
+        """Give one output to its choice; return the group if that finished its last choice.
+
+        A choice that a stop string ended is finished in the engine here (the engine did not know).
+        """
+        request = output.request
+        logprob = output.logprobs[0] if output.logprobs else None
+        if not group.choices[request.sample_index].add(output.new_token_ids[0], logprob, output.finished):
+            return None
+        if output.finished is None:
+            self.core.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        group.num_finished += 1
+        return group if group.num_finished == len(group.choices) else None

@@ -1,6 +1,6 @@
 import pytest
 
-from pdserve.engine.tiny_model import write_tiny_model
+from pdserve.models.tiny_model import write_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from pdserve.common.protocol import KVTransferHeader
-from pdserve.kvtransfer import (DecodePairs, KVChecksum, OutgoingKV, PairStoreServer, PrefillPairs, ReceivedKV,
-                                SendCompleter, TransferFailed, combine_checksums, dtype_from_name, dtype_name,
-                                kv_checksum, transfer_backend)
+from pdserve.kvtransfer.checksum import KVChecksum, combine_checksums, kv_checksum
+from pdserve.kvtransfer.pair import PairStoreServer, transfer_backend
+from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
+from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
+from pdserve.kvtransfer.wire import dtype_from_name, dtype_name
 
 CTX = mp.get_context("spawn")
 HOST = "127.0.0.1"

@@ -147,9 +147,9 @@ def test_chat_and_token_prompts(llm):
 
 def test_rejects_before_any_work(model_dir, llm):
     short = LLM(model_dir, max_model_len=64, kv_cache_memory="64KiB")  # 8 blocks of 16 tokens
-    with pytest.raises(ValueError, match="max_model_len is 64"):
+    with pytest.raises(ValueError, match="maximum context length is 64 tokens"):
         short.generate(["ok", [5] * 64], use_tqdm=False)
-    with pytest.raises(ValueError, match="KV cache has 8 blocks"):
+    with pytest.raises(ValueError, match="KV cache has only 8 blocks"):
         LLM(model_dir, kv_cache_memory="64KiB").generate([[5] * 100], SamplingParams(max_tokens=50),
                                                          use_tqdm=False)
     assert_all_blocks_free(short)

@@ -16,13 +16,14 @@ import zmq
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
-from pdserve.common.protocol import (AbortRequest, FinishReason, GenerateRequest, Heartbeat,
+from pdserve.common.protocol import (AbortRequest, ErrorKind, FinishReason, GenerateRequest, Heartbeat,
                                      RegisterWorker, RequestDelta, RequestOutputs, TokenLogprob,
                                      WorkerRole, WorkerStats)
 from pdserve.common.transport import bind_pull, decode, encode
+from pdserve.common.validation import num_blocks_needed
 from pdserve.router import RouterConfig, build_app
-from pdserve.router.detokenizer import IncrementalDetokenizer
 from pdserve.router.registry import WorkerRegistry
+from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 MULTIBYTE = "naïve café: 日本語 🙂 € ok"
 
@@ -134,21 +135,43 @@ def test_registry_timeout_expiry_and_heartbeats():
     assert reg.heartbeat(Heartbeat(worker_id="d0", role=WorkerRole.DECODE, max_step_batch_size=7), now=4)
     assert not reg.heartbeat(Heartbeat(worker_id="ghost", role=WorkerRole.DECODE), now=4)
     assert reg.register(reg_msg("d1"), now=1) is None  # idempotent re-register refreshes
-    assert [w.worker_id for w in reg.expire(now=5)] == []
-    assert [w.worker_id for w in reg.expire(now=6.5)] == ["d1"]
+    assert [w.worker_id for w, _ in reg.expire(now=5)] == []
+    [(expired, reason)] = reg.expire(now=6.5)
+    assert expired.worker_id == "d1" and "stopped responding" in reason
     assert [w["id"] for w in reg.snapshot(now=6.5)] == ["d0"]
     assert reg.snapshot(now=6.5)[0]["max_step_batch_size"] == 7
-    assert [w.worker_id for w in reg.expire(now=9.5)] == ["d0"]
+    assert [w.worker_id for w, _ in reg.expire(now=9.5)] == ["d0"]
     assert reg.pick(WorkerRole.DECODE) is None
 
 
-def test_registry_kv_capacity_and_restart():
+def test_registry_stalled_step_loop_is_not_routed_and_reported_once():
+    reg = WorkerRegistry(worker_timeout_s=5, step_timeout_s=30)
+    reg.register(reg_msg("d0"), now=0)
+    reg.register(reg_msg("d1"), now=0)
+    reg.heartbeat(Heartbeat(worker_id="d0", role=WorkerRole.DECODE, loop_stall_s=29.0), now=1)
+    assert reg.expire(now=1) == [] and reg.num_live(WorkerRole.DECODE) == 2  # a long step is not a stall
+    reg.heartbeat(Heartbeat(worker_id="d0", role=WorkerRole.DECODE, loop_stall_s=31.0), now=2)
+    [(stuck, reason)] = reg.expire(now=2)
+    assert stuck.worker_id == "d0" and "step loop" in reason
+    assert reg.expire(now=3) == []  # reported once per stall; still registered (heartbeats arrive)
+    assert {reg.pick(WorkerRole.DECODE).worker_id for _ in range(4)} == {"d1"}
+    assert reg.snapshot(now=3)[0]["stalled"] is True
+    reg.heartbeat(Heartbeat(worker_id="d0", role=WorkerRole.DECODE, loop_stall_s=0.01), now=4)
+    assert {reg.pick(WorkerRole.DECODE).worker_id for _ in range(4)} == {"d0", "d1"}  # moving again
+
+
+def test_registry_routes_by_advertised_limits_and_restart():
     reg = WorkerRegistry(worker_timeout_s=5)
     reg.register(reg_msg("d0", num_blocks=4), now=0)  # 64 tokens
     reg.register(reg_msg("d1", num_blocks=10), now=0)  # 160 tokens
-    assert {reg.pick(WorkerRole.DECODE, 100).worker_id for _ in range(3)} == {"d1"}
-    assert reg.pick(WorkerRole.DECODE, 161) is None
-    assert reg.largest_decode().worker_id == "d1"
+    limits = {w.worker_id: w.limits(fallback_vocab_size=100) for w in reg.live()}
+    assert limits["d1"].num_kv_tokens == 160 and limits["d1"].vocab_size == 100
+
+    def fits(num_tokens):
+        return lambda w: num_blocks_needed(num_tokens, 16) <= limits[w.worker_id].num_blocks
+
+    assert {reg.pick(WorkerRole.DECODE, fits(100)).worker_id for _ in range(3)} == {"d1"}
+    assert reg.pick(WorkerRole.DECODE, fits(161)) is None
     old = reg.register(reg_msg("d0", num_blocks=4, addr="tcp://127.0.0.1:9999"), now=1)
     assert old is not None and old.input_addr != reg.get("d0").input_addr
 
@@ -172,13 +195,17 @@ class FakeDecodeWorker:
     script or ``max_tokens`` (None = never finishes on its own). With
     ``sampling_params.logprobs`` set, each token carries ``fake_logprob``."""
 
-    def __init__(self, router_addr, worker_id="fake-d0", num_blocks=1000, block_size=16):
+    def __init__(self, router_addr, worker_id="fake-d0", num_blocks=1000, block_size=16, max_model_len=0,
+                 vocab_size=None):
         self.ctx = zmq.Context()
         self.pull, self.addr = bind_pull(self.ctx, "127.0.0.1")
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(router_addr)
         self.worker_id, self.num_blocks, self.block_size = worker_id, num_blocks, block_size
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.loop_stall_s = 0.0  # what heartbeats report about the (fake) step loop
+        self.error: tuple[str, ErrorKind | None] | None = None  # answer every request with this error
         self.script: list[int] = []
         self.scripts: dict[int, list[int]] = {}
         self.finish_reason: FinishReason | None = FinishReason.LENGTH
@@ -201,7 +228,7 @@ class FakeDecodeWorker:
         self._send(Heartbeat(worker_id=self.worker_id, role=WorkerRole.DECODE, num_running=num_running,
                              num_waiting=self.num_waiting, num_blocks=self.num_blocks,
                              num_free_blocks=self.num_free_blocks, max_step_batch_size=3,
-                             stats=self.stats))
+                             stats=self.stats, loop_stall_s=self.loop_stall_s))
 
     def _step(self, req, sent: list[int], now: float) -> list[RequestDelta]:
         """One step of ``req``: a delta per unfinished choice; marks finished ones with -1."""
@@ -227,7 +254,8 @@ class FakeDecodeWorker:
 
     def _run(self):
         reg = RegisterWorker(worker_id=self.worker_id, role=WorkerRole.DECODE, input_addr=self.addr,
-                             model_name="tiny", num_blocks=self.num_blocks, block_size=self.block_size)
+                             model_name="tiny", num_blocks=self.num_blocks, block_size=self.block_size,
+                             max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         self._send(reg)
         pending: list[tuple[GenerateRequest, list[int], float]] = []  # (request, sent per choice, due)
         next_beat = 0.0
@@ -239,7 +267,12 @@ class FakeDecodeWorker:
             while self.pull.poll(0):
                 msg = decode(self.pull.recv_multipart())
                 self.received.append(msg)
-                if isinstance(msg, GenerateRequest):
+                if isinstance(msg, GenerateRequest) and self.error is not None:
+                    message, kind = self.error
+                    self._send(RequestOutputs(worker_id=self.worker_id, deltas=[RequestDelta(
+                        request_id=msg.request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
+                        error=message, error_kind=kind)]))
+                elif isinstance(msg, GenerateRequest):
                     pending.append((msg, [0] * msg.sampling_params.n, now))
                 elif isinstance(msg, AbortRequest):
                     self.aborted[msg.request_id] = now
@@ -452,6 +485,113 @@ def test_kv_capacity_limit(router, model_dir, tok):
         assert len(req.prompt_token_ids) + req.sampling_params.max_tokens == 64
     finally:
         w.close()
+
+
+def test_limits_come_from_the_workers_registration(router, tok):
+    """``pdserve up --max-model-len 64``: the workers advertise 64 and the router holds requests to it."""
+    addr = router.get("/info").json()["zmq_address"]
+    w = FakeDecodeWorker(addr, max_model_len=64, vocab_size=2000)  # the tokenizer has 2048
+    try:
+        wait_for(lambda: router.get("/health").json()["num_decode"] == 1)
+        assert router.get("/v1/models").json()["data"][0]["max_model_len"] == 64
+        long_prompt = {**COMPLETION, "prompt": [5] * 150}
+        err = error_of(router.post("/v1/completions", json={**long_prompt, "max_tokens": 4}), 400)
+        assert err["message"].startswith("This model's maximum context length is 64 tokens. However, you "
+                                         "requested 154 tokens (150 in the prompt, 4 for the completion).")
+        long_chat = {**CHAT, "messages": [{"role": "user", "content": "the quick brown fox " * 40}]}
+        err = error_of(router.post("/v1/chat/completions", json=long_chat), 400)  # max_tokens left out
+        assert "tokens, which leaves no room for the completion" in err["message"]
+        p = len(tok.encode("hello"))
+        err = error_of(router.post("/v1/completions", json={**COMPLETION, "max_tokens": 200}), 400)
+        assert err["param"] == "max_tokens" and f"requested {p + 200} tokens" in err["message"]
+        err = error_of(router.post("/v1/completions", json={**COMPLETION, "prompt": [1999, 2000]}), 400)
+        assert "token id 2000 is out of range [0, 2000)" in err["message"]  # the worker's vocabulary
+        w.script = tok.encode("fits")
+        assert router.post("/v1/completions", json={**COMPLETION, "max_tokens": 64 - p}).status_code == 200
+        assert router.post("/v1/chat/completions", json=CHAT).status_code == 200  # no max_tokens
+        (last,) = w.requests()[-1:]
+        assert len(last.prompt_token_ids) + last.sampling_params.max_tokens == 64  # filled to the worker's limit
+        assert not router.app.state.engine.num_inflight
+    finally:
+        w.close()
+
+
+def test_router_routes_only_to_workers_that_hold_the_request(router, tok):
+    addr = router.get("/info").json()["zmq_address"]
+    small = FakeDecodeWorker(addr, worker_id="small-d", max_model_len=32)
+    large = FakeDecodeWorker(addr, worker_id="large-d", max_model_len=512)
+    try:
+        wait_for(lambda: router.get("/health").json()["num_decode"] == 2)
+        large.script = small.script = tok.encode("ok")
+        for _ in range(4):
+            resp = router.post("/v1/completions", json={**COMPLETION, "prompt": [5] * 40, "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+        assert len(large.requests()) == 4 and small.requests() == []
+    finally:
+        small.close()
+        large.close()
+
+
+@pytest.mark.parametrize("kind,status", [(ErrorKind.INVALID_REQUEST, 400), (ErrorKind.UNAVAILABLE, 503),
+                                         (ErrorKind.INTERNAL, 500), (None, 500)])
+def test_worker_errors_map_to_their_status(router, worker, kind, status):
+    worker.error = ("the worker says no", kind)
+    for stream in (False, True):
+        resp = router.post("/v1/completions", json={**COMPLETION, "stream": stream})
+        if not stream:
+            err = error_of(resp, status)
+        else:  # headers went out before the error: it arrives as the last event
+            assert resp.status_code == 200
+            err = json.loads(resp.text.strip().split("data: ")[-1])["error"]
+            assert err["code"] == status
+        assert "the worker says no" in err["message"]
+
+
+def test_deltas_for_forgotten_requests_are_aborted_at_their_worker(router, worker):
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(router.get("/info").json()["zmq_address"])
+    try:
+        for token in range(3):  # a worker still decoding for a request the router dropped
+            push.send_multipart(encode(RequestOutputs(worker_id=worker.worker_id, deltas=[
+                RequestDelta(request_id="ghost", new_token_ids=[token])])))
+        push.send_multipart(encode(RequestOutputs(worker_id=worker.worker_id, deltas=[
+            RequestDelta(request_id="finished-ghost", new_token_ids=[1], finish_reason=FinishReason.STOP)])))
+        wait_for(lambda: "ghost" in worker.aborted)
+        time.sleep(0.3)
+        aborts = [m.request_id for m in worker.received if isinstance(m, AbortRequest)]
+        assert aborts == ["ghost"]  # once, and nothing for a request that already finished there
+        assert router.app.state.engine.num_orphan_aborts == 1
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_stuck_step_loop_fails_inflight_requests_and_takes_no_more(model_dir, tok):
+    config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=5.0, step_timeout_s=0.5)
+    with TestClient(build_app(config)) as client:
+        w = FakeDecodeWorker(client.get("/info").json()["zmq_address"])
+        try:
+            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
+            w.script = tok.encode("never arrives")
+            w.delay_s = 60.0  # the first token comes only after the stall is noticed
+            result = {}
+            thread = threading.Thread(target=lambda: result.update(
+                resp=client.post("/v1/completions", json=COMPLETION)))
+            thread.start()
+            wait_for(lambda: w.requests())
+            w.loop_stall_s = 2.0  # heartbeats keep coming: the loop, not the process, is stuck
+            thread.join(timeout=10)
+            err = error_of(result["resp"], 503)
+            assert "step loop has not moved" in err["message"]
+            assert client.get("/health").json()["num_decode"] == 0
+            assert client.get("/workers").json()[0]["stalled"] is True
+            assert error_of(client.post("/v1/completions", json=COMPLETION), 503)
+            w.loop_stall_s, w.delay_s = 0.0, 0.0  # it recovers
+            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
+            assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+        finally:
+            w.close()
 
 
 def test_worker_timeout_fails_inflight_requests(router, worker, tok):

@@ -181,13 +181,13 @@ def test_same_seed_index_and_position_reproduce_across_samplers_and_batches():
 def runner(tmp_path_factory):
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.model_runner import ModelRunner
-    from pdserve.engine.tiny_model import write_tiny_model
+    from pdserve.models.tiny_model import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"), preset="tiny")
     return ModelRunner(EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory=4 * 2**20))
 
 
-def test_model_runner_keeps_logprobs_only_for_requests_that_ask(runner):
+def test_model_runner_returns_logprobs_only_for_requests_that_ask(runner):
     from pdserve.engine.request import Request
 
     bs = runner.block_size
@@ -199,24 +199,25 @@ def test_model_runner_keeps_logprobs_only_for_requests_that_ask(runner):
     sampler = runner.sampler
     runner.sampler = lambda logits, sampling_rows: seen_rows.append(sampling_rows) or sampler(logits, sampling_rows)
     try:
-        sampled = runner.execute([(asking, asking.num_prompt_tokens), (quiet, quiet.num_prompt_tokens)])
-        assert set(runner.last_logprobs) == {"asking"}
-        lp = runner.last_logprobs["asking"]
+        out = runner.execute([(asking, asking.num_prompt_tokens), (quiet, quiet.num_prompt_tokens)])
+        sampled = out.sampled_token_ids
+        assert set(out.logprobs) == {"asking"}
+        lp = out.logprobs["asking"]
         assert lp.token_id == sampled["asking"] == lp.top_token_ids[0]  # greedy: no penalty on the first token
         assert len(lp.top_token_ids) == 2 and lp.logprob == pytest.approx(lp.top_logprobs[0])
         for r in (asking, quiet):
             r.num_computed_tokens = r.num_tokens
             r.append_token(sampled[r.request_id])
 
-        sampled = runner.execute([(asking, 1), (quiet, 1)])
-        assert set(runner.last_logprobs) == {"asking"}
-        assert runner.last_logprobs["asking"].token_id == sampled["asking"]
+        out = runner.execute([(asking, 1), (quiet, 1)])
+        sampled = out.sampled_token_ids
+        assert set(out.logprobs) == {"asking"}
+        assert out.logprobs["asking"].token_id == sampled["asking"]
         assert list(seen_rows[-1][0].output_token_ids) == asking.output_token_ids  # outputs only, not the prompt
         assert [r.sample_index for r in seen_rows[-1]] == [0, 0]
 
         quiet.num_computed_tokens = quiet.num_tokens
         quiet.append_token(sampled["quiet"])
-        runner.execute([(quiet, 1)])
-        assert runner.last_logprobs == {}  # nothing stale from earlier steps
+        assert runner.execute([(quiet, 1)]).logprobs == {}  # nothing for a request that did not ask
     finally:
         runner.sampler = sampler

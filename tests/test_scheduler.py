@@ -2,6 +2,7 @@
 
 from pdserve.common.protocol import SamplingParams
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.outputs import ModelRunnerOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 
@@ -22,7 +23,7 @@ def fake_step(sched, token=7):
     for r, n in out.scheduled:  # the invariant the model runner relies on
         assert len(r.block_table) * sched.block_manager.block_size >= r.num_computed_tokens + n
     sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-    return out, sched.update_from_output(out, sampled)
+    return out, sched.update_from_output(out, ModelRunnerOutput(sampled))
 
 
 def run_to_completion(sched, max_steps=1000):
@@ -31,9 +32,9 @@ def run_to_completion(sched, max_steps=1000):
         if not sched.has_unfinished():
             return finished
         _, results = fake_step(sched)
-        for r, _, status in results:
-            if status is not None:
-                finished[r.request_id] = r
+        for o in results:
+            if o.finished is not None:
+                finished[o.request.request_id] = o.request
     raise AssertionError("requests did not finish")
 
 
@@ -61,7 +62,7 @@ def test_token_budget_chunks_long_prompt_and_running_go_first():
     assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 1), ("long", 7)]
     out, results = fake_step(sched)
     assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 1), ("long", 6)]
-    assert {r.request_id for r, _, _ in results} == {"short", "long"}  # long sampled only after its last chunk
+    assert {o.request.request_id for o in results} == {"short", "long"}  # long sampled only after its last chunk
 
 
 def test_max_num_seqs_limits_admission():
@@ -110,8 +111,8 @@ def test_remote_prefill_parks_request_then_decodes():
     assert out.remote_prefills == [r] and not out.scheduled
     assert r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and len(r.block_table) == 3
     assert sched.schedule().is_empty()  # nothing to compute while the KV is in flight
-    request, finished = sched.remote_kv_arrived("r", 42)
-    assert finished is None and r.output_token_ids == [42] and r.num_computed_tokens == 9
+    first = sched.remote_kv_arrived("r", 42)
+    assert first.request is r and first.new_token_ids == [42] and first.finished is None and r.output_token_ids == [42] and r.num_computed_tokens == 9
     out, _ = fake_step(sched)
     assert out.scheduled == [(r, 1)]
     run_to_completion(sched)
@@ -150,8 +151,8 @@ def test_eos_and_stop_token_and_min_tokens():
     sched.add_request(req("stop-id", 3, max_tokens=10, stop_token_ids=[7]))
     sched.add_request(req("min", 3, max_tokens=10, min_tokens=2, stop_token_ids=[7]))
     out = sched.schedule()
-    results = sched.update_from_output(out, {"eos": 0, "stop-id": 7, "min": 7})
-    status = {r.request_id: s for r, _, s in results}
+    results = sched.update_from_output(out, ModelRunnerOutput({"eos": 0, "stop-id": 7, "min": 7}))
+    status = {o.request.request_id: o.finished for o in results}
     assert status == {"eos": RequestStatus.FINISHED_STOPPED, "stop-id": RequestStatus.FINISHED_STOPPED, "min": None}
 
 
@@ -199,7 +200,7 @@ def test_parallel_samples_share_prompt_blocks_and_copy_on_write():
     tables = [parent.block_table[1]] + [c.block_table[1] for c in children]
     assert len(set(tables)) == 3  # nobody writes a block another sample reads
     assert {(r.request_id, n) for r, n in out.scheduled} == {("g", 1), ("g#1", 1), ("g#2", 1)}
-    sched.update_from_output(out, {"g": 7, "g#1": 8, "g#2": 9})
+    sched.update_from_output(out, ModelRunnerOutput({"g": 7, "g#1": 8, "g#2": 9}))
     run_to_completion(sched)
     assert [len(r.output_token_ids) for r in [parent, *children]] == [3, 3, 3]
     assert children[0].output_token_ids[0] == 8 and bm.num_free_blocks == bm.num_blocks

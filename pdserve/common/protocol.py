@@ -56,6 +56,18 @@ class FinishReason(enum.IntEnum):
         return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(self, "abort")
 
 
+class ErrorKind(enum.IntEnum):
+    """Why a worker failed a request; the router answers with ``http_status``."""
+
+    INVALID_REQUEST = 1  # the request breaks a rule of this worker (length, vocabulary, sampling range)
+    UNAVAILABLE = 2  # the worker cannot serve it now (shutting down, a peer failed under policy ``fail``)
+    INTERNAL = 3  # a bug or a failed forward pass
+
+    @property
+    def http_status(self) -> int:
+        return {ErrorKind.INVALID_REQUEST: 400, ErrorKind.UNAVAILABLE: 503}.get(self, 500)
+
+
 class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
     pass
 
@@ -120,6 +132,7 @@ class RegisterWorker(_Msg):
     num_blocks: int = 0
     block_size: int = 0
     max_model_len: int = 0
+    vocab_size: int | None = None  # token ids the model accepts: [0, vocab_size)
 
 
 class Heartbeat(_Msg):
@@ -134,6 +147,9 @@ class Heartbeat(_Msg):
     max_step_batch_size: int = 0  # largest number of sequences in one step so far
     num_steps: int = 0
     stats: WorkerStats = msgspec.field(default_factory=WorkerStats)
+    # Seconds since the step loop last finished an iteration. Heartbeats come from an IO
+    # thread, so a long step never silences them; this says whether the loop is progressing.
+    loop_stall_s: float = 0.0
 
 
 class GenerateRequest(_Msg):
@@ -208,7 +224,7 @@ class RemotePrefillDone(_Msg):
 
     request_id: str
     prefill_worker_id: str
-    first_token_id: int = 0
+    first_token_id: int | None = None  # None only with ``error`` set
     num_tokens: int = 0
     num_bytes: int = 0
     checksum: int = 0
@@ -227,6 +243,7 @@ class RequestDelta(_Msg):
     index: int = 0  # which of the request's n choices these tokens belong to
     logprobs: list[TokenLogprob] | None = None  # one per new token, when requested
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error_kind: ErrorKind | None = None  # with ``error``: what the router answers (400/503/500)
 
 
 class RequestOutputs(_Msg):

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.config import WorkerConfig
-from pdserve.common.protocol import (AbortRequest, GenerateRequest, KVTransferHeader, RegisterWorker,
+from pdserve.common.protocol import (AbortRequest, ErrorKind, GenerateRequest, KVTransferHeader, RegisterWorker,
                                      RemotePrefillDone, RemotePrefillRequest, RequestDelta, RequestOutputs,
                                      WorkerRole)
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.worker_base import WorkerBase, error_delta
-from pdserve.kvtransfer import DecodePairs, ReceivedKV, TransferFailed
+from pdserve.engine.worker_base import WorkerBase, error_delta, rejection_delta
+from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed, check_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ class _RemotePrefill:
 
     prefill_worker_id: str
     prefill_addr: str
-    deadline: float
-    sent_at: float = 0.0
+    deadline: float | None = None  # set when the RemotePrefillRequest is sent (time.monotonic())
+    sent_at: float | None = None
     pair_generation: int | None = None
     received: ReceivedKV | None = None
     done: RemotePrefillDone | None = None
@@ -91,20 +92,18 @@ class DecodeWorker(WorkerBase):
     def _add(self, msg: GenerateRequest) -> None:
         remote = msg.prefill_worker_id is not None and msg.prefill_addr is not None
         try:
-            request = self.new_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
-                                       group_id=msg.request_id)
-            self.scheduler.add_request(request, remote_prefill=remote)
-        except ValueError as e:
-            self._deltas.append(error_delta(msg.request_id, str(e)))
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, remote_prefill=remote)
+        except ValueError as e:  # ValidationError included: a request sent past the router's checks
+            self._deltas.append(rejection_delta(msg.request_id, e))
             return
         if remote:
-            self.remote[msg.request_id] = _RemotePrefill(msg.prefill_worker_id, msg.prefill_addr, deadline=0.0)
+            self.remote[msg.request_id] = _RemotePrefill(msg.prefill_worker_id, msg.prefill_addr)
 
     def _abort(self, request_id: str) -> None:
         state = self.remote.pop(request_id, None)
         if state is not None:
             self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
-        self.scheduler.finish_group(request_id, RequestStatus.FINISHED_ABORTED)
+        self.core.abort(request_id)
 
     # ---- remote prefill -----------------------------------------------------------
 
@@ -145,21 +144,21 @@ class DecodeWorker(WorkerBase):
         self.stats.num_kv_transfers += 1
         self.stats.kv_transfer_bytes += state.received.num_bytes
         self.stats.kv_transfer_seconds += time.monotonic() - state.sent_at
-        result = self.scheduler.remote_kv_arrived(request_id, state.done.first_token_id)
-        if result is not None:
-            request, finished = result
-            logprobs = [state.done.first_logprob] if state.done.first_logprob is not None else None
-            self._emit(request, [state.done.first_token_id], finished, logprobs)
+        output = self.core.remote_kv_arrived(request_id, state.done.first_token_id, state.done.first_logprob)
+        if output is not None:
+            self._emit(output)
 
     def _install_kv(self, request_id: str, state: _RemotePrefill) -> str | None:
         """Check the received KV and copy it into the request's reserved blocks."""
-        request = self.scheduler.waiting_for_remote_kvs.get(request_id)
+        request = self.core.scheduler.waiting_for_remote_kvs.get(request_id)
         if request is None:
             return "request is no longer waiting for KV"
         done, kv = state.done, state.received.kv  # kv: [num_layers, 2, n, block_size, num_kv_heads, head_dim]
-        if done.checksum != state.received.checksum or done.num_bytes != state.received.num_bytes:
-            return (f"KV integrity check failed: sent {done.num_bytes} bytes checksum {done.checksum}, "
-                    f"received {state.received.num_bytes} bytes checksum {state.received.checksum}")
+        error = check_transfer(state.received, done)
+        if error is not None:
+            return error
+        if done.first_token_id is None:
+            return f"request {request_id}: prefill worker {done.prefill_worker_id} sent no first token"
         first_block = request.num_cached_tokens // self.runner.block_size  # blocks before it were cache hits
         dest = request.block_table[first_block:]
         expected = (self.runner.num_layers, 2, len(dest), self.runner.block_size,
@@ -178,14 +177,14 @@ class DecodeWorker(WorkerBase):
         self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
         if self.config.prefill_failure_policy == "recompute":
             logger.warning("request %s: %s; recomputing the prefill locally", request_id, reason)
-            self.scheduler.recompute_locally(request_id)
+            self.core.recompute_locally(request_id)
         else:
             logger.warning("request %s failed: %s", request_id, reason)
-            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ERROR)
-            self._deltas.append(error_delta(request_id, reason))
+            self.core.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+            self._deltas.append(error_delta(request_id, reason, ErrorKind.UNAVAILABLE))
 
     def periodic(self, now: float) -> None:
-        expired = [rid for rid, s in self.remote.items() if s.deadline and now > s.deadline]
+        expired = [rid for rid, s in self.remote.items() if s.deadline is not None and now > s.deadline]
         for request_id in expired:
             self._remote_failed(request_id, f"no KV from the prefill worker within "
                                             f"{self.config.remote_prefill_timeout_s:.0f} s")
@@ -193,27 +192,24 @@ class DecodeWorker(WorkerBase):
     # ---- step ---------------------------------------------------------------------
 
     def step(self) -> bool:
-        out = self.scheduler.schedule()
-        for request in out.remote_prefills:
+        scheduler_output = self.core.schedule()
+        for request in scheduler_output.remote_prefills:
             self._send_remote_prefill(request)
-        if out.scheduled:
-            sampled = self.runner.execute(out.scheduled, block_copies=out.block_copies)
-            self.record_step(len(out.scheduled))
-            logprobs = self.runner.last_logprobs
-            for request, token_ids, finished in self.scheduler.update_from_output(out, sampled):
-                lp = logprobs.get(request.request_id)
-                self._emit(request, token_ids, finished, [lp] if lp is not None else None)
+        if scheduler_output.scheduled:
+            runner_output = self.core.execute(scheduler_output)
+            for output in self.core.update(scheduler_output, runner_output):
+                self._emit(output)
         self._flush()
-        return not out.is_empty()
+        return not scheduler_output.is_empty()
 
-    def _emit(self, request: Request, token_ids: list[int], finished: RequestStatus | None, logprobs) -> None:
-        self.stats.num_generation_tokens += len(token_ids)
+    def _emit(self, output: EngineCoreOutput) -> None:
+        request, finished = output.request, output.finished
         if finished is not None:  # a request routed to a prefill worker but prefilled here leaves its entry
             self.remote.pop(request.group_id, None)
         self._deltas.append(RequestDelta(
-            request_id=request.group_id, new_token_ids=token_ids,
+            request_id=request.group_id, new_token_ids=output.new_token_ids,
             finish_reason=finished.finish_reason() if finished else None,
-            num_prompt_tokens=request.num_prompt_tokens, index=request.sample_index, logprobs=logprobs,
+            num_prompt_tokens=request.num_prompt_tokens, index=request.sample_index, logprobs=output.logprobs,
             num_cached_tokens=request.num_cached_tokens))
 
     def _flush(self) -> None:

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.common.protocol import TokenLogprob
 from pdserve.common.utils import resolve_device, resolve_dtype
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.engine.loader import load_model
+from pdserve.engine.outputs import ModelRunnerOutput
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow
 
@@ -66,7 +66,7 @@ class ModelRunner:
 
     Attributes:
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
-        num_blocks, block_size, max_model_len, eos_token_ids.
+        num_blocks, block_size, max_model_len, vocab_size, eos_token_ids.
     """
 
     def __init__(self, config: EngineConfig, tp_group=None):
@@ -78,6 +78,7 @@ class ModelRunner:
         self.model = load_model(config.model, dtype=self.dtype, device=self.device, tp_group=tp_group)
         hf_config = self.model.config
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+        self.vocab_size = int(hf_config.vocab_size)
         self.eos_token_ids = read_eos_token_ids(config.model, hf_config)
         # Salts prefix-cache hashes: KV from another model or dtype must never be a hit.
         self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{hf_config.to_json_string()}"
@@ -92,7 +93,6 @@ class ModelRunner:
                                           self.head_dim, self.dtype, self.device)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         self.sampler = Sampler(config.seed)
-        self.last_logprobs: dict[str, TokenLogprob] = {}  # of the last execute(), for requests that asked
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s)", self.num_blocks,
                     self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20, self.dtype,
                     self.device)
@@ -138,7 +138,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], on_layer_done=None,
-                block_copies: list[tuple[int, int]] = ()) -> dict[str, int]:
+                block_copies: list[tuple[int, int]] = ()) -> ModelRunnerOutput:
         """Run one forward over ``scheduled`` and sample.
 
         Args:
@@ -147,31 +147,31 @@ class ModelRunner:
             block_copies: (src, dst) block pairs to copy first (the scheduler's copy-on-write).
 
         Returns:
-            request_id -> sampled token id, for requests whose last known token was computed.
-            Their logprobs, for requests with ``sampling_params.logprobs`` set, go to ``self.last_logprobs``.
+            the sampled token (and, where asked, its logprobs) of every request whose
+            last known token was computed this step.
         """
-        self.last_logprobs = {}
         if block_copies:
             copy_blocks(self.kv_cache, block_copies)
         if not scheduled:
-            return {}
+            return ModelRunnerOutput()
         inp = self.prepare_inputs(scheduled)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata, on_layer_done)
         if not inp.sample_requests:
-            return {}
+            return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[inp.sample_indices])  # (num_sampled, vocab)
         return self._sample(logits, inp.sample_requests)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> dict[str, int]:
-        """Sample one token per request; keep the logprobs of those that asked in ``last_logprobs``."""
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
+        """Sample one token per request, with logprobs for those that asked."""
         rows = [
             SamplingRow(r.sampling_params, r.num_output_tokens, self._banned(r), output_token_ids=r.output_token_ids,
-                        sample_index=getattr(r, "sample_index", 0))
+                        sample_index=r.sample_index)
             for r in requests
         ]
         out = self.sampler(logits, rows)
-        self.last_logprobs = {r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None}
-        return {r.request_id: t for r, t in zip(requests, out.token_ids)}
+        return ModelRunnerOutput(
+            sampled_token_ids={r.request_id: t for r, t in zip(requests, out.token_ids)},
+            logprobs={r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None})
 
     def _banned(self, request: Request) -> tuple[int, ...]:
         params = request.sampling_params

@@ -34,8 +34,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.common.validation import num_blocks_needed, num_kv_tokens_needed
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.engine.request import Request, RequestStatus
 
 
@@ -120,16 +122,23 @@ class Scheduler:
     def add_request(self, request: Request, remote_prefill: bool = False) -> None:
         """Queue a new request; ``remote_prefill`` asks for its prompt KV from a prefill worker.
 
+        The request's lengths were checked against this engine's limits by
+        ``pdserve.common.validation`` (``EngineCore.add_request``); this only
+        guards the invariants the scheduler itself relies on.
+
         Raises:
-            ValueError: duplicate request_id, or a prompt that can never fit
-                (longer than max_model_len or than the whole KV cache).
+            ValueError: duplicate request_id, or a request that can never run to
+                its end here (longer than max_model_len, or one sequence larger
+                than the whole KV cache: it would preempt itself forever).
         """
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request_id {request.request_id}")
         if request.num_tokens > self.config.max_model_len:
             raise ValueError(f"request {request.group_id} has {request.num_tokens} tokens; "
                              f"max_model_len is {self.config.max_model_len}")
-        needed = self.block_manager.num_blocks_for_tokens(request.num_tokens + 1)
+        num_tokens = num_kv_tokens_needed(request.num_tokens, request.sampling_params.max_tokens,
+                                          self.config.max_model_len)
+        needed = num_blocks_needed(num_tokens, self.block_manager.block_size)
         if needed > self.block_manager.num_blocks:
             raise ValueError(f"request {request.group_id} needs {needed} KV blocks; "
                              f"the cache has {self.block_manager.num_blocks}")
@@ -225,21 +234,20 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int]
-    ) -> list[tuple[Request, list[int], RequestStatus | None]]:
+    def update_from_output(self, out: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance progress after the forward pass.
 
         Args:
             out: the step's schedule.
-            sampled: request_id -> token sampled for requests that reached the
-                end of their known tokens this step (partial prefill chunks sample nothing).
+            runner_output: tokens (and logprobs) sampled for requests that reached
+                the end of their known tokens this step (partial prefill chunks sample nothing).
 
         Returns:
-            (request, new_token_ids, finished_status or None) for every request
-            that produced a token. Finished requests have already been freed.
+            an ``EngineCoreOutput`` for every request that produced a token.
+            Finished requests have already been freed.
         """
         results = []
+        sampled = runner_output.sampled_token_ids
         for request, num_new in out.scheduled:
             if request.status.is_finished:  # aborted while the step ran
                 continue
@@ -247,16 +255,16 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
             token_id = sampled.get(request.request_id)
             if token_id is not None:
-                results.append(self._append(request, token_id))
+                results.append(self._append(request, token_id, runner_output.logprobs.get(request.request_id)))
         return results
 
-    def _append(self, request: Request, token_id: int) -> tuple[Request, list[int], RequestStatus | None]:
+    def _append(self, request: Request, token_id: int, logprob=None) -> EngineCoreOutput:
         finished = request.append_token(token_id)
         if not request.forked:
             self._fork(request)
         if finished is not None:
             self.finish_request(request.request_id, finished)
-        return request, [token_id], finished
+        return EngineCoreOutput(request, [token_id], [logprob] if logprob is not None else None, finished)
 
     def _fork(self, parent: Request) -> None:
         """Start samples 1..n-1 of ``parent``'s group, sharing its prompt blocks."""
@@ -275,10 +283,10 @@ class Scheduler:
 
     # ---- remote KV (decode worker) --------------------------------------------
 
-    def remote_kv_arrived(self, request_id: str, first_token_id: int) -> tuple[Request, RequestStatus | None] | None:
+    def remote_kv_arrived(self, request_id: str, first_token_id: int, first_logprob=None) -> EngineCoreOutput | None:
         """The prompt's KV is now in this request's blocks: make it a running decode.
 
-        Returns (request, finished_status) or None if the request is no longer waiting.
+        Returns the first token's output, or None if the request is no longer waiting.
         """
         request = self.waiting_for_remote_kvs.pop(request_id, None)
         if request is None:
@@ -287,8 +295,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self.kv.cache_full_blocks(request)
-        _, _, finished = self._append(request, first_token_id)
-        return request, finished
+        return self._append(request, first_token_id, first_logprob)
 
     def recompute_locally(self, request_id: str) -> bool:
         """Remote prefill failed: prefill in this worker instead, keeping the reserved blocks."""

@@ -1,39 +1,45 @@
-"""What the prefill and decode workers share: engine, mailbox, heartbeats, step loop.
+"""What the prefill and decode workers share: an EngineCore, a mailbox, liveness, the loop.
 
-The loop is ``handle inbox -> schedule -> execute -> postprocess``. IO threads
-(``Mailbox``) own the sockets; the loop only drains queues, and sleeps on the
-inbox queue (not a socket) when it has nothing to compute.
+The loop is ``handle inbox -> step`` (each worker's step is the engine core's
+``schedule -> execute -> update`` plus its own IO). IO threads own the
+sockets: the ``Mailbox`` threads move messages, and the liveness thread sends
+``RegisterWorker`` and ``Heartbeat`` on its own clock, so a step that runs for
+minutes (a long CPU prefill) never makes a healthy worker look dead. Each
+heartbeat carries ``loop_stall_s``, the seconds since the loop last finished an
+iteration, so the router still notices a step that hangs.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-
-import msgspec
 import threading
 import time
 
 from pdserve.common.config import WorkerConfig
-from pdserve.common.protocol import FinishReason, Heartbeat, RegisterWorker, RequestDelta, WorkerRole, WorkerStats
+from pdserve.common.protocol import (ErrorKind, FinishReason, Heartbeat, RegisterWorker, RequestDelta, WorkerRole,
+                                     WorkerStats)
 from pdserve.common.transport import Mailbox
-from pdserve.engine.block_manager import BlockManager
+from pdserve.common.validation import ValidationError
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.request import Request
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
-_REGISTER_EVERY_S = 5.0
+REGISTER_EVERY_S = 5.0
 _IDLE_WAIT_S = 0.05
 
 
 class WorkerBase:
-    """A worker process: engine + mailbox + the step loop.
+    """A worker process: ``EngineCore`` + mailbox + liveness thread + the step loop.
 
     Subclasses implement ``handle(msg)`` for inbound messages and events, and
-    ``step() -> bool`` (True if it did any work).
+    ``step() -> bool`` (True if it did any work). ``run()`` serves until
+    ``stop()``; tests may instead call ``handle``/``step`` themselves.
+
+    Attributes:
+        core: the engine (runner, KV cache, block manager, scheduler).
+        stats: the worker's KV transfer counters; the engine's are merged in heartbeats.
     """
 
     role: WorkerRole
@@ -42,25 +48,14 @@ class WorkerBase:
         self.engine_config = engine_config
         self.config = worker_config
         self.worker_id = worker_config.worker_id
-        self.runner = ModelRunner(engine_config)
-        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                          enable_prefix_caching=engine_config.enable_prefix_caching,
-                                          salt=self.runner.model_fingerprint)
-        self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=engine_config.max_num_seqs,
-                            max_num_batched_tokens=engine_config.max_num_batched_tokens,
-                            max_model_len=self.runner.max_model_len,
-                            remote_prefill_threshold=engine_config.remote_prefill_threshold),
-            self.block_manager,
-        )
-        self.stats = WorkerStats()  # transfer and token counters; scheduler counters are merged in heartbeat()
+        self.core = EngineCore(engine_config)
+        self.runner = self.core.runner
+        self.stats = WorkerStats()
         self.mailbox = Mailbox(worker_config.host, worker_config.port)
         self.model_name = engine_config.model.rstrip("/").split("/")[-1]
-        self.max_step_batch_size = 0
-        self.num_steps = 0
         self._stop = threading.Event()
-        self._last_heartbeat = 0.0
-        self._last_register = 0.0
+        self._loop_tick = time.monotonic()  # when the step loop last finished an iteration
+        self._liveness: threading.Thread | None = None
 
     # ---- hooks ------------------------------------------------------------------
 
@@ -71,12 +66,48 @@ class WorkerBase:
         raise NotImplementedError
 
     def registration(self) -> RegisterWorker:
+        limits = self.core.limits
         return RegisterWorker(worker_id=self.worker_id, role=self.role, input_addr=self.mailbox.address,
-                              model_name=self.model_name, num_blocks=self.runner.num_blocks,
-                              block_size=self.runner.block_size, max_model_len=self.runner.max_model_len)
+                              model_name=self.model_name, num_blocks=limits.num_blocks,
+                              block_size=limits.block_size, max_model_len=limits.max_model_len,
+                              vocab_size=limits.vocab_size)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._liveness is not None:
+            self._liveness.join(timeout=2)
         self.mailbox.close()
+
+    # ---- liveness (IO thread) -----------------------------------------------------
+
+    def start_liveness(self) -> None:
+        """Start the thread that registers and heartbeats (``run`` does this)."""
+        if self._liveness is None:
+            self._liveness = threading.Thread(target=self._liveness_loop, name="liveness", daemon=True)
+            self._liveness.start()
+
+    def _liveness_loop(self) -> None:
+        last_register = float("-inf")
+        while True:
+            now = time.monotonic()
+            if now - last_register >= REGISTER_EVERY_S:
+                last_register = now
+                self.mailbox.put(self.config.router_addr, self.registration())
+            try:
+                self.mailbox.put(self.config.router_addr, self.heartbeat())
+            except Exception:  # a figure read mid-update must not end liveness
+                logger.exception("building a heartbeat failed")
+            if self._stop.wait(self.config.heartbeat_interval_s):
+                return
+
+    def heartbeat(self) -> Heartbeat:
+        """Load figures, read from the step loop's objects without a lock (ints and lengths only)."""
+        core, scheduler = self.core, self.core.scheduler
+        return Heartbeat(worker_id=self.worker_id, role=self.role, num_running=scheduler.num_running,
+                         num_waiting=scheduler.num_waiting, num_free_blocks=core.block_manager.num_free_blocks,
+                         num_blocks=core.block_manager.num_blocks, max_step_batch_size=core.max_step_batch_size,
+                         num_steps=core.num_steps, stats=core.stats(self.stats),
+                         loop_stall_s=max(0.0, time.monotonic() - self._loop_tick))
 
     # ---- loop -------------------------------------------------------------------
 
@@ -89,16 +120,24 @@ class WorkerBase:
             signal.signal(signal.SIGTERM, self.stop)
             signal.signal(signal.SIGINT, self.stop)
         logger.info("%s %s listening on %s", self.role.name.lower(), self.worker_id, self.mailbox.address)
+        self.start_liveness()
         try:
             while not self._stop.is_set():
-                self._periodic()
-                self._drain_inbox(wait=_IDLE_WAIT_S if not self.scheduler.has_unfinished() else 0)
-                if not self.step() and self.scheduler.has_unfinished():
-                    time.sleep(0.001)  # waiting on remote KV / peers only
+                self.run_once()
         finally:
             self.close()
 
-    def _drain_inbox(self, wait: float) -> None:
+    def run_once(self) -> None:
+        """One loop iteration: periodic checks, the inbox, one step."""
+        self.periodic(time.monotonic())
+        busy = self.core.has_unfinished()
+        self.drain_inbox(wait=0 if busy else _IDLE_WAIT_S)
+        if not self.step() and self.core.has_unfinished():
+            time.sleep(0.001)  # waiting on remote KV / peers only
+        self._loop_tick = time.monotonic()
+
+    def drain_inbox(self, wait: float = 0) -> None:
+        """Handle every queued message (waiting up to ``wait`` seconds for the first)."""
         msg = self.mailbox.get(timeout=wait) if wait else self.mailbox.get_nowait()
         while msg is not None:
             try:
@@ -107,50 +146,17 @@ class WorkerBase:
                 logger.exception("error handling %s", type(msg).__name__)
             msg = self.mailbox.get_nowait()
 
-    def _periodic(self) -> None:
-        now = time.monotonic()
-        if now - self._last_register >= _REGISTER_EVERY_S:
-            self._last_register = now
-            self.mailbox.put(self.config.router_addr, self.registration())
-        if now - self._last_heartbeat >= self.config.heartbeat_interval_s:
-            self._last_heartbeat = now
-            self.mailbox.put(self.config.router_addr, self.heartbeat())
-        self.periodic(now)
-
     def periodic(self, now: float) -> None:
         """Subclass hook, called every loop iteration before the inbox is drained."""
 
-    def heartbeat(self) -> Heartbeat:
-        return Heartbeat(worker_id=self.worker_id, role=self.role, num_running=self.scheduler.num_running,
-                         num_waiting=self.scheduler.num_waiting, num_free_blocks=self.block_manager.num_free_blocks,
-                         num_blocks=self.block_manager.num_blocks, max_step_batch_size=self.max_step_batch_size,
-                         num_steps=self.num_steps, stats=self.worker_stats())
 
-    def worker_stats(self) -> WorkerStats:
-        s = self.scheduler.stats
-        return msgspec.structs.replace(
-            self.stats, num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits, num_prompt_tokens=s.num_prompt_tokens,
-            num_local_prefills=s.num_local_prefills)
-
-    def new_request(self, request_id: str, prompt_token_ids: list[int], params, **kw) -> Request:
-        """Build a Request, checking what the router cannot know about this worker's model.
-
-        Raises:
-            ValueError: empty prompt or a token id outside the model's vocabulary.
-        """
-        vocab_size = self.runner.model.config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"request {request_id}: token ids {bad[:5]} are outside the model's vocabulary "
-                             f"(size {vocab_size})")
-        return Request(request_id, prompt_token_ids, params, eos_token_ids=self.runner.eos_token_ids,
-                       max_model_len=self.runner.max_model_len, **kw)
-
-    def record_step(self, batch_size: int) -> None:
-        self.num_steps += 1
-        self.max_step_batch_size = max(self.max_step_batch_size, batch_size)
+def error_delta(request_id: str, error: str, kind: ErrorKind = ErrorKind.INTERNAL) -> RequestDelta:
+    """The delta that fails a whole router request; the router answers ``kind.http_status``."""
+    return RequestDelta(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error,
+                        error_kind=kind)
 
 
-def error_delta(request_id: str, error: str) -> RequestDelta:
-    return RequestDelta(request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error)
+def rejection_delta(request_id: str, error: ValueError) -> RequestDelta:
+    """An ``error_delta`` for a request the engine refused at ``add_request``."""
+    kind = ErrorKind.INVALID_REQUEST if isinstance(error, ValidationError) else ErrorKind.INTERNAL
+    return error_delta(request_id, str(error), kind)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from pdserve.kvtransfer import wire
+import pdserve.kvtransfer.wire as wire
 from pdserve.kvtransfer.wire import KVTransferError
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from pdserve.common.protocol import KVTransferHeader, RemotePrefillDone
-from pdserve.kvtransfer import wire
+import pdserve.kvtransfer.wire as wire
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.pair import KVPair, PairStoreServer
 from pdserve.kvtransfer.wire import KVTransferError

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from pdserve.kvtransfer import wire
+import pdserve.kvtransfer.wire as wire
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.pair import KVPair
 from pdserve.kvtransfer.wire import KVTransferError

@@ -21,15 +21,15 @@ import logging
 import time
 from dataclasses import dataclass
 
-import msgspec
 
 from pdserve.common.config import WorkerConfig
+from pdserve.common.validation import prefill_sampling_params
 from pdserve.common.protocol import (AbortRequest, KVTransferHeader, RemotePrefillDone, RemotePrefillRequest,
                                      TokenLogprob, WorkerRole)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.worker_base import WorkerBase
-from pdserve.kvtransfer import OutgoingKV, PrefillPairs, SendCompleter
+from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class PrefillWorker(WorkerBase):
             self.pairs.request_pair(msg.decode_worker_id, msg.transfer_host, msg.transfer_port, msg.pair_generation)
         elif isinstance(msg, AbortRequest):
             self.pending_pair.pop(msg.request_id, None)
-            if self.scheduler.finish_request(msg.request_id, RequestStatus.FINISHED_ABORTED) is not None:
+            if self.core.abort(msg.request_id):
                 self.origin.pop(msg.request_id, None)
         elif isinstance(msg, _SendDone):
             self._send_done(msg)
@@ -116,11 +116,10 @@ class PrefillWorker(WorkerBase):
                 self._fail(origin, failure)
                 continue
             # Only the first token is sampled here; the decode worker produces the rest.
-            params = msgspec.structs.replace(origin.sampling_params, max_tokens=1, n=1)
             try:
-                request = self.new_request(request_id, origin.prompt_token_ids, params)
-                self.scheduler.add_request(request)
-            except ValueError as e:
+                self.core.add_request(request_id, origin.prompt_token_ids,
+                                      prefill_sampling_params(origin.sampling_params))
+            except ValueError as e:  # ValidationError included: D then recomputes or fails it
                 self._fail(origin, str(e))
                 continue
             self.origin[request_id] = origin
@@ -129,12 +128,13 @@ class PrefillWorker(WorkerBase):
 
     def step(self) -> bool:
         self._admit_connected()
-        out = self.scheduler.schedule()
-        if not out.scheduled:
+        scheduler_output = self.core.schedule()
+        if not scheduler_output.scheduled:
             return False
-        outgoing = self._start_transfers(out.scheduled)
-        out.scheduled = [(r, n) for r, n in out.scheduled if not r.status.is_finished]  # dropped by a broken pair
-        if not out.scheduled:
+        outgoing = self._start_transfers(scheduler_output.scheduled)
+        scheduler_output.scheduled = [(r, n) for r, n in scheduler_output.scheduled
+                                      if not r.status.is_finished]  # dropped by a broken pair
+        if not scheduler_output.scheduled:
             return True
 
         def on_layer_done(layer_idx: int) -> None:
@@ -143,19 +143,16 @@ class PrefillWorker(WorkerBase):
                 send.send_layer(layer_idx, kv_layer, request.block_table[first_block:])
 
         try:
-            sampled = self.runner.execute(out.scheduled, on_layer_done=on_layer_done if outgoing else None,
-                                          block_copies=out.block_copies)
+            runner_output = self.core.execute(scheduler_output, on_layer_done=on_layer_done if outgoing else None)
         except Exception as e:
             for _, send, _ in outgoing:  # unblock the pair: its queued sends will never complete
                 send.abort(f"prefill forward failed: {e}")
             raise
-        self.record_step(len(out.scheduled))
         for request, send, _ in outgoing:
-            self.first_token[request.request_id] = (sampled[request.request_id],
-                                                    self.runner.last_logprobs.get(request.request_id))
-            self.stats.num_generation_tokens += 1
+            self.first_token[request.request_id] = (runner_output.sampled_token_ids[request.request_id],
+                                                    runner_output.logprobs.get(request.request_id))
             self.completer.submit(send)
-        self.scheduler.update_from_output(out, sampled)  # max_tokens=1: finished, blocks freed
+        self.core.update(scheduler_output, runner_output)  # max_tokens=1: finished, blocks freed
         return True
 
     def _start_transfers(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, OutgoingKV, int]]:
@@ -171,7 +168,7 @@ class PrefillWorker(WorkerBase):
             origin = self.origin[request.request_id]
             pair = self.pairs.get(origin.decode_worker_id, origin.pair_generation)
             if pair is None:  # the pair broke since admission
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+                self.core.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
                 self.origin.pop(request.request_id)
                 self._fail(origin, "KV transfer pair to the decode worker was closed")
                 continue

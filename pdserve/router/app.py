@@ -2,7 +2,7 @@
 
 Endpoints:
     POST /v1/completions, POST /v1/chat/completions   OpenAI-compatible, stream or not
-    GET  /v1/models                                   the served model (with max_model_len)
+    GET  /v1/models                                   the served model (with the live workers' max_model_len)
     GET  /health                                      {"status": "ok", "num_prefill", "num_decode"}
     GET  /workers                                     live workers and their latest heartbeat figures
     GET  /info                                        model, limits, and the bound ZMQ address
@@ -79,7 +79,7 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     """
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(config.model)
-    registry = WorkerRegistry(config.worker_timeout_s)
+    registry = WorkerRegistry(config.worker_timeout_s, config.step_timeout_s)
     metrics = RouterMetrics(config.served_model_name, registry, config.max_model_len)
     engine = RouterEngine(config.host, config.zmq_port, registry, metrics.workers)
     serving = OpenAIServing(config, tokenizer, engine, metrics)
@@ -131,7 +131,7 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         card = ModelCard(id=config.served_model_name, root=config.model,
-                         max_model_len=config.max_model_len)
+                         max_model_len=serving.max_model_len())
         return ModelList(data=[card]).model_dump()
 
     @app.get("/health")
@@ -152,7 +152,7 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     @app.get("/info")
     async def info():
         return {"model": config.model, "served_model_name": config.served_model_name,
-                "max_model_len": config.max_model_len, "zmq_address": engine.address,
+                "max_model_len": serving.max_model_len(), "zmq_address": engine.address,
                 "worker_timeout_s": config.worker_timeout_s, "num_inflight": engine.num_inflight}
 
     return app

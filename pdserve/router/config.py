@@ -40,6 +40,8 @@ class RouterConfig:
         max_model_len: prompt + completion token limit; default: config.json's
             ``max_position_embeddings``.
         worker_timeout_s: a worker silent for longer than this is dead.
+        step_timeout_s: a worker whose heartbeats say its step loop has not moved for
+            longer than this is stuck: nothing is routed to it and its requests fail.
         log_level: uvicorn / logging level name.
     """
 
@@ -50,6 +52,7 @@ class RouterConfig:
     zmq_port: int = 8001
     max_model_len: int | None = None
     worker_timeout_s: float = 10.0
+    step_timeout_s: float = 300.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -70,6 +73,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be in [0, 65535], got {value}")
         if not self.worker_timeout_s > 0:
             raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         self.log_level = self.log_level.lower()
 
     @classmethod
@@ -88,6 +93,9 @@ class RouterConfig:
                        help="prompt + completion token limit (default: from config.json)")
         g.add_argument("--worker-timeout-s", type=float, default=cls.worker_timeout_s,
                        help="seconds without a heartbeat after which a worker is dead")
+        g.add_argument("--step-timeout-s", type=float, default=cls.step_timeout_s,
+                       help="seconds a worker's step loop may go without finishing an iteration "
+                            "before the worker counts as stuck (its heartbeats report it)")
         return parser
 
     @classmethod

@@ -8,10 +8,14 @@ Three background tasks share one ``zmq.asyncio`` context:
 * ``_send_loop`` drains the outbox into PUSH sockets (one per decode worker,
   created lazily). Handlers only ``put_nowait`` into the outbox, so submitting
   and aborting never await, which matters in cancelled tasks (client gone).
-* ``_expire_loop`` drops workers that went silent and fails their requests.
+* ``_expire_loop`` drops workers that went silent, and fails the requests of
+  those and of workers whose step loop is stuck.
 
 A request's queue yields ``RequestDelta``s from its decode worker, or one
-``RequestFailed`` if that worker died or the router stopped. A request with
+``RequestFailed`` if that worker died or the router stopped. Deltas for a
+request the router no longer knows (failed over, timed out, aborted while the
+deltas were in flight) that are not final get an ``AbortRequest`` back to
+their worker, so no worker keeps decoding for nobody. A request with
 ``n`` choices gets deltas for all of them (``delta.index``); it is finished at
 the worker, and forgotten here, once every choice has had a ``finish_reason``.
 """
@@ -19,6 +23,7 @@ the worker, and forgotten here, once every choice has had a ``finish_reason``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 
@@ -27,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.protocol import (AbortRequest, GenerateRequest, Heartbeat, RegisterWorker,
-                                     RequestDelta, RequestOutputs, SamplingParams, WorkerRole)
+                                     RequestDelta, RequestOutputs, SamplingParams)
 from pdserve.common.transport import ProtocolError, decode, encode
 from pdserve.router.metrics import WorkerStatsCollector
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
@@ -41,16 +46,6 @@ class RequestFailed:
 
     message: str
     status_code: int = 503
-
-
-class NoDecodeWorker(Exception):
-    pass
-
-
-def request_num_tokens(num_prompt_tokens: int, params: SamplingParams) -> int:
-    """KV tokens a request may need: the prompt once (its n choices share its
-    blocks) plus each choice's completion."""
-    return num_prompt_tokens + params.n * params.max_tokens
 
 
 @dataclasses.dataclass
@@ -77,6 +72,7 @@ class RouterEngine:
     """
 
     _SNDHWM = 100_000
+    _MAX_ORPHANS = 4096  # request ids remembered as aborted-for-orphan-deltas (bounds the memory)
 
     def __init__(self, host: str, zmq_port: int, registry: WorkerRegistry,
                  worker_stats: WorkerStatsCollector | None = None):
@@ -92,6 +88,8 @@ class RouterEngine:
         self._outbox: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._orphans: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.num_orphan_aborts = 0  # AbortRequests sent back for deltas of unknown requests
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -139,18 +137,12 @@ class RouterEngine:
     def num_inflight(self) -> int:
         return len(self._requests)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int],
-               sampling_params: SamplingParams) -> RequestHandle:
-        """Route a request to a decode worker (and a prefill worker if any is live).
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+               decode_worker: WorkerInfo, prefill_worker: WorkerInfo | None) -> RequestHandle:
+        """Send a request to ``decode_worker``, naming ``prefill_worker`` (None: D prefills locally).
 
-        Raises:
-            NoDecodeWorker: no live decode worker can hold the request's tokens.
+        The caller picked both from the registry among the workers that accept the request.
         """
-        num_tokens = request_num_tokens(len(prompt_token_ids), sampling_params)
-        decode_worker = self.registry.pick(WorkerRole.DECODE, num_tokens)
-        if decode_worker is None:
-            raise NoDecodeWorker()
-        prefill_worker = self.registry.pick(WorkerRole.PREFILL)
         handle = RequestHandle(request_id, decode_worker.worker_id, decode_worker.input_addr,
                                prefill_worker.worker_id if prefill_worker else None, asyncio.Queue(),
                                num_choices=sampling_params.n)
@@ -249,7 +241,7 @@ class RouterEngine:
         if isinstance(msg, RequestOutputs):
             self.registry.touch(msg.worker_id)
             for delta in msg.deltas:
-                self._deliver(delta)
+                self._deliver(delta, msg.worker_id)
         elif isinstance(msg, Heartbeat):
             if not self.registry.heartbeat(msg):
                 logger.debug("heartbeat from unregistered worker %s ignored", msg.worker_id)
@@ -265,10 +257,12 @@ class RouterEngine:
         else:
             logger.warning("router got an unexpected %s message; dropped", type(msg).__name__)
 
-    def _deliver(self, delta: RequestDelta) -> None:
+    def _deliver(self, delta: RequestDelta, worker_id: str) -> None:
         handle = self._requests.get(delta.request_id)
-        if handle is None:
-            return  # finished, aborted or failed already
+        if handle is None:  # finished, aborted or failed already
+            if delta.finish_reason is None:
+                self._abort_orphan(delta.request_id, worker_id)
+            return
         if not 0 <= delta.index < handle.num_choices:
             logger.warning("request %s: delta for choice %d of %d dropped", delta.request_id,
                            delta.index, handle.num_choices)
@@ -279,11 +273,24 @@ class RouterEngine:
                 self.finish(delta.request_id)
         handle.queue.put_nowait(delta)
 
+    def _abort_orphan(self, request_id: str, worker_id: str) -> None:
+        """A worker still generates for a request the router forgot: tell it to stop (once per id)."""
+        if request_id in self._orphans:
+            return
+        worker = self.registry.get(worker_id)
+        if worker is None:
+            return
+        self._orphans[request_id] = None
+        if len(self._orphans) > self._MAX_ORPHANS:
+            self._orphans.popitem(last=False)
+        self.num_orphan_aborts += 1
+        logger.info("request %s: deltas from %s for a request the router no longer serves; aborting it there",
+                    request_id, worker_id)
+        self._send(worker.input_addr, AbortRequest(request_id=request_id))
+
     async def _expire_loop(self) -> None:
         interval = min(1.0, self.registry.worker_timeout_s / 4)
         while True:
             await asyncio.sleep(interval)
-            for worker in self.registry.expire():
-                self._fail_worker_requests(
-                    worker, f"{worker.role.name.lower()} worker {worker.worker_id} stopped responding "
-                            f"(nothing heard for over {self.registry.worker_timeout_s:g}s)")
+            for worker, reason in self.registry.expire():
+                self._fail_worker_requests(worker, reason)

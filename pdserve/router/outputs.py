@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdserve.common.protocol import RequestDelta
-from pdserve.router.detokenizer import IncrementalDetokenizer
+from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 from pdserve.router.logprobs import TokenEntry
 
 

@@ -8,10 +8,15 @@ Liveness: a worker is live from its ``RegisterWorker`` until
 ``worker_timeout_s`` passes without a register or heartbeat from it; then
 ``expire`` drops it and returns it so the caller can fail its requests. A
 heartbeat from a worker the registry does not know is ignored (workers re-send
-``RegisterWorker`` every few seconds, which re-adds them).
+``RegisterWorker`` every few seconds, which re-adds them). Heartbeats come from
+a worker's IO thread, so a long step does not silence them; each says how long
+the worker's step loop has gone without finishing an iteration
+(``loop_stall_s``). A worker stalled past ``step_timeout_s`` is kept but
+*stalled*: nothing is routed to it, and ``expire`` returns it once so its
+requests fail; it serves again when its loop moves.
 
-Routing: round-robin per role over the live workers in registration order,
-skipping decode workers whose KV cache cannot hold the request.
+Routing: round-robin per role over the live, unstalled workers in
+registration order that accept the request (``accepts``, e.g. its limits).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 from pdserve.common.protocol import Heartbeat, RegisterWorker, WorkerRole
+from pdserve.common.validation import EngineLimits
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +45,19 @@ class WorkerInfo:
     max_model_len: int
     registered_at: float
     last_seen: float
+    vocab_size: int | None = None
     heartbeat: Heartbeat | None = None
     num_inflight: int = 0  # requests routed here and not yet finished (decode workers)
     num_routed: int = 0  # requests ever routed here
+    stalled: bool = False  # its step loop stopped moving (heartbeat.loop_stall_s > step_timeout_s)
+    stall_reported: bool = False  # ``expire`` returned it for this stall already
+
+    def limits(self, fallback_vocab_size: int) -> EngineLimits:
+        """What this worker advertised it can hold (``fallback_vocab_size`` if it named no vocabulary)."""
+        return EngineLimits(max_model_len=self.max_model_len,
+                            vocab_size=self.vocab_size or fallback_vocab_size,
+                            num_blocks=self.num_blocks if self.num_kv_tokens is not None else None,
+                            block_size=self.block_size if self.block_size > 0 else 16)
 
     @property
     def num_kv_tokens(self) -> int | None:
@@ -48,12 +65,6 @@ class WorkerInfo:
         if self.num_blocks <= 0 or self.block_size <= 0:
             return None
         return self.num_blocks * self.block_size
-
-    def fits(self, num_tokens: int) -> bool:
-        """Whether ``num_tokens`` tokens of one request fit this worker's KV cache."""
-        if self.num_kv_tokens is None:
-            return True
-        return -(-num_tokens // self.block_size) <= self.num_blocks
 
     def to_json(self, now: float) -> dict:
         hb = self.heartbeat
@@ -73,15 +84,24 @@ class WorkerInfo:
             "num_free_blocks": hb.num_free_blocks if hb else 0,
             "max_step_batch_size": hb.max_step_batch_size if hb else 0,
             "num_steps": hb.num_steps if hb else 0,
+            "loop_stall_s": round(hb.loop_stall_s, 3) if hb else 0.0,
+            "stalled": self.stalled,
+            "vocab_size": self.vocab_size,
             "heartbeat_received": hb is not None,
         }
 
 
 class WorkerRegistry:
-    """Live workers per role, liveness by timeout, round-robin picking."""
+    """Live workers per role, liveness by timeout, stalls by the loop's own report, round-robin picking.
 
-    def __init__(self, worker_timeout_s: float, clock=time.monotonic):
+    Args:
+        worker_timeout_s: a worker silent (no register, heartbeat or output) this long is dead.
+        step_timeout_s: a worker whose heartbeats say its step loop has not moved for this long is stalled.
+    """
+
+    def __init__(self, worker_timeout_s: float, step_timeout_s: float = 300.0, clock=time.monotonic):
         self.worker_timeout_s = worker_timeout_s
+        self.step_timeout_s = step_timeout_s
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}  # insertion order = registration order
         self._next: dict[WorkerRole, int] = {WorkerRole.PREFILL: 0, WorkerRole.DECODE: 0}
@@ -101,14 +121,14 @@ class WorkerRegistry:
         if old is not None and old.input_addr == msg.input_addr and old.role == msg.role:
             old.last_seen = now
             old.num_blocks, old.block_size = msg.num_blocks, msg.block_size
-            old.max_model_len = msg.max_model_len
+            old.max_model_len, old.vocab_size = msg.max_model_len, msg.vocab_size
             return None
         if old is not None:
             del self._workers[msg.worker_id]
         self._workers[msg.worker_id] = WorkerInfo(
             worker_id=msg.worker_id, role=WorkerRole(msg.role), input_addr=msg.input_addr,
             model_name=msg.model_name, num_blocks=msg.num_blocks, block_size=msg.block_size,
-            max_model_len=msg.max_model_len, registered_at=now, last_seen=now)
+            max_model_len=msg.max_model_len, registered_at=now, last_seen=now, vocab_size=msg.vocab_size)
         logger.info("worker %s registered: %s at %s (num_blocks=%d, block_size=%d)", msg.worker_id,
                     WorkerRole(msg.role).name.lower(), msg.input_addr, msg.num_blocks, msg.block_size)
         return old
@@ -120,6 +140,14 @@ class WorkerRegistry:
             return False
         info.last_seen = self._now(now)
         info.heartbeat = msg
+        stalled = msg.loop_stall_s > self.step_timeout_s
+        if stalled and not info.stalled:
+            logger.warning("worker %s (%s): its step loop has not moved for %.1fs; routing nothing to it",
+                           info.worker_id, info.role.name.lower(), msg.loop_stall_s)
+        elif info.stalled and not stalled:
+            logger.info("worker %s (%s): step loop moving again", info.worker_id, info.role.name.lower())
+            info.stall_reported = False
+        info.stalled = stalled
         return True
 
     def touch(self, worker_id: str, now: float | None = None) -> None:
@@ -128,15 +156,26 @@ class WorkerRegistry:
         if info is not None:
             info.last_seen = self._now(now)
 
-    def expire(self, now: float | None = None) -> list[WorkerInfo]:
-        """Drop and return every worker silent for longer than ``worker_timeout_s``."""
+    def expire(self, now: float | None = None) -> list[tuple[WorkerInfo, str]]:
+        """Workers whose requests must fail now, each with the reason.
+
+        Drops every worker silent for longer than ``worker_timeout_s``, and returns
+        (once per stall) every worker newly stalled, which stays registered.
+        """
         now = self._now(now)
-        dead = [w for w in self._workers.values() if now - w.last_seen > self.worker_timeout_s]
-        for w in dead:
-            del self._workers[w.worker_id]
-            logger.warning("worker %s (%s) timed out: nothing heard for %.1fs", w.worker_id,
-                           w.role.name.lower(), now - w.last_seen)
-        return dead
+        failed = []
+        for w in list(self._workers.values()):
+            if now - w.last_seen > self.worker_timeout_s:
+                del self._workers[w.worker_id]
+                logger.warning("worker %s (%s) timed out: nothing heard for %.1fs", w.worker_id,
+                               w.role.name.lower(), now - w.last_seen)
+                failed.append((w, f"{w.role.name.lower()} worker {w.worker_id} stopped responding "
+                                  f"(nothing heard for over {self.worker_timeout_s:g}s)"))
+            elif w.stalled and not w.stall_reported:
+                w.stall_reported = True
+                failed.append((w, f"{w.role.name.lower()} worker {w.worker_id} is stuck (its step loop has not "
+                                  f"moved for over {self.step_timeout_s:g}s)"))
+        return failed
 
     def remove(self, worker_id: str) -> WorkerInfo | None:
         return self._workers.pop(worker_id, None)
@@ -145,24 +184,20 @@ class WorkerRegistry:
         return self._workers.get(worker_id)
 
     def live(self, role: WorkerRole | None = None) -> list[WorkerInfo]:
-        return [w for w in self._workers.values() if role is None or w.role == role]
+        """Registered workers of ``role`` that are not stalled, in registration order."""
+        return [w for w in self._workers.values() if (role is None or w.role == role) and not w.stalled]
 
     def num_live(self, role: WorkerRole) -> int:
-        return sum(1 for w in self._workers.values() if w.role == role)
+        return len(self.live(role))
 
-    def pick(self, role: WorkerRole, num_tokens: int = 0) -> WorkerInfo | None:
-        """Round-robin over live workers of ``role`` whose KV cache fits ``num_tokens``."""
-        candidates = [w for w in self.live(role) if w.fits(num_tokens)]
+    def pick(self, role: WorkerRole, accepts: Callable[[WorkerInfo], bool] | None = None) -> WorkerInfo | None:
+        """Round-robin over live workers of ``role`` for which ``accepts`` (if given) is true."""
+        candidates = [w for w in self.live(role) if accepts is None or accepts(w)]
         if not candidates:
             return None
         i = self._next[role] % len(candidates)
         self._next[role] = i + 1
         return candidates[i]
-
-    def largest_decode(self) -> WorkerInfo | None:
-        """The live decode worker whose KV cache holds the most tokens (None if none says)."""
-        sized = [w for w in self.live(WorkerRole.DECODE) if w.num_kv_tokens is not None]
-        return max(sized, key=lambda w: w.num_kv_tokens, default=None)
 
     def snapshot(self, now: float | None = None) -> list[dict]:
         now = self._now(now)

@@ -7,6 +7,12 @@ A request's life in the router:
         -> ChoiceOutput (IncrementalDetokenizer + logprob alignment) -> ChoiceDelta
         -> one JSON response, or SSE chunks ending with ``data: [DONE]``
 
+Routing: the rules of ``pdserve.common.validation`` are applied against the
+limits each live decode worker advertised (``max_model_len``, vocabulary, KV
+blocks; the router's own ``max_model_len`` caps them). The request goes only
+to a worker that accepts it; if none does, the reason the most capable worker
+gives is the 400. A prefill worker is named only if it can hold the prompt.
+
 A request with ``n`` choices is one request at the worker; each choice
 finishes on its own (its finish_reason, its stop strings), the request when
 all have. The request is aborted at its decode worker whenever the router
@@ -26,17 +32,19 @@ import uuid
 from typing import AsyncIterator, Callable
 
 import msgspec
+
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from pdserve.common.protocol import FinishReason, RequestDelta, SamplingParams, WorkerRole
+from pdserve.common.validation import (EngineLimits, ValidationError, check_context_length, check_prompt_ids,
+                                       check_request, prefill_sampling_params)
 from pdserve.router import preprocess
 from pdserve.router.config import RouterConfig
-from pdserve.router.detokenizer import IncrementalDetokenizer
-from pdserve.router.engine import (NoDecodeWorker, RequestFailed, RequestHandle, RouterEngine,
-                                   request_num_tokens)
+from pdserve.router.engine import RequestFailed, RequestHandle, RouterEngine
 from pdserve.router.errors import APIError, bad_request, unavailable
+from pdserve.router.registry import WorkerInfo
 from pdserve.router.logprobs import TokenEntry, TokenTexts, chat_logprobs, completion_logprobs
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import (ChatCompletionChoice, ChatCompletionChunk,
@@ -47,6 +55,7 @@ from pdserve.router.openai_protocol import (ChatCompletionChoice, ChatCompletion
                                             CompletionResponse, DeltaMessage, SamplingRequest,
                                             UsageInfo)
 from pdserve.router.outputs import ChoiceDelta, ChoiceOutput, MissingLogprobs
+from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -180,16 +189,10 @@ class OpenAIServing:
 
     def _submit(self, req: SamplingRequest, prompt_ids: list[int], id_prefix: str,
                 arrival: float) -> _Run:
-        """Check lengths and sampling fields, pick workers, send the request."""
-        requested = preprocess.requested_max_tokens(req)
-        max_tokens = preprocess.resolve_max_tokens(requested, len(prompt_ids), self.config.max_model_len)
-        params = preprocess.build_sampling_params(req, max_tokens, self.vocab_size)
-        params = self._fit_kv_cache(params, len(prompt_ids), fill_to_limit=requested is None)
+        """Check the request against the live workers' limits, pick workers, send it."""
+        params, decode_worker, prefill_worker = self._route(req, prompt_ids)
         request_id = uuid.uuid4().hex
-        try:
-            handle = self.engine.submit(request_id, prompt_ids, params)
-        except NoDecodeWorker:
-            raise unavailable(_NO_DECODE_WORKER) from None
+        handle = self.engine.submit(request_id, prompt_ids, params, decode_worker, prefill_worker)
         choices = [ChoiceOutput(i, IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop, skip_special_tokens=req.skip_special_tokens,
             min_tokens=params.min_tokens), logprobs=params.logprobs is not None)
@@ -199,34 +202,64 @@ class OpenAIServing:
         return _Run(f"{id_prefix}-{request_id}", handle, choices, len(prompt_ids), params.logprobs,
                     arrival)
 
-    def _fit_kv_cache(self, params: SamplingParams, num_prompt_tokens: int,
-                      fill_to_limit: bool) -> SamplingParams:
-        """503 without decode workers; 400 if no decode worker's KV cache can hold the request.
+    def worker_limits(self, worker: WorkerInfo) -> EngineLimits:
+        """What ``worker`` advertised, capped by the router's own ``max_model_len`` and by the
+        tokenizer (a token id the model embeds but the tokenizer cannot decode is refused, as vLLM does)."""
+        limits = worker.limits(fallback_vocab_size=self.vocab_size)
+        max_model_len = limits.max_model_len if 0 < limits.max_model_len <= self.config.max_model_len \
+            else self.config.max_model_len
+        return dataclasses.replace(limits, max_model_len=max_model_len,
+                                   vocab_size=min(limits.vocab_size, self.vocab_size))
 
-        A max_tokens the client left out shrinks to what the largest KV cache holds instead
-        (split evenly over the n choices).
+    def max_model_len(self) -> int:
+        """The longest request any live decode worker accepts (the router's limit without workers)."""
+        limits = [self.worker_limits(w).max_model_len for w in self.engine.registry.live(WorkerRole.DECODE)]
+        return max(limits, default=self.config.max_model_len)
+
+    def _route(self, req: SamplingRequest, prompt_ids: list[int]
+               ) -> tuple[SamplingParams, WorkerInfo, WorkerInfo | None]:
+        """Resolve max_tokens, build the params, and pick the workers that accept the request.
+
+        A max_tokens the client left out becomes what the most capable decode worker
+        holds (its max_model_len and KV cache), as vLLM fills it from max_model_len.
+
+        Raises:
+            APIError: 503 without a live decode worker; 400 if none accepts the request.
         """
-        decode_workers = self.engine.registry.live(WorkerRole.DECODE)
-        if not decode_workers:
-            raise unavailable(_NO_DECODE_WORKER)
-        num_tokens = request_num_tokens(num_prompt_tokens, params)
-        if any(w.fits(num_tokens) for w in decode_workers):
-            return params
-        largest = self.engine.registry.largest_decode()
-        assert largest is not None and largest.num_kv_tokens is not None
-        max_tokens = (largest.num_kv_tokens - num_prompt_tokens) // params.n
-        if fill_to_limit and max_tokens >= 1:
-            return msgspec.structs.replace(params, max_tokens=max_tokens,
-                                           min_tokens=min(params.min_tokens, max_tokens))
-        num_needed = -(-num_tokens // largest.block_size)
-        completion = (f"{params.max_tokens} for the completion" if params.n == 1 else
-                      f"{params.n} x {params.max_tokens} for {params.n} completions")
-        raise bad_request(
-            f"This request needs {num_needed} KV cache blocks of {largest.block_size} tokens "
-            f"({num_prompt_tokens} in the prompt, {completion}), but the "
-            f"largest live decode worker has only {largest.num_blocks} blocks "
-            f"({largest.num_kv_tokens} tokens). Please reduce the length of the prompt or of the "
-            f"completion.", "max_tokens")
+        registry = self.engine.registry
+        num_prompt_tokens = len(prompt_ids)
+        requested = preprocess.requested_max_tokens(req)
+        try:
+            # What no worker can change first (the router's own length cap, the sampling ranges): a 400
+            # for those comes before a 503 for an empty pool.
+            check_prompt_ids(prompt_ids, self.vocab_size)
+            check_context_length(num_prompt_tokens, requested, self.config.max_model_len)
+            max_tokens = self.config.max_model_len - num_prompt_tokens if requested is None else requested
+            params = preprocess.build_sampling_params(req, max_tokens, self.vocab_size)
+            decode_workers = registry.live(WorkerRole.DECODE)
+            if not decode_workers:
+                raise unavailable(_NO_DECODE_WORKER)
+            limits = {w.worker_id: self.worker_limits(w) for w in decode_workers}
+            best = max(limits.values(), key=_capacity)
+            if requested is None:
+                check_context_length(num_prompt_tokens, None, best.max_model_len)
+                room = min(best.max_model_len, best.num_kv_tokens or best.max_model_len)
+                params = msgspec.structs.replace(params, max_tokens=max(1, room - num_prompt_tokens))
+
+            def accepts(worker: WorkerInfo) -> bool:
+                return _accepts(prompt_ids, params, limits[worker.worker_id])
+
+            decode_worker = registry.pick(WorkerRole.DECODE, accepts)
+            if decode_worker is None:
+                check_request(prompt_ids, params, best)  # raises the most capable worker's reason
+                raise ValidationError("No live decode worker can hold this request; please reduce the "
+                                      "length of the prompt or of the completion.", "max_tokens")
+        except ValidationError as e:
+            raise bad_request(e.message, e.param) from None
+        first_token = prefill_sampling_params(params)
+        prefill_worker = registry.pick(
+            WorkerRole.PREFILL, lambda w: _accepts(prompt_ids, first_token, self.worker_limits(w)))
+        return params, decode_worker, prefill_worker
 
     async def _outputs(self, run: _Run) -> AsyncIterator[ChoiceDelta]:
         """Yield each choice's deltas until every choice finished.
@@ -245,7 +278,8 @@ class OpenAIServing:
                 raise APIError(item.status_code, item.message)
             if item.error is not None or item.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                 run.failure = "abort" if item.finish_reason == FinishReason.ABORT else "error"
-                raise self._worker_error(run, item.error or "aborted")
+                status = item.error_kind.http_status if item.error_kind is not None else 500
+                raise self._worker_error(run, item.error or "aborted", status)
             choice = run.choices[item.index]  # the engine checked the index
             if choice.finished:
                 continue  # stopped by a stop string; the worker goes on until all choices end
@@ -260,9 +294,12 @@ class OpenAIServing:
             if out is not None:
                 yield out
 
-    def _worker_error(self, run: _Run, message: str) -> APIError:
-        return APIError(500, f"request {run.request_id} failed on decode worker "
-                             f"{run.handle.decode_worker_id}: {message}")
+    def _worker_error(self, run: _Run, message: str, status: int = 500) -> APIError:
+        """The error a worker reported: a 400 keeps the worker's words (it is about the request)."""
+        if status == 400:
+            return bad_request(message)
+        return APIError(status, f"request {run.request_id} failed on decode worker "
+                                f"{run.handle.decode_worker_id}: {message}")
 
     def _observe_timing(self, run: _Run, delta: RequestDelta) -> None:
         if not delta.new_token_ids:
@@ -317,6 +354,19 @@ class OpenAIServing:
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _capacity(limits: EngineLimits) -> tuple[int, int]:
+    """Orders workers by how large a request they hold: max_model_len, then KV tokens."""
+    return limits.max_model_len, limits.num_kv_tokens if limits.num_kv_tokens is not None else 2 ** 62
+
+
+def _accepts(prompt_ids: list[int], params: SamplingParams, limits: EngineLimits) -> bool:
+    try:
+        check_request(prompt_ids, params, limits)
+    except ValidationError:
+        return False
+    return True
 
 
 async def _watch_disconnect(raw: Request, queue: asyncio.Queue) -> None:

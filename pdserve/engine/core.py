@@ -1,0 +1,170 @@
+"""The engine core: one model runner, KV cache, block manager and scheduler, and the step.
+
+Every way pdserve runs a model wraps this one class and adds only its own IO
+(vLLM v1 calls it ``EngineCore`` too)::
+
+    prefill worker  ──┐                    ┌── ModelRunner (model, KV cache tensor, sampler)
+    decode worker   ──┼──▶ EngineCore ─────┼── Scheduler ── KVCacheManager ── BlockManager
+    offline LLM     ──┘                    └── EngineLimits (what requests may ask, advertised)
+
+A step is three calls, so a wrapper can act between them (the prefill worker
+starts its KV sends after ``schedule`` and hooks each layer of ``execute``; the
+decode worker sends remote-prefill requests after ``schedule``)::
+
+    scheduler_output = core.schedule()
+    runner_output = core.execute(scheduler_output, on_layer_done=None)
+    outputs = core.update(scheduler_output, runner_output)   # list[EngineCoreOutput]
+
+``step()`` runs the three for wrappers with nothing to add in between.
+Requests enter only through ``add_request``, which applies the shared rules of
+``pdserve.common.validation`` against this engine's limits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from pdserve.common.protocol import SamplingParams, TokenLogprob, WorkerStats
+from pdserve.common.validation import EngineLimits, check_request
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Model runner + KV cache + block manager + scheduler, and the step that drives them.
+
+    Args:
+        config: the engine's configuration (model, KV budget, scheduler limits).
+
+    Attributes:
+        runner: ``ModelRunner``; its ``kv_cache`` is
+            ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_manager, scheduler: the pure-Python halves.
+        limits: ``EngineLimits`` (max_model_len, vocab_size, num_blocks, block_size),
+            what workers advertise to the router.
+        num_steps, max_step_batch_size: steps that ran a forward, and the most
+            sequences one of them held.
+        num_generation_tokens: tokens sampled here (and first tokens received with remote KV).
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          salt=self.runner.model_fingerprint)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                            max_num_batched_tokens=config.max_num_batched_tokens,
+                            max_model_len=self.runner.max_model_len,
+                            remote_prefill_threshold=config.remote_prefill_threshold),
+            self.block_manager)
+        self.limits = EngineLimits(max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
+                                   num_blocks=self.runner.num_blocks, block_size=self.runner.block_size)
+        self.num_steps = 0
+        self.max_step_batch_size = 0
+        self.num_generation_tokens = 0
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    remote_prefill: bool = False, stop_at_max_model_len: bool = False) -> Request:
+        """Check a request against this engine's limits and queue it.
+
+        Args:
+            request_id: the router's request_id (also the group id of its ``n`` samples).
+            prompt_token_ids: [num_prompt_tokens] token ids.
+            params: sampling parameters.
+            remote_prefill: decode worker: the prompt's KV comes from a prefill worker.
+            stop_at_max_model_len: accept prompt + max_tokens > max_model_len and stop
+                there (the offline API's rule); servers reject such requests.
+
+        Raises:
+            ValidationError: the request breaks a rule (``pdserve.common.validation``).
+            ValueError: a duplicate request_id.
+        """
+        check_request(prompt_token_ids, params, self.limits, stop_at_max_model_len)
+        request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.runner.eos_token_ids,
+                          max_model_len=self.runner.max_model_len, group_id=request_id)
+        self.scheduler.add_request(request, remote_prefill=remote_prefill)
+        return request
+
+    def abort(self, group_id: str) -> list[Request]:
+        """Finish every sample of a router request as aborted and free its blocks (idempotent)."""
+        return self.scheduler.finish_group(group_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish one engine request (one sample) with ``status`` and free its blocks (idempotent)."""
+        return self.scheduler.finish_request(request_id, status)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch (never raises for lack of blocks: it preempts or waits)."""
+        return self.scheduler.schedule()
+
+    def execute(self, scheduler_output: SchedulerOutput,
+                on_layer_done: Callable[[int], None] | None = None) -> ModelRunnerOutput:
+        """Run the forward of ``scheduler_output`` (copy-on-write copies first) and sample.
+
+        ``on_layer_done(layer_idx)`` is called once each layer's K/V are in the cache.
+        """
+        output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
+                                     block_copies=scheduler_output.block_copies)
+        if scheduler_output.scheduled:
+            self.num_steps += 1
+            self.max_step_batch_size = max(self.max_step_batch_size, len(scheduler_output.scheduled))
+        return output
+
+    def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance every scheduled request; finished ones are freed. One output per sampled token."""
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_generation_tokens += len(outputs)
+        return outputs
+
+    def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+        """``schedule -> execute -> update`` with nothing in between."""
+        scheduler_output = self.schedule()
+        if not scheduler_output.scheduled and not scheduler_output.block_copies:
+            return scheduler_output, []
+        return scheduler_output, self.update(scheduler_output, self.execute(scheduler_output))
+
+    # ---- remote prefill (decode side) -------------------------------------------------
+
+    def remote_kv_arrived(self, request_id: str, first_token_id: int,
+                          first_logprob: TokenLogprob | None = None) -> EngineCoreOutput | None:
+        """The prompt's KV is in the request's blocks: it decodes from its first token on.
+
+        Returns the first token's output, or None if the request no longer waits for KV.
+        """
+        output = self.scheduler.remote_kv_arrived(request_id, first_token_id, first_logprob)
+        if output is not None:
+            self.num_generation_tokens += 1
+        return output
+
+    def recompute_locally(self, request_id: str) -> bool:
+        """A remote prefill failed: prefill here instead, keeping the reserved blocks."""
+        return self.scheduler.recompute_locally(request_id)
+
+    # ---- figures ------------------------------------------------------------------------
+
+    def stats(self, transfer_stats: WorkerStats) -> WorkerStats:
+        """``transfer_stats`` (a worker's KV transfer counters) with the engine's cumulative
+        counters filled in, as a new struct; safe to call from another thread (reads ints)."""
+        s = self.scheduler.stats
+        return msgspec.structs.replace(
+            transfer_stats, num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, num_prompt_tokens=s.num_prompt_tokens,
+            num_local_prefills=s.num_local_prefills, num_generation_tokens=self.num_generation_tokens)
