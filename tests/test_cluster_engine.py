@@ -140,6 +140,37 @@ def test_logprobs_and_penalties(cluster):
     wait_all_blocks_free(cluster)
 
 
+def penalized_greedy(model, prompt_ids: list[int], num_tokens: int, frequency: float, presence: float) -> list[int]:
+    """Reference: transformers' logits, then OpenAI's penalty formula written out, then argmax.
+
+    logit[t] -= frequency * count(t in output) + presence * (count > 0); the prompt does not count.
+    """
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = model(torch.tensor([prompt_ids + out])).logits[0, -1].double()
+            for token in set(out):
+                logits[token] -= frequency * out.count(token) + presence
+            out.append(int(logits.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("frequency,presence", [(1.5, 0.0), (0.0, 1.5), (0.5, -2.0)])
+def test_penalties_equal_a_reference_computation(cluster, model_dir, frequency, presence):
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    prompt = "a a a a the the the"
+    ids = tok.encode(prompt)
+    resp = api.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0, logprobs=0,
+                                  frequency_penalty=frequency, presence_penalty=presence,
+                                  extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    expected = penalized_greedy(ref, ids, 16, frequency, presence)
+    assert resp.choices[0].text == tok.decode(expected)
+    assert resp.choices[0].text != tok.decode(penalized_greedy(ref, ids, 16, 0.0, 0.0))  # the penalty mattered
+    wait_all_blocks_free(cluster)
+
+
 def test_short_prompt_is_prefilled_by_the_decode_worker(cluster):
     """Conditional disaggregation: fewer uncached tokens than --remote-prefill-threshold (8) stay local."""
     api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)

@@ -85,9 +85,9 @@ def check_prompt_ids(prompt_token_ids: list[int], vocab_size: int, param: str = 
     """Raise ValidationError for an empty prompt or a token id outside [0, vocab_size)."""
     if not prompt_token_ids:
         raise ValidationError(f"{param} must not be empty", param)
-    for t in prompt_token_ids:
-        if not 0 <= t < vocab_size:
-            raise ValidationError(f"prompt token id {t} is out of range [0, {vocab_size})", param)
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:  # C loops; the router runs this per worker
+        bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
+        raise ValidationError(f"prompt token id {bad} is out of range [0, {vocab_size})", param)
 
 
 def check_sampling_params(params: SamplingParams, vocab_size: int | None = None) -> None:
