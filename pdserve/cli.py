@@ -3,7 +3,8 @@
     pdserve up [--model DIR] [--num-prefill N] [--num-decode M] [--colocated] [--host H] [--port P]
     pdserve router  --model DIR [--host H] [--port P] [--zmq-port Z]
     pdserve prefill --model DIR --router tcp://HOST:Z
-    pdserve decode  --model DIR --router tcp://HOST:Z
+    pdserve decode  --model DIR --router tcp://HOST:Z [--tensor-parallel-size T] [--pipeline-parallel-size P]
+    pdserve rank    --model DIR --rank R --master-addr H --master-port M ...   (one rank of a T x P worker)
     pdserve tiny-model OUT_DIR [--preset tiny|bench]
 
 ``up`` runs a whole local cluster; the others start one part alone, which is
@@ -49,11 +50,20 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rank(args: argparse.Namespace) -> int:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.ranks import serve_rank
+
+    return serve_rank(EngineConfig.from_cli_args(args))
+
+
 def _cmd_worker(role: str, args: argparse.Namespace) -> int:
     from pdserve.common.config import WorkerConfig
     from pdserve.engine.config import EngineConfig
 
     engine_config = EngineConfig.from_cli_args(args)
+    if engine_config.rank != 0:  # a rank of a multi-rank worker started by hand (or by Ray / Kubernetes)
+        return _cmd_rank(args)
     worker_config = WorkerConfig.from_cli_args(role, args)
     if role == "prefill":
         from pdserve.prefill_worker.worker import PrefillWorker as Worker
@@ -94,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--threads-per-worker", type=int, default=None)
 
     RouterConfig.add_cli_args(sub.add_parser("router", help="start the router alone"))
+    rank = sub.add_parser("rank", help="run one non-driver rank of a tensor/pipeline-parallel engine",
+                          description="Joins the driver at --master-addr:--master-port and runs the steps it "
+                                      "broadcasts. Drivers start these themselves unless given a rendezvous.")
+    EngineConfig.add_cli_args(rank)
     for role in ("prefill", "decode"):
         p = sub.add_parser(role, help=f"start one {role} worker")
         EngineConfig.add_cli_args(p)
@@ -118,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_router(args)
     if args.command in ("prefill", "decode"):
         return _cmd_worker(args.command, args)
+    if args.command == "rank":
+        return _cmd_rank(args)
     return _cmd_tiny_model(args)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -127,7 +128,8 @@ class LLM:
         **engine_kwargs: ``EngineConfig`` fields: dtype, device, block_size (tokens),
             kv_cache_memory (bytes, or a size such as ``"1GiB"``), max_num_seqs,
             max_num_batched_tokens (tokens per step), max_model_len (tokens), seed,
-            enable_prefix_caching, num_threads.
+            enable_prefix_caching, num_threads, tensor_parallel_size, pipeline_parallel_size
+            (the other ranks run as local processes; ``close()`` or exit stops them).
 
     Attributes:
         core: the ``EngineCore`` (``core.runner``, ``core.scheduler``, ``core.block_manager``).
@@ -141,9 +143,20 @@ class LLM:
         engine_kwargs.setdefault("remote_prefill_threshold", 0)
         self.config = EngineConfig(model=model, **engine_kwargs)
         self.core = EngineCore(self.config)
+        self._finalizer = weakref.finalize(self, self.core.close)  # stops the other ranks, if any
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
         self.max_model_len = self.core.limits.max_model_len
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's other ranks (tensor/pipeline parallel); also done at exit."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def vocab_size(self) -> int:

@@ -253,6 +253,30 @@ class RequestOutputs(_Msg):
     deltas: list[RequestDelta]
 
 
+class ExecuteModel(_Msg):
+    """Driver rank -> the other ranks of its worker, once per step (over the worker's own
+    torch.distributed gloo group as msgpack bytes, not ZMQ; see ``pdserve.engine.parallel``).
+
+    The flattened batch exactly as ``ModelRunner.prepare_inputs`` builds it: input_ids,
+    positions, slot_mapping [num_tokens]; block_tables [num_seqs][max_num_blocks];
+    seq_lens [num_seqs]; query_start_loc [num_seqs + 1]; sample_indices [num_sampled].
+    ``block_copies`` are copy-on-write (src, dst) block copies to do first. An empty step
+    (no tokens, no copies) is a liveness ping; ``shutdown`` ends the ranks' loops.
+    """
+
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    block_tables: list[list[int]] = []
+    seq_lens: list[int] = []
+    query_start_loc: list[int] = []
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    sample_indices: list[int] = []
+    block_copies: list[tuple[int, int]] = []
+    shutdown: bool = False
+
+
 MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
     MsgKind.REGISTER_WORKER: RegisterWorker,
     MsgKind.HEARTBEAT: Heartbeat,

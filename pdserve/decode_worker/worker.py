@@ -91,6 +91,11 @@ class DecodeWorker(WorkerBase):
 
     def _add(self, msg: GenerateRequest) -> None:
         remote = msg.prefill_worker_id is not None and msg.prefill_addr is not None
+        if remote and self.core.world_size > 1:
+            # KV transfer into a tensor/pipeline-parallel decode worker (each rank receiving its own
+            # slice) is not built yet: such a worker prefills its prompts itself.
+            remote = False
+            self.core.scheduler.stats.num_local_prefills += 1
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, remote_prefill=remote)
         except ValueError as e:  # ValidationError included: a request sent past the router's checks

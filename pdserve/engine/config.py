@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from pdserve.common.utils import parse_size
+from pdserve.engine.parallel import ParallelConfig
 
 
 @dataclass
@@ -26,6 +28,12 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV of full blocks whose tokens (and all before) match.
         remote_prefill_threshold: decode worker: prompts with fewer uncached tokens than this are
             prefilled locally instead of by a prefill worker (conditional disaggregation).
+        tensor_parallel_size, pipeline_parallel_size: ranks (processes) of this engine; see
+            ``pdserve.engine.parallel``. kv_cache_memory is per rank.
+        rank: this process's rank (0 = the driver, which starts the engine; others only run steps).
+        master_addr, master_port: the driver's rendezvous (torch's MASTER_ADDR / MASTER_PORT). Left
+            out on the driver, it starts every other rank itself on this machine.
+        rank_timeout_s: how long any collective of the ranks may wait (a dead rank fails the others).
     """
 
     model: str
@@ -40,6 +48,12 @@ class EngineConfig:
     num_threads: int | None = None
     enable_prefix_caching: bool = True
     remote_prefill_threshold: int = 16
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rank_timeout_s: float = 120.0
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -48,6 +62,13 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be positive")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        world_size = self.parallel.world_size  # validates the sizes
+        if not 0 <= self.rank < world_size:
+            raise ValueError(f"rank {self.rank} is outside the worker's {world_size} ranks")
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -66,11 +87,45 @@ class EngineConfig:
                        help="turn prefix caching off (on by default)")
         g.add_argument("--remote-prefill-threshold", type=int, default=16,
                        help="decode worker: prefill prompts with fewer uncached tokens locally")
+        g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks each layer is split over")
+        g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
+        g.add_argument("--rank", type=int, default=None,
+                       help="this process's rank in its worker (default: $RANK or 0); ranks > 0 only run steps")
+        g.add_argument("--master-addr", default=None,
+                       help="the driver rank's rendezvous host (default: $MASTER_ADDR; unset on the driver: "
+                            "it starts all ranks on this machine)")
+        g.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: $MASTER_PORT)")
+        g.add_argument("--rank-timeout", type=float, default=120.0, dest="rank_timeout_s",
+                       help="seconds any collective between a worker's ranks may wait")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """The config from ``add_cli_args`` flags; rank and rendezvous fall back to RANK / MASTER_ADDR /
+        MASTER_PORT from the environment, as torch's launchers set them."""
+        rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
+        master_port = args.master_port or (int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None)
         return cls(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                    seed=args.seed, num_threads=args.num_threads, enable_prefix_caching=args.enable_prefix_caching,
-                   remote_prefill_threshold=args.remote_prefill_threshold)
+                   remote_prefill_threshold=args.remote_prefill_threshold,
+                   tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                   rank=rank, master_addr=args.master_addr or os.environ.get("MASTER_ADDR"), master_port=master_port,
+                   rank_timeout_s=args.rank_timeout_s)
+
+    def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
+        """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""
+        args = ["--model", self.model, "--dtype", self.dtype, "--device", self.device, "--block-size",
+                str(self.block_size), "--kv-cache-memory", str(self.kv_cache_memory), "--max-num-seqs",
+                str(self.max_num_seqs), "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--seed", str(self.seed), "--tensor-parallel-size", str(self.tensor_parallel_size),
+                "--pipeline-parallel-size", str(self.pipeline_parallel_size), "--rank", str(rank),
+                "--master-addr", master_addr, "--master-port", str(master_port),
+                "--rank-timeout", str(self.rank_timeout_s)]
+        if self.max_model_len is not None:
+            args += ["--max-model-len", str(self.max_model_len)]
+        if self.num_threads is not None:
+            args += ["--num-threads", str(self.num_threads)]
+        if not self.enable_prefix_caching:
+            args.append("--no-prefix-caching")
+        return args

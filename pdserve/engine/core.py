@@ -1,7 +1,9 @@
 """The engine core: one model runner, KV cache, block manager and scheduler, and the step.
 
 Every way pdserve runs a model wraps this one class and adds only its own IO
-(vLLM v1 calls it ``EngineCore`` too)::
+(vLLM v1 calls it ``EngineCore`` too). With tensor/pipeline parallelism it runs
+on the driver rank and starts the other ranks (``pdserve.engine.ranks``); the
+runner broadcasts each step to them, so nothing above the runner changes::
 
     prefill worker  ──┐                    ┌── ModelRunner (model, KV cache tensor, sampler)
     decode worker   ──┼──▶ EngineCore ─────┼── Scheduler ── KVCacheManager ── BlockManager
@@ -33,6 +35,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
+from pdserve.engine.ranks import start_ranks, stop_processes
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -57,8 +60,15 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig):
+        if config.rank != 0:
+            raise ValueError("an EngineCore runs on rank 0 (the driver); other ranks run pdserve.engine.ranks")
         self.config = config
-        self.runner = ModelRunner(config)
+        self.ranks, self._rank_procs = start_ranks(config)
+        try:
+            self.runner = ModelRunner(config, self.ranks)
+        except BaseException:
+            self.close()
+            raise
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching,
                                           salt=self.runner.model_fingerprint)
@@ -157,6 +167,27 @@ class EngineCore:
     def recompute_locally(self, request_id: str) -> bool:
         """A remote prefill failed: prefill here instead, keeping the reserved blocks."""
         return self.scheduler.recompute_locally(request_id)
+
+    # ---- ranks ---------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.config.parallel.world_size
+
+    def ping_ranks(self) -> None:
+        """Check that every rank still answers (an empty step); raises if one is gone."""
+        self.runner.ping_ranks()
+
+    def close(self) -> None:
+        """Stop the other ranks (a multi-rank engine); idempotent."""
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.shutdown_ranks()
+        stop_processes(self._rank_procs)
+        self._rank_procs = []
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     # ---- figures ------------------------------------------------------------------------
 

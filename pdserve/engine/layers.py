@@ -117,6 +117,11 @@ class ColumnParallelLinear(nn.Module):
     ``output_sizes`` makes one layer out of several fused projections (e.g. q/k/v or gate/up):
     each part is split across ranks on its own, and a rank's weight is the concatenation of
     its slices of each part. Load part i with ``weight_loader(param, hf_tensor, shard_id=i)``.
+
+    ``num_shards[i]`` (default: the TP size) cuts part i into fewer pieces than there are
+    ranks; rank r then holds piece ``r * num_shards[i] // tp_size``, so pieces are
+    replicated over ``tp_size // num_shards[i]`` ranks. Grouped-query attention with fewer
+    KV heads than ranks uses this: each rank holds (a copy of) one KV head, as in vLLM.
     """
 
     def __init__(
@@ -127,12 +132,17 @@ class ColumnParallelLinear(nn.Module):
         tp_group: Any | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        num_shards: Sequence[int] | None = None,
     ):
         super().__init__()
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = tp_rank_and_size(tp_group)
-        self.local_sizes = [_divide(n, self.tp_size, "output size") for n in self.output_sizes]
+        self.num_shards = list(num_shards) if num_shards is not None else [self.tp_size] * len(self.output_sizes)
+        for shards in self.num_shards:
+            if shards < 1 or self.tp_size % shards:
+                raise ValueError(f"a part split {shards} ways cannot be spread over {self.tp_size} TP ranks")
+        self.local_sizes = [_divide(n, k, "output size") for n, k in zip(self.output_sizes, self.num_shards)]
         local_out = sum(self.local_sizes)
         self.weight = _empty_param(local_out, input_size, dtype=dtype, device=device)
         self.weight.weight_loader = self.weight_loader
@@ -151,7 +161,8 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"expected {self.output_sizes[part]} rows for part {part}, got {tuple(loaded.shape)}")
         local = self.local_sizes[part]
         dst_start = sum(self.local_sizes[:part])
-        src = loaded.narrow(0, self.tp_rank * local, local)
+        piece = self.tp_rank * self.num_shards[part] // self.tp_size
+        src = loaded.narrow(0, piece * local, local)
         dst = param.data.narrow(0, dst_start, local)
         if src.shape != dst.shape:
             raise ValueError(f"shape mismatch: checkpoint shard {tuple(src.shape)} vs param {tuple(dst.shape)}")

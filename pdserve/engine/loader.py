@@ -87,8 +87,14 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device,
     tp_group: Any | None = None,
+    layer_range: tuple[int, int] | None = None,
+    has_embedding: bool = True,
+    has_lm_head: bool = True,
 ) -> LlamaForCausalLM:
     """Build a LlamaForCausalLM from ``model_dir`` and fill it from every *.safetensors file.
+
+    ``tp_group``, ``layer_range``, ``has_embedding`` and ``has_lm_head`` pick this rank's share
+    (see ``LlamaForCausalLM``); tensors of other ranks' shares are skipped.
 
     Raises ValueError for an unsupported ``model_type`` or when the checkpoint has missing
     or unexpected weights, FileNotFoundError when there are no safetensors files.
@@ -104,7 +110,8 @@ def load_model(
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
 
-    model = LlamaForCausalLM(config, tp_group=tp_group, dtype=dtype, device=device)
+    model = LlamaForCausalLM(config, tp_group=tp_group, dtype=dtype, device=device, layer_range=layer_range,
+                             has_embedding=has_embedding, has_lm_head=has_lm_head)
     params = dict(model.named_parameters())
     expected = _expected_keys(model)
     loaded: set[tuple[str, int | None]] = set()
@@ -116,6 +123,8 @@ def load_model(
                     continue
                 if hf_name == "lm_head.weight" and model.tie_word_embeddings:
                     continue  # tied: the embedding matrix is the output projection
+                if not model.holds(hf_name):
+                    continue  # another pipeline stage's layer, or the driver's head
                 name, shard_id = _map_name(hf_name)
                 param = params.get(name)
                 if param is None or (name, shard_id) not in expected:

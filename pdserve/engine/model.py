@@ -55,11 +55,31 @@ def _sliding_window(config, layer_idx: int) -> int | None:
     return window
 
 
+def kv_head_layout(total_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(KV heads per TP rank, ranks sharing each KV head).
+
+    With at least as many KV heads as ranks the heads are split (``total / tp`` each, no
+    sharing); with fewer, each rank holds one head and ``tp / total`` ranks hold a copy of
+    it (vLLM's rule for grouped-query attention).
+
+    Raises:
+        ValueError: the heads cannot be spread evenly.
+    """
+    if total_kv_heads >= tp_size:
+        if total_kv_heads % tp_size:
+            raise ValueError(f"num_key_value_heads={total_kv_heads} is not divisible by the TP size {tp_size}")
+        return total_kv_heads // tp_size, 1
+    if tp_size % total_kv_heads:
+        raise ValueError(f"the TP size {tp_size} is not a multiple of num_key_value_heads={total_kv_heads}")
+    return 1, tp_size // total_kv_heads
+
+
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention over the paged cache.
 
     hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size]. Heads are split across
-    TP ranks: this rank holds num_heads / tp query heads and num_kv_heads / tp KV heads.
+    TP ranks: this rank holds num_heads / tp query heads and max(1, num_kv_heads / tp) KV
+    heads (``kv_head_layout``).
     """
 
     def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
@@ -69,13 +89,11 @@ class LlamaAttention(nn.Module):
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
-        if total_heads % tp_size or total_kv_heads % tp_size:
-            raise ValueError(
-                f"num_attention_heads={total_heads} and num_key_value_heads={total_kv_heads} "
-                f"must both be divisible by the TP size {tp_size}"
-            )
+        if total_heads % tp_size:
+            raise ValueError(f"num_attention_heads={total_heads} must be divisible by the TP size {tp_size}")
         self.num_heads = total_heads // tp_size
-        self.num_kv_heads = total_kv_heads // tp_size
+        self.num_kv_heads, _ = kv_head_layout(total_kv_heads, tp_size)
+        kv_shards = min(total_kv_heads, tp_size)
         self.scale = self.head_dim**-0.5
         self.sliding_window = _sliding_window(config, layer_idx)
 
@@ -83,7 +101,8 @@ class LlamaAttention(nn.Module):
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         q_size, kv_size = total_heads * self.head_dim, total_kv_heads * self.head_dim
         self.qkv_proj = ColumnParallelLinear(
-            hidden, [q_size, kv_size, kv_size], bias=qkv_bias, tp_group=tp_group, dtype=dtype, device=device
+            hidden, [q_size, kv_size, kv_size], bias=qkv_bias, tp_group=tp_group, dtype=dtype, device=device,
+            num_shards=[tp_size, kv_shards, kv_shards],
         )
         self.o_proj = RowParallelLinear(q_size, hidden, bias=o_bias, tp_group=tp_group, dtype=dtype, device=device)
         theta, scaling = _rope_settings(config)
@@ -142,28 +161,71 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF's ``model.*`` submodule)."""
+class AbsentModule(nn.Module):
+    """Stands in for a module this rank does not hold (another pipeline stage's layer, or
+    the sampling head off the driver): no weights, and calling it is a bug."""
 
-    def __init__(self, config, tp_group: Any | None, dtype, device):
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("this module lives on another rank")
+
+
+def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
+    """The contiguous layers [start, end) of pipeline stage ``pp_rank``.
+
+    Layers split as evenly as possible; the later stages take the remainder (the first
+    stage also embeds, and holds the driver's sampling head).
+
+    Raises:
+        ValueError: fewer layers than stages.
+    """
+    if num_layers < pp_size:
+        raise ValueError(f"{num_layers} layers cannot be split into {pp_size} pipeline stages")
+    base, extra = divmod(num_layers, pp_size)
+    sizes = [base + (1 if stage >= pp_size - extra else 0) for stage in range(pp_size)]
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.*`` submodule).
+
+    Layers outside ``layer_range`` (other pipeline stages), and the embedding or final
+    norm when this rank does not need them, are ``AbsentModule``s.
+    """
+
+    def __init__(self, config, tp_group: Any | None, dtype, device, layer_range: tuple[int, int],
+                 has_embedding: bool, has_norm: bool):
         super().__init__()
-        weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        if has_embedding:
+            weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
+        else:
+            self.embed_tokens = AbsentModule()
+        start, end = layer_range
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp_group, dtype, device) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp_group, dtype, device) if start <= i < end else AbsentModule()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device) \
+            if has_norm else AbsentModule()
 
 
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 causal LM running over a paged KV cache.
 
-    Attributes num_layers, num_kv_heads (per TP rank) and head_dim size the KV cache
-    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``. The embedding and
-    ``lm_head`` are replicated on every TP rank; the decoder layers are sharded.
+    One rank's share of the model: with tensor parallelism (``tp_group``) the decoder
+    layers are sharded; with pipeline parallelism this rank holds only the layers in
+    ``layer_range`` (default: all). The embedding and the sampling head (final norm +
+    ``lm_head``) are replicated, not vocab-parallel: the embedding lives where the
+    first stage runs, the head on the driver only (``has_lm_head``), which samples.
+
+    Attributes num_layers (this rank's), num_kv_heads (per TP rank) and head_dim size the
+    KV cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``;
+    ``layer_range`` says which global layers those are.
     """
 
-    def __init__(self, config, tp_group: Any | None = None, dtype: torch.dtype = torch.float32, device="cpu"):
+    def __init__(self, config, tp_group: Any | None = None, dtype: torch.dtype = torch.float32, device="cpu",
+                 layer_range: tuple[int, int] | None = None, has_embedding: bool = True, has_lm_head: bool = True):
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -172,19 +234,36 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.tp_group = tp_group
-        self.model = LlamaModel(config, tp_group, dtype, device)
+        self.layer_range = layer_range or (0, config.num_hidden_layers)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        has_embedding = has_embedding or (has_lm_head and self.tie_word_embeddings)
+        self.model = LlamaModel(config, tp_group, dtype, device, self.layer_range, has_embedding, has_lm_head)
+        self.has_embedding, self.has_lm_head = has_embedding, has_lm_head
+        if not has_lm_head:
+            self.lm_head = AbsentModule()
+        elif self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens  # shares .weight
         else:
             weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
             self.lm_head = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.requires_grad_(False)
-        first_attn = self.model.layers[0].self_attn
-        self.num_layers: int = config.num_hidden_layers
+        start, end = self.layer_range
+        first_attn = self.model.layers[start].self_attn
+        self.num_layers: int = end - start
         self.num_kv_heads: int = first_attn.num_kv_heads
         self.head_dim: int = first_attn.head_dim
         self.vocab_size: int = config.vocab_size
+
+    def holds(self, hf_name: str) -> bool:
+        """Whether the checkpoint tensor ``hf_name`` has a place on this rank."""
+        parts = hf_name.split(".")
+        if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+            return self.layer_range[0] <= int(parts[2]) < self.layer_range[1]
+        if hf_name.startswith("model.embed_tokens."):
+            return self.has_embedding
+        if hf_name.startswith(("model.norm.", "lm_head.")):
+            return self.has_lm_head
+        return True
 
     @torch.inference_mode()
     def forward(
@@ -194,22 +273,29 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: torch.Tensor,
         attn_metadata: AttentionMetadata,
         on_layer_done: Callable[[int], None] | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] int64;
-        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], updated in place.
-        Returns hidden states [num_tokens, hidden_size] after the final norm.
+        """Run this rank's layers.
 
-        ``on_layer_done(layer_idx)`` runs right after layer ``layer_idx`` finishes (its K/V are
-        in kv_cache). On CUDA the kernels may still be queued: the callback must order its
-        reads after them (e.g. record an event on the current stream)."""
-        hidden = self.model.embed_tokens(input_ids)  # (N, hidden)
-        for i, layer in enumerate(self.model.layers):
-            hidden = layer(positions, hidden, kv_cache[i], attn_metadata)
+        input_ids, positions: [num_tokens] int64 (input_ids are embedded when ``hidden`` is None,
+        i.e. on the first pipeline stage); hidden: [num_tokens, hidden_size] from the previous stage.
+        kv_cache: this rank's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim],
+        updated in place. Returns hidden states [num_tokens, hidden_size] after this rank's last
+        layer (before the final norm, which ``compute_logits`` applies).
+
+        ``on_layer_done(i)`` runs right after this rank's layer ``i`` (an index into ``kv_cache``)
+        finishes. On CUDA the kernels may still be queued: the callback must order its reads
+        after them (e.g. record an event on the current stream)."""
+        if hidden is None:
+            hidden = self.model.embed_tokens(input_ids)  # (N, hidden)
+        start, end = self.layer_range
+        for i in range(end - start):
+            hidden = self.model.layers[start + i](positions, hidden, kv_cache[i], attn_metadata)
             if on_layer_done is not None:
                 on_layer_done(i)
-        return self.model.norm(hidden)
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> [n, vocab_size] float32 logits."""
-        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()
+        """Final norm and LM head: [n, hidden_size] (the last layer's output) -> [n, vocab_size] float32."""
+        return torch.nn.functional.linear(self.model.norm(hidden_states), self.lm_head.weight).float()

@@ -1,8 +1,11 @@
 """Owns the model, the KV cache tensor and the sampler; runs one step's forward.
 
-``prepare_inputs`` is the one place where scheduled requests become tensors:
-their ``block_table`` lists become ``slot_mapping`` (where each new token's K/V
-is written) and ``block_tables`` (where attention reads each sequence's context).
+``prepare_inputs`` is the one place where scheduled requests become step
+inputs: their ``block_table`` lists become ``slot_mapping`` (where each new
+token's K/V is written) and ``block_tables`` (where attention reads each
+sequence's context), as an ``ExecuteModel`` the driver can broadcast to the
+other ranks of a tensor/pipeline-parallel worker; ``run_step`` turns it into
+tensors and runs this rank's part of the forward on every rank alike.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoConfig
 
+from pdserve.common.protocol import ExecuteModel
 from pdserve.common.utils import resolve_device, resolve_dtype
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.engine.loader import load_model
+from pdserve.engine.model import stage_layer_range
 from pdserve.engine.outputs import ModelRunnerOutput
+from pdserve.engine.parallel import RankGroup
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow
 
@@ -29,17 +36,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ModelInput:
-    """Flattened inputs of one forward.
+    """Flattened inputs of one forward, as tensors.
 
-    input_ids, positions: [num_tokens] int64. ``sample_indices[i]`` is the row of
-    the hidden states whose logits sample ``sample_requests[i]``'s next token.
+    input_ids, positions: [num_tokens] int64. ``sample_indices[i]``: the row of the
+    hidden states whose logits sample the i-th sampled request's next token.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     sample_indices: torch.Tensor
-    sample_requests: list[Request]
 
 
 def read_eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
@@ -62,23 +68,38 @@ def _generation_config(model_dir: str) -> dict:
 
 
 class ModelRunner:
-    """Loads the model and allocates the KV cache from the memory budget.
+    """This rank's model share and KV cache; builds step inputs and runs the forward.
+
+    Args:
+        config: the engine configuration.
+        ranks: this process's place in a tensor/pipeline-parallel worker, or None for a
+            single-rank worker. Only the driver (rank 0) samples.
 
     Attributes:
-        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
-        num_blocks, block_size, max_model_len, vocab_size, eos_token_ids.
+        kv_cache: this rank's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+            (its pipeline stage's layers, its TP rank's KV heads).
+        num_blocks (the same on every rank), block_size, max_model_len, vocab_size, eos_token_ids.
     """
 
-    def __init__(self, config: EngineConfig, tp_group=None):
+    def __init__(self, config: EngineConfig, ranks: RankGroup | None = None):
         self.config = config
-        self.device = resolve_device(config.device)
+        self.ranks = ranks
+        self.device = ranks.device if ranks is not None else resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        self.model = load_model(config.model, dtype=self.dtype, device=self.device, tp_group=tp_group)
-        hf_config = self.model.config
+        hf_config = AutoConfig.from_pretrained(config.model)
+        layer_range = None
+        if ranks is not None:
+            layer_range = stage_layer_range(hf_config.num_hidden_layers, ranks.parallel.pipeline_parallel_size,
+                                            ranks.pp_rank)
+        self.model = load_model(config.model, dtype=self.dtype, device=self.device,
+                                tp_group=ranks.tp_group if ranks is not None else None, layer_range=layer_range,
+                                has_embedding=ranks is None or ranks.is_first_stage,
+                                has_lm_head=ranks is None or ranks.is_driver)
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         self.vocab_size = int(hf_config.vocab_size)
+        self.hidden_size = int(hf_config.hidden_size)
         self.eos_token_ids = read_eos_token_ids(config.model, hf_config)
         # Salts prefix-cache hashes: KV from another model or dtype must never be a hit.
         self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{hf_config.to_json_string()}"
@@ -89,16 +110,20 @@ class ModelRunner:
         self.head_dim = self.model.head_dim
         block_bytes = kv_cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
         self.num_blocks = num_blocks_for_budget(config.kv_cache_memory, block_bytes)
+        if ranks is not None:  # block ids are the driver's: every rank must have every block
+            self.num_blocks = ranks.min_over_ranks(self.num_blocks)
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, self.dtype, self.device)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         self.sampler = Sampler(config.seed)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s)", self.num_blocks,
-                    self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20, self.dtype,
-                    self.device)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s, %d layers, %d KV heads)",
+                    self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20,
+                    self.dtype, self.device, self.num_layers, self.num_kv_heads)
 
-    def prepare_inputs(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
-        """Build the flattened batch for ``(request, num_new_tokens)`` pairs."""
+    def prepare_inputs(self, scheduled: list[tuple[Request, int]],
+                       block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:
+        """The flattened step for ``(request, num_new_tokens)`` pairs, and the requests it samples
+        (in ``sample_indices`` order)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -119,47 +144,100 @@ class ModelRunner:
             if end == request.num_tokens:  # caught up: this step samples its next token
                 sample_indices.append(query_start_loc[-1] - 1)
                 sample_requests.append(request)
-        max_blocks = max(len(r.block_table) for r, _ in scheduled)
+        max_blocks = max((len(r.block_table) for r, _ in scheduled), default=0)
         block_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r, _ in scheduled]
+        step = ExecuteModel(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                            block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+                            max_query_len=max((n for _, n in scheduled), default=0),
+                            max_seq_len=max(seq_lens, default=0), sample_indices=sample_indices,
+                            block_copies=list(block_copies))
+        return step, sample_requests
 
+    def _tensors(self, step: ExecuteModel) -> ModelInput:
         def as_tensor(values):
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         metadata = AttentionMetadata(
-            slot_mapping=as_tensor(slot_mapping),
-            block_tables=as_tensor(block_tables),
-            seq_lens=as_tensor(seq_lens),
-            query_start_loc=as_tensor(query_start_loc),
-            max_query_len=max(n for _, n in scheduled),
-            max_seq_len=max(seq_lens),
+            slot_mapping=as_tensor(step.slot_mapping),
+            block_tables=as_tensor(step.block_tables).reshape(len(step.block_tables), -1),
+            seq_lens=as_tensor(step.seq_lens),
+            query_start_loc=as_tensor(step.query_start_loc),
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
         )
-        return ModelInput(as_tensor(input_ids), as_tensor(positions), metadata, as_tensor(sample_indices),
-                          sample_requests)
+        return ModelInput(as_tensor(step.input_ids), as_tensor(step.positions), metadata,
+                          as_tensor(step.sample_indices))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], on_layer_done=None,
                 block_copies: list[tuple[int, int]] = ()) -> ModelRunnerOutput:
-        """Run one forward over ``scheduled`` and sample.
+        """Run one forward over ``scheduled`` (on every rank of the worker) and sample (driver).
 
         Args:
             scheduled: (request, num_new_tokens) pairs, as the scheduler gave them.
-            on_layer_done: called with layer index once that layer's K/V are in the cache.
+            on_layer_done: called with this rank's layer index once that layer's K/V are in the cache.
             block_copies: (src, dst) block pairs to copy first (the scheduler's copy-on-write).
 
         Returns:
             the sampled token (and, where asked, its logprobs) of every request whose
             last known token was computed this step.
         """
-        if block_copies:
-            copy_blocks(self.kv_cache, block_copies)
-        if not scheduled:
+        if not scheduled and not block_copies:
             return ModelRunnerOutput()
-        inp = self.prepare_inputs(scheduled)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata, on_layer_done)
-        if not inp.sample_requests:
+        step, sample_requests = self.prepare_inputs(scheduled, block_copies)
+        if self.ranks is not None:
+            self.ranks.broadcast_step(step)
+        rows = self.run_step(step, on_layer_done)
+        if rows is None or not sample_requests:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[inp.sample_indices])  # (num_sampled, vocab)
-        return self._sample(logits, inp.sample_requests)
+        return self._sample(self.model.compute_logits(rows), sample_requests)
+
+    @torch.inference_mode()
+    def run_step(self, step: ExecuteModel, on_layer_done=None) -> torch.Tensor | None:
+        """This rank's part of one step: block copies, its layers, the pipeline hand-offs.
+
+        Returns the hidden rows to sample [num_sampled, hidden_size] on the driver, None elsewhere.
+        """
+        if step.block_copies:
+            copy_blocks(self.kv_cache, step.block_copies)
+        if not step.input_ids:
+            return None
+        inp = self._tensors(step)
+        ranks = self.ranks
+        hidden_in = None
+        if ranks is not None and not ranks.is_first_stage:
+            hidden_in = ranks.recv_hidden(len(step.input_ids), self.hidden_size, self.dtype)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata, on_layer_done,
+                            hidden=hidden_in)
+        if ranks is None:
+            return hidden[inp.sample_indices]
+        if not ranks.is_last_stage:
+            ranks.send_hidden(hidden)
+        rows = hidden[inp.sample_indices] if ranks.is_last_stage else None
+        return ranks.exchange_sample_rows(rows, (len(step.sample_indices), self.hidden_size), self.dtype)
+
+    def serve_rank(self) -> None:
+        """A non-driver rank's whole life: run each step the driver broadcasts until ``shutdown``."""
+        assert self.ranks is not None and not self.ranks.is_driver
+        while True:
+            step = self.ranks.broadcast_step(None)
+            if step.shutdown:
+                return
+            self.run_step(step)
+
+    def ping_ranks(self) -> None:
+        """Driver: an empty step, so a dead rank is noticed (an error here) while the worker is idle."""
+        if self.ranks is not None:
+            self.ranks.broadcast_step(ExecuteModel())
+
+    def shutdown_ranks(self) -> None:
+        """Driver: end the other ranks' loops (best effort: they may be gone already)."""
+        if self.ranks is None:
+            return
+        try:
+            self.ranks.broadcast_step(ExecuteModel(shutdown=True))
+        except Exception as e:  # noqa: BLE001  a dead rank: the others time out on their own
+            logger.warning("could not tell every rank to stop: %s", e)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
         """Sample one token per request, with logprobs for those that asked."""

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 REGISTER_EVERY_S = 5.0
 _IDLE_WAIT_S = 0.05
+_RANK_PING_S = 1.0
 
 
 class WorkerBase:
@@ -51,10 +52,15 @@ class WorkerBase:
         self.core = EngineCore(engine_config)
         self.runner = self.core.runner
         self.stats = WorkerStats()
-        self.mailbox = Mailbox(worker_config.host, worker_config.port)
+        try:
+            self.mailbox = Mailbox(worker_config.host, worker_config.port)
+        except BaseException:
+            self.core.close()
+            raise
         self.model_name = engine_config.model.rstrip("/").split("/")[-1]
         self._stop = threading.Event()
         self._loop_tick = time.monotonic()  # when the step loop last finished an iteration
+        self._last_step = self._loop_tick  # when the ranks last heard from the driver
         self._liveness: threading.Thread | None = None
 
     # ---- hooks ------------------------------------------------------------------
@@ -77,6 +83,7 @@ class WorkerBase:
         if self._liveness is not None:
             self._liveness.join(timeout=2)
         self.mailbox.close()
+        self.core.close()
 
     # ---- liveness (IO thread) -----------------------------------------------------
 
@@ -128,12 +135,22 @@ class WorkerBase:
             self.close()
 
     def run_once(self) -> None:
-        """One loop iteration: periodic checks, the inbox, one step."""
-        self.periodic(time.monotonic())
+        """One loop iteration: periodic checks, the inbox, one step.
+
+        A multi-rank worker idle for ``_RANK_PING_S`` pings its ranks, so a dead rank ends the
+        worker (an exception out of ``run``) even when no request arrives.
+        """
+        now = time.monotonic()
+        self.periodic(now)
         busy = self.core.has_unfinished()
         self.drain_inbox(wait=0 if busy else _IDLE_WAIT_S)
-        if not self.step() and self.core.has_unfinished():
+        if self.step():
+            self._last_step = now
+        elif self.core.has_unfinished():
             time.sleep(0.001)  # waiting on remote KV / peers only
+        elif self.core.world_size > 1 and now - self._last_step > _RANK_PING_S:
+            self.core.ping_ranks()
+            self._last_step = now
         self._loop_tick = time.monotonic()
 
     def drain_inbox(self, wait: float = 0) -> None:

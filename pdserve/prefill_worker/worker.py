@@ -49,6 +49,10 @@ class PrefillWorker(WorkerBase):
     role = WorkerRole.PREFILL
 
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig):
+        if engine_config.parallel.world_size > 1:
+            raise ValueError("a prefill worker runs on one rank for now: sending KV from several ranks (each its "
+                             "own layers and KV heads) is not built yet; use --tensor-parallel-size 1 "
+                             "--pipeline-parallel-size 1 for prefill workers")
         super().__init__(engine_config, worker_config)
         self.pairs = PrefillPairs(self.worker_id, self.runner.device, worker_config.transfer_timeout_s)
         self.completer = SendCompleter(
