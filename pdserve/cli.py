@@ -1,6 +1,7 @@
 """The ``pdserve`` command.
 
     pdserve up [--model DIR] [--num-prefill N] [--num-decode M] [--colocated] [--host H] [--port P]
+               [--{prefill,decode}-{tensor,pipeline}-parallel-size K]
     pdserve router  --model DIR [--host H] [--port P] [--zmq-port Z]
     pdserve prefill --model DIR --router tcp://HOST:Z
     pdserve decode  --model DIR --router tcp://HOST:Z [--tensor-parallel-size T] [--pipeline-parallel-size P]
@@ -36,9 +37,14 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             print("pdserve: --colocated runs no prefill workers; drop --num-prefill", file=sys.stderr)
             return 2
         num_prefill = 0
+    sizes = {}
+    for role in ("prefill", "decode"):
+        for kind in ("tensor", "pipeline"):
+            value = getattr(args, f"{role}_{kind}_parallel_size")
+            sizes[f"{role}_{kind}_parallel_size"] = value or getattr(args, f"{kind}_parallel_size") or 1
     spec = ClusterSpec(model=model, num_prefill=num_prefill, num_decode=args.num_decode, host=args.host,
                        port=args.port, zmq_port=args.zmq_port, worker_args=extra,
-                       threads_per_worker=args.threads_per_worker)
+                       threads_per_worker=args.threads_per_worker, **sizes)
     return run_cluster(spec)
 
 
@@ -101,7 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--zmq-port", type=int, default=None)
-    up.add_argument("--threads-per-worker", type=int, default=None)
+    up.add_argument("--threads-per-worker", type=int, default=None, help="torch CPU threads per worker rank")
+    for kind in ("tensor", "pipeline"):
+        up.add_argument(f"--{kind}-parallel-size", type=int, default=None,
+                        help=f"{kind} parallel size of every worker (default 1)")
+        for role in ("prefill", "decode"):
+            up.add_argument(f"--{role}-{kind}-parallel-size", type=int, default=None,
+                            help=f"{kind} parallel size of the {role} workers (overrides --{kind}-parallel-size)")
 
     RouterConfig.add_cli_args(sub.add_parser("router", help="start the router alone"))
     rank = sub.add_parser("rank", help="run one non-driver rank of a tensor/pipeline-parallel engine",

@@ -33,7 +33,10 @@ class ClusterSpec:
         host, port: the router's HTTP address; zmq_port: the router's ZMQ port (None = free port).
         worker_args: extra CLI args for every worker (engine flags such as --kv-cache-memory).
         router_args: extra CLI args for the router.
-        threads_per_worker: torch CPU threads per worker (None: cores / workers, at least 1).
+        threads_per_worker: torch CPU threads per worker rank (None: cores / ranks, at least 1).
+        prefill_tensor_parallel_size, prefill_pipeline_parallel_size, decode_tensor_parallel_size,
+            decode_pipeline_parallel_size: ranks of each worker of that pool (each rank is a process;
+            the worker's driver starts its other ranks).
     """
 
     model: str
@@ -45,12 +48,31 @@ class ClusterSpec:
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     threads_per_worker: int | None = None
+    prefill_tensor_parallel_size: int = 1
+    prefill_pipeline_parallel_size: int = 1
+    decode_tensor_parallel_size: int = 1
+    decode_pipeline_parallel_size: int = 1
 
     def __post_init__(self):
         if self.num_decode < 1:
             raise ValueError("a cluster needs at least one decode worker")
         if self.num_prefill < 0:
             raise ValueError("num_prefill must be >= 0")
+        for name in ("prefill_tensor_parallel_size", "prefill_pipeline_parallel_size",
+                     "decode_tensor_parallel_size", "decode_pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    def parallel_args(self, role: str) -> list[str]:
+        """The worker flags that give ``role``'s workers their ranks."""
+        return ["--tensor-parallel-size", str(getattr(self, f"{role}_tensor_parallel_size")),
+                "--pipeline-parallel-size", str(getattr(self, f"{role}_pipeline_parallel_size"))]
+
+    @property
+    def num_ranks(self) -> int:
+        """Processes all workers run together (for sharing the cores)."""
+        return (self.num_prefill * self.prefill_tensor_parallel_size * self.prefill_pipeline_parallel_size
+                + self.num_decode * self.decode_tensor_parallel_size * self.decode_pipeline_parallel_size)
 
 
 class LocalCluster:
@@ -77,17 +99,18 @@ class LocalCluster:
 
     def start(self) -> None:
         s = self.spec
-        workers = s.num_prefill + s.num_decode
-        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // workers)
+        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.num_ranks)
         router_zmq = f"tcp://{s.host}:{self.zmq_port}"
         self._spawn("router", ["router", "--model", s.model, "--host", s.host, "--port", str(s.port),
                                "--zmq-port", str(self.zmq_port), *s.router_args])
         common = ["--model", s.model, "--router", router_zmq, "--host", s.host, "--num-threads", str(threads),
                   *s.worker_args]
         for i in range(s.num_prefill):
-            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"prefill-{i}", *common])
+            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"prefill-{i}", *common,
+                                         *s.parallel_args("prefill")])
         for i in range(s.num_decode):
-            self._spawn(f"decode-{i}", ["decode", "--worker-id", f"decode-{i}", *common])
+            self._spawn(f"decode-{i}", ["decode", "--worker-id", f"decode-{i}", *common,
+                                        *s.parallel_args("decode")])
 
     def dead(self) -> list[str]:
         return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]

@@ -1,0 +1,77 @@
+"""Tensor and pipeline parallelism with real rank processes (gloo on CPU), against transformers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from pdserve import LLM
+from pdserve.engine.model import kv_head_layout, stage_layer_range
+from pdserve.engine.parallel import ParallelConfig
+from tests.test_llm import GREEDY, assert_all_blocks_free, hf_greedy, prompts, token_ids  # noqa: F401 (fixtures)
+
+# Tiny preset: 2 layers, 2 KV heads of 16 dims, float32: 8 KiB per 16-token block on one rank.
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+
+
+def test_stage_layer_range_is_contiguous_and_covers_every_layer():
+    assert [stage_layer_range(7, 3, s) for s in range(3)] == [(0, 2), (2, 4), (4, 7)]
+    assert [stage_layer_range(2, 2, s) for s in range(2)] == [(0, 1), (1, 2)]
+    with pytest.raises(ValueError, match="cannot be split"):
+        stage_layer_range(2, 3, 0)
+
+
+def test_kv_head_layout_splits_or_replicates():
+    assert kv_head_layout(8, 2) == (4, 1)
+    assert kv_head_layout(2, 2) == (1, 1)
+    assert kv_head_layout(2, 4) == (1, 2)  # each head held by two ranks
+    with pytest.raises(ValueError):
+        kv_head_layout(3, 2)
+    with pytest.raises(ValueError):
+        kv_head_layout(2, 3)
+
+
+def test_rank_coordinates():
+    p = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=3)
+    assert p.world_size == 6 and p.coords(0) == (0, 0) and p.coords(5) == (2, 1) and p.rank_of(1, 1) == 3
+    with pytest.raises(ValueError):
+        ParallelConfig(tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2), (4, 1)])
+def test_greedy_matches_hf_under_chunking_prefix_caching_and_preemption(model_dir, prompts, hf_greedy, tp, pp):
+    # Each rank holds 1/tp of the KV heads (at least one) and 1/pp of the layers: size the per-rank
+    # budget to 10 blocks, too few for the six prompts at once, so requests get preempted.
+    kv_heads_per_rank, _ = kv_head_layout(2, tp)
+    rank_block_bytes = BLOCK_BYTES // 2 * kv_heads_per_rank // pp
+    with LLM(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_batched_tokens=32,
+             kv_cache_memory=10 * rank_block_bytes) as llm:
+        assert llm.block_manager.num_blocks == 10
+        assert llm.core.runner.num_layers == 2 // pp
+        first = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert token_ids(first) == hf_greedy
+        assert llm.scheduler.stats.num_preemptions > 0
+        again = llm.generate(prompts[-1:], GREEDY, use_tqdm=False)  # its prefix is cached by now
+        assert token_ids(again) == hf_greedy[-1:] and again[0].num_cached_tokens > 0
+        assert_all_blocks_free(llm)
+        procs = list(llm.core._rank_procs)
+        assert len(procs) == tp * pp - 1 and all(p.poll() is None for p in procs)
+    assert all(p.wait(timeout=10) == 0 for p in procs)  # close() ended every rank cleanly
+
+
+def test_a_killed_rank_fails_the_engine_instead_of_hanging(model_dir, prompts):
+    llm = LLM(model_dir, tensor_parallel_size=2, rank_timeout_s=10)
+    try:
+        assert llm.generate(prompts[:1], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        (rank1,) = llm.core._rank_procs
+        os.kill(rank1.pid, signal.SIGKILL)
+        rank1.wait(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(Exception):  # gloo: the peer closed the connection
+            llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 15
+    finally:
+        llm.close()
