@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 from pdserve import LLM
+from pdserve.common.utils import free_port
 from pdserve.engine.model import kv_head_layout, stage_layer_range
 from pdserve.engine.parallel import ParallelConfig
 from tests.test_llm import GREEDY, assert_all_blocks_free, hf_greedy, prompts, token_ids  # noqa: F401 (fixtures)
@@ -75,3 +78,20 @@ def test_a_killed_rank_fails_the_engine_instead_of_hanging(model_dir, prompts):
         assert time.monotonic() - start < 15
     finally:
         llm.close()
+
+
+def test_ranks_started_by_hand_join_a_driver_given_a_rendezvous(model_dir, prompts, hf_greedy):
+    """The multi-host path: no local spawning; rank 1 is its own `pdserve rank` command."""
+    port = free_port()
+    rank1 = subprocess.Popen([sys.executable, "-m", "pdserve", "rank", "--model", model_dir,
+                              "--tensor-parallel-size", "2", "--rank", "1", "--master-addr", "127.0.0.1",
+                              "--master-port", str(port), "--kv-cache-memory", "1MiB"])
+    try:
+        with LLM(model_dir, tensor_parallel_size=2, master_addr="127.0.0.1", master_port=port,
+                 kv_cache_memory="1MiB", max_num_batched_tokens=32) as llm:
+            assert llm.core._rank_procs == []  # the driver started nobody
+            assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy
+        assert rank1.wait(timeout=20) == 0  # told to stop by the driver
+    finally:
+        if rank1.poll() is None:
+            rank1.kill()

@@ -96,6 +96,31 @@ class RendezvousConfig:
         return cls(rank=rank, master_addr=addr, master_port=port, timeout_s=timeout_s)
 
 
+def interface_towards(addr: str) -> str | None:
+    """The name of the local network interface that routes to ``addr`` (None for loopback or unknown).
+
+    gloo binds each rank's sockets to the address its hostname resolves to, often 127.0.0.1,
+    which peers on other hosts cannot reach; naming the interface (GLOO_SOCKET_IFNAME) fixes it.
+    """
+    import ipaddress
+    import socket
+
+    import psutil
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))  # no packet is sent: this only asks the routing table
+            local_ip = s.getsockname()[0]
+    except OSError:
+        return None
+    if ipaddress.ip_address(local_ip).is_loopback:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == local_ip for a in addrs):
+            return name
+    return None
+
+
 class RankGroup:
     """This process's place among its worker's ranks, and the communication steps uses.
 
@@ -114,6 +139,9 @@ class RankGroup:
         self.pp_rank, self.tp_rank = parallel.coords(self.rank)
         self.timeout = timedelta(seconds=rendezvous.timeout_s)
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if "GLOO_SOCKET_IFNAME" not in os.environ and (ifname := interface_towards(rendezvous.master_addr)):
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname  # ranks on several hosts: bind where the peers are
+            logger.info("rank %d: gloo binds interface %s (towards %s)", self.rank, ifname, rendezvous.master_addr)
         dist.init_process_group(backend, init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
                                 rank=self.rank, world_size=self.world_size, timeout=self.timeout)
         self.cpu_group = dist.new_group(backend="gloo", timeout=self.timeout) if backend != "gloo" else None
