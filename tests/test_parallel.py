@@ -12,7 +12,8 @@ import pytest
 
 from pdserve import LLM
 from pdserve.common.utils import free_port
-from pdserve.engine.model import kv_head_layout, stage_layer_range
+from pdserve.engine.sharding import (KVLayoutSpec, KVSlice, kv_head_layout, rank_slice, stage_layer_range,
+                                     transfer_pieces)
 from pdserve.engine.parallel import ParallelConfig
 from tests.test_llm import GREEDY, assert_all_blocks_free, hf_greedy, prompts, token_ids  # noqa: F401 (fixtures)
 
@@ -35,6 +36,35 @@ def test_kv_head_layout_splits_or_replicates():
         kv_head_layout(3, 2)
     with pytest.raises(ValueError):
         kv_head_layout(2, 3)
+
+
+@pytest.mark.parametrize("prefill,decode", [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (1, 1)), ((2, 2), (4, 1)),
+                                            ((4, 1), (1, 2)), ((1, 3), (2, 2)), ((4, 2), (2, 3))])
+@pytest.mark.parametrize("num_layers,num_kv_heads", [(12, 4), (6, 2)])
+def test_transfer_pieces_give_each_decode_rank_exactly_its_slice_once(prefill, decode, num_layers, num_kv_heads):
+    p = KVLayoutSpec(*prefill, num_layers, num_kv_heads)
+    d = KVLayoutSpec(*decode, num_layers, num_kv_heads)
+    pieces = transfer_pieces(p, d)
+    for rank in range(d.world_size):
+        want = rank_slice(d, rank)
+        got = [(layer, head) for piece in pieces if piece.decode_rank == rank
+               for layer in range(piece.slice.layer_start, piece.slice.layer_end)
+               for head in range(piece.slice.head_start, piece.slice.head_end)]
+        assert sorted(got) == [(layer, head) for layer in range(want.layer_start, want.layer_end)
+                               for head in range(want.head_start, want.head_end)]  # all of it, once
+    for piece in pieces:  # a sender only sends what it holds
+        assert piece.slice.intersect(rank_slice(p, piece.prefill_rank)) == piece.slice
+
+
+def test_copied_kv_heads_are_sent_by_one_rank_only():
+    p = KVLayoutSpec(tensor_parallel_size=4, pipeline_parallel_size=1, num_layers=2, num_kv_heads=2)
+    assert [rank_slice(p, r) for r in range(4)] == [KVSlice(0, 2, 0, 1), KVSlice(0, 2, 0, 1),
+                                                     KVSlice(0, 2, 1, 2), KVSlice(0, 2, 1, 2)]
+    single = KVLayoutSpec(1, 1, 2, 2)
+    assert [(x.prefill_rank, x.slice) for x in transfer_pieces(p, single)] == [
+        (0, KVSlice(0, 2, 0, 1)), (2, KVSlice(0, 2, 1, 2))]
+    with pytest.raises(ValueError, match="disagree on the model"):
+        transfer_pieces(p, KVLayoutSpec(1, 1, 3, 2))
 
 
 def test_rank_coordinates():

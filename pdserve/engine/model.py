@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.sharding import kv_head_layout
 from pdserve.engine.layers import (
     ColumnParallelLinear,
     RMSNorm,
@@ -53,25 +54,6 @@ def _sliding_window(config, layer_idx: int) -> int | None:
         use = getattr(config, "use_sliding_window", False)
         return window if use and layer_idx >= getattr(config, "max_window_layers", 0) else None
     return window
-
-
-def kv_head_layout(total_kv_heads: int, tp_size: int) -> tuple[int, int]:
-    """(KV heads per TP rank, ranks sharing each KV head).
-
-    With at least as many KV heads as ranks the heads are split (``total / tp`` each, no
-    sharing); with fewer, each rank holds one head and ``tp / total`` ranks hold a copy of
-    it (vLLM's rule for grouped-query attention).
-
-    Raises:
-        ValueError: the heads cannot be spread evenly.
-    """
-    if total_kv_heads >= tp_size:
-        if total_kv_heads % tp_size:
-            raise ValueError(f"num_key_value_heads={total_kv_heads} is not divisible by the TP size {tp_size}")
-        return total_kv_heads // tp_size, 1
-    if tp_size % total_kv_heads:
-        raise ValueError(f"the TP size {tp_size} is not a multiple of num_key_value_heads={total_kv_heads}")
-    return 1, tp_size // total_kv_heads
 
 
 class LlamaAttention(nn.Module):
@@ -167,23 +149,6 @@ class AbsentModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("this module lives on another rank")
-
-
-def stage_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:
-    """The contiguous layers [start, end) of pipeline stage ``pp_rank``.
-
-    Layers split as evenly as possible; the later stages take the remainder (the first
-    stage also embeds, and holds the driver's sampling head).
-
-    Raises:
-        ValueError: fewer layers than stages.
-    """
-    if num_layers < pp_size:
-        raise ValueError(f"{num_layers} layers cannot be split into {pp_size} pipeline stages")
-    base, extra = divmod(num_layers, pp_size)
-    sizes = [base + (1 if stage >= pp_size - extra else 0) for stage in range(pp_size)]
-    start = sum(sizes[:pp_rank])
-    return start, start + sizes[pp_rank]
 
 
 class LlamaModel(nn.Module):
