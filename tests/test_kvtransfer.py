@@ -99,7 +99,7 @@ def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: st
             return
         time.sleep(0.01)
     done: queue.Queue = queue.Queue()
-    completer = SendCompleter(timeout_s, lambda *args: done.put(args))
+    completer = SendCompleter(timeout_s, lambda out, *rest: done.put((out.request_id, *rest)))
     cache = make_cache(dtype_t)
     for batch in plan:
         outgoing = []
@@ -332,7 +332,7 @@ def test_decode_dies_mid_transfer_sender_fails_fast():
     timeout_s = 20.0
     pairs = PrefillPairs("P", "cpu", timeout_s)
     done: queue.Queue = queue.Queue()
-    completer = SendCompleter(timeout_s, lambda *args: done.put(args))
+    completer = SendCompleter(timeout_s, lambda out, *rest: done.put((out.request_id, *rest)))
     try:
         _, port = out_d.get(timeout=20)
         ctrl.put(("generation", "P"))

@@ -21,13 +21,14 @@ import zmq
 
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (AbortRequest, ErrorKind, FinishReason, GenerateRequest, Heartbeat,
-                                     RegisterWorker, RemotePrefillDone, RemotePrefillRequest, RequestOutputs,
-                                     SamplingParams, WorkerRole)
+                                     KVPieceSum, KVTransferHeader, RegisterWorker, RemotePrefillDone,
+                                     RemotePrefillRequest, RequestOutputs, SamplingParams, WorkerRole)
 from pdserve.common.transport import Mailbox, bind_pull, decode, encode
 from pdserve.common.validation import prefill_sampling_params
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import RequestStatus
+from pdserve.engine.sharding import endpoint
 from pdserve.engine.worker_base import WorkerBase
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.receiver import ReceivedKV
@@ -137,17 +138,33 @@ def reference_prefill(llm: LLM, ids: list[int], params: SamplingParams):
     return kv, runner_output.sampled_token_ids["reference"], runner_output.logprobs.get("reference")
 
 
+def header(request_id: str, kv: torch.Tensor, ask: RemotePrefillRequest) -> KVTransferHeader:
+    """The one piece a single-rank prefill worker sends a single-rank decode worker."""
+    num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv.shape
+    return KVTransferHeader(request_id=request_id, prefill_worker_id=PREFILL_ID, pair_generation=ask.pair_generation,
+                            num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
+                            num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="float32",
+                            num_tokens=len(ask.prompt_token_ids), first_block=0)
+
+
 def received(request_id: str, kv: torch.Tensor) -> ReceivedKV:
+    """What the decode rank's receiver thread hands its agent once the piece arrived."""
     checksum = KVChecksum()
     for layer in kv:
         checksum.update(layer)
-    return ReceivedKV(request_id, kv, checksum.num_bytes, checksum.value)
+    return ReceivedKV(request_id, kv, checksum.num_bytes, checksum.value, source=endpoint(PREFILL_ID, 0))
 
 
 def done(request_id: str, kv: torch.Tensor, first_token: int, **kw) -> RemotePrefillDone:
     r = received(request_id, kv)
     return RemotePrefillDone(request_id=request_id, prefill_worker_id=PREFILL_ID, first_token_id=first_token,
-                             num_tokens=0, num_bytes=r.num_bytes, checksum=r.checksum, **kw)
+                             num_tokens=0, num_bytes=r.num_bytes, checksum=r.checksum, pieces=[KVPieceSum(
+                                 prefill_rank=0, decode_rank=0, num_bytes=r.num_bytes, checksum=r.checksum)], **kw)
+
+
+def arrive(worker: DecodeWorker, result: ReceivedKV) -> None:
+    """A piece arrives: the decode rank's lane would call its agent exactly so."""
+    worker.runner.kv_agent.received(result)
 
 
 def generate(request_id: str, ids: list[int], prefill: Peer | None, params: SamplingParams = GREEDY):
@@ -188,10 +205,16 @@ def test_remote_kv_then_done_and_done_then_kv_both_decode_exactly(llm, peers, de
         ask = park(decode_worker, prefill, generate(rid, ids, prefill))
         assert ask.dest_block_ids and ask.num_cached_tokens == 0
         kv, first, _ = reference_prefill(llm, ids, GREEDY)
-        events = [received(rid, kv), done(rid, kv, first)]
-        for event in events if order == "kv first" else events[::-1]:
-            decode_worker.handle(event)
+        decode_worker.handle(header(rid, kv, ask))
+        decode_worker.step()  # the header reaches the rank's agent
+        if order == "kv first":
+            arrive(decode_worker, received(rid, kv))
+            decode_worker.drain_inbox()
+            decode_worker.handle(done(rid, kv, first))
+        else:
+            decode_worker.handle(done(rid, kv, first))
             decode_worker.step()
+            arrive(decode_worker, received(rid, kv))
         drive(decode_worker, lambda: router.finished(rid) is not None)
         assert router.tokens(rid) == greedy_reference(llm, ids), order
     assert decode_worker.stats.num_kv_transfers == 2 and decode_worker.stats.kv_transfer_failures == 0
@@ -219,12 +242,14 @@ def test_checksum_or_shape_mismatch_resets_the_pair_and_recomputes(llm, peers, d
     ask = park(decode_worker, prefill, generate("r", ids, prefill))
     kv, first, _ = reference_prefill(llm, ids, GREEDY)
     if bad == "checksum":
+        decode_worker.handle(header("r", kv, ask))
+        decode_worker.step()
         corrupted = kv.clone()
         corrupted[0, 0, 0, 0, 0, 0] += 1.0
-        decode_worker.handle(received("r", corrupted))
-    else:
-        decode_worker.handle(received("r", kv[:, :, :-1]))  # one block short, but self-consistent
-    decode_worker.handle(done("r", kv if bad == "checksum" else kv[:, :, :-1], first))
+        arrive(decode_worker, received("r", corrupted))
+        decode_worker.handle(done("r", kv, first))
+    else:  # a header one block short: caught before any byte is installed
+        decode_worker.handle(header("r", kv[:, :, :-1], ask))
     drive(decode_worker, lambda: router.finished("r") is not None)
     assert router.tokens("r") == greedy_reference(llm, ids)  # recomputed here, exactly
     assert decode_worker.stats.kv_transfer_failures == 1 and decode_worker.stats.num_kv_transfers == 0
@@ -246,7 +271,7 @@ def test_deadline_with_a_slow_live_prefill_worker_recomputes_and_drops_the_late_
     assert [m.request_id for m in prefill.wait_for(AbortRequest)] == ["slow"]
     num_deltas = len(router.deltas("slow"))
     kv, first, _ = reference_prefill(llm, ids, GREEDY)  # the KV arrives late, after all
-    decode_worker.handle(received("slow", kv))
+    arrive(decode_worker, received("slow", kv))
     decode_worker.handle(done("slow", kv, first))
     drive(decode_worker, lambda: True)
     router.poll(0.2)
@@ -264,7 +289,7 @@ def test_abort_while_waiting_for_remote_kvs_then_late_transfer(llm, peers, decod
     assert [m.request_id for m in prefill.wait_for(AbortRequest)] == ["gone"]
     kv, first, _ = reference_prefill(llm, ids, GREEDY)
     decode_worker.handle(done("gone", kv, first))
-    decode_worker.handle(received("gone", kv))
+    arrive(decode_worker, received("gone", kv))
     for _ in range(3):
         decode_worker.step()
     router.poll(0.2)

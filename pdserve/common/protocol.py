@@ -37,6 +37,7 @@ class MsgKind(enum.IntEnum):
     KV_TRANSFER_HEADER = 6
     REMOTE_PREFILL_DONE = 7
     REQUEST_OUTPUTS = 8
+    RANK_REPORT = 9
 
 
 class WorkerRole(enum.IntEnum):
@@ -120,6 +121,15 @@ class WorkerStats(_Msg):
     num_local_prefills: int = 0  # decode worker: prompts prefilled here instead of remotely
 
 
+class KVLayout(_Msg):
+    """How a worker's KV cache is split over its ranks (see ``pdserve.engine.sharding``)."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    num_layers: int = 0  # the model's, in total
+    num_kv_heads: int = 0  # the model's, in total
+
+
 class RegisterWorker(_Msg):
     """Worker -> router at start-up (and again if the router forgets it)."""
 
@@ -133,6 +143,7 @@ class RegisterWorker(_Msg):
     block_size: int = 0
     max_model_len: int = 0
     vocab_size: int | None = None  # token ids the model accepts: [0, vocab_size)
+    kv_layout: KVLayout | None = None  # None: one rank holding every layer and KV head
 
 
 class Heartbeat(_Msg):
@@ -164,6 +175,7 @@ class GenerateRequest(_Msg):
     sampling_params: SamplingParams
     prefill_worker_id: str | None = None
     prefill_addr: str | None = None
+    prefill_layout: KVLayout | None = None  # the prefill worker's ranks (None: one rank)
 
 
 class AbortRequest(_Msg):
@@ -192,6 +204,7 @@ class RemotePrefillRequest(_Msg):
     dest_block_ids: list[int]
     num_cached_tokens: int = 0  # the decode worker already holds these tokens' KV (prefix cache, whole blocks):
     # send only blocks from num_cached_tokens // block_size on
+    decode_layout: KVLayout | None = None  # the decode worker's ranks (None: one rank)
 
 
 class KVTransferHeader(_Msg):
@@ -213,6 +226,22 @@ class KVTransferHeader(_Msg):
     dtype: str
     num_tokens: int
     first_block: int = 0  # index in the request's block table of the first block sent
+    # Which piece this is (``sharding.transfer_pieces``): sent by prefill rank ``prefill_rank`` to decode
+    # rank ``decode_rank``, holding global layers [first_layer, first_layer + num_layers) and KV heads
+    # [first_kv_head, first_kv_head + num_kv_heads). One header per piece; single-rank workers: one piece.
+    prefill_rank: int = 0
+    decode_rank: int = 0
+    first_layer: int = 0
+    first_kv_head: int = 0
+
+
+class KVPieceSum(_Msg):
+    """Bytes and checksum of one transfer piece, as its sender counted them."""
+
+    prefill_rank: int
+    decode_rank: int
+    num_bytes: int
+    checksum: int
 
 
 class RemotePrefillDone(_Msg):
@@ -230,6 +259,7 @@ class RemotePrefillDone(_Msg):
     checksum: int = 0
     error: str | None = None
     first_logprob: TokenLogprob | None = None  # when sampling_params.logprobs is set
+    pieces: list[KVPieceSum] = []  # per-piece bytes and checksums (multi-rank workers)
 
 
 class RequestDelta(_Msg):
@@ -251,6 +281,95 @@ class RequestOutputs(_Msg):
 
     worker_id: str
     deltas: list[RequestDelta]
+
+
+class RankReportKind(enum.IntEnum):
+    PAIR_READY = 1  # prefill rank: the pair with ``peer`` (generation) is connected
+    PAIR_FAILED = 2
+    SENT = 3  # prefill rank: a piece of ``request_id`` was delivered (or failed: ``error``)
+    RECEIVED = 4  # decode rank: a piece of ``request_id`` arrived whole (or failed: ``error``)
+
+
+class RankReport(_Msg):
+    """A non-driver rank -> its driver's mailbox (ZMQ): how its part of a KV transfer went."""
+
+    rank: int
+    kind: RankReportKind
+    peer: str  # the other side's endpoint, "worker_id#rank"
+    generation: int
+    request_id: str | None = None
+    num_bytes: int = 0
+    checksum: int = 0
+    error: str | None = None
+
+
+class RankAttach(_Msg):
+    """Driver -> its ranks, once the worker is up: who they work for (KV transfer roles)."""
+
+    worker_id: str
+    role: WorkerRole
+    driver_addr: str  # the driver's mailbox, where RankReports go
+    host: str  # interface the rank's transfer pairs bind
+    store_host: str | None = None  # decode: the driver's KV pair store
+    store_port: int | None = None
+    transfer_timeout_s: float = 30.0
+
+
+class KVConnect(_Msg):
+    """Prefill ranks: connect the pairs with these decode ranks (generation), through D's store."""
+
+    decode_worker_id: str
+    generation: int
+    store_host: str
+    store_port: int
+    decode_layout: KVLayout
+
+
+class KVLane(_Msg):
+    """Decode ranks: open a receiving lane for each prefill rank that sends to them."""
+
+    prefill_worker_id: str
+    generation: int
+    prefill_layout: KVLayout
+
+
+class KVSendPlan(_Msg):
+    """Prefill ranks: this step computes the prompt of ``request_id``: send its pieces layer by layer."""
+
+    request_id: str
+    seq_index: int  # its row in the step's block_tables
+    first_block: int
+    num_blocks: int
+    decode_worker_id: str
+    generation: int
+    decode_layout: KVLayout
+
+
+class KVInstall(_Msg):
+    """Decode ranks: copy the received pieces of ``request_id`` into these blocks."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+class KVReset(_Msg):
+    """Every rank: drop the pairs with ``peer_worker_id`` at ``generation`` (a failed transfer)."""
+
+    peer_worker_id: str
+    generation: int
+    reason: str
+
+
+class KVStepOps(_Msg):
+    """The KV transfer work of one step, for every rank (each takes what names it)."""
+
+    connects: list[KVConnect] = []
+    lanes: list[KVLane] = []
+    sends: list[KVSendPlan] = []
+    headers: list[KVTransferHeader] = []
+    installs: list[KVInstall] = []
+    drops: list[str] = []  # request ids whose received pieces are no longer wanted
+    resets: list[KVReset] = []
 
 
 class ExecuteModel(_Msg):
@@ -275,6 +394,8 @@ class ExecuteModel(_Msg):
     sample_indices: list[int] = []
     block_copies: list[tuple[int, int]] = []
     shutdown: bool = False
+    kv: KVStepOps | None = None  # KV transfer work, before the forward
+    attach: RankAttach | None = None
 
 
 MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
@@ -286,5 +407,6 @@ MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
     MsgKind.KV_TRANSFER_HEADER: KVTransferHeader,
     MsgKind.REMOTE_PREFILL_DONE: RemotePrefillDone,
     MsgKind.REQUEST_OUTPUTS: RequestOutputs,
+    MsgKind.RANK_REPORT: RankReport,
 }
 KIND_OF: dict[type[msgspec.Struct], MsgKind] = {t: k for k, t in MESSAGE_TYPES.items()}

@@ -155,3 +155,25 @@ class Mailbox:
             sock.send_multipart(frames, copy=False)
         for sock in sockets.values():
             sock.close(linger=0)
+
+
+class PushSocket:
+    """One PUSH socket to ``addr`` that any thread may ``send`` protocol messages on (a lock serialises them).
+
+    For the few messages a non-driver rank sends its driver; workers use ``Mailbox``.
+    """
+
+    def __init__(self, addr: str):
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.connect(addr)
+        self._lock = threading.Lock()
+
+    def send(self, msg: msgspec.Struct) -> None:
+        with self._lock:
+            self._sock.send_multipart(encode(msg))
+
+    def close(self) -> None:
+        with self._lock:
+            self._ctx.destroy(linger=1000)

@@ -1,18 +1,23 @@
 """The decode worker: continuous batching over a paged KV cache.
 
-Life of a request here (DESIGN.md, "decode-first"):
+Life of a request here (DESIGN.md, "decode-first"); the driver (rank 0) runs
+this, and every rank's ``KVRankAgent`` receives and installs its own slice:
 
 1. ``GenerateRequest`` from the router. With a prefill worker named, the
    scheduler reserves blocks for the prompt and parks the request in
-   ``WAITING_FOR_REMOTE_KVS``; we send ``RemotePrefillRequest`` to the prefill
-   worker with our KV store address and the pair's generation.
-2. The prefill worker sends ``KVTransferHeader`` (ZMQ), the KV layer by layer
-   (torch.distributed, received by ``DecodePairs`` into a staging tensor) and
-   ``RemotePrefillDone`` (first token, checksum).
-3. With both the KV and the done message in hand we check sizes and checksum,
-   copy the staging tensor into the reserved blocks, and the request joins the
-   running batch. Any failure or a missed deadline recomputes the prompt here
-   (policy ``recompute``) or fails the request (policy ``fail``).
+   ``WAITING_FOR_REMOTE_KVS``; the ranks open a lane for each prefill rank
+   that sends to them (``KVLane``), and we send ``RemotePrefillRequest`` to the
+   prefill worker with our KV store address, our layout and the pair generation.
+2. The prefill worker sends one ``KVTransferHeader`` per piece (which layers
+   and KV heads prefill rank i sends to decode rank j); each goes to the rank
+   it names, whose lane receives the piece into a staging tensor and reports
+   ``RECEIVED`` (bytes, checksum). ``RemotePrefillDone`` brings the first token
+   and the sender's per-piece sums.
+3. With every piece and the done message in hand we compare the sums, the
+   ranks copy their staged pieces into the reserved blocks (``KVInstall``), and
+   the request joins the running batch. Any failure or a missed deadline
+   recomputes the prompt here (policy ``recompute``) or fails the request
+   (policy ``fail``); the pair generation is then replaced.
 4. Every step decodes all running requests as one batch; new ones join and
    finished ones leave between steps; token deltas go to the router.
 """
@@ -21,19 +26,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, field
 
 from pdserve.common.config import WorkerConfig
-from pdserve.common.protocol import (AbortRequest, ErrorKind, GenerateRequest, KVTransferHeader, RegisterWorker,
-                                     RemotePrefillDone, RemotePrefillRequest, RequestDelta, RequestOutputs,
-                                     WorkerRole)
+from pdserve.common.protocol import (AbortRequest, ErrorKind, GenerateRequest, KVInstall, KVLane, KVLayout,
+                                     KVPieceSum, KVReset, KVStepOps, KVTransferHeader, RankAttach, RankReport,
+                                     RankReportKind, RegisterWorker, RemotePrefillDone, RemotePrefillRequest,
+                                     RequestDelta, RequestOutputs, WorkerRole)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sharding import KVPiece
 from pdserve.engine.worker_base import WorkerBase, error_delta, rejection_delta
-from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed, check_transfer
+from pdserve.kvtransfer.agent import layout_spec, pieces_for
+from pdserve.kvtransfer.wire import dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +50,12 @@ class _RemotePrefill:
 
     prefill_worker_id: str
     prefill_addr: str
+    prefill_layout: KVLayout | None
+    pieces: list[KVPiece]
     deadline: float | None = None  # set when the RemotePrefillRequest is sent (time.monotonic())
     sent_at: float | None = None
     pair_generation: int | None = None
-    received: ReceivedKV | None = None
+    received: dict[tuple[int, int], RankReport] = field(default_factory=dict)  # (prefill rank, decode rank)
     done: RemotePrefillDone | None = None
 
 
@@ -56,20 +64,30 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig):
         super().__init__(engine_config, worker_config)
-        self.pairs = DecodePairs(self.worker_id, worker_config.host, self.runner.device,
-                                 worker_config.transfer_timeout_s, on_received=self.mailbox.inject)
+        runner = self.runner
+        self.layout = runner.kv_layout()
+        self.layout_spec = layout_spec(self.layout, self.layout.num_layers, self.layout.num_kv_heads)
+        try:
+            runner.attach_kv_agent(RankAttach(worker_id=self.worker_id, role=self.role,
+                                              driver_addr=self.mailbox.address, host=worker_config.host,
+                                              transfer_timeout_s=worker_config.transfer_timeout_s),
+                                   report=self.mailbox.inject)
+        except BaseException:
+            self.close()
+            raise
+        self.pairs = runner.kv_agent.decode_pairs  # hosts the store every rank's lanes rendezvous in
         self.remote: dict[str, _RemotePrefill] = {}
+        self.generations: dict[str, int] = {}  # prefill worker -> pair generation in use
+        self._lanes_open: set[tuple[str, int]] = set()
+        self._ops = KVStepOps()  # KV work for the ranks, flushed at the next step
         self._deltas: list[RequestDelta] = []
 
     def registration(self) -> RegisterWorker:
         reg = super().registration()
         reg.transfer_host = self.pairs.store_host
         reg.transfer_port = self.pairs.store_port
+        reg.kv_layout = self.layout
         return reg
-
-    def close(self) -> None:
-        self.pairs.close()
-        super().close()
 
     # ---- inbound ------------------------------------------------------------------
 
@@ -79,36 +97,71 @@ class DecodeWorker(WorkerBase):
         elif isinstance(msg, AbortRequest):
             self._abort(msg.request_id)
         elif isinstance(msg, KVTransferHeader):
-            self.pairs.submit(msg)
+            self._header(msg)
         elif isinstance(msg, RemotePrefillDone):
             self._remote_progress(msg.request_id, done=msg)
-        elif isinstance(msg, ReceivedKV):
-            self._remote_progress(msg.request_id, received=msg)
-        elif isinstance(msg, TransferFailed):
-            self._remote_failed(msg.request_id, f"KV transfer failed: {msg.reason}")
+        elif isinstance(msg, RankReport):
+            if msg.kind == RankReportKind.RECEIVED and msg.request_id is not None:
+                self._remote_progress(msg.request_id, report=msg)
         else:
             logger.warning("decode worker ignores %s", type(msg).__name__)
 
     def _add(self, msg: GenerateRequest) -> None:
         remote = msg.prefill_worker_id is not None and msg.prefill_addr is not None
-        if remote and self.core.world_size > 1:
-            # KV transfer into a tensor/pipeline-parallel decode worker (each rank receiving its own
-            # slice) is not built yet: such a worker prefills its prompts itself.
-            remote = False
-            self.core.scheduler.stats.num_local_prefills += 1
+        pieces = []
+        if remote:
+            try:
+                pieces = pieces_for(layout_spec(msg.prefill_layout, self.layout.num_layers, self.layout.num_kv_heads),
+                                    self.layout_spec)
+            except ValueError as e:  # the prefill worker runs another model: prefill here
+                logger.warning("request %s: %s; prefilling locally", msg.request_id, e)
+                remote = False
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, remote_prefill=remote)
         except ValueError as e:  # ValidationError included: a request sent past the router's checks
             self._deltas.append(rejection_delta(msg.request_id, e))
             return
         if remote:
-            self.remote[msg.request_id] = _RemotePrefill(msg.prefill_worker_id, msg.prefill_addr)
+            self.remote[msg.request_id] = _RemotePrefill(msg.prefill_worker_id, msg.prefill_addr,
+                                                         msg.prefill_layout, pieces)
 
     def _abort(self, request_id: str) -> None:
         state = self.remote.pop(request_id, None)
         if state is not None:
             self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
+            self._ops.drops.append(request_id)  # pieces still arriving are dropped by their ranks
         self.core.abort(request_id)
+
+    def _header(self, header: KVTransferHeader) -> None:
+        """Check a piece's header against the request and this worker's layout; send it to its rank."""
+        state = self.remote.get(header.request_id)
+        if state is None:  # aborted or failed over: the piece is received and dropped
+            self._ops.drops.append(header.request_id)
+            self._ops.headers.append(header)
+            return
+        error = self._check_header(header, state)
+        if error is not None:
+            self._ops.headers.append(header)  # still received (the stream must stay in order), then dropped
+            self._remote_failed(header.request_id, error, reset_pair=True)
+            return
+        self._ops.headers.append(header)
+
+    def _check_header(self, header: KVTransferHeader, state: _RemotePrefill) -> str | None:
+        request = self.core.scheduler.waiting_for_remote_kvs.get(header.request_id)
+        if request is None:
+            return "request is no longer waiting for KV"
+        piece = next((p for p in state.pieces if (p.prefill_rank, p.decode_rank) ==
+                      (header.prefill_rank, header.decode_rank)), None)
+        num_blocks = len(request.block_table) - request.num_cached_tokens // self.runner.block_size
+        want = None if piece is None else (piece.slice.layer_start, piece.slice.num_layers, piece.slice.head_start,
+                                           piece.slice.num_heads, num_blocks, self.runner.block_size,
+                                           self.runner.head_dim, dtype_name(self.runner.dtype))
+        got = (header.first_layer, header.num_layers, header.first_kv_head, header.num_kv_heads, header.num_blocks,
+               header.block_size, header.head_dim, header.dtype)
+        if got != want:
+            return (f"KV piece {header.prefill_rank}->{header.decode_rank} (layers, KV heads, blocks, block size, "
+                    f"head dim, dtype) {got} does not match this worker's {want}")
+        return None
 
     # ---- remote prefill -----------------------------------------------------------
 
@@ -117,68 +170,85 @@ class DecodeWorker(WorkerBase):
         state.sent_at = time.monotonic()
         state.deadline = state.sent_at + self.config.remote_prefill_timeout_s
         first_block = request.num_cached_tokens // self.runner.block_size
-        state.pair_generation = self.pairs.generation_for(state.prefill_worker_id)
+        state.pair_generation = self.generations.setdefault(state.prefill_worker_id, 0)
+        key = (state.prefill_worker_id, state.pair_generation)
+        if key not in self._lanes_open:
+            self._lanes_open.add(key)
+            self._ops.lanes.append(KVLane(prefill_worker_id=state.prefill_worker_id,
+                                          generation=state.pair_generation, prefill_layout=state.prefill_layout or
+                                          KVLayout(num_layers=self.layout.num_layers,
+                                                   num_kv_heads=self.layout.num_kv_heads)))
+            self._flush_ops()  # the lanes must be listening before the prefill worker connects
         self.mailbox.put(state.prefill_addr, RemotePrefillRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, decode_worker_id=self.worker_id, decode_addr=self.mailbox.address,
             transfer_host=self.pairs.store_host, transfer_port=self.pairs.store_port,
-            pair_generation=state.pair_generation,
-            dest_block_ids=request.block_table[first_block:], num_cached_tokens=request.num_cached_tokens))
+            pair_generation=state.pair_generation, dest_block_ids=request.block_table[first_block:],
+            num_cached_tokens=request.num_cached_tokens, decode_layout=self.layout))
 
-    def _remote_progress(self, request_id: str, received: ReceivedKV | None = None,
+    def _remote_progress(self, request_id: str, report: RankReport | None = None,
                          done: RemotePrefillDone | None = None) -> None:
         state = self.remote.get(request_id)
         if state is None:
             return  # aborted or already failed over; a late transfer is dropped
         if done is not None:
-            if done.error is not None:
-                self._remote_failed(request_id, f"prefill worker {done.prefill_worker_id}: {done.error}")
+            if done.error is not None:  # a broken pair among them: the next request uses a new generation
+                self._remote_failed(request_id, f"prefill worker {done.prefill_worker_id}: {done.error}",
+                                    reset_pair=True)
                 return
             state.done = done
-        if received is not None:
-            state.received = received
-        if state.done is None or state.received is None:
+        if report is not None:
+            if report.error is not None:
+                self._remote_failed(request_id, f"KV transfer failed: {report.error}", reset_pair=True)
+                return
+            prefill_rank = int(report.peer.rpartition("#")[2])
+            state.received[(prefill_rank, report.rank)] = report
+        if state.done is None or len(state.received) < len(state.pieces):
             return
-        error = self._install_kv(request_id, state)
+        error = self._check_sums(request_id, state)
         if error is not None:
-            # the stream of that pair generation can no longer be trusted (a newer one is left alone)
-            self.pairs.reset(state.prefill_worker_id, error, generation=state.pair_generation)
-            self._remote_failed(request_id, error)
+            self._remote_failed(request_id, error, reset_pair=True)
             return
+        request = self.core.scheduler.waiting_for_remote_kvs[request_id]
+        first_block = request.num_cached_tokens // self.runner.block_size  # blocks before it were cache hits
+        self._ops.installs.append(KVInstall(request_id=request_id, block_ids=request.block_table[first_block:]))
+        self._flush_ops()  # every rank copies its pieces into the blocks before the next forward
         del self.remote[request_id]
         self.stats.num_kv_transfers += 1
-        self.stats.kv_transfer_bytes += state.received.num_bytes
+        self.stats.kv_transfer_bytes += sum(r.num_bytes for r in state.received.values())
         self.stats.kv_transfer_seconds += time.monotonic() - state.sent_at
         output = self.core.remote_kv_arrived(request_id, state.done.first_token_id, state.done.first_logprob)
         if output is not None:
             self._emit(output)
 
-    def _install_kv(self, request_id: str, state: _RemotePrefill) -> str | None:
-        """Check the received KV and copy it into the request's reserved blocks."""
-        request = self.core.scheduler.waiting_for_remote_kvs.get(request_id)
-        if request is None:
+    def _check_sums(self, request_id: str, state: _RemotePrefill) -> str | None:
+        """What each rank received against what each sender says it sent."""
+        done = state.done
+        if request_id not in self.core.scheduler.waiting_for_remote_kvs:
             return "request is no longer waiting for KV"
-        done, kv = state.done, state.received.kv  # kv: [num_layers, 2, n, block_size, num_kv_heads, head_dim]
-        error = check_transfer(state.received, done)
-        if error is not None:
-            return error
         if done.first_token_id is None:
             return f"request {request_id}: prefill worker {done.prefill_worker_id} sent no first token"
-        first_block = request.num_cached_tokens // self.runner.block_size  # blocks before it were cache hits
-        dest = request.block_table[first_block:]
-        expected = (self.runner.num_layers, 2, len(dest), self.runner.block_size,
-                    self.runner.num_kv_heads, self.runner.head_dim)
-        if tuple(kv.shape) != expected or kv.dtype != self.runner.dtype:
-            return f"KV shape {tuple(kv.shape)} {kv.dtype} does not match this worker's {expected} {self.runner.dtype}"
-        index = torch.tensor(dest, dtype=torch.int64, device=self.runner.device)
-        self.runner.kv_cache.index_copy_(2, index, kv.to(self.runner.device))
+        sent = {(s.prefill_rank, s.decode_rank): s for s in done.pieces}
+        for key, got in state.received.items():
+            want = sent.get(key, KVPieceSum(prefill_rank=key[0], decode_rank=key[1], num_bytes=-1, checksum=-1))
+            if (got.num_bytes, got.checksum) != (want.num_bytes, want.checksum):
+                return (f"request {request_id}: KV piece {key[0]}->{key[1]} from prefill worker "
+                        f"{done.prefill_worker_id} does not match: received {got.num_bytes} bytes checksum "
+                        f"{got.checksum:#x}, sent {want.num_bytes} bytes checksum {want.checksum:#x}")
         return None
 
-    def _remote_failed(self, request_id: str, reason: str) -> None:
+    def _remote_failed(self, request_id: str, reason: str, reset_pair: bool = False) -> None:
         state = self.remote.pop(request_id, None)
         if state is None:
             return
         self.stats.kv_transfer_failures += 1
+        self._ops.drops.append(request_id)
+        if reset_pair and state.pair_generation is not None:
+            # that generation's streams can no longer be trusted (a newer one is left alone)
+            if self.generations.get(state.prefill_worker_id) == state.pair_generation:
+                self.generations[state.prefill_worker_id] = state.pair_generation + 1
+            self._ops.resets.append(KVReset(peer_worker_id=state.prefill_worker_id,
+                                            generation=state.pair_generation, reason=reason))
         self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
         if self.config.prefill_failure_policy == "recompute":
             logger.warning("request %s: %s; recomputing the prefill locally", request_id, reason)
@@ -192,11 +262,19 @@ class DecodeWorker(WorkerBase):
         expired = [rid for rid, s in self.remote.items() if s.deadline is not None and now > s.deadline]
         for request_id in expired:
             self._remote_failed(request_id, f"no KV from the prefill worker within "
-                                            f"{self.config.remote_prefill_timeout_s:.0f} s")
+                                            f"{self.config.remote_prefill_timeout_s:.0f} s", reset_pair=True)
+
+    def _flush_ops(self) -> None:
+        """Hand the pending KV work to every rank (a step of its own)."""
+        ops = self._ops
+        if ops.lanes or ops.headers or ops.installs or ops.drops or ops.resets:
+            self._ops = KVStepOps()
+            self.runner.broadcast_kv(ops)
 
     # ---- step ---------------------------------------------------------------------
 
     def step(self) -> bool:
+        self._flush_ops()
         scheduler_output = self.core.schedule()
         for request in scheduler_output.remote_prefills:
             self._send_remote_prefill(request)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from pdserve.common.protocol import SamplingParams, TokenLogprob, WorkerStats
+from pdserve.common.protocol import KVStepOps, SamplingParams, TokenLogprob, WorkerStats
 from pdserve.common.validation import EngineLimits, check_request
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
@@ -125,14 +125,15 @@ class EngineCore:
         """Pick this step's batch (never raises for lack of blocks: it preempts or waits)."""
         return self.scheduler.schedule()
 
-    def execute(self, scheduler_output: SchedulerOutput,
-                on_layer_done: Callable[[int], None] | None = None) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None,
+                kv_ops: KVStepOps | None = None) -> ModelRunnerOutput:
         """Run the forward of ``scheduler_output`` (copy-on-write copies first) and sample.
 
-        ``on_layer_done(layer_idx)`` is called once each layer's K/V are in the cache.
+        ``on_layer_done(layer_idx)`` is called once each layer's K/V are in the cache; ``kv_ops``
+        is the step's KV transfer work for every rank's agent (``pdserve.kvtransfer.agent``).
         """
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
-                                     block_copies=scheduler_output.block_copies)
+                                     block_copies=scheduler_output.block_copies, kv_ops=kv_ops)
         if scheduler_output.scheduled:
             self.num_steps += 1
             self.max_step_batch_size = max(self.max_step_batch_size, len(scheduler_output.scheduled))

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-from pdserve.common.protocol import ExecuteModel
+from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach
 from pdserve.common.utils import resolve_device, resolve_dtype
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.engine.loader import load_model
-from pdserve.engine.sharding import stage_layer_range
+from pdserve.engine.sharding import KVLayoutSpec, stage_layer_range
 from pdserve.engine.outputs import ModelRunnerOutput
 from pdserve.engine.parallel import RankGroup
 from pdserve.engine.request import Request
@@ -116,6 +116,8 @@ class ModelRunner:
                                           self.head_dim, self.dtype, self.device)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         self.sampler = Sampler(config.seed)
+        self.total_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+        self.kv_agent = None  # KVRankAgent once a worker attaches one (pdserve.kvtransfer.agent)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s, %d layers, %d KV heads)",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20,
                     self.dtype, self.device, self.num_layers, self.num_kv_heads)
@@ -170,21 +172,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], on_layer_done=None,
-                block_copies: list[tuple[int, int]] = ()) -> ModelRunnerOutput:
+                block_copies: list[tuple[int, int]] = (), kv_ops: KVStepOps | None = None) -> ModelRunnerOutput:
         """Run one forward over ``scheduled`` (on every rank of the worker) and sample (driver).
 
         Args:
             scheduled: (request, num_new_tokens) pairs, as the scheduler gave them.
             on_layer_done: called with this rank's layer index once that layer's K/V are in the cache.
             block_copies: (src, dst) block pairs to copy first (the scheduler's copy-on-write).
+            kv_ops: KV transfer work for every rank's agent (``pdserve.kvtransfer.agent``), done first.
 
         Returns:
             the sampled token (and, where asked, its logprobs) of every request whose
             last known token was computed this step.
         """
-        if not scheduled and not block_copies:
+        if not scheduled and not block_copies and kv_ops is None:
             return ModelRunnerOutput()
         step, sample_requests = self.prepare_inputs(scheduled, block_copies)
+        step.kv = kv_ops
         if self.ranks is not None:
             self.ranks.broadcast_step(step)
         rows = self.run_step(step, on_layer_done)
@@ -198,6 +202,11 @@ class ModelRunner:
 
         Returns the hidden rows to sample [num_sampled, hidden_size] on the driver, None elsewhere.
         """
+        if step.attach is not None:
+            self.attach_kv_agent(step.attach)
+        agent = self.kv_agent
+        if step.kv is not None and agent is not None:
+            agent.apply(step.kv, step.block_tables)
         if step.block_copies:
             copy_blocks(self.kv_cache, step.block_copies)
         if not step.input_ids:
@@ -207,8 +216,17 @@ class ModelRunner:
         hidden_in = None
         if ranks is not None and not ranks.is_first_stage:
             hidden_in = ranks.recv_hidden(len(step.input_ids), self.hidden_size, self.dtype)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata, on_layer_done,
-                            hidden=hidden_in)
+        if on_layer_done is None and agent is not None and agent.sending:
+            on_layer_done = agent.on_layer_done
+        try:
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata, on_layer_done,
+                                hidden=hidden_in)
+        except Exception as e:
+            if agent is not None and agent.sending:
+                agent.abort_sends(f"prefill forward failed: {e}")
+            raise
+        if agent is not None and agent.sending:
+            agent.after_forward()
         if ranks is None:
             return hidden[inp.sample_indices]
         if not ranks.is_last_stage:
@@ -216,14 +234,47 @@ class ModelRunner:
         rows = hidden[inp.sample_indices] if ranks.is_last_stage else None
         return ranks.exchange_sample_rows(rows, (len(step.sample_indices), self.hidden_size), self.dtype)
 
+    def broadcast_kv(self, ops: KVStepOps) -> None:
+        """Driver: a step with KV transfer work only (every rank's agent does its part now)."""
+        self.execute([], kv_ops=ops)
+
+    def attach_kv_agent(self, attach: RankAttach, report=None) -> None:
+        """Give this rank its KV transfer agent (the driver passes ``report``; other ranks report over ZMQ).
+
+        On the driver this also tells every other rank to attach theirs.
+        """
+        from pdserve.common.transport import PushSocket
+        from pdserve.kvtransfer.agent import KVRankAgent
+
+        if self.kv_agent is not None:
+            return
+        rank = self.ranks.rank if self.ranks is not None else 0
+        if report is None:
+            report = PushSocket(attach.driver_addr).send
+        layout = KVLayoutSpec(self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
+                              self.model.config.num_hidden_layers, self.total_kv_heads)
+        self.kv_agent = KVRankAgent(attach, rank, layout, self.kv_cache, report, attach.transfer_timeout_s)
+        if self.ranks is not None and self.ranks.is_driver:
+            self.ranks.broadcast_step(ExecuteModel(attach=attach))
+
+    def kv_layout(self) -> KVLayout:
+        """This worker's KV layout, as advertised to peers."""
+        return KVLayout(tensor_parallel_size=self.config.tensor_parallel_size,
+                        pipeline_parallel_size=self.config.pipeline_parallel_size,
+                        num_layers=self.model.config.num_hidden_layers, num_kv_heads=self.total_kv_heads)
+
     def serve_rank(self) -> None:
         """A non-driver rank's whole life: run each step the driver broadcasts until ``shutdown``."""
         assert self.ranks is not None and not self.ranks.is_driver
-        while True:
-            step = self.ranks.broadcast_step(None)
-            if step.shutdown:
-                return
-            self.run_step(step)
+        try:
+            while True:
+                step = self.ranks.broadcast_step(None)
+                if step.shutdown:
+                    return
+                self.run_step(step)
+        finally:
+            if self.kv_agent is not None:
+                self.kv_agent.close()
 
     def ping_ranks(self) -> None:
         """Driver: an empty step, so a dead rank is noticed (an error here) while the worker is idle."""
@@ -232,6 +283,8 @@ class ModelRunner:
 
     def shutdown_ranks(self) -> None:
         """Driver: end the other ranks' loops (best effort: they may be gone already)."""
+        if self.kv_agent is not None:
+            self.kv_agent.close()
         if self.ranks is None:
             return
         try:

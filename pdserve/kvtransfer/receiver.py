@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from pdserve.common.protocol import KVTransferHeader, RemotePrefillDone
+from pdserve.common.protocol import KVTransferHeader
 import pdserve.kvtransfer.wire as wire
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.pair import KVPair, PairStoreServer
@@ -42,23 +42,14 @@ class ReceivedKV:
     kv: torch.Tensor
     num_bytes: int
     checksum: int  # KVChecksum over kv[0], ..., kv[num_layers - 1]
+    source: str = ""  # the sending endpoint (the lane's prefill_worker_id)
 
 
 @dataclass
 class TransferFailed:
     request_id: str
     reason: str
-
-
-def check_transfer(received: ReceivedKV, done: RemotePrefillDone) -> str | None:
-    """Compare what D received with what P reports having sent; an error text or None."""
-    if done.error is not None:
-        return f"request {done.request_id}: prefill worker {done.prefill_worker_id} failed: {done.error}"
-    if (received.num_bytes, received.checksum) != (done.num_bytes, done.checksum):
-        return (f"request {done.request_id}: KV from prefill worker {done.prefill_worker_id} does not match: "
-                f"received {received.num_bytes} bytes checksum {received.checksum:#x}, "
-                f"sent {done.num_bytes} bytes checksum {done.checksum:#x}")
-    return None
+    source: str = ""  # the sending endpoint (the lane's prefill_worker_id)
 
 
 class _Lane:
@@ -82,7 +73,7 @@ class _Lane:
     def _run(self) -> None:
         owner = self.owner
         try:
-            pair = KVPair.connect(store=None, store_host=owner._server.local_host, store_port=owner.store_port,
+            pair = KVPair.connect(store=None, store_host=owner._store_host, store_port=owner.store_port,
                                   prefill_worker_id=self.prefill_worker_id, decode_worker_id=owner.decode_worker_id,
                                   generation=self.generation, rank=1, device=owner.device, timeout_s=owner.timeout_s)
         except Exception as exc:
@@ -105,9 +96,10 @@ class _Lane:
                 result = owner._receive(pair, header)
             except Exception as exc:
                 reason = str(exc) if isinstance(exc, KVTransferError) else f"request {header.request_id}: {exc!r}"
-                owner._emit(TransferFailed(header.request_id, reason))
+                owner._emit(TransferFailed(header.request_id, reason, self.prefill_worker_id))
                 self.die(reason)
                 return
+            result.source = self.prefill_worker_id
             owner._emit(result)
 
     def die(self, reason: str, emit: bool = True) -> None:
@@ -125,7 +117,7 @@ class _Lane:
         for header in pending if emit else []:
             self.owner._emit(TransferFailed(
                 header.request_id, f"request {header.request_id}: KV pair {self.name} was reset before "
-                                   f"its transfer started: {reason}"))
+                                   f"its transfer started: {reason}", self.prefill_worker_id))
 
 
 class DecodePairs:
@@ -135,16 +127,20 @@ class DecodePairs:
     ``timeout_s`` bounds every wait: connecting, and each message of a request
     (so a request fails after ``timeout_s`` seconds without progress).
     ``on_received`` gets a ``ReceivedKV`` or ``TransferFailed`` per submitted header,
-    on a kvtransfer thread.
+    on a kvtransfer thread. ``store_addr`` (host, port): use that store (another rank
+    of the same decode worker hosts it) instead of hosting one.
     """
 
     def __init__(self, decode_worker_id: str, host: str, device: torch.device | str, timeout_s: float,
-                 on_received: Callable[[ReceivedKV | TransferFailed], None], port: int = 0):
+                 on_received: Callable[[ReceivedKV | TransferFailed], None], port: int = 0,
+                 store_addr: tuple[str, int] | None = None):
         self.decode_worker_id = decode_worker_id
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self._on_received = on_received
-        self._server = PairStoreServer(host, port)
+        self._server = PairStoreServer(host, port) if store_addr is None else None
+        self._store_host, self._store_port = (self._server.local_host, self._server.port) if store_addr is None \
+            else store_addr
         self._lock = threading.Lock()
         self._lanes: dict[str, _Lane] = {}  # prefill_worker_id -> current lane
         self._next_generation: dict[str, int] = {}
@@ -152,11 +148,27 @@ class DecodePairs:
 
     @property
     def store_host(self) -> str:
-        return self._server.host
+        return self._server.host if self._server is not None else self._store_host
 
     @property
     def store_port(self) -> int:
-        return self._server.port
+        return self._store_port
+
+    def open_lane(self, prefill_worker_id: str, generation: int) -> None:
+        """Start receiving from ``prefill_worker_id`` at ``generation`` (a generation the driver chose);
+        a lane of an older generation is closed first. Idempotent."""
+        with self._lock:
+            if self._closed:
+                raise KVTransferError("DecodePairs is closed")
+            lane = self._lanes.get(prefill_worker_id)
+            if lane is not None and not lane.dead and lane.generation >= generation:
+                return
+        if lane is not None:
+            lane.die(f"superseded by generation {generation}")
+        with self._lock:
+            self._next_generation[prefill_worker_id] = generation + 1
+            lane = self._lanes[prefill_worker_id] = _Lane(self, prefill_worker_id, generation)
+            lane.thread.start()
 
     def generation_for(self, prefill_worker_id: str) -> int:
         """The pair generation to put in RemotePrefillRequest; starts connecting (rank 1) if needed.
@@ -192,7 +204,8 @@ class DecodePairs:
             current = "none" if lane is None or lane.dead else str(lane.generation)
         self._emit(TransferFailed(header.request_id, (
             f"request {header.request_id}: header names pair generation {header.pair_generation} with prefill "
-            f"worker {header.prefill_worker_id}, but the live generation is {current} (pair reset or closed)")))
+            f"worker {header.prefill_worker_id}, but the live generation is {current} (pair reset or closed)"),
+            header.prefill_worker_id))
 
     def reset(self, prefill_worker_id: str, reason: str, generation: int | None = None) -> None:
         """Drop the pair with ``prefill_worker_id`` (e.g. after a checksum mismatch), if it is still at
@@ -242,4 +255,5 @@ class DecodePairs:
             lane.die("DecodePairs closed", emit=False)
         for lane in lanes:
             lane.thread.join(_JOIN_S)
-        self._server.close()
+        if self._server is not None:
+            self._server.close()

@@ -132,13 +132,13 @@ class OutgoingKV:
 class SendCompleter:
     """Waits for OutgoingKVs off the step loop and reports each once.
 
-    ``on_done(request_id, num_bytes, checksum, error)`` runs on a completer thread;
+    ``on_done(outgoing, num_bytes, checksum, error)`` runs on a completer thread;
     ``error`` is None on success. One thread per pair (started on demand, gone
     after ``idle_s`` without work), so a stalled decode worker delays no one else.
     A failure closes the pair.
     """
 
-    def __init__(self, timeout_s: float, on_done: Callable[[str, int, int, str | None], None],
+    def __init__(self, timeout_s: float, on_done: Callable[[OutgoingKV, int, int, str | None], None],
                  idle_s: float = 5.0):
         self.timeout_s = timeout_s
         self.idle_s = idle_s
@@ -179,7 +179,7 @@ class SendCompleter:
                 num_bytes, checksum, error = 0, 0, str(exc) if isinstance(exc, KVTransferError) else repr(exc)
                 outgoing.pair.close(error)
             try:
-                self._on_done(outgoing.request_id, num_bytes, checksum, error)
+                self._on_done(outgoing, num_bytes, checksum, error)
             except Exception:
                 logger.exception("on_done failed for request %s", outgoing.request_id)
 

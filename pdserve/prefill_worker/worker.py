@@ -1,126 +1,195 @@
 """The prefill worker: batched (chunked) prefill, first token, KV sent to decode.
 
-For each ``RemotePrefillRequest``:
+For each ``RemotePrefillRequest`` (the driver, rank 0, runs this; every rank's
+``KVRankAgent`` moves its own bytes):
 
-1. Make sure the two-rank process group with that decode worker (and pair
-   generation) is connected; the request waits in ``pending_pair`` meanwhile.
+1. Make sure every pair (prefill rank i -> decode rank j) this transfer needs
+   is connected at the request's pair generation (``KVConnect`` to the ranks;
+   each rank reports ``PAIR_READY``); the request waits in ``pending_pair``.
 2. The scheduler batches prompts under the token budget (long prompts in
-   chunks). In the step that computes a prompt's last chunk we first send the
-   ``KVTransferHeader``, then, from the model's per-layer hook, start sending
-   each layer's blocks as soon as that layer has written them, so sending layer
-   i overlaps computing layer i+1 (DistServe / Mooncake style layer-wise transfer).
-3. The first token is sampled here; the request's blocks are freed at once (the
-   sends read from gathered copies). A ``SendCompleter`` thread waits for the
-   sends and we then tell the decode worker ``RemotePrefillDone`` with the
-   first token, byte count and checksum, or the error.
+   chunks). In the step that computes a prompt's last chunk we send one
+   ``KVTransferHeader`` per piece (``sharding.transfer_pieces``: the layers
+   and KV heads prefill rank i sends to decode rank j) and the step carries
+   ``KVSendPlan``s: from the model's per-layer hook each rank sends its pieces
+   of each layer as soon as that layer has written them, so sending layer i
+   overlaps computing layer i+1 (DistServe / Mooncake style layer-wise transfer).
+3. The first token is sampled here; the request's blocks are freed at once
+   (the sends read gathered copies). Each rank reports every piece delivered
+   (``SENT``: bytes, checksum); with all pieces in, we tell the decode worker
+   ``RemotePrefillDone`` with the first token and the per-piece sums, or the error.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-
+from dataclasses import dataclass, field
 
 from pdserve.common.config import WorkerConfig
+from pdserve.common.protocol import (AbortRequest, KVConnect, KVLayout, KVPieceSum, KVReset, KVSendPlan, KVStepOps,
+                                     KVTransferHeader, RankAttach, RankReport, RankReportKind, RemotePrefillDone,
+                                     RemotePrefillRequest, TokenLogprob, WorkerRole)
 from pdserve.common.validation import prefill_sampling_params
-from pdserve.common.protocol import (AbortRequest, KVTransferHeader, RemotePrefillDone, RemotePrefillRequest,
-                                     TokenLogprob, WorkerRole)
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import Request
+from pdserve.engine.sharding import KVPiece, endpoint
 from pdserve.engine.worker_base import WorkerBase
-from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
+from pdserve.kvtransfer.agent import layout_spec, pieces_for
+from pdserve.kvtransfer.checksum import combine_checksums
+from pdserve.kvtransfer.wire import dtype_name
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _SendDone:
-    """Event from the SendCompleter thread into the step loop."""
+def _worker_of(peer: str) -> str:
+    """"decode-0#1" -> "decode-0"."""
+    return peer.rpartition("#")[0]
 
-    request_id: str
-    num_bytes: int
-    checksum: int
-    error: str | None
-    finished_at: float = 0.0
+
+@dataclass
+class _Pairs:
+    """The pairs of one (decode worker, generation): which (rank, peer endpoint) must connect, and how it goes."""
+
+    needed: set[tuple[int, str]]
+    ready: set[tuple[int, str]] = field(default_factory=set)
+    error: str | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.error is None and self.ready >= self.needed
+
+
+@dataclass
+class _Transfer:
+    """A request whose KV is on its way: the pieces still to be reported by the ranks."""
+
+    origin: RemotePrefillRequest
+    pieces: list[KVPiece]
+    started: float
+    first_token: int | None = None
+    first_logprob: TokenLogprob | None = None
+    sums: dict[tuple[int, int], KVPieceSum] = field(default_factory=dict)
+    error: str | None = None
 
 
 class PrefillWorker(WorkerBase):
     role = WorkerRole.PREFILL
 
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig):
-        if engine_config.parallel.world_size > 1:
-            raise ValueError("a prefill worker runs on one rank for now: sending KV from several ranks (each its "
-                             "own layers and KV heads) is not built yet; use --tensor-parallel-size 1 "
-                             "--pipeline-parallel-size 1 for prefill workers")
         super().__init__(engine_config, worker_config)
-        self.pairs = PrefillPairs(self.worker_id, self.runner.device, worker_config.transfer_timeout_s)
-        self.completer = SendCompleter(
-            worker_config.transfer_timeout_s,
-            on_done=lambda rid, nbytes, checksum, err: self.mailbox.inject(
-                _SendDone(rid, nbytes, checksum, err, time.monotonic())))
-        self.pending_pair: dict[str, RemotePrefillRequest] = {}  # waiting for the pair to connect
+        runner = self.runner
+        self.layout = layout_spec(runner.kv_layout(), runner.model.config.num_hidden_layers, runner.total_kv_heads)
+        try:
+            runner.attach_kv_agent(RankAttach(worker_id=self.worker_id, role=self.role,
+                                              driver_addr=self.mailbox.address, host=worker_config.host,
+                                              transfer_timeout_s=worker_config.transfer_timeout_s),
+                                   report=self.mailbox.inject)
+        except BaseException:
+            self.close()
+            raise
+        self.pending_pair: dict[str, RemotePrefillRequest] = {}  # waiting for its pairs to connect
+        self.pairs: dict[tuple[str, int], _Pairs] = {}  # (decode_worker_id, generation)
         self.origin: dict[str, RemotePrefillRequest] = {}  # admitted, by request_id
-        self.first_token: dict[str, tuple[int, TokenLogprob | None]] = {}  # sampled, send in flight
-        self.send_started: dict[str, float] = {}
+        self.transfers: dict[str, _Transfer] = {}  # KV in flight, by request_id
 
-    def close(self) -> None:
-        self.completer.close()
-        self.pairs.close()
-        super().close()
+    def registration(self):
+        reg = super().registration()
+        reg.kv_layout = self.runner.kv_layout()
+        return reg
 
     # ---- inbound ------------------------------------------------------------------
 
     def handle(self, msg) -> None:
         if isinstance(msg, RemotePrefillRequest):
+            self._connect(msg)
             self.pending_pair[msg.request_id] = msg
-            self.pairs.request_pair(msg.decode_worker_id, msg.transfer_host, msg.transfer_port, msg.pair_generation)
         elif isinstance(msg, AbortRequest):
             self.pending_pair.pop(msg.request_id, None)
             if self.core.abort(msg.request_id):
                 self.origin.pop(msg.request_id, None)
-        elif isinstance(msg, _SendDone):
-            self._send_done(msg)
+        elif isinstance(msg, RankReport):
+            self._report(msg)
         else:
             logger.warning("prefill worker ignores %s", type(msg).__name__)
 
-    def _send_done(self, event: _SendDone) -> None:
-        origin = self.origin.pop(event.request_id)
-        first_token, first_logprob = self.first_token.pop(event.request_id)
-        started = self.send_started.pop(event.request_id)
-        if event.error is not None:
-            self.stats.kv_transfer_failures += 1
-            self.pairs.close_pair(origin.decode_worker_id, origin.pair_generation)
-        else:  # count successes only, as the decode worker does
-            self.stats.num_kv_transfers += 1
-            self.stats.kv_transfer_seconds += event.finished_at - started
-            self.stats.kv_transfer_bytes += event.num_bytes
-        self._reply(origin, RemotePrefillDone(
-            request_id=event.request_id, prefill_worker_id=self.worker_id, first_token_id=first_token,
-            num_tokens=len(origin.prompt_token_ids), num_bytes=event.num_bytes, checksum=event.checksum,
-            error=event.error, first_logprob=first_logprob))
+    def _pieces(self, decode_layout: KVLayout | None) -> list[KVPiece]:
+        return pieces_for(self.layout, layout_spec(decode_layout, self.layout.num_layers, self.layout.num_kv_heads))
 
-    def _reply(self, origin: RemotePrefillRequest, msg) -> None:
-        self.mailbox.put(origin.decode_addr, msg)
+    def _connect(self, msg: RemotePrefillRequest) -> None:
+        """Ask every rank to connect its pairs with that decode worker's ranks (once per generation)."""
+        key = (msg.decode_worker_id, msg.pair_generation)
+        if key in self.pairs:
+            return
+        needed = {(p.prefill_rank, endpoint(msg.decode_worker_id, p.decode_rank)) for p in self._pieces(msg.decode_layout)}
+        self.pairs[key] = _Pairs(needed)
+        for old in [k for k in self.pairs if k[0] == msg.decode_worker_id and k[1] < msg.pair_generation]:
+            del self.pairs[old]
+        decode_layout = msg.decode_layout or KVLayout(num_layers=self.layout.num_layers,
+                                                      num_kv_heads=self.layout.num_kv_heads)
+        self.runner.broadcast_kv(KVStepOps(connects=[KVConnect(
+            decode_worker_id=msg.decode_worker_id, generation=msg.pair_generation, store_host=msg.transfer_host,
+            store_port=msg.transfer_port, decode_layout=decode_layout)]))
+
+    def _report(self, report: RankReport) -> None:
+        if report.kind in (RankReportKind.PAIR_READY, RankReportKind.PAIR_FAILED):
+            pairs = self.pairs.get((_worker_of(report.peer), report.generation))
+            if pairs is not None:
+                if report.kind == RankReportKind.PAIR_READY:
+                    pairs.ready.add((report.rank, report.peer))
+                else:
+                    pairs.error = pairs.error or report.error or "KV pair failed"
+            return
+        transfer = self.transfers.get(report.request_id) if report.request_id else None
+        if transfer is None or report.kind != RankReportKind.SENT:
+            return
+        decode_rank = int(report.peer.rpartition("#")[2])
+        if report.error is not None:
+            transfer.error = transfer.error or report.error
+        transfer.sums[(report.rank, decode_rank)] = KVPieceSum(prefill_rank=report.rank, decode_rank=decode_rank,
+                                                               num_bytes=report.num_bytes, checksum=report.checksum)
+        if len(transfer.sums) == len(transfer.pieces) and transfer.first_token is not None:
+            self._finish(report.request_id, transfer)
+
+    def _finish(self, request_id: str, transfer: _Transfer) -> None:
+        """Every piece reported: tell the decode worker (first token and per-piece sums, or the error)."""
+        del self.transfers[request_id]
+        self.origin.pop(request_id, None)
+        origin = transfer.origin
+        sums = [transfer.sums[(p.prefill_rank, p.decode_rank)] for p in transfer.pieces]
+        if transfer.error is not None:
+            self.stats.kv_transfer_failures += 1
+            self.runner.broadcast_kv(KVStepOps(resets=[KVReset(
+                peer_worker_id=origin.decode_worker_id, generation=origin.pair_generation, reason=transfer.error)]))
+            self.pairs.pop((origin.decode_worker_id, origin.pair_generation), None)
+            self._fail(origin, transfer.error)
+            return
+        num_bytes = sum(s.num_bytes for s in sums)
+        checksum = 0
+        for s in sums:
+            checksum = combine_checksums(checksum, s.checksum)
+        self.stats.num_kv_transfers += 1  # count successes only, as the decode worker does
+        self.stats.kv_transfer_seconds += time.monotonic() - transfer.started
+        self.stats.kv_transfer_bytes += num_bytes
+        self.mailbox.put(origin.decode_addr, RemotePrefillDone(
+            request_id=request_id, prefill_worker_id=self.worker_id, first_token_id=transfer.first_token,
+            num_tokens=len(origin.prompt_token_ids), num_bytes=num_bytes, checksum=checksum,
+            first_logprob=transfer.first_logprob, pieces=sums))
 
     def _fail(self, origin: RemotePrefillRequest, error: str) -> None:
-        self._reply(origin, RemotePrefillDone(request_id=origin.request_id, prefill_worker_id=self.worker_id,
-                                              error=error))
+        self.mailbox.put(origin.decode_addr, RemotePrefillDone(request_id=origin.request_id,
+                                                               prefill_worker_id=self.worker_id, error=error))
 
     def _admit_connected(self) -> None:
-        """Move requests whose pair is ready into the scheduler."""
+        """Move requests whose pairs are all connected into the scheduler."""
         for request_id, origin in list(self.pending_pair.items()):
-            pair = self.pairs.get(origin.decode_worker_id, origin.pair_generation)
-            failure = None if pair is not None else self.pairs.failure(origin.decode_worker_id,
-                                                                       origin.pair_generation)
-            if pair is None and failure is None:
+            pairs = self.pairs.get((origin.decode_worker_id, origin.pair_generation))
+            if pairs is not None and not pairs.is_ready and pairs.error is None:
                 continue  # still connecting
             del self.pending_pair[request_id]
-            if failure is not None:
-                self._fail(origin, failure)
+            if pairs is None or pairs.error is not None:
+                self._fail(origin, pairs.error if pairs is not None else "KV pair generation superseded")
                 continue
-            # Only the first token is sampled here; the decode worker produces the rest.
-            try:
+            try:  # only the first token is sampled here; the decode worker produces the rest
                 self.core.add_request(request_id, origin.prompt_token_ids,
                                       prefill_sampling_params(origin.sampling_params))
             except ValueError as e:  # ValidationError included: D then recomputes or fails it
@@ -135,55 +204,46 @@ class PrefillWorker(WorkerBase):
         scheduler_output = self.core.schedule()
         if not scheduler_output.scheduled:
             return False
-        outgoing = self._start_transfers(scheduler_output.scheduled)
-        scheduler_output.scheduled = [(r, n) for r, n in scheduler_output.scheduled
-                                      if not r.status.is_finished]  # dropped by a broken pair
-        if not scheduler_output.scheduled:
-            return True
-
-        def on_layer_done(layer_idx: int) -> None:
-            kv_layer = self.runner.kv_cache[layer_idx]
-            for request, send, first_block in outgoing:
-                send.send_layer(layer_idx, kv_layer, request.block_table[first_block:])
-
-        try:
-            runner_output = self.core.execute(scheduler_output, on_layer_done=on_layer_done if outgoing else None)
-        except Exception as e:
-            for _, send, _ in outgoing:  # unblock the pair: its queued sends will never complete
-                send.abort(f"prefill forward failed: {e}")
-            raise
-        for request, send, _ in outgoing:
-            self.first_token[request.request_id] = (runner_output.sampled_token_ids[request.request_id],
-                                                    runner_output.logprobs.get(request.request_id))
-            self.completer.submit(send)
+        sends = self._start_transfers(scheduler_output.scheduled)
+        runner_output = self.core.execute(scheduler_output, kv_ops=KVStepOps(sends=sends) if sends else None)
+        for plan in sends:
+            transfer = self.transfers.get(plan.request_id)
+            if transfer is None:
+                continue
+            transfer.first_token = runner_output.sampled_token_ids[plan.request_id]
+            transfer.first_logprob = runner_output.logprobs.get(plan.request_id)
+            if len(transfer.sums) == len(transfer.pieces):  # every piece reported during the step
+                self._finish(plan.request_id, transfer)
         self.core.update(scheduler_output, runner_output)  # max_tokens=1: finished, blocks freed
         return True
 
-    def _start_transfers(self, scheduled: list[tuple[Request, int]]) -> list[tuple[Request, OutgoingKV, int]]:
-        """Header + OutgoingKV (+ first block to send) for each request whose prompt completes in this step.
+    def _start_transfers(self, scheduled: list[tuple[Request, int]]) -> list[KVSendPlan]:
+        """Headers (one per piece) and send plans for each request whose prompt completes in this step.
 
         Blocks the decode worker already holds (its prefix-cache hits) are not sent.
         """
-        outgoing = []
+        plans = []
         runner = self.runner
-        for request, num_new in scheduled:
+        dtype = dtype_name(runner.dtype)
+        for seq_index, (request, num_new) in enumerate(scheduled):
             if request.num_computed_tokens + num_new != request.num_tokens:
                 continue  # an earlier chunk: nothing to send yet
             origin = self.origin[request.request_id]
-            pair = self.pairs.get(origin.decode_worker_id, origin.pair_generation)
-            if pair is None:  # the pair broke since admission
-                self.core.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
-                self.origin.pop(request.request_id)
-                self._fail(origin, "KV transfer pair to the decode worker was closed")
-                continue
             first_block = origin.num_cached_tokens // runner.block_size
-            self._reply(origin, KVTransferHeader(
-                request_id=request.request_id, prefill_worker_id=self.worker_id,
-                pair_generation=origin.pair_generation, num_layers=runner.num_layers,
-                num_blocks=len(request.block_table) - first_block, block_size=runner.block_size,
-                num_kv_heads=runner.num_kv_heads, head_dim=runner.head_dim,
-                dtype=str(runner.dtype).removeprefix("torch."), num_tokens=request.num_tokens,
-                first_block=first_block))
-            self.send_started[request.request_id] = time.monotonic()
-            outgoing.append((request, OutgoingKV(pair, request.request_id, runner.num_layers), first_block))
-        return outgoing
+            num_blocks = len(request.block_table) - first_block
+            pieces = self._pieces(origin.decode_layout)
+            for piece in pieces:  # header order = each pair's stream order (the agents send in this order)
+                s = piece.slice
+                self.mailbox.put(origin.decode_addr, KVTransferHeader(
+                    request_id=request.request_id, prefill_worker_id=self.worker_id,
+                    pair_generation=origin.pair_generation, num_layers=s.num_layers, num_blocks=num_blocks,
+                    block_size=runner.block_size, num_kv_heads=s.num_heads, head_dim=runner.head_dim, dtype=dtype,
+                    num_tokens=request.num_tokens, first_block=first_block, prefill_rank=piece.prefill_rank,
+                    decode_rank=piece.decode_rank, first_layer=s.layer_start, first_kv_head=s.head_start))
+            self.transfers[request.request_id] = _Transfer(origin, pieces, time.monotonic())
+            plans.append(KVSendPlan(request_id=request.request_id, seq_index=seq_index, first_block=first_block,
+                                    num_blocks=num_blocks, decode_worker_id=origin.decode_worker_id,
+                                    generation=origin.pair_generation,
+                                    decode_layout=origin.decode_layout or KVLayout(
+                                        num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads)))
+        return plans

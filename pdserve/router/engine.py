@@ -155,7 +155,8 @@ class RouterEngine:
             request_id=request_id, prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params,
             prefill_worker_id=prefill_worker.worker_id if prefill_worker else None,
-            prefill_addr=prefill_worker.input_addr if prefill_worker else None))
+            prefill_addr=prefill_worker.input_addr if prefill_worker else None,
+            prefill_layout=prefill_worker.kv_layout if prefill_worker else None))
         return handle
 
     def finish(self, request_id: str) -> None:

@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from pdserve.common.protocol import Heartbeat, RegisterWorker, WorkerRole
+from pdserve.common.protocol import Heartbeat, KVLayout, RegisterWorker, WorkerRole
 from pdserve.common.validation import EngineLimits
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class WorkerInfo:
     registered_at: float
     last_seen: float
     vocab_size: int | None = None
+    kv_layout: KVLayout | None = None  # how its KV cache is split over its ranks (None: one rank)
     heartbeat: Heartbeat | None = None
     num_inflight: int = 0  # requests routed here and not yet finished (decode workers)
     num_routed: int = 0  # requests ever routed here
@@ -121,14 +122,15 @@ class WorkerRegistry:
         if old is not None and old.input_addr == msg.input_addr and old.role == msg.role:
             old.last_seen = now
             old.num_blocks, old.block_size = msg.num_blocks, msg.block_size
-            old.max_model_len, old.vocab_size = msg.max_model_len, msg.vocab_size
+            old.max_model_len, old.vocab_size, old.kv_layout = msg.max_model_len, msg.vocab_size, msg.kv_layout
             return None
         if old is not None:
             del self._workers[msg.worker_id]
         self._workers[msg.worker_id] = WorkerInfo(
             worker_id=msg.worker_id, role=WorkerRole(msg.role), input_addr=msg.input_addr,
             model_name=msg.model_name, num_blocks=msg.num_blocks, block_size=msg.block_size,
-            max_model_len=msg.max_model_len, registered_at=now, last_seen=now, vocab_size=msg.vocab_size)
+            max_model_len=msg.max_model_len, registered_at=now, last_seen=now, vocab_size=msg.vocab_size,
+            kv_layout=msg.kv_layout)
         logger.info("worker %s registered: %s at %s (num_blocks=%d, block_size=%d)", msg.worker_id,
                     WorkerRole(msg.role).name.lower(), msg.input_addr, msg.num_blocks, msg.block_size)
         return old

@@ -1,0 +1,303 @@
+"""One rank's share of its worker's KV transfers (every rank has one, the driver too).
+
+The drivers decide; the agents move bytes. A prefill driver or decode driver
+puts the transfer work of a step into ``ExecuteModel.kv`` (``KVStepOps``), which
+every rank of the worker receives, and each rank's agent does the part that
+names it (``sharding.transfer_pieces``: which prefill rank sends which layers
+and KV heads to which decode rank)::
+
+    prefill rank i                                       decode rank j
+      connects: request the pairs (i, j) it sends to  ◀──▶  lanes: open the pairs (i, j) it receives from
+      sends:    one OutgoingKV per piece; each layer's    headers: queue the piece's header on lane (i, j)
+                slice leaves from on_layer_done            (receiver thread: staging tensor, checksum)
+      SENT report (bytes, checksum) ──▶ prefill driver     RECEIVED report ──▶ decode driver
+                                                          installs: staging -> this rank's KV cache blocks
+
+Reports from non-driver ranks reach their driver's mailbox over ZMQ
+(``RankReport``); the driver's own agent reports in-process. Pairs are named by
+endpoint, "worker_id#rank", so each (prefill rank, decode rank) pair is its own
+two-rank group with its own ordered stream. A single-rank worker is the case
+with one rank and one piece.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import torch
+
+from pdserve.common.protocol import (KVLayout, KVStepOps, KVTransferHeader, RankAttach, RankReport, RankReportKind,
+                                     WorkerRole)
+from pdserve.engine.sharding import KVLayoutSpec, KVPiece, endpoint, rank_slice, transfer_pieces
+from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
+from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
+
+logger = logging.getLogger(__name__)
+
+_WATCH_S = 0.01  # how often connecting pairs are checked (seconds)
+_MAX_DROPPED = 4096
+
+
+def layout_spec(layout: KVLayout | None, num_layers: int, num_kv_heads: int) -> KVLayoutSpec:
+    """A message's layout (None: one rank) as a ``KVLayoutSpec``."""
+    if layout is None:
+        return KVLayoutSpec(1, 1, num_layers, num_kv_heads)
+    return KVLayoutSpec(layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.num_layers,
+                        layout.num_kv_heads)
+
+
+def pieces_for(prefill: KVLayoutSpec, decode: KVLayoutSpec) -> list[KVPiece]:
+    """``transfer_pieces``, cached (the same few layouts meet again and again)."""
+    key = (prefill, decode)
+    pieces = _PIECES.get(key)
+    if pieces is None:
+        pieces = _PIECES[key] = transfer_pieces(prefill, decode)
+    return pieces
+
+
+_PIECES: dict[tuple[KVLayoutSpec, KVLayoutSpec], list[KVPiece]] = {}
+
+
+@dataclass
+class _Outgoing:
+    send: OutgoingKV
+    piece: KVPiece
+    block_ids: list[int]
+
+
+class KVRankAgent:
+    """This rank's pairs, sends (prefill) or receives and installs (decode).
+
+    Args:
+        attach: whom the rank works for (worker id, role, driver mailbox, transfer host, store).
+        rank: this rank; layout: the worker's ``KVLayoutSpec``.
+        kv_cache: this rank's cache [num_local_layers, 2, num_blocks, block_size, local_kv_heads, head_dim].
+        report: where ``RankReport``s go (the driver's mailbox, or in-process on the driver).
+        timeout_s: every pair wait.
+    """
+
+    def __init__(self, attach: RankAttach, rank: int, layout: KVLayoutSpec, kv_cache: torch.Tensor,
+                 report: Callable[[RankReport], None], timeout_s: float):
+        self.attach = attach
+        self.worker_id = attach.worker_id
+        self.role = attach.role
+        self.rank = rank
+        self.layout = layout
+        self.slice = rank_slice(layout, rank)
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.report = report
+        self.endpoint = endpoint(self.worker_id, rank)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._peers: dict[str, set[str]] = {}  # peer worker id -> the endpoints this rank pairs with
+        if self.role == WorkerRole.PREFILL:
+            self.prefill_pairs = PrefillPairs(self.endpoint, self.device, timeout_s)
+            self.completer = SendCompleter(timeout_s, on_done=self._sent)
+            self._outgoing: list[_Outgoing] = []
+            self._watching: dict[tuple[str, int], None] = {}  # (decode endpoint, generation)
+            self._watcher = threading.Thread(target=self._watch_pairs, daemon=True, name="kv-pair-watch")
+            self._watcher.start()
+        else:
+            store = None if rank == 0 else (attach.store_host, attach.store_port)
+            self.decode_pairs = DecodePairs(self.endpoint, attach.host, self.device, timeout_s,
+                                            on_received=self.received, store_addr=store)
+            self._headers: dict[tuple[str, str], KVTransferHeader] = {}  # (request_id, source endpoint)
+            self._staged: dict[str, list[tuple[KVTransferHeader, torch.Tensor]]] = {}
+            self._dropped: dict[str, None] = {}
+
+    @property
+    def sending(self) -> bool:
+        """Whether this step has pieces to send from ``on_layer_done``."""
+        return self.role == WorkerRole.PREFILL and bool(self._outgoing)
+
+    # ---- every step -------------------------------------------------------------------------
+
+    def apply(self, ops: KVStepOps, block_tables: list[list[int]]) -> None:
+        """Do this rank's part of a step's KV work (before the forward)."""
+        for reset in ops.resets:
+            self._reset(reset.peer_worker_id, reset.generation, reset.reason)
+        if self.role == WorkerRole.PREFILL:
+            for c in ops.connects:
+                self._connect(c.decode_worker_id, c.generation, c.store_host, c.store_port, c.decode_layout)
+            for plan in ops.sends:
+                table = block_tables[plan.seq_index]
+                self._start_sends(plan.request_id, table[plan.first_block:plan.first_block + plan.num_blocks],
+                                  plan.decode_worker_id, plan.generation, plan.decode_layout)
+        else:
+            for lane in ops.lanes:
+                self._open_lanes(lane.prefill_worker_id, lane.generation, lane.prefill_layout)
+            for header in ops.headers:
+                if header.decode_rank == self.rank:
+                    self.submit(header)
+            for request_id in ops.drops:
+                self.drop(request_id)
+            for install in ops.installs:
+                self.install(install.request_id, install.block_ids)
+
+    # ---- prefill side ----------------------------------------------------------------------------
+
+    def _my_pieces(self, prefill: KVLayoutSpec, decode: KVLayoutSpec, as_prefill: bool) -> list[KVPiece]:
+        return [p for p in pieces_for(prefill, decode)
+                if (p.prefill_rank if as_prefill else p.decode_rank) == self.rank]
+
+    def _decode_spec(self, layout: KVLayout | None) -> KVLayoutSpec:
+        return layout_spec(layout, self.layout.num_layers, self.layout.num_kv_heads)
+
+    def _connect(self, decode_worker_id: str, generation: int, host: str, port: int, layout: KVLayout) -> None:
+        for piece in self._my_pieces(self.layout, self._decode_spec(layout), as_prefill=True):
+            peer = endpoint(decode_worker_id, piece.decode_rank)
+            self.prefill_pairs.request_pair(peer, host, port, generation)
+            with self._lock:
+                self._watching[(peer, generation)] = None
+                self._peers.setdefault(decode_worker_id, set()).add(peer)
+
+    def _watch_pairs(self) -> None:
+        """Report each requested pair once it is connected (or failed)."""
+        while not self._stop.wait(_WATCH_S):
+            with self._lock:
+                keys = list(self._watching)
+            for peer, generation in keys:
+                ready = self.prefill_pairs.get(peer, generation) is not None
+                failure = None if ready else self.prefill_pairs.failure(peer, generation)
+                if not ready and failure is None:
+                    continue
+                with self._lock:
+                    self._watching.pop((peer, generation), None)
+                self.report(RankReport(rank=self.rank, kind=RankReportKind.PAIR_READY if ready
+                                       else RankReportKind.PAIR_FAILED, peer=peer, generation=generation,
+                                       error=failure))
+
+    def pair_ready(self, decode_worker_id: str, generation: int, layout: KVLayout | None) -> str | bool:
+        """Driver's own check: True when all its pairs with that decode worker are up, an error text
+        if one failed, False while connecting."""
+        for piece in self._my_pieces(self.layout, self._decode_spec(layout), as_prefill=True):
+            peer = endpoint(decode_worker_id, piece.decode_rank)
+            if self.prefill_pairs.get(peer, generation) is None:
+                return self.prefill_pairs.failure(peer, generation) or False
+        return True
+
+    def _start_sends(self, request_id: str, block_ids: list[int], decode_worker_id: str, generation: int,
+                     layout: KVLayout) -> None:
+        for piece in self._my_pieces(self.layout, self._decode_spec(layout), as_prefill=True):
+            peer = endpoint(decode_worker_id, piece.decode_rank)
+            pair = self.prefill_pairs.get(peer, generation)
+            if pair is None:
+                self.report(RankReport(rank=self.rank, kind=RankReportKind.SENT, peer=peer, generation=generation,
+                                       request_id=request_id, error=f"no KV pair {self.endpoint}->{peer} "
+                                                                    f"g{generation}"))
+                continue
+            self._outgoing.append(_Outgoing(OutgoingKV(pair, request_id, piece.slice.num_layers), piece, block_ids))
+
+    def on_layer_done(self, local_layer: int) -> None:
+        """Send this layer's part of every piece in flight (called by the model after each layer)."""
+        if not self._outgoing:
+            return
+        layer = self.slice.layer_start + local_layer
+        kv_layer = self.kv_cache[local_layer]  # [2, num_blocks, block_size, local_heads, head_dim]
+        for out in self._outgoing:
+            s = out.piece.slice
+            if s.layer_start <= layer < s.layer_end:
+                heads = kv_layer[:, :, :, s.head_start - self.slice.head_start:s.head_end - self.slice.head_start]
+                out.send.send_layer(layer - s.layer_start, heads, out.block_ids)
+
+    def after_forward(self) -> None:
+        """Hand this step's sends to the completer (they finish off the step loop)."""
+        for out in self._outgoing:
+            self.completer.submit(out.send)
+        self._outgoing = []
+
+    def abort_sends(self, reason: str) -> None:
+        """The forward failed: the sends of this step will never complete."""
+        for out in self._outgoing:
+            out.send.abort(reason)
+        self._outgoing = []
+
+    def _sent(self, send: OutgoingKV, num_bytes: int, checksum: int, error: str | None) -> None:
+        self.report(RankReport(rank=self.rank, kind=RankReportKind.SENT, peer=send.pair.decode_worker_id,
+                               generation=send.pair.generation, request_id=send.request_id, num_bytes=num_bytes,
+                               checksum=checksum, error=error))
+
+    # ---- decode side -----------------------------------------------------------------------------
+
+    def _open_lanes(self, prefill_worker_id: str, generation: int, layout: KVLayout | None) -> None:
+        prefill = layout_spec(layout, self.layout.num_layers, self.layout.num_kv_heads)
+        for piece in self._my_pieces(prefill, self.layout, as_prefill=False):
+            peer = endpoint(prefill_worker_id, piece.prefill_rank)
+            self.decode_pairs.open_lane(peer, generation)
+            with self._lock:
+                self._peers.setdefault(prefill_worker_id, set()).add(peer)
+
+    def submit(self, header: KVTransferHeader) -> None:
+        """Queue one piece's header on its lane (the lanes are keyed by the sending endpoint)."""
+        source = endpoint(header.prefill_worker_id, header.prefill_rank)
+        with self._lock:
+            self._headers[(header.request_id, source)] = header
+        self.decode_pairs.submit(msgspec.structs.replace(header, prefill_worker_id=source))
+
+    def received(self, result: ReceivedKV | TransferFailed) -> None:
+        """A lane finished a piece (any thread): stage it and report to the driver."""
+        with self._lock:
+            header = self._headers.pop((result.request_id, result.source), None)
+            dropped = result.request_id in self._dropped
+            if isinstance(result, ReceivedKV) and header is not None and not dropped:
+                self._staged.setdefault(result.request_id, []).append((header, result.kv))
+        peer, generation = result.source, header.pair_generation if header is not None else -1
+        if isinstance(result, ReceivedKV):
+            self.report(RankReport(rank=self.rank, kind=RankReportKind.RECEIVED, peer=peer, generation=generation,
+                                   request_id=result.request_id, num_bytes=result.num_bytes, checksum=result.checksum))
+        else:
+            self.report(RankReport(rank=self.rank, kind=RankReportKind.RECEIVED, peer=peer, generation=generation,
+                                   request_id=result.request_id, error=result.reason))
+
+    def install(self, request_id: str, block_ids: list[int]) -> None:
+        """Copy every staged piece of ``request_id`` into this rank's cache at ``block_ids``."""
+        with self._lock:
+            staged = self._staged.pop(request_id, [])
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        for header, kv in staged:  # kv: [piece layers, 2, len(block_ids), block_size, piece heads, head_dim]
+            l0 = header.first_layer - self.slice.layer_start
+            h0 = header.first_kv_head - self.slice.head_start
+            self.kv_cache[l0:l0 + header.num_layers, :, index, :, h0:h0 + header.num_kv_heads] = kv.to(self.device)
+
+    def staged_shapes_ok(self, request_id: str, num_blocks: int) -> str | None:
+        """Driver's check before installing: each staged piece fits this rank's cache; an error text or None."""
+        with self._lock:
+            staged = list(self._staged.get(request_id, []))
+        for header, kv in staged:
+            want = (header.num_layers, 2, num_blocks, self.kv_cache.shape[3], header.num_kv_heads,
+                    self.kv_cache.shape[5])
+            if tuple(kv.shape) != want or kv.dtype != self.kv_cache.dtype:
+                return f"KV piece shape {tuple(kv.shape)} {kv.dtype} does not match {want} {self.kv_cache.dtype}"
+        return None
+
+    def drop(self, request_id: str) -> None:
+        """Forget ``request_id``'s pieces, including ones still on their way."""
+        with self._lock:
+            self._staged.pop(request_id, None)
+            self._dropped[request_id] = None
+            if len(self._dropped) > _MAX_DROPPED:
+                self._dropped.pop(next(iter(self._dropped)))
+
+    # ---- both ------------------------------------------------------------------------------------
+
+    def _reset(self, peer_worker_id: str, generation: int, reason: str) -> None:
+        with self._lock:
+            peers = list(self._peers.get(peer_worker_id, ()))
+        for peer in peers:
+            if self.role == WorkerRole.PREFILL:
+                self.prefill_pairs.close_pair(peer, generation, reason)
+            else:
+                self.decode_pairs.reset(peer, reason, generation=generation)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.role == WorkerRole.PREFILL:
+            self.completer.close()
+            self.prefill_pairs.close()
+        else:
+            self.decode_pairs.close()
