@@ -16,10 +16,11 @@ import os
 import zlib
 from dataclasses import dataclass
 
+import msgspec
 import torch
 from transformers import AutoConfig
 
-from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach
+from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach, WorkerRole
 from pdserve.common.utils import resolve_device, resolve_dtype
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import EngineConfig
@@ -255,6 +256,9 @@ class ModelRunner:
                               self.model.config.num_hidden_layers, self.total_kv_heads)
         self.kv_agent = KVRankAgent(attach, rank, layout, self.kv_cache, report, attach.transfer_timeout_s)
         if self.ranks is not None and self.ranks.is_driver:
+            if attach.role == WorkerRole.DECODE:  # the other ranks' lanes rendezvous in the driver's store
+                pairs = self.kv_agent.decode_pairs
+                attach = msgspec.structs.replace(attach, store_host=pairs.store_host, store_port=pairs.store_port)
             self.ranks.broadcast_step(ExecuteModel(attach=attach))
 
     def kv_layout(self) -> KVLayout:
