@@ -33,6 +33,7 @@ class ClusterSpec:
         host, port: the router's HTTP address; zmq_port: the router's ZMQ port (None = free port).
         worker_args: extra CLI args for every worker (engine flags such as --kv-cache-memory).
         router_args: extra CLI args for the router.
+        prefill_args, decode_args: extra CLI args for the workers of one pool only (after worker_args).
         threads_per_worker: torch CPU threads per worker rank (None: cores / ranks, at least 1).
         prefill_tensor_parallel_size, prefill_pipeline_parallel_size, decode_tensor_parallel_size,
             decode_pipeline_parallel_size: ranks of each worker of that pool (each rank is a process;
@@ -47,6 +48,8 @@ class ClusterSpec:
     zmq_port: int | None = None
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
+    prefill_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)
     threads_per_worker: int | None = None
     prefill_tensor_parallel_size: int = 1
     prefill_pipeline_parallel_size: int = 1
@@ -107,10 +110,10 @@ class LocalCluster:
                   *s.worker_args]
         for i in range(s.num_prefill):
             self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"prefill-{i}", *common,
-                                         *s.parallel_args("prefill")])
+                                         *s.parallel_args("prefill"), *s.prefill_args])
         for i in range(s.num_decode):
             self._spawn(f"decode-{i}", ["decode", "--worker-id", f"decode-{i}", *common,
-                                        *s.parallel_args("decode")])
+                                        *s.parallel_args("decode"), *s.decode_args])
 
     def dead(self) -> list[str]:
         return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]

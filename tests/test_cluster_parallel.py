@@ -57,3 +57,58 @@ def test_tp2_decode_worker_serves_exactly_and_a_killed_rank_removes_it(model_dir
             time.sleep(0.2)
         resp = httpx.post(f"{cluster.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
         assert resp.status_code == 503
+
+
+# Tiny preset: 8 KiB per 16-token block on a single rank (2 layers x K,V x 16 x 2 KV heads x 16 x fp32).
+BLOCK_BYTES = 8192
+
+
+@pytest.mark.parametrize("prefill,decode", [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (1, 1))],
+                         ids=["P-TP2-to-D-TP1", "P-TP1-to-D-TP2", "P-PP2-to-D-PP1"])
+def test_mixed_layouts_transfer_exactly_under_preemption_and_partial_prefix_hits(model_dir, tmp_path, prefill,
+                                                                                  decode):
+    """Each decode rank receives exactly its slice from the prefill ranks that hold it (several senders to one
+    receiver, or one sender to several), while the decode cache is too small for the load (preemption) and
+    a shared prefix is already cached on the decode side (only the missing blocks travel)."""
+    from tests.test_cluster_engine import metric_totals, wait_metric_increase
+
+    decode_ranks = decode[0] * decode[1]
+    spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
+                       prefill_tensor_parallel_size=prefill[0], prefill_pipeline_parallel_size=prefill[1],
+                       decode_tensor_parallel_size=decode[0], decode_pipeline_parallel_size=decode[1],
+                       worker_args=["--max-num-batched-tokens", "64", "--transfer-timeout", "20"],
+                       decode_args=["--kv-cache-memory", str(40 * BLOCK_BYTES // decode_ranks)])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prefix = "the quick brown fox jumps over the lazy dog while seven small birds sing " * 3
+    suffixes = ["in the old oak tree", "near a river bank", "under the autumn light", "beside the mill"]
+    prompts = [f"{prefix}{suffixes[i % 4]} number {i} and then some more words" for i in range(16)]
+    with LocalCluster(spec, log_dir=str(tmp_path / "logs")) as cluster:
+        api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+        def run(prompt):
+            return api.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+
+        run(prefix + "warm")  # the shared prefix is now cached on the decode worker
+        before = metric_totals(cluster)
+        with cf.ThreadPoolExecutor(16) as pool:
+            texts = list(pool.map(run, prompts))
+        for prompt, text in zip(prompts, texts):
+            ids = torch.tensor([tok.encode(prompt)])
+            with torch.no_grad():
+                out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                                   pad_token_id=2)
+            assert text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), prompt
+        assert wait_metric_increase(cluster, "pdserve:kv_transfers_total", before, 2) >= 2
+        after = metric_totals(cluster)
+        assert after.get("pdserve:kv_transfer_failures_total", 0) == before.get("pdserve:kv_transfer_failures_total", 0)
+        assert after["vllm:num_preemptions_total"] > before.get("vllm:num_preemptions_total", 0)
+        assert after["vllm:prefix_cache_hits_total"] > before.get("vllm:prefix_cache_hits_total", 0)
+        deadline = time.monotonic() + 15
+        while True:  # nothing leaked: every block back in the free queue (or the prefix cache)
+            (worker,) = [w for w in httpx.get(f"{cluster.url}/workers").json() if w["role"] == "decode"]
+            if worker["num_free_blocks"] == worker["num_blocks"] and worker["num_running"] == 0:
+                break
+            assert time.monotonic() < deadline, worker
+            time.sleep(0.3)
