@@ -15,6 +15,11 @@ added bought its full share, 0.5 means half of each core idled (the bubble, for 
 
     python benchmarks/bench_parallel.py                          # bench preset, TP=1/TP=2/PP=2
     python benchmarks/bench_parallel.py --layouts 1x1 2x1 --output-len 32   # quick
+    python benchmarks/bench_parallel.py --transfer-plan          # KV bytes per rank per prompt token
+
+``--transfer-plan`` prints, for mixed prefill -> decode layouts, what each prefill
+rank sends per prompt token (the pieces of ``pdserve.engine.sharding.transfer_pieces``;
+the wire adds one 64-byte header tensor per piece and request, and rounds to whole blocks).
 """
 
 from __future__ import annotations
@@ -25,8 +30,32 @@ import time
 
 import torch
 
+from transformers import AutoConfig
+
 from pdserve import LLM, SamplingParams
+from pdserve.engine.sharding import KVLayoutSpec, transfer_pieces
 from pdserve.models.tiny_model import ensure_default_model
+
+PLAN_LAYOUTS = [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (1, 1)), ((1, 1), (1, 2)),
+                ((2, 2), (4, 1)), ((4, 1), (1, 2))]
+
+
+def print_transfer_plan(model: str, bytes_per_value: int = 4) -> None:
+    """Bytes each prefill rank sends per prompt token, for each (prefill TPxPP -> decode TPxPP) layout."""
+    config = AutoConfig.from_pretrained(model)
+    num_kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    print(f"KV bytes per prompt token ({config.num_hidden_layers} layers, {num_kv_heads} KV heads x {head_dim}, "
+          f"{bytes_per_value}-byte values): each prefill rank -> [decode ranks]")
+    for (ptp, ppp), (dtp, dpp) in PLAN_LAYOUTS:
+        p = KVLayoutSpec(ptp, ppp, config.num_hidden_layers, num_kv_heads)
+        d = KVLayoutSpec(dtp, dpp, config.num_hidden_layers, num_kv_heads)
+        per_rank: dict[int, list[str]] = {}
+        for piece in transfer_pieces(p, d):
+            size = piece.slice.num_layers * 2 * piece.slice.num_heads * head_dim * bytes_per_value
+            per_rank.setdefault(piece.prefill_rank, []).append(f"{size} B -> D{piece.decode_rank}")
+        line = "; ".join(f"P{r}: {', '.join(v)}" for r, v in sorted(per_rank.items()))
+        print(f"  P TP={ptp} PP={ppp} -> D TP={dtp} PP={dpp}:  {line}")
 
 
 def run_layout(model: str, tp: int, pp: int, threads: int, prompts: list[list[int]], output_len: int) -> dict:
@@ -63,8 +92,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--transfer-plan", action="store_true", help="print KV bytes per rank per token and exit")
     args = parser.parse_args()
     model = args.model or str(ensure_default_model("bench"))
+    if args.transfer_plan:
+        print_transfer_plan(model)
+        return
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 16000) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     torch.set_num_threads(args.threads_per_rank)

@@ -77,7 +77,7 @@ def test_mixed_layouts_transfer_exactly_under_preemption_and_partial_prefix_hits
                        prefill_tensor_parallel_size=prefill[0], prefill_pipeline_parallel_size=prefill[1],
                        decode_tensor_parallel_size=decode[0], decode_pipeline_parallel_size=decode[1],
                        worker_args=["--max-num-batched-tokens", "64", "--transfer-timeout", "20"],
-                       decode_args=["--kv-cache-memory", str(40 * BLOCK_BYTES // decode_ranks)])
+                       decode_args=["--kv-cache-memory", str(16 * BLOCK_BYTES // decode_ranks)])
     tok = AutoTokenizer.from_pretrained(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prefix = "the quick brown fox jumps over the lazy dog while seven small birds sing " * 3
@@ -87,7 +87,7 @@ def test_mixed_layouts_transfer_exactly_under_preemption_and_partial_prefix_hits
         api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
 
         def run(prompt):
-            return api.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+            return api.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=0,
                                           extra_body={"ignore_eos": True}).choices[0].text
 
         run(prefix + "warm")  # the shared prefix is now cached on the decode worker
@@ -97,7 +97,7 @@ def test_mixed_layouts_transfer_exactly_under_preemption_and_partial_prefix_hits
         for prompt, text in zip(prompts, texts):
             ids = torch.tensor([tok.encode(prompt)])
             with torch.no_grad():
-                out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
                                    pad_token_id=2)
             assert text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), prompt
         assert wait_metric_increase(cluster, "pdserve:kv_transfers_total", before, 2) >= 2

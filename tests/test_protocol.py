@@ -4,8 +4,11 @@ from pdserve.common import protocol as p
 from pdserve.common.transport import ProtocolError, decode, encode
 
 SAMPLES = [
+    p.RankReport(rank=1, kind=p.RankReportKind.RECEIVED, peer="prefill-0#0", generation=2, request_id="r1",
+                 num_bytes=4096, checksum=12345),
     p.RegisterWorker(worker_id="d0", role=p.WorkerRole.DECODE, input_addr="tcp://127.0.0.1:5555", model_name="m",
-                     transfer_host="127.0.0.1", transfer_port=4242, num_blocks=10, block_size=16, max_model_len=2048),
+                     transfer_host="127.0.0.1", transfer_port=4242, num_blocks=10, block_size=16, max_model_len=2048,
+                     vocab_size=32000, kv_layout=p.KVLayout(tensor_parallel_size=2, num_layers=32, num_kv_heads=8)),
     p.Heartbeat(worker_id="p0", role=p.WorkerRole.PREFILL, num_running=3, max_step_batch_size=7),
     p.GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3],
                       sampling_params=p.SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], seed=7),
