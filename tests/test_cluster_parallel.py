@@ -63,8 +63,8 @@ def test_tp2_decode_worker_serves_exactly_and_a_killed_rank_removes_it(model_dir
 BLOCK_BYTES = 8192
 
 
-@pytest.mark.parametrize("prefill,decode", [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (1, 1))],
-                         ids=["P-TP2-to-D-TP1", "P-TP1-to-D-TP2", "P-PP2-to-D-PP1"])
+@pytest.mark.parametrize("prefill,decode", [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (1, 1)), ((2, 2), (1, 2))],
+                         ids=["P-TP2-to-D-TP1", "P-TP1-to-D-TP2", "P-PP2-to-D-PP1", "P-TP2xPP2-to-D-PP2"])
 def test_mixed_layouts_transfer_exactly_under_preemption_and_partial_prefix_hits(model_dir, tmp_path, prefill,
                                                                                   decode):
     """Each decode rank receives exactly its slice from the prefill ranks that hold it (several senders to one
