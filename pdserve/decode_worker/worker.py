@@ -133,18 +133,15 @@ class DecodeWorker(WorkerBase):
         self.core.abort(request_id)
 
     def _header(self, header: KVTransferHeader) -> None:
-        """Check a piece's header against the request and this worker's layout; send it to its rank."""
+        """Check a piece's header against the request and this worker's layout; hand it to its rank now
+        (the sender's layers wait for the receive), not at the next step."""
         state = self.remote.get(header.request_id)
+        self._ops.headers.append(header)  # received even when unwanted: the pair's stream must stay in order
         if state is None:  # aborted or failed over: the piece is received and dropped
             self._ops.drops.append(header.request_id)
-            self._ops.headers.append(header)
-            return
-        error = self._check_header(header, state)
-        if error is not None:
-            self._ops.headers.append(header)  # still received (the stream must stay in order), then dropped
+        elif (error := self._check_header(header, state)) is not None:
             self._remote_failed(header.request_id, error, reset_pair=True)
-            return
-        self._ops.headers.append(header)
+        self._flush_ops()
 
     def _check_header(self, header: KVTransferHeader, state: _RemotePrefill) -> str | None:
         request = self.core.scheduler.waiting_for_remote_kvs.get(header.request_id)

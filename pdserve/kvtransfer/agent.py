@@ -247,6 +247,8 @@ class KVRankAgent:
             if isinstance(result, ReceivedKV) and header is not None and not dropped:
                 self._staged.setdefault(result.request_id, []).append((header, result.kv))
         peer, generation = result.source, header.pair_generation if header is not None else -1
+        if isinstance(result, ReceivedKV) and header is None:  # never staged: must not count as arrived
+            result = TransferFailed(result.request_id, f"KV piece from {peer} arrived without its header", peer)
         if isinstance(result, ReceivedKV):
             self.report(RankReport(rank=self.rank, kind=RankReportKind.RECEIVED, peer=peer, generation=generation,
                                    request_id=result.request_id, num_bytes=result.num_bytes, checksum=result.checksum))
@@ -263,17 +265,6 @@ class KVRankAgent:
             l0 = header.first_layer - self.slice.layer_start
             h0 = header.first_kv_head - self.slice.head_start
             self.kv_cache[l0:l0 + header.num_layers, :, index, :, h0:h0 + header.num_kv_heads] = kv.to(self.device)
-
-    def staged_shapes_ok(self, request_id: str, num_blocks: int) -> str | None:
-        """Driver's check before installing: each staged piece fits this rank's cache; an error text or None."""
-        with self._lock:
-            staged = list(self._staged.get(request_id, []))
-        for header, kv in staged:
-            want = (header.num_layers, 2, num_blocks, self.kv_cache.shape[3], header.num_kv_heads,
-                    self.kv_cache.shape[5])
-            if tuple(kv.shape) != want or kv.dtype != self.kv_cache.dtype:
-                return f"KV piece shape {tuple(kv.shape)} {kv.dtype} does not match {want} {self.kv_cache.dtype}"
-        return None
 
     def drop(self, request_id: str) -> None:
         """Forget ``request_id``'s pieces, including ones still on their way."""
