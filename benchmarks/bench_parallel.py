@@ -18,7 +18,7 @@ added bought its full share, 0.5 means half of each core idled (the bubble, for 
     python benchmarks/bench_parallel.py --transfer-plan          # KV bytes per rank per prompt token
 
 ``--transfer-plan`` prints, for mixed prefill -> decode layouts, what each prefill
-rank sends per prompt token (the pieces of ``pdserve.engine.sharding.transfer_pieces``;
+rank sends per prompt token (the pieces of ``pdserve.common.sharding.transfer_pieces``;
 the wire adds one 64-byte header tensor per piece and request, and rounds to whole blocks).
 """
 
@@ -33,7 +33,7 @@ import torch
 from transformers import AutoConfig
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.sharding import KVLayoutSpec, transfer_pieces
+from pdserve.common.sharding import KVLayoutSpec, transfer_pieces
 from pdserve.models.tiny_model import ensure_default_model
 
 PLAN_LAYOUTS = [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (1, 1)), ((1, 1), (1, 2)),

@@ -12,7 +12,7 @@ import pytest
 
 from pdserve import LLM
 from pdserve.common.utils import free_port
-from pdserve.engine.sharding import (KVLayoutSpec, KVSlice, kv_head_layout, rank_slice, stage_layer_range,
+from pdserve.common.sharding import (KVLayoutSpec, KVSlice, kv_head_layout, rank_slice, stage_layer_range,
                                      transfer_pieces)
 from pdserve.engine.parallel import ParallelConfig
 from tests.test_llm import GREEDY, assert_all_blocks_free, hf_greedy, prompts, token_ids  # noqa: F401 (fixtures)

@@ -22,13 +22,13 @@ import zmq
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (AbortRequest, ErrorKind, FinishReason, GenerateRequest, Heartbeat,
                                      KVPieceSum, KVTransferHeader, RegisterWorker, RemotePrefillDone,
-                                     RemotePrefillRequest, RequestOutputs, SamplingParams, WorkerRole)
+                                     RemotePrefillRequest, RequestOutputs, SamplingParams)
 from pdserve.common.transport import Mailbox, bind_pull, decode, encode
 from pdserve.common.validation import prefill_sampling_params
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.sharding import endpoint
+from pdserve.common.sharding import endpoint
 from pdserve.engine.worker_base import WorkerBase
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.receiver import ReceivedKV

@@ -122,7 +122,7 @@ class WorkerStats(_Msg):
 
 
 class KVLayout(_Msg):
-    """How a worker's KV cache is split over its ranks (see ``pdserve.engine.sharding``)."""
+    """How a worker's KV cache is split over its ranks (see ``pdserve.common.sharding``)."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -322,7 +322,7 @@ class KVConnect(_Msg):
     generation: int
     store_host: str
     store_port: int
-    decode_layout: KVLayout
+    decode_layout: KVLayout | None = None  # None: one rank
 
 
 class KVLane(_Msg):
@@ -330,7 +330,7 @@ class KVLane(_Msg):
 
     prefill_worker_id: str
     generation: int
-    prefill_layout: KVLayout
+    prefill_layout: KVLayout | None = None  # None: one rank
 
 
 class KVSendPlan(_Msg):
@@ -342,7 +342,7 @@ class KVSendPlan(_Msg):
     num_blocks: int
     decode_worker_id: str
     generation: int
-    decode_layout: KVLayout
+    decode_layout: KVLayout | None = None  # None: one rank
 
 
 class KVInstall(_Msg):

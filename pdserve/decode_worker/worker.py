@@ -30,13 +30,13 @@ from dataclasses import dataclass, field
 
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (AbortRequest, ErrorKind, GenerateRequest, KVInstall, KVLane, KVLayout,
-                                     KVPieceSum, KVReset, KVStepOps, KVTransferHeader, RankAttach, RankReport,
+                                     KVPieceSum, KVReset, KVStepOps, KVTransferHeader, RankReport,
                                      RankReportKind, RegisterWorker, RemotePrefillDone, RemotePrefillRequest,
                                      RequestDelta, RequestOutputs, WorkerRole)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sharding import KVPiece
+from pdserve.common.sharding import KVPiece
 from pdserve.engine.worker_base import WorkerBase, error_delta, rejection_delta
 from pdserve.kvtransfer.agent import layout_spec, pieces_for
 from pdserve.kvtransfer.wire import dtype_name
@@ -64,18 +64,8 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig):
         super().__init__(engine_config, worker_config)
-        runner = self.runner
-        self.layout = runner.kv_layout()
-        self.layout_spec = layout_spec(self.layout, self.layout.num_layers, self.layout.num_kv_heads)
-        try:
-            runner.attach_kv_agent(RankAttach(worker_id=self.worker_id, role=self.role,
-                                              driver_addr=self.mailbox.address, host=worker_config.host,
-                                              transfer_timeout_s=worker_config.transfer_timeout_s),
-                                   report=self.mailbox.inject)
-        except BaseException:
-            self.close()
-            raise
-        self.pairs = runner.kv_agent.decode_pairs  # hosts the store every rank's lanes rendezvous in
+        self.attach_kv_agent()
+        self.pairs = self.runner.kv_agent.decode_pairs  # hosts the store every rank's lanes rendezvous in
         self.remote: dict[str, _RemotePrefill] = {}
         self.generations: dict[str, int] = {}  # prefill worker -> pair generation in use
         self._lanes_open: set[tuple[str, int]] = set()
@@ -86,7 +76,6 @@ class DecodeWorker(WorkerBase):
         reg = super().registration()
         reg.transfer_host = self.pairs.store_host
         reg.transfer_port = self.pairs.store_port
-        reg.kv_layout = self.layout
         return reg
 
     # ---- inbound ------------------------------------------------------------------
@@ -111,8 +100,8 @@ class DecodeWorker(WorkerBase):
         pieces = []
         if remote:
             try:
-                pieces = pieces_for(layout_spec(msg.prefill_layout, self.layout.num_layers, self.layout.num_kv_heads),
-                                    self.layout_spec)
+                spec = self.kv_layout_spec
+                pieces = pieces_for(layout_spec(msg.prefill_layout, spec.num_layers, spec.num_kv_heads), spec)
             except ValueError as e:  # the prefill worker runs another model: prefill here
                 logger.warning("request %s: %s; prefilling locally", msg.request_id, e)
                 remote = False
@@ -172,16 +161,14 @@ class DecodeWorker(WorkerBase):
         if key not in self._lanes_open:
             self._lanes_open.add(key)
             self._ops.lanes.append(KVLane(prefill_worker_id=state.prefill_worker_id,
-                                          generation=state.pair_generation, prefill_layout=state.prefill_layout or
-                                          KVLayout(num_layers=self.layout.num_layers,
-                                                   num_kv_heads=self.layout.num_kv_heads)))
+                                          generation=state.pair_generation, prefill_layout=state.prefill_layout))
             self._flush_ops()  # the lanes must be listening before the prefill worker connects
         self.mailbox.put(state.prefill_addr, RemotePrefillRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, decode_worker_id=self.worker_id, decode_addr=self.mailbox.address,
             transfer_host=self.pairs.store_host, transfer_port=self.pairs.store_port,
             pair_generation=state.pair_generation, dest_block_ids=request.block_table[first_block:],
-            num_cached_tokens=request.num_cached_tokens, decode_layout=self.layout))
+            num_cached_tokens=request.num_cached_tokens, decode_layout=self.kv_layout))
 
     def _remote_progress(self, request_id: str, report: RankReport | None = None,
                          done: RemotePrefillDone | None = None) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention
-from pdserve.engine.sharding import kv_head_layout
+from pdserve.common.sharding import kv_head_layout
 from pdserve.engine.layers import (
     ColumnParallelLinear,
     RMSNorm,

@@ -17,8 +17,9 @@ import threading
 import time
 
 from pdserve.common.config import WorkerConfig
-from pdserve.common.protocol import (ErrorKind, FinishReason, Heartbeat, RegisterWorker, RequestDelta, WorkerRole,
-                                     WorkerStats)
+from pdserve.common.protocol import (ErrorKind, FinishReason, Heartbeat, RankAttach, RegisterWorker, RequestDelta,
+                                     WorkerRole, WorkerStats)
+from pdserve.common.sharding import KVLayoutSpec
 from pdserve.common.transport import Mailbox
 from pdserve.common.validation import ValidationError
 from pdserve.engine.config import EngineConfig
@@ -63,6 +64,20 @@ class WorkerBase:
         self._last_step = self._loop_tick  # when the ranks last heard from the driver
         self._liveness: threading.Thread | None = None
 
+    def attach_kv_agent(self) -> None:
+        """Give every rank its KV transfer agent; ranks report back through this worker's mailbox."""
+        try:
+            self.runner.attach_kv_agent(RankAttach(worker_id=self.worker_id, role=self.role,
+                                                   driver_addr=self.mailbox.address, host=self.config.host,
+                                                   transfer_timeout_s=self.config.transfer_timeout_s),
+                                        report=self.mailbox.inject)
+        except BaseException:
+            self.close()
+            raise
+        self.kv_layout = self.runner.kv_layout()
+        self.kv_layout_spec = KVLayoutSpec(self.kv_layout.tensor_parallel_size, self.kv_layout.pipeline_parallel_size,
+                                           self.kv_layout.num_layers, self.kv_layout.num_kv_heads)
+
     # ---- hooks ------------------------------------------------------------------
 
     def handle(self, msg) -> None:
@@ -76,7 +91,7 @@ class WorkerBase:
         return RegisterWorker(worker_id=self.worker_id, role=self.role, input_addr=self.mailbox.address,
                               model_name=self.model_name, num_blocks=limits.num_blocks,
                               block_size=limits.block_size, max_model_len=limits.max_model_len,
-                              vocab_size=limits.vocab_size)
+                              vocab_size=limits.vocab_size, kv_layout=self.runner.kv_layout())
 
     def close(self) -> None:
         self._stop.set()

@@ -32,7 +32,7 @@ import torch
 
 from pdserve.common.protocol import (KVLayout, KVStepOps, KVTransferHeader, RankAttach, RankReport, RankReportKind,
                                      WorkerRole)
-from pdserve.engine.sharding import KVLayoutSpec, KVPiece, endpoint, rank_slice, transfer_pieces
+from pdserve.common.sharding import KVLayoutSpec, KVPiece, endpoint, rank_slice, transfer_pieces
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (AbortRequest, KVConnect, KVLayout, KVPieceSum, KVReset, KVSendPlan, KVStepOps,
-                                     KVTransferHeader, RankAttach, RankReport, RankReportKind, RemotePrefillDone,
+                                     KVTransferHeader, RankReport, RankReportKind, RemotePrefillDone,
                                      RemotePrefillRequest, TokenLogprob, WorkerRole)
 from pdserve.common.validation import prefill_sampling_params
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import Request
-from pdserve.engine.sharding import KVPiece, endpoint
+from pdserve.common.sharding import KVPiece, endpoint
 from pdserve.engine.worker_base import WorkerBase
 from pdserve.kvtransfer.agent import layout_spec, pieces_for
 from pdserve.kvtransfer.checksum import combine_checksums
@@ -77,25 +77,11 @@ class PrefillWorker(WorkerBase):
 
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig):
         super().__init__(engine_config, worker_config)
-        runner = self.runner
-        self.layout = layout_spec(runner.kv_layout(), runner.model.config.num_hidden_layers, runner.total_kv_heads)
-        try:
-            runner.attach_kv_agent(RankAttach(worker_id=self.worker_id, role=self.role,
-                                              driver_addr=self.mailbox.address, host=worker_config.host,
-                                              transfer_timeout_s=worker_config.transfer_timeout_s),
-                                   report=self.mailbox.inject)
-        except BaseException:
-            self.close()
-            raise
+        self.attach_kv_agent()
         self.pending_pair: dict[str, RemotePrefillRequest] = {}  # waiting for its pairs to connect
         self.pairs: dict[tuple[str, int], _Pairs] = {}  # (decode_worker_id, generation)
         self.origin: dict[str, RemotePrefillRequest] = {}  # admitted, by request_id
         self.transfers: dict[str, _Transfer] = {}  # KV in flight, by request_id
-
-    def registration(self):
-        reg = super().registration()
-        reg.kv_layout = self.runner.kv_layout()
-        return reg
 
     # ---- inbound ------------------------------------------------------------------
 
@@ -113,22 +99,22 @@ class PrefillWorker(WorkerBase):
             logger.warning("prefill worker ignores %s", type(msg).__name__)
 
     def _pieces(self, decode_layout: KVLayout | None) -> list[KVPiece]:
-        return pieces_for(self.layout, layout_spec(decode_layout, self.layout.num_layers, self.layout.num_kv_heads))
+        spec = self.kv_layout_spec
+        return pieces_for(spec, layout_spec(decode_layout, spec.num_layers, spec.num_kv_heads))
 
     def _connect(self, msg: RemotePrefillRequest) -> None:
         """Ask every rank to connect its pairs with that decode worker's ranks (once per generation)."""
         key = (msg.decode_worker_id, msg.pair_generation)
         if key in self.pairs:
             return
-        needed = {(p.prefill_rank, endpoint(msg.decode_worker_id, p.decode_rank)) for p in self._pieces(msg.decode_layout)}
+        needed = {(p.prefill_rank, endpoint(msg.decode_worker_id, p.decode_rank))
+                  for p in self._pieces(msg.decode_layout)}
         self.pairs[key] = _Pairs(needed)
         for old in [k for k in self.pairs if k[0] == msg.decode_worker_id and k[1] < msg.pair_generation]:
             del self.pairs[old]
-        decode_layout = msg.decode_layout or KVLayout(num_layers=self.layout.num_layers,
-                                                      num_kv_heads=self.layout.num_kv_heads)
         self.runner.broadcast_kv(KVStepOps(connects=[KVConnect(
             decode_worker_id=msg.decode_worker_id, generation=msg.pair_generation, store_host=msg.transfer_host,
-            store_port=msg.transfer_port, decode_layout=decode_layout)]))
+            store_port=msg.transfer_port, decode_layout=msg.decode_layout)]))
 
     def _report(self, report: RankReport) -> None:
         if report.kind in (RankReportKind.PAIR_READY, RankReportKind.PAIR_FAILED):
@@ -243,7 +229,5 @@ class PrefillWorker(WorkerBase):
             self.transfers[request.request_id] = _Transfer(origin, pieces, time.monotonic())
             plans.append(KVSendPlan(request_id=request.request_id, seq_index=seq_index, first_block=first_block,
                                     num_blocks=num_blocks, decode_worker_id=origin.decode_worker_id,
-                                    generation=origin.pair_generation,
-                                    decode_layout=origin.decode_layout or KVLayout(
-                                        num_layers=self.layout.num_layers, num_kv_heads=self.layout.num_kv_heads)))
+                                    generation=origin.pair_generation, decode_layout=origin.decode_layout))
         return plans
