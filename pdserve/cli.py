@@ -37,15 +37,20 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             print("pdserve: --colocated runs no prefill workers; drop --num-prefill", file=sys.stderr)
             return 2
         num_prefill = 0
+    spec = ClusterSpec(model=model, num_prefill=num_prefill, num_decode=args.num_decode, host=args.host,
+                       port=args.port, zmq_port=args.zmq_port, worker_args=extra,
+                       threads_per_worker=args.threads_per_worker, **pool_parallel_sizes(args))
+    return run_cluster(spec)
+
+
+def pool_parallel_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """``pdserve up``'s parallel flags as ClusterSpec fields: a pool's own flag wins over the shared one."""
     sizes = {}
     for role in ("prefill", "decode"):
         for kind in ("tensor", "pipeline"):
             value = getattr(args, f"{role}_{kind}_parallel_size")
             sizes[f"{role}_{kind}_parallel_size"] = value or getattr(args, f"{kind}_parallel_size") or 1
-    spec = ClusterSpec(model=model, num_prefill=num_prefill, num_decode=args.num_decode, host=args.host,
-                       port=args.port, zmq_port=args.zmq_port, worker_args=extra,
-                       threads_per_worker=args.threads_per_worker, **sizes)
-    return run_cluster(spec)
+    return sizes
 
 
 def _cmd_router(args: argparse.Namespace) -> int:

@@ -49,3 +49,19 @@ def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path, mode):
         for p in [*children, psutil.Process(proc.pid) if proc.poll() is None else None]:
             if p is not None and p.is_running():
                 p.kill()
+
+
+def test_up_parallel_flags_size_each_pool():
+    from pdserve.cli import build_parser, pool_parallel_sizes
+    from pdserve.launcher import ClusterSpec
+
+    args, extra = build_parser().parse_known_args(["up", "--tensor-parallel-size", "2",
+                                                   "--decode-tensor-parallel-size", "1",
+                                                   "--prefill-pipeline-parallel-size", "2", "--kv-cache-memory", "1GiB"])
+    sizes = pool_parallel_sizes(args)
+    assert sizes == {"prefill_tensor_parallel_size": 2, "prefill_pipeline_parallel_size": 2,
+                     "decode_tensor_parallel_size": 1, "decode_pipeline_parallel_size": 1}
+    assert extra == ["--kv-cache-memory", "1GiB"]  # unknown flags still go to every worker
+    spec = ClusterSpec(model="m", num_prefill=1, num_decode=2, **sizes)
+    assert spec.num_ranks == 4 + 2 and spec.parallel_args("prefill") == [
+        "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]

@@ -8,7 +8,7 @@ A worker with ``tensor_parallel_size = T`` and ``pipeline_parallel_size = P`` is
     rank 0 = the driver: scheduler, sampling, ZMQ, KV transfer bookkeeping
 
 Each step the driver broadcasts the step's flattened inputs (``ExecuteModel``,
-msgspec bytes, never pickle) over a gloo group; every rank runs its layers;
+msgspec bytes only) over a gloo group; every rank runs its layers;
 stage s sends its hidden states to stage s+1 (same tp_rank); the last stage's
 TP rank 0 sends the rows to sample back to the driver, which holds the final
 norm and LM head and samples. One batch is in flight at a time (no

@@ -2,8 +2,8 @@
 
 The driver (rank 0) calls ``start_ranks``. Without a rendezvous address it
 picks a free port on 127.0.0.1 and starts ranks 1..N-1 on this machine as
-``python -m pdserve rank ...`` subprocesses (plain command-line arguments,
-nothing pickled); with one (``--master-addr``/``--master-port`` or torch's
+``python -m pdserve rank ...`` subprocesses (plain command-line arguments);
+with one (``--master-addr``/``--master-port`` or torch's
 MASTER_ADDR/MASTER_PORT) it waits for ranks started elsewhere, by hand, by Ray
 or by Kubernetes, with the same command. ``serve_rank`` is the life of a
 non-driver rank: join, load its share, run the steps the driver broadcasts.
