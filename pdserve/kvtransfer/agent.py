@@ -100,6 +100,7 @@ class KVRankAgent:
             self.completer = SendCompleter(timeout_s, on_done=self._sent)
             self._outgoing: list[_Outgoing] = []
             self._watching: dict[tuple[str, int], None] = {}  # (decode endpoint, generation)
+            self._watch_wake = threading.Event()
             self._watcher = threading.Thread(target=self._watch_pairs, daemon=True, name="kv-pair-watch")
             self._watcher.start()
         else:
@@ -155,12 +156,18 @@ class KVRankAgent:
             with self._lock:
                 self._watching[(peer, generation)] = None
                 self._peers.setdefault(decode_worker_id, set()).add(peer)
+            self._watch_wake.set()
 
     def _watch_pairs(self) -> None:
-        """Report each requested pair once it is connected (or failed)."""
-        while not self._stop.wait(_WATCH_S):
+        """Report each requested pair once it is connected (or failed); sleeps while none is pending."""
+        while not self._stop.is_set():
             with self._lock:
                 keys = list(self._watching)
+            if not keys:
+                self._watch_wake.wait(1.0)
+                self._watch_wake.clear()
+                continue
+            self._stop.wait(_WATCH_S)
             for peer, generation in keys:
                 ready = self.prefill_pairs.get(peer, generation) is not None
                 failure = None if ready else self.prefill_pairs.failure(peer, generation)
@@ -288,6 +295,7 @@ class KVRankAgent:
     def close(self) -> None:
         self._stop.set()
         if self.role == WorkerRole.PREFILL:
+            self._watch_wake.set()
             self.completer.close()
             self.prefill_pairs.close()
         else:
