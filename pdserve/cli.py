@@ -37,8 +37,14 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             print("pdserve: --colocated runs no prefill workers; drop --num-prefill", file=sys.stderr)
             return 2
         num_prefill = 0
+    router_args, worker_args = [], list(extra)
+    if args.api_key:
+        router_args += ["--api-key", args.api_key]
+    if args.cluster_secret:
+        router_args += ["--cluster-secret", args.cluster_secret]
+        worker_args += ["--cluster-secret", args.cluster_secret]
     spec = ClusterSpec(model=model, num_prefill=num_prefill, num_decode=args.num_decode, host=args.host,
-                       port=args.port, zmq_port=args.zmq_port, worker_args=extra,
+                       port=args.port, zmq_port=args.zmq_port, worker_args=worker_args, router_args=router_args,
                        threads_per_worker=args.threads_per_worker, **pool_parallel_sizes(args))
     return run_cluster(spec)
 
@@ -113,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--zmq-port", type=int, default=None)
     up.add_argument("--threads-per-worker", type=int, default=None, help="torch CPU threads per worker rank")
+    up.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/* "
+                                                    "(or set $PDSERVE_API_KEY)")
+    up.add_argument("--cluster-secret", default=None, help="secret the workers prove to join the router's pools "
+                                                           "(or set $PDSERVE_CLUSTER_SECRET)")
     for kind in ("tensor", "pipeline"):
         up.add_argument(f"--{kind}-parallel-size", type=int, default=None,
                         help=f"{kind} parallel size of every worker (default 1)")

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from pdserve.common.protocol import (AbortRequest, ErrorKind, FinishReason, GenerateRequest, Heartbeat,
                                      RegisterWorker, RequestDelta, RequestOutputs, TokenLogprob,
                                      WorkerRole, WorkerStats)
+from pdserve.common.auth import registration_token
 from pdserve.common.transport import bind_pull, decode, encode
 from pdserve.common.validation import num_blocks_needed
 from pdserve.router import RouterConfig, build_app
@@ -798,3 +799,56 @@ def test_logprob_entries_cut_at_stop_string(tok):
     prefix_lens = [len(tok.decode(ids[:i])) for i in range(len(ids))]
     assert [e.token_id for e in kept] == [t for t, s in zip(ids, prefix_lens) if s < len(choice.text)]
     assert "".join(o.text for o in outs) == choice.text
+
+
+# --- authentication -----------------------------------------------------------------------
+
+def test_api_key_guards_v1_and_leaves_health_and_metrics_open(model_dir):
+    config = RouterConfig(model=model_dir, zmq_port=0, api_key="sk-test-123")
+    with TestClient(build_app(config)) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test-123"}):
+            err = error_of(client.get("/v1/models", headers=headers), 401)
+            assert "API key" in err["message"]
+            error_of(client.post("/v1/completions", json=COMPLETION, headers=headers), 401)
+        ok = {"Authorization": "Bearer sk-test-123"}
+        assert client.get("/v1/models", headers=ok).status_code == 200
+        error_of(client.post("/v1/completions", json=COMPLETION, headers=ok), 503)  # past the key: no worker
+        assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+
+
+def test_api_key_from_the_environment(model_dir, monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEY", "from-env")
+    assert RouterConfig(model=model_dir).api_key == "from-env"
+    assert RouterConfig(model=model_dir, api_key="flag").api_key == "flag"
+
+
+class _SecretWorker(FakeDecodeWorker):
+    """A fake decode worker whose registration carries ``auth`` (None, wrong or right)."""
+
+    def __init__(self, router_addr, auth_secret, **kw):
+        self.auth_secret = auth_secret
+        super().__init__(router_addr, **kw)
+
+    def _send(self, msg):
+        if isinstance(msg, RegisterWorker) and self.auth_secret is not None:
+            msg.auth = registration_token(self.auth_secret, msg.worker_id, msg.role, msg.input_addr)
+        super()._send(msg)
+
+
+def test_workers_must_know_the_cluster_secret_to_join(model_dir):
+    config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=2.0, cluster_secret="s3cret")
+    with TestClient(build_app(config)) as client:
+        addr = client.get("/info").json()["zmq_address"]
+        strangers = [_SecretWorker(addr, None, worker_id="stranger-d0"),
+                     _SecretWorker(addr, "guess", worker_id="stranger-d1")]
+        member = None
+        try:
+            wait_for(lambda: client.app.state.engine.num_refused_registrations >= 2)
+            time.sleep(0.3)
+            assert client.get("/health").json()["num_decode"] == 0  # their heartbeats are ignored too
+            member = _SecretWorker(addr, "s3cret", worker_id="member-d0")
+            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
+            assert [w["id"] for w in client.get("/workers").json()] == ["member-d0"]
+        finally:
+            for w in strangers + ([member] if member else []):
+                w.close()

@@ -448,3 +448,18 @@ def test_remote_first_token_and_logprob_equal_the_local_path(model_dir, llm, pee
         assert r.token_id == lo.token_id == off.token_id
         assert r.top_token_ids == lo.top_token_ids
         assert r.logprob == pytest.approx(lo.logprob, abs=1e-4) == pytest.approx(off.logprob, abs=1e-4)
+
+
+def test_registration_proves_the_cluster_secret_without_sending_it(model_dir, peers):
+    from pdserve.common.auth import token_matches
+
+    router, _ = peers
+    worker = make_worker(DecodeWorker, model_dir, router.addr, cluster_secret="s3cret")
+    try:
+        reg = worker.registration()
+        assert reg.auth and "s3cret" not in reg.auth
+        assert token_matches("s3cret", reg.auth, reg.worker_id, reg.role, reg.input_addr)
+        assert not token_matches("s3cret", reg.auth, reg.worker_id, reg.role, "tcp://10.0.0.9:1")  # replayed elsewhere
+        assert not token_matches("other", reg.auth, reg.worker_id, reg.role, reg.input_addr)
+    finally:
+        worker.close()

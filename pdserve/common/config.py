@@ -8,6 +8,8 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
+from pdserve.common.auth import CLUSTER_SECRET_ENV, from_env
+
 
 def _default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -28,6 +30,8 @@ class WorkerConfig:
         remote_prefill_timeout_s: decode worker: how long a request may wait for its remote KV.
         prefill_failure_policy: decode worker: ``recompute`` the prompt locally or ``fail`` the request
             when the remote prefill fails or times out.
+        cluster_secret: shared with the router, which admits only workers that prove they know it
+            (``pdserve.common.auth``); default ``$PDSERVE_CLUSTER_SECRET``.
     """
 
     role: str
@@ -39,6 +43,7 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0
     remote_prefill_timeout_s: float = 60.0
     prefill_failure_policy: str = "recompute"
+    cluster_secret: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -62,10 +67,13 @@ class WorkerConfig:
         g.add_argument("--transfer-timeout", type=float, default=30.0, dest="transfer_timeout_s")
         g.add_argument("--remote-prefill-timeout", type=float, default=60.0, dest="remote_prefill_timeout_s")
         g.add_argument("--prefill-failure-policy", choices=["recompute", "fail"], default="recompute")
+        g.add_argument("--cluster-secret", default=None,
+                       help="secret shared with the router to join its pools (default: $PDSERVE_CLUSTER_SECRET)")
 
     @classmethod
     def from_cli_args(cls, role: str, args: argparse.Namespace) -> "WorkerConfig":
         return cls(role=role, router_addr=args.router_addr, host=args.host, port=args.port, worker_id=args.worker_id,
                    heartbeat_interval_s=args.heartbeat_interval_s, transfer_timeout_s=args.transfer_timeout_s,
                    remote_prefill_timeout_s=args.remote_prefill_timeout_s,
-                   prefill_failure_policy=args.prefill_failure_policy)
+                   prefill_failure_policy=args.prefill_failure_policy,
+                   cluster_secret=from_env(args.cluster_secret, CLUSTER_SECRET_ENV))

@@ -144,6 +144,7 @@ class RegisterWorker(_Msg):
     max_model_len: int = 0
     vocab_size: int | None = None  # token ids the model accepts: [0, vocab_size)
     kv_layout: KVLayout | None = None  # None: one rank holding every layer and KV head
+    auth: str | None = None  # with a cluster secret: pdserve.common.auth.registration_token
 
 
 class Heartbeat(_Msg):

@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 
+from pdserve.common.auth import registration_token
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (ErrorKind, FinishReason, Heartbeat, RankAttach, RegisterWorker, RequestDelta,
                                      WorkerRole, WorkerStats)
@@ -88,10 +89,13 @@ class WorkerBase:
 
     def registration(self) -> RegisterWorker:
         limits = self.core.limits
+        secret = self.config.cluster_secret
         return RegisterWorker(worker_id=self.worker_id, role=self.role, input_addr=self.mailbox.address,
                               model_name=self.model_name, num_blocks=limits.num_blocks,
                               block_size=limits.block_size, max_model_len=limits.max_model_len,
-                              vocab_size=limits.vocab_size, kv_layout=self.runner.kv_layout())
+                              vocab_size=limits.vocab_size, kv_layout=self.runner.kv_layout(),
+                              auth=registration_token(secret, self.worker_id, self.role, self.mailbox.address)
+                              if secret else None)
 
     def close(self) -> None:
         self._stop.set()

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
+from pdserve.common.auth import bearer_matches
 from pdserve.common.protocol import WorkerRole
 from pdserve.router.config import RouterConfig
 from pdserve.router.engine import RouterEngine
@@ -81,7 +82,7 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
         tokenizer = AutoTokenizer.from_pretrained(config.model)
     registry = WorkerRegistry(config.worker_timeout_s, config.step_timeout_s)
     metrics = RouterMetrics(config.served_model_name, registry, config.max_model_len)
-    engine = RouterEngine(config.host, config.zmq_port, registry, metrics.workers)
+    engine = RouterEngine(config.host, config.zmq_port, registry, metrics.workers, config.cluster_secret)
     serving = OpenAIServing(config, tokenizer, engine, metrics)
 
     @contextlib.asynccontextmanager
@@ -100,6 +101,18 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     app.state.registry = registry
     app.state.serving = serving
     app.state.metrics = metrics
+
+    if config.api_key is not None:
+        @app.middleware("http")
+        async def _require_api_key(request: Request, call_next):
+            """``/v1/*`` needs ``Authorization: Bearer <api key>``; /health and /metrics stay open."""
+            if request.url.path.startswith("/v1/") and not bearer_matches(
+                    config.api_key, request.headers.get("authorization")):
+                err = APIError(401, "Incorrect or missing API key: send Authorization: Bearer <key>.",
+                               type="invalid_request_error")
+                return JSONResponse(err.to_response().model_dump(), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):

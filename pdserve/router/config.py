@@ -7,6 +7,8 @@ import dataclasses
 import json
 import os
 
+from pdserve.common.auth import API_KEY_ENV, CLUSTER_SECRET_ENV, from_env
+
 # config.json keys that name the context length, in order of preference.
 _CONTEXT_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
@@ -43,6 +45,10 @@ class RouterConfig:
         step_timeout_s: a worker whose heartbeats say its step loop has not moved for
             longer than this is stuck: nothing is routed to it and its requests fail.
         log_level: uvicorn / logging level name.
+        api_key: clients must send ``Authorization: Bearer <api_key>`` on ``/v1/*`` (None: open);
+            default ``$PDSERVE_API_KEY``.
+        cluster_secret: workers must prove they know it to register (None: any worker may);
+            default ``$PDSERVE_CLUSTER_SECRET``. See ``pdserve.common.auth``.
     """
 
     model: str
@@ -54,6 +60,8 @@ class RouterConfig:
     worker_timeout_s: float = 10.0
     step_timeout_s: float = 300.0
     log_level: str = "info"
+    api_key: str | None = None
+    cluster_secret: str | None = None
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model):
@@ -76,6 +84,8 @@ class RouterConfig:
         if not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         self.log_level = self.log_level.lower()
+        self.api_key = from_env(self.api_key, API_KEY_ENV)
+        self.cluster_secret = from_env(self.cluster_secret, CLUSTER_SECRET_ENV)
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -96,6 +106,10 @@ class RouterConfig:
         g.add_argument("--step-timeout-s", type=float, default=cls.step_timeout_s,
                        help="seconds a worker's step loop may go without finishing an iteration "
                             "before the worker counts as stuck (its heartbeats report it)")
+        g.add_argument("--api-key", default=None,
+                       help="require Authorization: Bearer KEY on /v1/* (default: $PDSERVE_API_KEY)")
+        g.add_argument("--cluster-secret", default=None,
+                       help="admit only workers that know this secret (default: $PDSERVE_CLUSTER_SECRET)")
         return parser
 
     @classmethod

@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from pdserve.common.protocol import (AbortRequest, GenerateRequest, Heartbeat, RegisterWorker,
                                      RequestDelta, RequestOutputs, SamplingParams)
+from pdserve.common.auth import token_matches
 from pdserve.common.transport import ProtocolError, decode, encode
 from pdserve.router.metrics import WorkerStatsCollector
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
@@ -69,14 +70,17 @@ class RouterEngine:
             ``address`` is the bound ``tcp://host:port`` once ``start`` returned.
         registry: the worker registry to feed and route with.
         worker_stats: where heartbeats' ``WorkerStats`` go for ``/metrics`` (optional).
+        cluster_secret: admit only registrations whose token proves the secret (``pdserve.common.auth``).
     """
 
     _SNDHWM = 100_000
     _MAX_ORPHANS = 4096  # request ids remembered as aborted-for-orphan-deltas (bounds the memory)
 
     def __init__(self, host: str, zmq_port: int, registry: WorkerRegistry,
-                 worker_stats: WorkerStatsCollector | None = None):
+                 worker_stats: WorkerStatsCollector | None = None, cluster_secret: str | None = None):
         self.host = host
+        self.cluster_secret = cluster_secret
+        self.num_refused_registrations = 0
         self.zmq_port = zmq_port
         self.registry = registry
         self.worker_stats = worker_stats
@@ -249,6 +253,13 @@ class RouterEngine:
             elif self.worker_stats is not None:
                 self.worker_stats.observe_heartbeat(msg)
         elif isinstance(msg, RegisterWorker):
+            if self.cluster_secret is not None and not token_matches(self.cluster_secret, msg.auth, msg.worker_id,
+                                                                     msg.role, msg.input_addr):
+                self.num_refused_registrations += 1
+                if self.num_refused_registrations <= 10 or self.num_refused_registrations % 100 == 0:
+                    logger.warning("refused registration of %s at %s: it does not know the cluster secret",
+                                   msg.worker_id, msg.input_addr)
+                return
             replaced = self.registry.register(msg)
             if replaced is not None:
                 if self.worker_stats is not None:
