@@ -339,9 +339,11 @@ class _SlowStepWorker(DecodeWorker):
         return super().step()
 
 
-def test_heartbeats_continue_during_a_long_step_and_report_the_stall(model_dir, peers):
+def test_heartbeats_continue_during_a_long_step_and_report_the_stall(model_dir, peers, tmp_path):
     router, _ = peers
-    worker = make_worker(_SlowStepWorker, model_dir, router.addr, heartbeat_interval_s=0.1)
+    health = tmp_path / "alive"
+    worker = make_worker(_SlowStepWorker, model_dir, router.addr, heartbeat_interval_s=0.1,
+                         health_file=str(health), health_stall_s=0.5)
     worker.step_s = 1.5
     loop = threading.Thread(target=worker.run, daemon=True)
     loop.start()
@@ -354,9 +356,11 @@ def test_heartbeats_continue_during_a_long_step_and_report_the_stall(model_dir, 
         beats = router.of_type(Heartbeat)[start:]
         assert len(beats) >= 5  # the IO thread kept beating while the loop was busy
         assert max(b.loop_stall_s for b in beats) > 0.8  # ... and said the loop is not moving
+        assert time.time() - health.stat().st_mtime > 0.4  # the liveness-probe file went stale with it
         time.sleep(0.8)  # the step ended: the loop moves again
         router.poll(0.3)
         assert router.of_type(Heartbeat)[-1].loop_stall_s < 0.5
+        assert time.time() - health.stat().st_mtime < 0.5  # fresh again
     finally:
         worker.stop()
         loop.join(timeout=10)

@@ -32,6 +32,8 @@ class WorkerConfig:
             when the remote prefill fails or times out.
         cluster_secret: shared with the router, which admits only workers that prove they know it
             (``pdserve.common.auth``); default ``$PDSERVE_CLUSTER_SECRET``.
+        health_file: touched at every heartbeat while the step loop moves (loop stalled less than
+            ``health_stall_s``), for process supervisors' probes (Kubernetes ``exec`` liveness); None: none.
     """
 
     role: str
@@ -44,6 +46,8 @@ class WorkerConfig:
     remote_prefill_timeout_s: float = 60.0
     prefill_failure_policy: str = "recompute"
     cluster_secret: str | None = None
+    health_file: str | None = None
+    health_stall_s: float = 300.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -69,6 +73,10 @@ class WorkerConfig:
         g.add_argument("--prefill-failure-policy", choices=["recompute", "fail"], default="recompute")
         g.add_argument("--cluster-secret", default=None,
                        help="secret shared with the router to join its pools (default: $PDSERVE_CLUSTER_SECRET)")
+        g.add_argument("--health-file", default=None,
+                       help="touch this file at every heartbeat while the step loop moves (for liveness probes)")
+        g.add_argument("--health-stall-s", type=float, default=300.0,
+                       help="stop touching --health-file once the step loop has not moved for this long")
 
     @classmethod
     def from_cli_args(cls, role: str, args: argparse.Namespace) -> "WorkerConfig":
@@ -76,4 +84,5 @@ class WorkerConfig:
                    heartbeat_interval_s=args.heartbeat_interval_s, transfer_timeout_s=args.transfer_timeout_s,
                    remote_prefill_timeout_s=args.remote_prefill_timeout_s,
                    prefill_failure_policy=args.prefill_failure_policy,
-                   cluster_secret=from_env(args.cluster_secret, CLUSTER_SECRET_ENV))
+                   cluster_secret=from_env(args.cluster_secret, CLUSTER_SECRET_ENV), health_file=args.health_file,
+                   health_stall_s=args.health_stall_s)

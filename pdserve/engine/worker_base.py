@@ -12,6 +12,7 @@ iteration, so the router still notices a step that hangs.
 from __future__ import annotations
 
 import logging
+import pathlib
 import signal
 import threading
 import time
@@ -120,7 +121,10 @@ class WorkerBase:
                 last_register = now
                 self.mailbox.put(self.config.router_addr, self.registration())
             try:
-                self.mailbox.put(self.config.router_addr, self.heartbeat())
+                beat = self.heartbeat()
+                self.mailbox.put(self.config.router_addr, beat)
+                if self.config.health_file and beat.loop_stall_s < self.config.health_stall_s:
+                    pathlib.Path(self.config.health_file).touch()
             except Exception:  # a figure read mid-update must not end liveness
                 logger.exception("building a heartbeat failed")
             if self._stop.wait(self.config.heartbeat_interval_s):
