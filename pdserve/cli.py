@@ -15,6 +15,7 @@ how Ray and Kubernetes start them.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -46,6 +47,12 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     spec = ClusterSpec(model=model, num_prefill=num_prefill, num_decode=args.num_decode, host=args.host,
                        port=args.port, zmq_port=args.zmq_port, worker_args=worker_args, router_args=router_args,
                        threads_per_worker=args.threads_per_worker, **pool_parallel_sizes(args))
+    if args.ray:
+        from pdserve.launcher_ray import RayCluster, run_ray_cluster
+
+        return run_ray_cluster(RayCluster(spec, address=args.address,
+                                          prefill_resources=json.loads(args.prefill_resources or "{}"),
+                                          decode_resources=json.loads(args.decode_resources or "{}")))
     return run_cluster(spec)
 
 
@@ -119,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--zmq-port", type=int, default=None)
     up.add_argument("--threads-per-worker", type=int, default=None, help="torch CPU threads per worker rank")
+    up.add_argument("--ray", action="store_true",
+                    help="run every process as a Ray actor, each worker's ranks in one placement group")
+    up.add_argument("--address", default=None, help="with --ray: the Ray cluster to join (auto, HOST:PORT); "
+                                                    "default: start a local one")
+    up.add_argument("--prefill-resources", default=None,
+                    help='with --ray: JSON resources every prefill rank asks for, e.g. \'{"prefill_node": 1}\'')
+    up.add_argument("--decode-resources", default=None, help="with --ray: the same for decode ranks")
     up.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/* "
                                                     "(or set $PDSERVE_API_KEY)")
     up.add_argument("--cluster-secret", default=None, help="secret the workers prove to join the router's pools "

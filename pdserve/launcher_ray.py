@@ -1,0 +1,240 @@
+"""``pdserve up --ray``: the same processes as ``pdserve up``, placed by Ray across nodes.
+
+Each process (the router, every rank of every worker) runs as ``python -m
+pdserve ...`` inside a ``PdserveProcess`` actor on the node Ray picked; the
+actor only starts, watches and stops it, so the process is exactly what the
+other launchers run and speaks only msgspec on its own sockets (Ray's own
+calls carry just argument lists and node addresses). Each worker's ranks are
+one placement group, one bundle per rank: ``STRICT_PACK`` (one node) when the
+worker is only tensor parallel, ``PACK`` when its pipeline stages may span
+nodes. ``--prefill-resources`` / ``--decode-resources`` add a custom resource
+(or a node label's resource) to every bundle of that pool, to pin a pool to a
+node type. Rendezvous addresses (the router's ZMQ port, each worker's
+``--master-addr``/``--master-port``) come from the actors' node IPs, asked of
+Ray, never hard-coded. Ctrl-C or SIGTERM stops every process, kills the actors
+and removes the placement groups.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from pdserve.common.utils import free_port
+from pdserve.launcher import ClusterSpec
+
+logger = logging.getLogger(__name__)
+
+
+class PdserveProcess:
+    """A Ray actor that runs one ``pdserve`` command on its node (wrapped by ``ray.remote`` at use)."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        return free_port(self.node_ip())
+
+    def start(self, args: list[str]) -> int:
+        self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args])
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+@dataclass
+class _Worker:
+    name: str
+    placement_group: object
+    actors: list = field(default_factory=list)  # rank order
+
+
+class RayCluster:
+    """Start, watch and stop a ``ClusterSpec`` on a Ray cluster.
+
+    Args:
+        spec: what to run (as for ``pdserve up``).
+        address: a Ray cluster to join (``auto``, ``ray://…`` or ``HOST:PORT``); None starts a local one.
+        prefill_resources, decode_resources: extra resources every bundle of that pool asks for.
+    """
+
+    def __init__(self, spec: ClusterSpec, address: str | None = None, prefill_resources: dict | None = None,
+                 decode_resources: dict | None = None, ready_timeout_s: float = 300.0):
+        self.spec = spec
+        self.address = address
+        self.resources = {"prefill": prefill_resources or {}, "decode": decode_resources or {}}
+        self.ready_timeout_s = ready_timeout_s
+        self.router = None
+        self.router_url: str | None = None
+        self.workers: list[_Worker] = []
+        self._started_ray = False
+
+    @property
+    def url(self) -> str:
+        assert self.router_url is not None
+        return self.router_url
+
+    def connect(self) -> None:
+        """Join (or start) the Ray cluster. Ray installs signal handlers here: install yours after."""
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=self.address, logging_level=logging.WARNING)
+            self._started_ray = self.address is None
+
+    def start(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.connect()
+        actor_cls = ray.remote(PdserveProcess)
+        s = self.spec
+        self.router = actor_cls.options(num_cpus=0, name="pdserve-router").remote()
+        router_ip = ray.get(self.router.node_ip.remote())
+        zmq_port = ray.get(self.router.free_port.remote())
+        ray.get(self.router.start.remote(["router", "--model", s.model, "--host", router_ip, "--port", str(s.port),
+                                          "--zmq-port", str(zmq_port), *s.router_args]))
+        self.router_url = f"http://{router_ip}:{s.port}"
+        router_zmq = f"tcp://{router_ip}:{zmq_port}"
+        threads = s.threads_per_worker or 1
+        for role, count in (("prefill", s.num_prefill), ("decode", s.num_decode)):
+            tp = getattr(s, f"{role}_tensor_parallel_size")
+            pp = getattr(s, f"{role}_pipeline_parallel_size")
+            for i in range(count):
+                name = f"{role}-{i}"
+                bundle = {"CPU": threads, **self.resources[role]}
+                pg = placement_group([dict(bundle) for _ in range(tp * pp)],
+                                     strategy="STRICT_PACK" if pp == 1 else "PACK", name=f"pdserve-{name}")
+                ray.get(pg.ready(), timeout=self.ready_timeout_s)
+                worker = _Worker(name, pg)
+                self.workers.append(worker)
+                for rank in range(tp * pp):
+                    worker.actors.append(actor_cls.options(
+                        num_cpus=threads, resources=self.resources[role], name=f"pdserve-{name}-rank{rank}",
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=pg, placement_group_bundle_index=rank)).remote())
+                ips = ray.get([a.node_ip.remote() for a in worker.actors])
+                master_port = ray.get(worker.actors[0].free_port.remote())
+                common = [role, "--model", s.model, "--router", router_zmq, "--num-threads", str(threads),
+                          "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+                          "--master-addr", ips[0], "--master-port", str(master_port), *s.worker_args,
+                          *(s.prefill_args if role == "prefill" else s.decode_args)]
+                for rank, (actor, ip) in enumerate(zip(worker.actors, ips)):
+                    extra = ["--worker-id", name] if rank == 0 else []
+                    ray.get(actor.start.remote([*common, "--host", ip, "--rank", str(rank), *extra]))
+        logger.info("pdserve on Ray: router at %s, %d workers placed", self.router_url, len(self.workers))
+
+    def dead(self) -> list[str]:
+        """Processes that exited, as ``name (exit code)``."""
+        import ray
+
+        actors = [("router", self.router)] + [(f"{w.name}-rank{r}", a) for w in self.workers
+                                              for r, a in enumerate(w.actors)]
+        codes = ray.get([a.poll.remote() for _, a in actors])
+        return [f"{name} (exit {code})" for (name, _), code in zip(actors, codes) if code is not None]
+
+    def wait_healthy(self, should_stop=lambda: False) -> bool:
+        """Block until the router reports every worker live; False if ``should_stop()`` first.
+
+        Raises:
+            RuntimeError: a process exited, or ``ready_timeout_s`` passed.
+        """
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if should_stop():
+                return False
+            if dead := self.dead():
+                raise RuntimeError(f"cluster process exited during start-up: {', '.join(dead)}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    health = json.load(resp)
+                if (health.get("num_prefill"), health.get("num_decode")) == (self.spec.num_prefill,
+                                                                             self.spec.num_decode):
+                    return True
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"cluster not healthy after {self.ready_timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        """Stop every process (workers first), kill the actors, remove the placement groups."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for worker in reversed(self.workers):
+            ray.get([a.stop.remote() for a in reversed(worker.actors)])
+            for actor in worker.actors:
+                ray.kill(actor)
+            remove_placement_group(worker.placement_group)
+        self.workers = []
+        if self.router is not None:
+            ray.get(self.router.stop.remote())
+            ray.kill(self.router)
+            self.router = None
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "RayCluster":
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_ray_cluster(cluster: RayCluster) -> int:
+    """Serve until Ctrl-C/SIGTERM or a process dies; then remove everything. Returns an exit code."""
+    stopping = False
+
+    def on_signal(*_):
+        nonlocal stopping
+        stopping = True
+
+    cluster.connect()  # before our handlers: ray.init installs its own
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster.start()
+        if not cluster.wait_healthy(should_stop=lambda: stopping):
+            return 0
+        print(f"pdserve is up on Ray: {cluster.url}/v1 ({cluster.spec.num_prefill} prefill, "
+              f"{cluster.spec.num_decode} decode). Ctrl-C stops it.", flush=True)
+        while not stopping:
+            if dead := cluster.dead():
+                print(f"pdserve: process exited: {', '.join(dead)}; stopping", file=sys.stderr)
+                return 1
+            time.sleep(1.0)
+        return 0
+    except RuntimeError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return 1
+    finally:
+        cluster.stop()

@@ -1,0 +1,107 @@
+"""`pdserve up --ray` on a local Ray cluster of two simulated nodes (ray.cluster_utils.Cluster).
+
+The prefill pool (one worker of two tensor-parallel ranks) is pinned to the node that has the
+``prefill_node`` resource, the decode pool to the other one; requests through the router are
+token-identical to transformers; SIGTERM removes every actor and placement group. Everything
+stays on loopback: Ray is told not to look for a "reachable" address.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pdserve.common.utils import free_port
+
+# Ray's node address = 127.0.0.1 (read once, when ray is imported): nothing leaves loopback.
+LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+os.environ.update(LOOPBACK_ONLY)
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+def two_nodes():
+    assert ray._private.services.get_node_ip_address() == "127.0.0.1"
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 4, "resources": {"prefill_node": 4}, "node_ip_address": "127.0.0.1",
+        "include_dashboard": False})
+    cluster.add_node(num_cpus=4, resources={"decode_node": 4}, node_ip_address="127.0.0.1")
+    try:
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
+
+
+def test_pools_placed_on_their_nodes_serve_exactly_and_sigterm_removes_everything(model_dir, two_nodes):
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--ray", "--address", two_nodes.address,
+                           "--model", model_dir, "--port", str(port), "--prefill-tensor-parallel-size", "2",
+                           "--prefill-resources", '{"prefill_node": 1}', "--decode-resources", '{"decode_node": 1}',
+                           "--remote-prefill-threshold", "0"], env={**os.environ, **LOOPBACK_ONLY})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert up.poll() is None, "pdserve up --ray exited"
+            assert time.monotonic() < deadline, "the Ray cluster never became healthy"
+            try:
+                health = httpx.get(f"{url}/health", timeout=2).json()
+                if (health["num_prefill"], health["num_decode"]) == (1, 1):
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+
+        ray.init(address=two_nodes.address)
+        node_resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
+        groups = {g["name"]: g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"}
+        assert set(groups) == {"pdserve-prefill-0", "pdserve-decode-0"}
+        prefill_nodes = set(groups["pdserve-prefill-0"]["bundles_to_node_id"].values())
+        decode_nodes = set(groups["pdserve-decode-0"]["bundles_to_node_id"].values())
+        assert len(groups["pdserve-prefill-0"]["bundles"]) == 2 and groups["pdserve-prefill-0"]["strategy"] == \
+            "STRICT_PACK"
+        assert all("prefill_node" in node_resources[n] for n in prefill_nodes)
+        assert all("decode_node" in node_resources[n] for n in decode_nodes) and prefill_nodes != decode_nodes
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        for prompt in ["the quick brown fox jumps over the lazy dog", "seven wizards quietly pack boxes of jugs"]:
+            text = api.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+            ids = torch.tensor([tok.encode(prompt)])
+            with torch.no_grad():
+                out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                   pad_token_id=2)
+            assert text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        deadline = time.monotonic() + 10  # the KV did cross the nodes (counters come with heartbeats)
+        while 'pdserve:kv_transfers_total{model_name="tiny",role="decode",worker="decode-0"} 2.0' not in \
+                httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline, "no KV transfer from the prefill node to the decode node"
+            time.sleep(0.3)
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+        left = [g["name"] for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+        assert left == []
+        for name in ("pdserve-router", "pdserve-prefill-0-rank0", "pdserve-prefill-0-rank1", "pdserve-decode-0-rank0"):
+            with pytest.raises(ValueError):
+                ray.get_actor(name)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
