@@ -48,11 +48,12 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                        port=args.port, zmq_port=args.zmq_port, worker_args=worker_args, router_args=router_args,
                        threads_per_worker=args.threads_per_worker, **pool_parallel_sizes(args))
     if args.ray:
-        from pdserve.launcher_ray import RayCluster, run_ray_cluster
+        from pdserve.launcher import serve_until_stopped
+        from pdserve.launcher_ray import RayCluster
 
-        return run_ray_cluster(RayCluster(spec, address=args.address,
-                                          prefill_resources=json.loads(args.prefill_resources or "{}"),
-                                          decode_resources=json.loads(args.decode_resources or "{}")))
+        return serve_until_stopped(RayCluster(spec, address=args.address,
+                                              prefill_resources=json.loads(args.prefill_resources or "{}"),
+                                              decode_resources=json.loads(args.decode_resources or "{}")))
     return run_cluster(spec)
 
 

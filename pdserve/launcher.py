@@ -169,26 +169,38 @@ class LocalCluster:
 
 def run_cluster(spec: ClusterSpec) -> int:
     """Start the cluster and serve until Ctrl-C/SIGTERM or a process dies. Returns an exit code."""
-    cluster = LocalCluster(spec)
+    return serve_until_stopped(LocalCluster(spec))
+
+
+def serve_until_stopped(cluster) -> int:
+    """Start ``cluster`` (a ``LocalCluster`` or ``RayCluster``), wait until every worker is live, and
+    serve until Ctrl-C/SIGTERM or one of its processes exits; then stop everything. Returns an exit code.
+
+    A cluster with a ``connect()`` (Ray) is connected first: Ray installs signal handlers of its own
+    when it connects, and ours must come after.
+    """
     stopping = False
 
     def on_signal(*_):
         nonlocal stopping
         stopping = True
 
+    if hasattr(cluster, "connect"):
+        cluster.connect()
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    cluster.start()
+    spec = cluster.spec
     try:
+        cluster.start()
         if not cluster.wait_healthy(should_stop=lambda: stopping):
             return 0
         print(f"pdserve is up: {cluster.url}/v1  (model {spec.model}; "
               f"{spec.num_prefill} prefill, {spec.num_decode} decode). Ctrl-C stops it.", flush=True)
-        while not stopping and not cluster.dead():
+        while not stopping:
+            if dead := cluster.dead():
+                print(f"pdserve: process exited: {', '.join(dead)}; stopping", file=sys.stderr)
+                return 1
             time.sleep(0.5)
-        if cluster.dead() and not stopping:
-            print(f"pdserve: process exited: {', '.join(cluster.dead())}; stopping", file=sys.stderr)
-            return 1
         return 0
     except RuntimeError as e:
         print(f"pdserve: {e}", file=sys.stderr)

@@ -208,33 +208,3 @@ class RayCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def run_ray_cluster(cluster: RayCluster) -> int:
-    """Serve until Ctrl-C/SIGTERM or a process dies; then remove everything. Returns an exit code."""
-    stopping = False
-
-    def on_signal(*_):
-        nonlocal stopping
-        stopping = True
-
-    cluster.connect()  # before our handlers: ray.init installs its own
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        cluster.start()
-        if not cluster.wait_healthy(should_stop=lambda: stopping):
-            return 0
-        print(f"pdserve is up on Ray: {cluster.url}/v1 ({cluster.spec.num_prefill} prefill, "
-              f"{cluster.spec.num_decode} decode). Ctrl-C stops it.", flush=True)
-        while not stopping:
-            if dead := cluster.dead():
-                print(f"pdserve: process exited: {', '.join(dead)}; stopping", file=sys.stderr)
-                return 1
-            time.sleep(1.0)
-        return 0
-    except RuntimeError as e:
-        print(f"pdserve: {e}", file=sys.stderr)
-        return 1
-    finally:
-        cluster.stop()
