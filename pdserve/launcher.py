@@ -78,7 +78,66 @@ class ClusterSpec:
                 + self.num_decode * self.decode_tensor_parallel_size * self.decode_pipeline_parallel_size)
 
 
-class LocalCluster:
+class ClusterLauncher:
+    """What every launcher shares: waiting until the router reports every pool live, and ``with``.
+
+    Subclasses set ``spec`` and provide ``url``, ``start()``, ``stop()`` and ``dead()`` (the processes
+    that exited, as ``"name (exit code)"``).
+    """
+
+    spec: ClusterSpec
+    ready_timeout_s: float = 300.0
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def dead(self) -> list[str]:
+        raise NotImplementedError
+
+    def wait_healthy(self, should_stop=lambda: False) -> bool:
+        """Block until /health reports every worker live; False if ``should_stop()`` became true first.
+
+        Raises:
+            RuntimeError: a process exited, or ``ready_timeout_s`` passed.
+        """
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if should_stop():
+                return False
+            if dead := self.dead():
+                raise RuntimeError(f"cluster process exited during start-up: {', '.join(dead)}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    health = json.load(resp)
+                if (health.get("num_prefill"), health.get("num_decode")) == (self.spec.num_prefill,
+                                                                             self.spec.num_decode):
+                    return True
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"cluster not healthy after {self.ready_timeout_s:.0f} s")
+
+    def __enter__(self):
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LocalCluster(ClusterLauncher):
     """Start, wait for, and stop the processes of a ``ClusterSpec``."""
 
     def __init__(self, spec: ClusterSpec, log_dir: str | None = None):
@@ -118,29 +177,6 @@ class LocalCluster:
     def dead(self) -> list[str]:
         return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]
 
-    def wait_healthy(self, timeout_s: float = 300.0, should_stop=lambda: False) -> bool:
-        """Block until /health reports every worker live; False if ``should_stop()`` became true first.
-
-        Raises:
-            RuntimeError: a process exited, or the timeout passed.
-        """
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if should_stop():
-                return False
-            if self.dead():
-                raise RuntimeError(f"cluster process exited during start-up: {', '.join(self.dead())}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    health = json.load(resp)
-                if health.get("num_prefill") == self.spec.num_prefill and \
-                        health.get("num_decode") == self.spec.num_decode:
-                    return True
-            except OSError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"cluster not healthy after {timeout_s:.0f} s")
-
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every process, then SIGKILL what is left after ``timeout_s``."""
         for _, proc in self.procs:
@@ -153,18 +189,6 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-    def __enter__(self) -> "LocalCluster":
-        self.start()
-        try:
-            self.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def run_cluster(spec: ClusterSpec) -> int:

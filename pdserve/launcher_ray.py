@@ -17,17 +17,14 @@ and removes the placement groups.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec
+from pdserve.launcher import ClusterLauncher, ClusterSpec
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +68,7 @@ class _Worker:
     actors: list = field(default_factory=list)  # rank order
 
 
-class RayCluster:
+class RayCluster(ClusterLauncher):
     """Start, watch and stop a ``ClusterSpec`` on a Ray cluster.
 
     Args:
@@ -156,29 +153,6 @@ class RayCluster:
         codes = ray.get([a.poll.remote() for _, a in actors])
         return [f"{name} (exit {code})" for (name, _), code in zip(actors, codes) if code is not None]
 
-    def wait_healthy(self, should_stop=lambda: False) -> bool:
-        """Block until the router reports every worker live; False if ``should_stop()`` first.
-
-        Raises:
-            RuntimeError: a process exited, or ``ready_timeout_s`` passed.
-        """
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            if should_stop():
-                return False
-            if dead := self.dead():
-                raise RuntimeError(f"cluster process exited during start-up: {', '.join(dead)}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    health = json.load(resp)
-                if (health.get("num_prefill"), health.get("num_decode")) == (self.spec.num_prefill,
-                                                                             self.spec.num_decode):
-                    return True
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"cluster not healthy after {self.ready_timeout_s:.0f} s")
-
     def stop(self) -> None:
         """Stop every process (workers first), kill the actors, remove the placement groups."""
         import ray
@@ -196,15 +170,3 @@ class RayCluster:
             self.router = None
         if self._started_ray:
             ray.shutdown()
-
-    def __enter__(self) -> "RayCluster":
-        self.start()
-        try:
-            self.wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
