@@ -19,6 +19,16 @@ from pdserve.launcher import ClusterSpec, LocalCluster
 pytestmark = pytest.mark.cluster
 
 
+def assert_greedy_matches_hf(tok, ref, prompts: list[str], texts: list[str], max_new_tokens: int) -> None:
+    """Each served text equals transformers' greedy continuation of its prompt."""
+    for prompt, text in zip(prompts, texts, strict=True):
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                               do_sample=False, pad_token_id=2)
+        assert text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), prompt
+
+
 def test_tp2_decode_worker_serves_exactly_and_a_killed_rank_removes_it(model_dir, tmp_path):
     spec = ClusterSpec(model=model_dir, num_prefill=0, num_decode=1, port=free_port(), threads_per_worker=1,
                        decode_tensor_parallel_size=2,
@@ -38,12 +48,7 @@ def test_tp2_decode_worker_serves_exactly_and_a_killed_rank_removes_it(model_dir
 
         with cf.ThreadPoolExecutor(3) as pool:
             texts = list(pool.map(run, prompts))
-        for prompt, text in zip(prompts, texts):
-            ids = torch.tensor([tok.encode(prompt)])
-            with torch.no_grad():
-                out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                                   pad_token_id=2)
-            assert text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        assert_greedy_matches_hf(tok, ref, prompts, texts, 12)
 
         decode = dict(cluster.procs)["decode-0"]
         (rank1,) = psutil.Process(decode.pid).children()
@@ -94,12 +99,7 @@ def test_mixed_layouts_transfer_exactly_under_preemption_and_partial_prefix_hits
         before = metric_totals(cluster)
         with cf.ThreadPoolExecutor(16) as pool:
             texts = list(pool.map(run, prompts))
-        for prompt, text in zip(prompts, texts):
-            ids = torch.tensor([tok.encode(prompt)])
-            with torch.no_grad():
-                out = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
-                                   pad_token_id=2)
-            assert text == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True), prompt
+        assert_greedy_matches_hf(tok, ref, prompts, texts, 64)
         assert wait_metric_increase(cluster, "pdserve:kv_transfers_total", before, 2) >= 2
         after = metric_totals(cluster)
         assert after.get("pdserve:kv_transfer_failures_total", 0) == before.get("pdserve:kv_transfer_failures_total", 0)
