@@ -52,3 +52,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to exactly ``host:port`` (the first address ``host`` resolves to that binds), listening.
+
+    SO_REUSEADDR as torch's own store socket sets, so a restarted driver can take the port
+    back while old connections sit in TIME_WAIT.
+
+    Raises:
+        OSError: ``host`` does not resolve, or none of its addresses is on this machine or the port is taken.
+    """
+    error: OSError | None = None
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(socket.SOMAXCONN)
+            return sock
+        except OSError as e:
+            sock.close()
+            error = e
+    raise OSError(f"cannot listen on {host}:{port}: {error}") from error

@@ -18,6 +18,10 @@ pipeline bubble, measured in docs/benchmarks.md.
 Backends: gloo on CPU, NCCL for CUDA tensors (the control broadcast always
 uses a gloo group). Every group has a timeout, so a dead rank makes the others
 fail (and exit) instead of hanging in a collective.
+
+Rendezvous: the driver's TCPStore listens on exactly ``master_addr:master_port``
+(a socket bound here and handed to torch), never on all interfaces as torch's
+own ``tcp://`` init would; the other ranks connect to it as clients.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.common.protocol import ExecuteModel
+from pdserve.common.utils import listen_socket
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +79,8 @@ class RendezvousConfig:
 
     Args:
         rank: this process's global rank in the worker (0 = the driver).
-        master_addr, master_port: the driver's TCPStore (torch's MASTER_ADDR / MASTER_PORT).
+        master_addr, master_port: the driver's TCPStore (torch's MASTER_ADDR / MASTER_PORT); the driver
+            listens on exactly this address, so it must be one of the driver's own.
         timeout_s: every collective and point-to-point wait of the group gives up after this.
     """
 
@@ -127,8 +133,13 @@ class RankGroup:
     Creates the worker's default process group (``init_process_group``) and one TP
     group per stage. ``device`` picks the backend (gloo for CPU, nccl for CUDA).
 
+    The rendezvous is a TCPStore: on the driver (rank 0) it listens on a socket bound to
+    exactly ``rendezvous.master_addr:master_port`` (``listen_socket``), never on all
+    interfaces; every other rank connects to that address as a client.
+
     Raises:
-        RuntimeError / DistBackendError: the rendezvous did not complete within the timeout.
+        OSError: the driver cannot bind ``master_addr:master_port`` (not an address of this machine, or taken).
+        RuntimeError / DistBackendError / DistStoreError: the rendezvous did not complete within the timeout.
     """
 
     def __init__(self, parallel: ParallelConfig, rendezvous: RendezvousConfig, device: torch.device):
@@ -142,8 +153,15 @@ class RankGroup:
         if "GLOO_SOCKET_IFNAME" not in os.environ and (ifname := interface_towards(rendezvous.master_addr)):
             os.environ["GLOO_SOCKET_IFNAME"] = ifname  # ranks on several hosts: bind where the peers are
             logger.info("rank %d: gloo binds interface %s (towards %s)", self.rank, ifname, rendezvous.master_addr)
-        dist.init_process_group(backend, init_method=f"tcp://{rendezvous.master_addr}:{rendezvous.master_port}",
-                                rank=self.rank, world_size=self.world_size, timeout=self.timeout)
+        self._listener: socket.socket | None = None
+        self._store: dist.TCPStore | None = None
+        try:
+            self._store = self._rendezvous_store(rendezvous)
+            dist.init_process_group(backend, store=self._store, rank=self.rank, world_size=self.world_size,
+                                    timeout=self.timeout)
+        except BaseException:
+            self._close_store()
+            raise
         self.cpu_group = dist.new_group(backend="gloo", timeout=self.timeout) if backend != "gloo" else None
         self.tp_group = None
         tp = parallel.tensor_parallel_size
@@ -154,6 +172,30 @@ class RankGroup:
                 self.tp_group = group
         logger.info("rank %d of %d joined (pp_rank %d, tp_rank %d, %s)", self.rank, self.world_size, self.pp_rank,
                     self.tp_rank, backend)
+
+    def _rendezvous_store(self, rendezvous: RendezvousConfig) -> dist.TCPStore:
+        """The group's TCPStore: served from ``master_addr:master_port`` by the driver, a client elsewhere.
+
+        The driver's store gets a duplicate of the bound socket's fd (torch closes the fd it is
+        given when the store goes); ``self._listener`` keeps the original, closed by ``close``.
+        Returns once every rank has joined (the driver waits for all, the others for the driver).
+        """
+        use_libuv = os.environ.get("USE_LIBUV", "1") == "1"  # as torch's tcp:// init method decides
+        if not self.is_driver:
+            return dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, self.world_size, is_master=False,
+                                 timeout=self.timeout, use_libuv=use_libuv)
+        self._listener = listen_socket(rendezvous.master_addr, rendezvous.master_port)
+        logger.info("rank 0: rendezvous store listens on %s", self._listener.getsockname()[:2])
+        return dist.TCPStore(rendezvous.master_addr, rendezvous.master_port, self.world_size, is_master=True,
+                             timeout=self.timeout, multi_tenant=True, master_listen_fd=os.dup(self._listener.fileno()),
+                             use_libuv=use_libuv)
+
+    def _close_store(self) -> None:
+        """Drop the store (torch closes its copy of the listening fd), then close the bound socket."""
+        self._store = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     @property
     def is_driver(self) -> bool:
@@ -219,5 +261,13 @@ class RankGroup:
         return int(t.item())
 
     def close(self) -> None:
+        """Leave the group and let go of its groups and store.
+
+        On the driver the store stops listening on ``master_addr:master_port`` once nothing else
+        holds a group (a model built with ``tp_group`` does, until it is freed): torch keeps the
+        store, and its copy of the listening fd, alive as long as any group that uses it.
+        """
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.tp_group = self.cpu_group = None
+        self._close_store()

@@ -19,6 +19,7 @@ operation to fail, still learns about it (``peer_closed``).
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import pdserve.kvtransfer.wire as wire
+from pdserve.common.utils import listen_socket
 from pdserve.kvtransfer.wire import KVTransferError
 
 if TYPE_CHECKING:
@@ -97,15 +99,21 @@ class PairStoreServer:
     """The decode worker's TCPStore server for all its pairs.
 
     ``host`` is the address prefill workers connect to (advertised in
-    ``RegisterWorker.transfer_host``); ``port`` 0 picks a free port, read back
-    from ``.port``.
+    ``RegisterWorker.transfer_host``), and the only one the server listens on
+    (a socket bound here and handed to torch, never all interfaces); ``port`` 0
+    picks a free port, read back from ``.port``.
+
+    Raises:
+        OSError: ``host:port`` cannot be bound (not an address of this machine, or taken).
     """
 
     def __init__(self, host: str, port: int = 0):
         self.host = host
+        self._listener = listen_socket(host, port)
+        self.port: int = self._listener.getsockname()[1]
         self.store: dist.TCPStore | None = dist.TCPStore(
-            host, port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
-        self.port: int = self.store.port
+            host, self.port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False,
+            master_listen_fd=os.dup(self._listener.fileno()))
 
     @property
     def local_host(self) -> str:
@@ -114,6 +122,7 @@ class PairStoreServer:
 
     def close(self) -> None:
         self.store = None
+        self._listener.close()
 
 
 class KVPair:
