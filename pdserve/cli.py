@@ -6,6 +6,7 @@
     pdserve prefill --model DIR --router tcp://HOST:Z
     pdserve decode  --model DIR --router tcp://HOST:Z [--tensor-parallel-size T] [--pipeline-parallel-size P]
     pdserve rank    --model DIR --rank R --master-addr H --master-port M ...   (one rank of a T x P worker)
+    pdserve scale   [--router http://HOST:PORT] [--prefill N] [--decode M] [--wait]   (pools of a running cluster)
     pdserve tiny-model OUT_DIR [--preset tiny|bench]
 
 ``up`` runs a whole local cluster; the others start one part alone, which is
@@ -25,6 +26,7 @@ def _setup_logging(level: str) -> None:
 
 
 def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
+    from pdserve.common.auth import API_KEY_ENV, from_env
     from pdserve.models.tiny_model import ensure_default_model
     from pdserve.launcher import ClusterSpec, run_cluster
 
@@ -39,13 +41,12 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             return 2
         num_prefill = 0
     router_args, worker_args = [], list(extra)
-    if args.api_key:
-        router_args += ["--api-key", args.api_key]
     if args.cluster_secret:
         router_args += ["--cluster-secret", args.cluster_secret]
         worker_args += ["--cluster-secret", args.cluster_secret]
     spec = ClusterSpec(model=model, num_prefill=num_prefill, num_decode=args.num_decode, host=args.host,
                        port=args.port, zmq_port=args.zmq_port, worker_args=worker_args, router_args=router_args,
+                       api_key=from_env(args.api_key, API_KEY_ENV),
                        threads_per_worker=args.threads_per_worker, **pool_parallel_sizes(args))
     if args.ray:
         from pdserve.launcher import serve_until_stopped
@@ -95,6 +96,20 @@ def _cmd_worker(role: str, args: argparse.Namespace) -> int:
     else:
         from pdserve.decode_worker.worker import DecodeWorker as Worker
     Worker(engine_config, worker_config).run()
+    return 0
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    from pdserve.common.auth import API_KEY_ENV, from_env
+    from pdserve.scale import print_pools, scale_pools
+
+    try:
+        pools = scale_pools(args.router, prefill=args.prefill, decode=args.decode,
+                            api_key=from_env(args.api_key, API_KEY_ENV), wait=args.wait, timeout_s=args.timeout)
+    except (OSError, RuntimeError, TimeoutError) as e:
+        print(f"pdserve scale: {e}", file=sys.stderr)
+        return 1
+    print_pools(pools)
     return 0
 
 
@@ -155,6 +170,17 @@ def build_parser() -> argparse.ArgumentParser:
         EngineConfig.add_cli_args(p)
         WorkerConfig.add_cli_args(p)
 
+    scale = sub.add_parser("scale", help="grow or shrink the pools of a running cluster",
+                           description="Sets each pool's target size at the router. A shrinking pool's surplus "
+                                       "workers are drained (no request fails); pdserve up / up --ray start "
+                                       "workers for a growing one. Without --prefill/--decode: list the pools.")
+    scale.add_argument("--router", default="http://127.0.0.1:8000", help="the router's HTTP address")
+    scale.add_argument("--prefill", type=int, default=None, help="target number of prefill workers")
+    scale.add_argument("--decode", type=int, default=None, help="target number of decode workers")
+    scale.add_argument("--api-key", default=None, help="the router's API key (or set $PDSERVE_API_KEY)")
+    scale.add_argument("--wait", action="store_true", help="wait until every pool serves exactly its target")
+    scale.add_argument("--timeout", type=float, default=300.0, help="with --wait: give up after this many seconds")
+
     tiny = sub.add_parser("tiny-model", help="write a deterministic random-weight Llama checkpoint")
     tiny.add_argument("out_dir")
     tiny.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
@@ -176,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_worker(args.command, args)
     if args.command == "rank":
         return _cmd_rank(args)
+    if args.command == "scale":
+        return _cmd_scale(args)
     return _cmd_tiny_model(args)
 
 

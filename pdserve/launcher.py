@@ -2,8 +2,9 @@
 
 Starts the router, ``num_prefill`` prefill workers and ``num_decode`` decode
 workers (each ``python -m pdserve <role> ...``), waits until the router reports
-every worker live, prints the URL, and on Ctrl-C / SIGTERM (or any child
-exiting) stops all of them, by pid.
+every worker live, prints the URL, starts workers when ``pdserve scale`` grows
+a pool, and on Ctrl-C / SIGTERM (or a process failing) stops all of them, by
+pid.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ class ClusterSpec:
         host, port: the router's HTTP address; zmq_port: the router's ZMQ port (None = free port).
         worker_args: extra CLI args for every worker (engine flags such as --kv-cache-memory).
         router_args: extra CLI args for the router.
+        api_key: the router's ``--api-key`` (the launcher uses it to read ``/admin/pools``).
         prefill_args, decode_args: extra CLI args for the workers of one pool only (after worker_args).
         threads_per_worker: torch CPU threads per worker rank (None: cores / ranks, at least 1).
         prefill_tensor_parallel_size, prefill_pipeline_parallel_size, decode_tensor_parallel_size,
@@ -48,6 +51,7 @@ class ClusterSpec:
     zmq_port: int | None = None
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
+    api_key: str | None = None
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
     threads_per_worker: int | None = None
@@ -71,6 +75,9 @@ class ClusterSpec:
         return ["--tensor-parallel-size", str(getattr(self, f"{role}_tensor_parallel_size")),
                 "--pipeline-parallel-size", str(getattr(self, f"{role}_pipeline_parallel_size"))]
 
+    def router_auth_args(self) -> list[str]:
+        return ["--api-key", self.api_key] if self.api_key else []
+
     @property
     def num_ranks(self) -> int:
         """Processes all workers run together (for sharing the cores)."""
@@ -78,28 +85,154 @@ class ClusterSpec:
                 + self.num_decode * self.decode_tensor_parallel_size * self.decode_pipeline_parallel_size)
 
 
-class ClusterLauncher:
-    """What every launcher shares: waiting until the router reports every pool live, and ``with``.
+@dataclass
+class LaunchedWorker:
+    """A worker a launcher started: its name (= ``--worker-id``), pool, and the launcher's handle on it."""
 
-    Subclasses set ``spec`` and provide ``url``, ``start()``, ``stop()`` and ``dead()`` (the processes
-    that exited, as ``"name (exit code)"``).
+    name: str
+    role: str
+    handle: object  # LocalCluster: the driver's Popen; RayCluster: its actors and placement group
+    seen_registered: bool = False  # the router has listed it at least once
+
+
+class ClusterLauncher:
+    """What every launcher shares: the worker bookkeeping, pool reconciliation, health wait, ``with``.
+
+    Subclasses set ``spec`` and call ``ClusterLauncher.__init__``; they provide ``url``,
+    ``_start_router()``, ``_start_worker(role, name) -> handle``, ``_router_exit_code()``,
+    ``_worker_exit_code(handle)``, ``_remove_worker(handle)`` and ``stop()``.
+
+    Pools change while serving (``pdserve scale``, ``POST /admin/scale``): the router keeps each
+    pool's target size and drains the surplus itself; ``reconcile()`` reads ``/admin/pools`` and
+    starts workers while a pool is below its target. A worker that exits with code 0 (drained, or
+    stopped by SIGINT) has left the cluster and is forgotten; any other exit is fatal.
+    ``serve_until_stopped`` runs ``supervise_once`` in its loop; used as a context manager, a
+    launcher runs it on a background thread (fatal exits are then kept in ``fatal``).
     """
 
     spec: ClusterSpec
     ready_timeout_s: float = 300.0
 
+    def __init__(self, spec: ClusterSpec, ready_timeout_s: float = 300.0):
+        self.spec = spec
+        self.ready_timeout_s = ready_timeout_s
+        self.workers: dict[str, LaunchedWorker] = {}
+        self._next_index = {"prefill": 0, "decode": 0}
+        self._lock = threading.RLock()  # the worker table: the supervisor thread and callers share it
+        self.fatal: list[str] = []
+        self._supervisor: threading.Thread | None = None
+        self._supervisor_stop = threading.Event()
+
     @property
     def url(self) -> str:
         raise NotImplementedError
 
-    def start(self) -> None:
+    def _start_router(self) -> None:
         raise NotImplementedError
+
+    def _start_worker(self, role: str, name: str) -> object:
+        raise NotImplementedError
+
+    def _router_exit_code(self) -> int | None:
+        raise NotImplementedError
+
+    def _worker_exit_code(self, handle) -> int | None:
+        raise NotImplementedError
+
+    def _remove_worker(self, handle) -> None:
+        """Release what the launcher holds for a worker that exited (Ray: actors, placement group)."""
 
     def stop(self) -> None:
         raise NotImplementedError
 
+    # ---- workers ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the router, then ``num_prefill`` prefill and ``num_decode`` decode workers."""
+        self._start_router()
+        for role, count in (("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode)):
+            for _ in range(count):
+                self.add_worker(role)
+
+    def add_worker(self, role: str) -> str:
+        """Start one more worker of ``role`` (named ``role-K``, K never reused); returns its name."""
+        with self._lock:
+            name = f"{role}-{self._next_index[role]}"
+            self._next_index[role] += 1
+            self.workers[name] = LaunchedWorker(name, role, self._start_worker(role, name))
+            return name
+
     def dead(self) -> list[str]:
-        raise NotImplementedError
+        """Every process that exited, as ``"name (exit code)"`` (start-up treats any as fatal)."""
+        out = []
+        if (code := self._router_exit_code()) is not None:
+            out.append(f"router (exit {code})")
+        for w in self.workers.values():
+            if (code := self._worker_exit_code(w.handle)) is not None:
+                out.append(f"{w.name} (exit {code})")
+        return out
+
+    def check(self) -> list[str]:
+        """While serving: forget workers that left cleanly (exit 0); return the fatal exits."""
+        fatal = []
+        if (code := self._router_exit_code()) is not None:
+            fatal.append(f"router (exit {code})")
+        with self._lock:
+            workers = list(self.workers.items())
+        for name, w in workers:
+            code = self._worker_exit_code(w.handle)
+            if code is None:
+                continue
+            if code == 0:
+                logger.info("worker %s left the cluster", name)
+                print(f"pdserve: {name} left the cluster", flush=True)
+                self._remove_worker(w.handle)
+                with self._lock:
+                    self.workers.pop(name, None)
+            else:
+                fatal.append(f"{name} (exit {code})")
+        return fatal
+
+    def router_get(self, path: str) -> dict:
+        """GET ``path`` from the router (with the API key), as JSON. Raises OSError on failure."""
+        headers = {"Authorization": f"Bearer {self.spec.api_key}"} if self.spec.api_key else {}
+        with urllib.request.urlopen(urllib.request.Request(f"{self.url}{path}", headers=headers), timeout=5) as r:
+            return json.load(r)
+
+    def reconcile(self) -> list[str]:
+        """Start workers for every pool below its target (``/admin/pools``); returns the names started.
+
+        A pool counts its serving workers plus those this launcher started that have not registered
+        yet; draining workers do not count (they are leaving).
+        """
+        try:
+            pools = self.router_get("/admin/pools")
+        except (OSError, ValueError) as e:
+            logger.debug("reading the router's pools failed: %s", e)
+            return []
+        with self._lock:
+            return self._start_missing(pools)
+
+    def _start_missing(self, pools: dict) -> list[str]:
+        started = []
+        for role in ("prefill", "decode"):
+            pool = pools.get(role) or {}
+            registered = {w["id"]: w for w in pool.get("workers", [])}
+            for name in registered:
+                if name in self.workers:
+                    self.workers[name].seen_registered = True
+            desired = pool.get("desired")
+            if desired is None:
+                continue
+            serving = sum(1 for w in registered.values() if w.get("state") != "draining")
+            starting = sum(1 for w in self.workers.values()
+                           if w.role == role and not w.seen_registered and w.name not in registered)
+            for _ in range(desired - serving - starting):
+                name = self.add_worker(role)
+                logger.info("pool %s below its target %d: started %s", role, desired, name)
+                print(f"pdserve: started {name} (the {role} pool's target is {desired})", flush=True)
+                started.append(name)
+        return started
 
     def wait_healthy(self, should_stop=lambda: False) -> bool:
         """Block until /health reports every worker live; False if ``should_stop()`` became true first.
@@ -124,6 +257,22 @@ class ClusterLauncher:
             time.sleep(0.25)
         raise RuntimeError(f"cluster not healthy after {self.ready_timeout_s:.0f} s")
 
+    def supervise_once(self) -> list[str]:
+        """One supervision round: forget workers that left, start what the pools lack; the fatal exits."""
+        fatal = self.check()
+        self.reconcile()
+        return fatal
+
+    def _supervise(self, interval_s: float = 0.5) -> None:
+        while not self._supervisor_stop.wait(interval_s):
+            try:
+                if fatal := self.supervise_once():
+                    logger.error("cluster process exited: %s", ", ".join(fatal))
+                    self.fatal = fatal
+                    return
+            except Exception:  # noqa: BLE001  keep supervising; Ray or the router may be briefly unreachable
+                logger.exception("supervising the cluster failed")
+
     def __enter__(self):
         self.start()
         try:
@@ -131,57 +280,70 @@ class ClusterLauncher:
         except BaseException:
             self.stop()
             raise
+        self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
+        self._supervisor.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._supervisor_stop.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=30)
         self.stop()
 
 
 class LocalCluster(ClusterLauncher):
-    """Start, wait for, and stop the processes of a ``ClusterSpec``."""
+    """Start, wait for, and stop the processes of a ``ClusterSpec`` on this machine."""
 
     def __init__(self, spec: ClusterSpec, log_dir: str | None = None):
-        self.spec = spec
+        super().__init__(spec)
         self.zmq_port = spec.zmq_port or free_port(spec.host)
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.router_proc: subprocess.Popen | None = None
         self.log_dir = log_dir
 
     @property
     def url(self) -> str:
         return f"http://{self.spec.host}:{self.spec.port}"
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen]]:
+        """Every process started and not forgotten, router first."""
+        router = [("router", self.router_proc)] if self.router_proc is not None else []
+        return router + [(w.name, w.handle) for w in self.workers.values()]
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "pdserve", *args]
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
-        self.procs.append((name, proc))
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
 
-    def start(self) -> None:
+    def _start_router(self) -> None:
+        s = self.spec
+        self.router_proc = self._spawn("router", ["router", "--model", s.model, "--host", s.host, "--port",
+                                                  str(s.port), "--zmq-port", str(self.zmq_port),
+                                                  *s.router_auth_args(), *s.router_args])
+
+    def _start_worker(self, role: str, name: str) -> subprocess.Popen:
         s = self.spec
         threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.num_ranks)
-        router_zmq = f"tcp://{s.host}:{self.zmq_port}"
-        self._spawn("router", ["router", "--model", s.model, "--host", s.host, "--port", str(s.port),
-                               "--zmq-port", str(self.zmq_port), *s.router_args])
-        common = ["--model", s.model, "--router", router_zmq, "--host", s.host, "--num-threads", str(threads),
-                  *s.worker_args]
-        for i in range(s.num_prefill):
-            self._spawn(f"prefill-{i}", ["prefill", "--worker-id", f"prefill-{i}", *common,
-                                         *s.parallel_args("prefill"), *s.prefill_args])
-        for i in range(s.num_decode):
-            self._spawn(f"decode-{i}", ["decode", "--worker-id", f"decode-{i}", *common,
-                                        *s.parallel_args("decode"), *s.decode_args])
+        return self._spawn(name, [role, "--worker-id", name, "--model", s.model, "--router",
+                                  f"tcp://{s.host}:{self.zmq_port}", "--host", s.host, "--num-threads",
+                                  str(threads), *s.worker_args, *s.parallel_args(role),
+                                  *(s.prefill_args if role == "prefill" else s.decode_args)])
 
-    def dead(self) -> list[str]:
-        return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]
+    def _router_exit_code(self) -> int | None:
+        return None if self.router_proc is None else self.router_proc.poll()
+
+    def _worker_exit_code(self, handle: subprocess.Popen) -> int | None:
+        return handle.poll()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM every process, then SIGKILL what is left after ``timeout_s``."""
-        for _, proc in self.procs:
+        """SIGINT every worker (exit now, no drain) and SIGTERM the router; SIGKILL what is left after
+        ``timeout_s``."""
+        for name, proc in self.procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM if name == "router" else signal.SIGINT)
         deadline = time.monotonic() + timeout_s
         for _, proc in self.procs:
             try:
@@ -198,7 +360,9 @@ def run_cluster(spec: ClusterSpec) -> int:
 
 def serve_until_stopped(cluster) -> int:
     """Start ``cluster`` (a ``LocalCluster`` or ``RayCluster``), wait until every worker is live, and
-    serve until Ctrl-C/SIGTERM or one of its processes exits; then stop everything. Returns an exit code.
+    serve until Ctrl-C/SIGTERM or one of its processes fails (a worker that exits 0 has left the cluster:
+    drained or scaled away); meanwhile start workers while a pool is below the target ``pdserve scale`` set.
+    Then stop everything. Returns an exit code.
 
     A cluster with a ``connect()`` (Ray) is connected first: Ray installs signal handlers of its own
     when it connects, and ours must come after.
@@ -221,8 +385,8 @@ def serve_until_stopped(cluster) -> int:
         print(f"pdserve is up: {cluster.url}/v1  (model {spec.model}; "
               f"{spec.num_prefill} prefill, {spec.num_decode} decode). Ctrl-C stops it.", flush=True)
         while not stopping:
-            if dead := cluster.dead():
-                print(f"pdserve: process exited: {', '.join(dead)}; stopping", file=sys.stderr)
+            if fatal := cluster.supervise_once():
+                print(f"pdserve: process exited: {', '.join(fatal)}; stopping", file=sys.stderr)
                 return 1
             time.sleep(0.5)
         return 0

@@ -12,7 +12,9 @@ nodes. ``--prefill-resources`` / ``--decode-resources`` add a custom resource
 node type. Rendezvous addresses (the router's ZMQ port, each worker's
 ``--master-addr``/``--master-port``) come from the actors' node IPs, asked of
 Ray, never hard-coded. Ctrl-C or SIGTERM stops every process, kills the actors
-and removes the placement groups.
+and removes the placement groups. Pools grow and shrink as for ``pdserve up``
+(``ClusterLauncher.reconcile``): a new worker gets its own placement group, and
+a drained one's actors and group are removed once its driver exits.
 """
 
 from __future__ import annotations
@@ -50,10 +52,11 @@ class PdserveProcess:
     def poll(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
-    def stop(self, timeout_s: float = 10.0) -> int | None:
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 10.0) -> int | None:
+        """Signal the process (SIGINT: workers exit at once; SIGTERM would drain them), wait, then kill."""
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(signal.SIGTERM)
+        self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -79,13 +82,12 @@ class RayCluster(ClusterLauncher):
 
     def __init__(self, spec: ClusterSpec, address: str | None = None, prefill_resources: dict | None = None,
                  decode_resources: dict | None = None, ready_timeout_s: float = 300.0):
-        self.spec = spec
+        super().__init__(spec, ready_timeout_s)
         self.address = address
         self.resources = {"prefill": prefill_resources or {}, "decode": decode_resources or {}}
-        self.ready_timeout_s = ready_timeout_s
         self.router = None
         self.router_url: str | None = None
-        self.workers: list[_Worker] = []
+        self.router_zmq: str | None = None
         self._started_ray = False
 
     @property
@@ -101,71 +103,91 @@ class RayCluster(ClusterLauncher):
             ray.init(address=self.address, logging_level=logging.WARNING)
             self._started_ray = self.address is None
 
-    def start(self) -> None:
+    def _actor_class(self):
+        import ray
+
+        return ray.remote(PdserveProcess)
+
+    def _start_router(self) -> None:
+        import ray
+
+        self.connect()
+        s = self.spec
+        self.router = self._actor_class().options(num_cpus=0, name="pdserve-router").remote()
+        router_ip = ray.get(self.router.node_ip.remote())
+        zmq_port = ray.get(self.router.free_port.remote())
+        ray.get(self.router.start.remote(["router", "--model", s.model, "--host", router_ip, "--port", str(s.port),
+                                          "--zmq-port", str(zmq_port), *s.router_auth_args(), *s.router_args]))
+        self.router_url = f"http://{router_ip}:{s.port}"
+        self.router_zmq = f"tcp://{router_ip}:{zmq_port}"
+        logger.info("pdserve on Ray: router at %s", self.router_url)
+
+    def _start_worker(self, role: str, name: str) -> _Worker:
+        """One placement group (a bundle per rank) and one actor per rank, each running its rank."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.connect()
-        actor_cls = ray.remote(PdserveProcess)
         s = self.spec
-        self.router = actor_cls.options(num_cpus=0, name="pdserve-router").remote()
-        router_ip = ray.get(self.router.node_ip.remote())
-        zmq_port = ray.get(self.router.free_port.remote())
-        ray.get(self.router.start.remote(["router", "--model", s.model, "--host", router_ip, "--port", str(s.port),
-                                          "--zmq-port", str(zmq_port), *s.router_args]))
-        self.router_url = f"http://{router_ip}:{s.port}"
-        router_zmq = f"tcp://{router_ip}:{zmq_port}"
         threads = s.threads_per_worker or 1
-        for role, count in (("prefill", s.num_prefill), ("decode", s.num_decode)):
-            tp = getattr(s, f"{role}_tensor_parallel_size")
-            pp = getattr(s, f"{role}_pipeline_parallel_size")
-            for i in range(count):
-                name = f"{role}-{i}"
-                bundle = {"CPU": threads, **self.resources[role]}
-                pg = placement_group([dict(bundle) for _ in range(tp * pp)],
-                                     strategy="STRICT_PACK" if pp == 1 else "PACK", name=f"pdserve-{name}")
-                ray.get(pg.ready(), timeout=self.ready_timeout_s)
-                worker = _Worker(name, pg)
-                self.workers.append(worker)
-                for rank in range(tp * pp):
-                    worker.actors.append(actor_cls.options(
-                        num_cpus=threads, resources=self.resources[role], name=f"pdserve-{name}-rank{rank}",
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            placement_group=pg, placement_group_bundle_index=rank)).remote())
-                ips = ray.get([a.node_ip.remote() for a in worker.actors])
-                master_port = ray.get(worker.actors[0].free_port.remote())
-                common = [role, "--model", s.model, "--router", router_zmq, "--num-threads", str(threads),
-                          "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
-                          "--master-addr", ips[0], "--master-port", str(master_port), *s.worker_args,
-                          *(s.prefill_args if role == "prefill" else s.decode_args)]
-                for rank, (actor, ip) in enumerate(zip(worker.actors, ips)):
-                    extra = ["--worker-id", name] if rank == 0 else []
-                    ray.get(actor.start.remote([*common, "--host", ip, "--rank", str(rank), *extra]))
-        logger.info("pdserve on Ray: router at %s, %d workers placed", self.router_url, len(self.workers))
+        tp = getattr(s, f"{role}_tensor_parallel_size")
+        pp = getattr(s, f"{role}_pipeline_parallel_size")
+        bundle = {"CPU": threads, **self.resources[role]}
+        pg = placement_group([dict(bundle) for _ in range(tp * pp)],
+                             strategy="STRICT_PACK" if pp == 1 else "PACK", name=f"pdserve-{name}")
+        ray.get(pg.ready(), timeout=self.ready_timeout_s)
+        worker = _Worker(name, pg)
+        actor_cls = self._actor_class()
+        for rank in range(tp * pp):
+            worker.actors.append(actor_cls.options(
+                num_cpus=threads, resources=self.resources[role], name=f"pdserve-{name}-rank{rank}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=rank)).remote())
+        ips = ray.get([a.node_ip.remote() for a in worker.actors])
+        master_port = ray.get(worker.actors[0].free_port.remote())
+        common = [role, "--model", s.model, "--router", self.router_zmq, "--num-threads", str(threads),
+                  "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+                  "--master-addr", ips[0], "--master-port", str(master_port), *s.worker_args,
+                  *(s.prefill_args if role == "prefill" else s.decode_args)]
+        for rank, (actor, ip) in enumerate(zip(worker.actors, ips)):
+            extra = ["--worker-id", name] if rank == 0 else []
+            ray.get(actor.start.remote([*common, "--host", ip, "--rank", str(rank), *extra]))
+        logger.info("pdserve on Ray: %s placed (%d ranks on %s)", name, tp * pp, ", ".join(sorted(set(ips))))
+        return worker
 
-    def dead(self) -> list[str]:
-        """Processes that exited, as ``name (exit code)``."""
+    def _router_exit_code(self) -> int | None:
         import ray
 
-        actors = [("router", self.router)] + [(f"{w.name}-rank{r}", a) for w in self.workers
-                                              for r, a in enumerate(w.actors)]
-        codes = ray.get([a.poll.remote() for _, a in actors])
-        return [f"{name} (exit {code})" for (name, _), code in zip(actors, codes) if code is not None]
+        return None if self.router is None else ray.get(self.router.poll.remote())
+
+    def _worker_exit_code(self, worker: _Worker) -> int | None:
+        """The driver's exit code once it exited; else the first non-driver rank's that failed."""
+        import ray
+
+        codes = ray.get([a.poll.remote() for a in worker.actors])
+        if codes[0] is not None:
+            return codes[0]
+        return next((c for c in codes[1:] if c not in (None, 0)), None)
+
+    def _remove_worker(self, worker: _Worker) -> None:
+        """Stop what is left of a worker's ranks, kill its actors, remove its placement group."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        ray.get([a.stop.remote() for a in reversed(worker.actors)])
+        for actor in worker.actors:
+            ray.kill(actor)
+        remove_placement_group(worker.placement_group)
 
     def stop(self) -> None:
         """Stop every process (workers first), kill the actors, remove the placement groups."""
         import ray
-        from ray.util.placement_group import remove_placement_group
 
-        for worker in reversed(self.workers):
-            ray.get([a.stop.remote() for a in reversed(worker.actors)])
-            for actor in worker.actors:
-                ray.kill(actor)
-            remove_placement_group(worker.placement_group)
-        self.workers = []
+        for worker in reversed(list(self.workers.values())):
+            self._remove_worker(worker.handle)
+        self.workers = {}
         if self.router is not None:
-            ray.get(self.router.stop.remote())
+            ray.get(self.router.stop.remote(signal.SIGTERM))
             ray.kill(self.router)
             self.router = None
         if self._started_ray:

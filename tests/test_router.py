@@ -16,9 +16,9 @@ import zmq
 from fastapi.testclient import TestClient
 from transformers import AutoTokenizer
 
-from pdserve.common.protocol import (AbortRequest, ErrorKind, FinishReason, GenerateRequest, Heartbeat,
+from pdserve.common.protocol import (AbortRequest, DrainWorker, ErrorKind, FinishReason, GenerateRequest, Heartbeat,
                                      RegisterWorker, RequestDelta, RequestOutputs, TokenLogprob,
-                                     WorkerRole, WorkerStats)
+                                     WorkerDraining, WorkerExiting, WorkerRole, WorkerStats)
 from pdserve.common.auth import registration_token
 from pdserve.common.transport import bind_pull, decode, encode
 from pdserve.common.validation import num_blocks_needed
@@ -216,6 +216,7 @@ class FakeDecodeWorker:
         self.stats = WorkerStats()
         self.num_waiting, self.num_free_blocks = 0, num_blocks
         self.received: list = []
+        self.outbox: list = []  # messages for the worker's thread to send (sockets stay on one thread)
         self.aborted: dict[str, float] = {}  # request_id -> time the AbortRequest arrived
         self.finished_at: dict[tuple[str, int], float] = {}  # (request_id, index) -> time
         self._stop = threading.Event()
@@ -265,6 +266,8 @@ class FakeDecodeWorker:
             if self.heartbeating and now >= next_beat:
                 self._heartbeat(len(pending))
                 next_beat = now + 0.1
+            while self.outbox:
+                self._send(self.outbox.pop(0))
             while self.pull.poll(0):
                 msg = decode(self.pull.recv_multipart())
                 self.received.append(msg)
@@ -312,7 +315,7 @@ def wait_for(pred, timeout_s=5.0):
 
 @pytest.fixture
 def router(model_dir):
-    config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=1.0)
+    config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=1.0, worker_wait_s=0)
     with TestClient(build_app(config)) as client:
         yield client
 
@@ -804,7 +807,7 @@ def test_logprob_entries_cut_at_stop_string(tok):
 # --- authentication -----------------------------------------------------------------------
 
 def test_api_key_guards_v1_and_leaves_health_and_metrics_open(model_dir):
-    config = RouterConfig(model=model_dir, zmq_port=0, api_key="sk-test-123")
+    config = RouterConfig(model=model_dir, zmq_port=0, api_key="sk-test-123", worker_wait_s=0)
     with TestClient(build_app(config)) as client:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test-123"}):
             err = error_of(client.get("/v1/models", headers=headers), 401)
@@ -852,3 +855,118 @@ def test_workers_must_know_the_cluster_secret_to_join(model_dir):
         finally:
             for w in strangers + ([member] if member else []):
                 w.close()
+
+
+# --- pools: waiting for a worker, scaling, draining -------------------------------------------
+
+def test_request_waits_for_a_decode_worker_to_register(model_dir, tok):
+    config = RouterConfig(model=model_dir, zmq_port=0, worker_wait_s=10)
+    with TestClient(build_app(config)) as client:
+        addr = client.get("/info").json()["zmq_address"]
+        workers = []
+
+        def join():
+            workers.append(FakeDecodeWorker(addr))
+            workers[0].script = tok.encode(" one two")
+
+        timer = threading.Timer(0.5, join)
+        timer.start()
+        try:
+            started = time.monotonic()
+            resp = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+            assert time.monotonic() - started >= 0.4  # it did wait for the worker
+        finally:
+            timer.join()
+            for w in workers:
+                w.close()
+
+
+def _drains(worker) -> list[DrainWorker]:
+    return [m for m in worker.received if isinstance(m, DrainWorker)]
+
+
+def test_scale_down_drains_the_idle_surplus_and_routes_nothing_new_to_it(router, tok):
+    addr = router.get("/info").json()["zmq_address"]
+    pair = [FakeDecodeWorker(addr, worker_id="w-d0"), FakeDecodeWorker(addr, worker_id="w-d1")]
+    try:
+        wait_for(lambda: router.get("/health").json()["num_decode"] == 2)
+        for w in pair:
+            w.script, w.delay_s = tok.encode(" one two three four five six"), 0.3
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(resp=router.post(
+            "/v1/completions", json={**COMPLETION, "max_tokens": 6})))
+        thread.start()
+        wait_for(lambda: any(w.requests() for w in pair))
+        # the surplus is the worker holding the fewest requests: the one without it
+        busy, idle = pair if pair[0].requests() else pair[::-1]
+        resp = router.post("/admin/scale", json={"decode": 1})
+        assert resp.status_code == 200 and resp.json()["draining"] == [idle.worker_id]
+        pools = router.get("/admin/pools").json()["decode"]
+        assert (pools["desired"], pools["num_serving"], pools["num_draining"]) == (1, 1, 1)
+        wait_for(lambda: _drains(idle))
+        assert not _drains(busy)
+        idle.delay_s = busy.delay_s = 0.0
+        for _ in range(3):  # nothing new goes to the draining worker
+            assert router.post("/v1/completions", json={**COMPLETION, "max_tokens": 1}).status_code == 200
+        assert not idle.requests() and len(busy.requests()) == 4
+        idle.outbox.append(WorkerExiting(worker_id=idle.worker_id, role=WorkerRole.DECODE, input_addr=idle.addr))
+        wait_for(lambda: [w["id"] for w in router.get("/admin/pools").json()["decode"]["workers"]] == [busy.worker_id])
+        thread.join(timeout=10)
+        assert result["resp"].status_code == 200
+    finally:
+        for w in pair:
+            w.close()
+
+
+def test_drain_waits_until_the_worker_holds_nothing(router, tok):
+    addr = router.get("/info").json()["zmq_address"]
+    worker = FakeDecodeWorker(addr, worker_id="d0")
+    try:
+        wait_for(lambda: router.get("/health").json()["num_decode"] == 1)
+        worker.script, worker.delay_s = tok.encode(" one two three four"), 0.3
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(resp=router.post(
+            "/v1/completions", json={**COMPLETION, "max_tokens": 4})))
+        thread.start()
+        wait_for(lambda: worker.requests())
+        resp = router.post("/admin/workers/d0/drain")
+        assert resp.status_code == 200 and resp.json() == {"id": "d0", "state": "draining", "num_outstanding": 1}
+        time.sleep(0.3)
+        assert not _drains(worker)  # its request still streams
+        thread.join(timeout=10)
+        assert result["resp"].status_code == 200 and result["resp"].json()["usage"]["completion_tokens"] == 4
+        wait_for(lambda: _drains(worker))
+        assert router.get("/health").json()["num_decode"] == 0  # draining: not counted as serving
+        error_of(router.post("/admin/workers/nobody/drain"), 404)
+    finally:
+        worker.close()
+
+
+def test_scale_request_is_validated(router):
+    for body in ({"decode": 0}, {"prefill": -1}, {"decode": 2, "replicas": 3}, {"decode": "many"}):
+        error_of(router.post("/admin/scale", json=body), 400)
+    assert router.post("/admin/scale", json={}).json()["draining"] == []
+
+
+def test_a_worker_shutting_down_asks_to_drain_and_strangers_cannot_remove_it(model_dir):
+    config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=2.0, cluster_secret="s3cret",
+                          api_key="sk-admin")
+    with TestClient(build_app(config)) as client:
+        assert client.get("/admin/pools").status_code == 401
+        key = {"Authorization": "Bearer sk-admin"}
+        member = _SecretWorker(client.get("/info").json()["zmq_address"], "s3cret", worker_id="member-d0")
+        try:
+            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
+            member.outbox.append(WorkerExiting(worker_id="member-d0", role=WorkerRole.DECODE,
+                                               input_addr=member.addr, auth="forged"))
+            wait_for(lambda: client.app.state.engine.num_refused_registrations >= 1)
+            assert client.get("/health").json()["num_decode"] == 1
+            member.outbox.append(WorkerDraining(worker_id="member-d0", role=WorkerRole.DECODE,
+                                                input_addr=member.addr, auth=registration_token(
+                                                    "s3cret", "member-d0", WorkerRole.DECODE, member.addr)))
+            wait_for(lambda: _drains(member))
+            pools = client.get("/admin/pools", headers=key).json()
+            assert [w["state"] for w in pools["decode"]["workers"]] == ["draining"]
+        finally:
+            member.close()

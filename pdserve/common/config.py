@@ -34,6 +34,8 @@ class WorkerConfig:
             (``pdserve.common.auth``); default ``$PDSERVE_CLUSTER_SECRET``.
         health_file: touched at every heartbeat while the step loop moves (loop stalled less than
             ``health_stall_s``), for process supervisors' probes (Kubernetes ``exec`` liveness); None: none.
+        drain_timeout_s: after SIGTERM (or the router's ``DrainWorker``), how long the worker may take
+            to finish what it holds before it fails the rest and exits. SIGINT exits at once.
     """
 
     role: str
@@ -48,6 +50,7 @@ class WorkerConfig:
     cluster_secret: str | None = None
     health_file: str | None = None
     health_stall_s: float = 300.0
+    drain_timeout_s: float = 30.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -77,6 +80,9 @@ class WorkerConfig:
                        help="touch this file at every heartbeat while the step loop moves (for liveness probes)")
         g.add_argument("--health-stall-s", type=float, default=300.0,
                        help="stop touching --health-file once the step loop has not moved for this long")
+        g.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
+                       help="SIGTERM drains: the router stops routing here and the worker finishes what it holds "
+                            "for up to this many seconds, then exits (SIGINT exits at once)")
 
     @classmethod
     def from_cli_args(cls, role: str, args: argparse.Namespace) -> "WorkerConfig":
@@ -85,4 +91,4 @@ class WorkerConfig:
                    remote_prefill_timeout_s=args.remote_prefill_timeout_s,
                    prefill_failure_policy=args.prefill_failure_policy,
                    cluster_secret=from_env(args.cluster_secret, CLUSTER_SECRET_ENV), health_file=args.health_file,
-                   health_stall_s=args.health_stall_s)
+                   health_stall_s=args.health_stall_s, drain_timeout_s=args.drain_timeout_s)

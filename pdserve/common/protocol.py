@@ -13,8 +13,9 @@ Rules (vLLM v1 engine-core style):
 
 Who sends what:
 
-    worker  -> router : RegisterWorker, Heartbeat, RequestOutputs
+    worker  -> router : RegisterWorker, Heartbeat, RequestOutputs, WorkerDraining, WorkerExiting
     router  -> decode : GenerateRequest, AbortRequest
+    router  -> worker : DrainWorker
     decode  -> prefill: RemotePrefillRequest, AbortRequest
     prefill -> decode : KVTransferHeader, RemotePrefillDone
 """
@@ -38,6 +39,9 @@ class MsgKind(enum.IntEnum):
     REMOTE_PREFILL_DONE = 7
     REQUEST_OUTPUTS = 8
     RANK_REPORT = 9
+    DRAIN_WORKER = 10
+    WORKER_DRAINING = 11
+    WORKER_EXITING = 12
 
 
 class WorkerRole(enum.IntEnum):
@@ -162,6 +166,36 @@ class Heartbeat(_Msg):
     # Seconds since the step loop last finished an iteration. Heartbeats come from an IO
     # thread, so a long step never silences them; this says whether the loop is progressing.
     loop_stall_s: float = 0.0
+    draining: bool = False  # the worker is leaving: route nothing new to it
+
+
+class DrainWorker(_Msg):
+    """Router -> worker: nothing more will be routed to you; finish what you hold, then exit.
+
+    Sent once the router holds no request that still needs the worker (for a prefill worker: no
+    request naming it is waiting for its KV), so the worker may leave as soon as it is idle.
+    """
+
+    reason: str = ""
+
+
+class WorkerDraining(_Msg):
+    """Worker -> router: I was asked to stop (SIGTERM); route nothing new to me, send ``DrainWorker``."""
+
+    worker_id: str
+    role: WorkerRole
+    input_addr: str
+    auth: str | None = None  # with a cluster secret: the worker's registration token
+
+
+class WorkerExiting(_Msg):
+    """Worker -> router: I am exiting now; drop me from the pool (without waiting for a timeout)."""
+
+    worker_id: str
+    role: WorkerRole
+    input_addr: str
+    auth: str | None = None
+    reason: str = ""
 
 
 class GenerateRequest(_Msg):
@@ -409,5 +443,8 @@ MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
     MsgKind.REMOTE_PREFILL_DONE: RemotePrefillDone,
     MsgKind.REQUEST_OUTPUTS: RequestOutputs,
     MsgKind.RANK_REPORT: RankReport,
+    MsgKind.DRAIN_WORKER: DrainWorker,
+    MsgKind.WORKER_DRAINING: WorkerDraining,
+    MsgKind.WORKER_EXITING: WorkerExiting,
 }
 KIND_OF: dict[type[msgspec.Struct], MsgKind] = {t: k for k, t in MESSAGE_TYPES.items()}

@@ -89,6 +89,7 @@ class Mailbox:
     """
 
     _POLL_MS = 100
+    _LINGER_MS = 500  # at close, how long queued messages may take to leave (a dead peer: dropped)
 
     def __init__(self, host: str, port: int | None = None):
         self._ctx = zmq.Context()
@@ -120,8 +121,9 @@ class Mailbox:
         self._inbox.put(msg)
 
     def close(self) -> None:
-        self._stop.set()
+        """Send what is queued (each socket lingers up to ``_LINGER_MS`` to deliver it), then close."""
         self._outbox.put(None)
+        self._stop.set()
         for t in self._threads:
             t.join(timeout=2)
         self._ctx.destroy(linger=0)
@@ -142,7 +144,7 @@ class Mailbox:
         sockets: dict[str, zmq.Socket] = {}
         while True:
             item = self._outbox.get()
-            if item is None or self._stop.is_set():
+            if item is None:
                 break
             addr, frames = item
             sock = sockets.get(addr)
@@ -154,7 +156,7 @@ class Mailbox:
                 sockets[addr] = sock
             sock.send_multipart(frames, copy=False)
         for sock in sockets.values():
-            sock.close(linger=0)
+            sock.close(linger=self._LINGER_MS)
 
 
 class PushSocket:

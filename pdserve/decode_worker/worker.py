@@ -114,6 +114,18 @@ class DecodeWorker(WorkerBase):
             self.remote[msg.request_id] = _RemotePrefill(msg.prefill_worker_id, msg.prefill_addr,
                                                          msg.prefill_layout, pieces)
 
+    def idle(self) -> bool:
+        return super().idle() and not self.remote and not self._deltas
+
+    def abandon_all(self, reason: str) -> int:
+        group_ids = {r.group_id for r in self.core.scheduler.requests.values()}
+        for group_id in group_ids:
+            self._abort(group_id)
+            self._deltas.append(error_delta(group_id, reason, ErrorKind.UNAVAILABLE))
+        self._flush_ops()
+        self._flush()
+        return len(group_ids)
+
     def _abort(self, request_id: str) -> None:
         state = self.remote.pop(request_id, None)
         if state is not None:

@@ -7,6 +7,15 @@ sockets: the ``Mailbox`` threads move messages, and the liveness thread sends
 minutes (a long CPU prefill) never makes a healthy worker look dead. Each
 heartbeat carries ``loop_stall_s``, the seconds since the loop last finished an
 iteration, so the router still notices a step that hangs.
+
+Leaving the cluster. SIGINT (or ``stop()``) exits at once; the router is told
+(``WorkerExiting``) so it drops the worker without waiting for a timeout.
+SIGTERM drains: the worker tells the router (``WorkerDraining``), which routes
+nothing new to it and, once no request it holds still needs the worker, answers
+``DrainWorker``; the worker then exits as soon as it is idle. A ``DrainWorker``
+the router sends on its own (``pdserve scale``, ``/admin/workers/ID/drain``)
+starts the same drain. Whatever is still unfinished after ``drain_timeout_s``
+fails with a 503 and the worker exits.
 """
 
 from __future__ import annotations
@@ -19,8 +28,8 @@ import time
 
 from pdserve.common.auth import registration_token
 from pdserve.common.config import WorkerConfig
-from pdserve.common.protocol import (ErrorKind, FinishReason, Heartbeat, RankAttach, RegisterWorker, RequestDelta,
-                                     WorkerRole, WorkerStats)
+from pdserve.common.protocol import (DrainWorker, ErrorKind, FinishReason, Heartbeat, RankAttach, RegisterWorker,
+                                     RequestDelta, WorkerDraining, WorkerExiting, WorkerRole, WorkerStats)
 from pdserve.common.sharding import KVLayoutSpec
 from pdserve.common.transport import Mailbox
 from pdserve.common.validation import ValidationError
@@ -65,6 +74,10 @@ class WorkerBase:
         self._loop_tick = time.monotonic()  # when the step loop last finished an iteration
         self._last_step = self._loop_tick  # when the ranks last heard from the driver
         self._liveness: threading.Thread | None = None
+        self._drain_requested = threading.Event()  # SIGTERM (set from the signal handler)
+        self._drain_deadline: float | None = None  # draining since the loop saw the request
+        self._drain_acked = False  # the router sent DrainWorker: nothing new will come
+        self._exit_sent = False
 
     def attach_kv_agent(self) -> None:
         """Give every rank its KV transfer agent; ranks report back through this worker's mailbox."""
@@ -88,22 +101,80 @@ class WorkerBase:
     def step(self) -> bool:
         raise NotImplementedError
 
+    def idle(self) -> bool:
+        """Nothing in hand: no request, no KV transfer in flight (subclasses add their own state)."""
+        return not self.core.has_unfinished()
+
+    def abandon_all(self, reason: str) -> int:
+        """Fail everything still held (drain timeout), freeing its blocks; returns how many requests."""
+        raise NotImplementedError
+
+    def _auth(self) -> str | None:
+        secret = self.config.cluster_secret
+        return registration_token(secret, self.worker_id, self.role, self.mailbox.address) if secret else None
+
     def registration(self) -> RegisterWorker:
         limits = self.core.limits
-        secret = self.config.cluster_secret
         return RegisterWorker(worker_id=self.worker_id, role=self.role, input_addr=self.mailbox.address,
                               model_name=self.model_name, num_blocks=limits.num_blocks,
                               block_size=limits.block_size, max_model_len=limits.max_model_len,
-                              vocab_size=limits.vocab_size, kv_layout=self.runner.kv_layout(),
-                              auth=registration_token(secret, self.worker_id, self.role, self.mailbox.address)
-                              if secret else None)
+                              vocab_size=limits.vocab_size, kv_layout=self.runner.kv_layout(), auth=self._auth())
 
     def close(self) -> None:
         self._stop.set()
         if self._liveness is not None:
             self._liveness.join(timeout=2)
+        self._send_exiting("the worker stopped")
         self.mailbox.close()
         self.core.close()
+
+    def _send_exiting(self, reason: str) -> None:
+        """Tell the router this worker is gone (once), so it leaves the pool at once."""
+        if not self._exit_sent:
+            self._exit_sent = True
+            self.mailbox.put(self.config.router_addr, WorkerExiting(
+                worker_id=self.worker_id, role=self.role, input_addr=self.mailbox.address, auth=self._auth(),
+                reason=reason))
+
+    # ---- draining ---------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def request_drain(self, *_args) -> None:
+        """SIGTERM: leave gracefully; the step loop starts the drain at its next iteration."""
+        self._drain_requested.set()
+
+    def start_drain(self, reason: str, acked: bool = False) -> None:
+        """Stop taking new work: tell the router (unless it asked), exit once idle and acknowledged."""
+        self._drain_acked = self._drain_acked or acked
+        if self._drain_deadline is not None:
+            return
+        self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
+        logger.info("%s %s draining (%s): finishing what it holds, at most %.0f s", self.role.name.lower(),
+                    self.worker_id, reason, self.config.drain_timeout_s)
+        if not acked:
+            self.mailbox.put(self.config.router_addr, WorkerDraining(
+                worker_id=self.worker_id, role=self.role, input_addr=self.mailbox.address, auth=self._auth()))
+
+    def _check_drain(self, now: float) -> None:
+        if self._drain_requested.is_set():
+            self._drain_requested.clear()
+            self.start_drain("SIGTERM")
+        if self._drain_deadline is None:
+            return
+        if self._drain_acked and self.idle():
+            logger.info("%s %s drained; exiting", self.role.name.lower(), self.worker_id)
+            self._send_exiting("drained")
+            self._stop.set()
+        elif now >= self._drain_deadline:
+            n = self.abandon_all(f"{self.role.name.lower()} worker {self.worker_id} shut down before the request "
+                                 f"finished (drain timeout {self.config.drain_timeout_s:g} s)")
+            logger.warning("%s %s: drain timed out; failed %d unfinished requests", self.role.name.lower(),
+                           self.worker_id, n)
+            self._send_exiting("drain timed out")
+            self._stop.set()
 
     # ---- liveness (IO thread) -----------------------------------------------------
 
@@ -137,7 +208,7 @@ class WorkerBase:
                          num_waiting=scheduler.num_waiting, num_free_blocks=core.block_manager.num_free_blocks,
                          num_blocks=core.block_manager.num_blocks, max_step_batch_size=core.max_step_batch_size,
                          num_steps=core.num_steps, stats=core.stats(self.stats),
-                         loop_stall_s=max(0.0, time.monotonic() - self._loop_tick))
+                         loop_stall_s=max(0.0, time.monotonic() - self._loop_tick), draining=self.draining)
 
     # ---- loop -------------------------------------------------------------------
 
@@ -145,9 +216,9 @@ class WorkerBase:
         self._stop.set()
 
     def run(self) -> None:
-        """Serve until SIGTERM/SIGINT or ``stop()``."""
+        """Serve until SIGINT or ``stop()`` (at once), or until drained (SIGTERM, ``DrainWorker``)."""
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self.stop)
+            signal.signal(signal.SIGTERM, self.request_drain)
             signal.signal(signal.SIGINT, self.stop)
         logger.info("%s %s listening on %s", self.role.name.lower(), self.worker_id, self.mailbox.address)
         self.start_liveness()
@@ -165,6 +236,9 @@ class WorkerBase:
         """
         now = time.monotonic()
         self.periodic(now)
+        self._check_drain(now)
+        if self._stop.is_set():
+            return
         busy = self.core.has_unfinished()
         self.drain_inbox(wait=0 if busy else _IDLE_WAIT_S)
         if self.step():
@@ -181,7 +255,10 @@ class WorkerBase:
         msg = self.mailbox.get(timeout=wait) if wait else self.mailbox.get_nowait()
         while msg is not None:
             try:
-                self.handle(msg)
+                if isinstance(msg, DrainWorker):
+                    self.start_drain(msg.reason or "the router asked", acked=True)
+                else:
+                    self.handle(msg)
             except Exception:  # a bad message must not kill the worker
                 logger.exception("error handling %s", type(msg).__name__)
             msg = self.mailbox.get_nowait()

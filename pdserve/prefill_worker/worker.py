@@ -98,6 +98,19 @@ class PrefillWorker(WorkerBase):
         else:
             logger.warning("prefill worker ignores %s", type(msg).__name__)
 
+    def idle(self) -> bool:
+        return super().idle() and not self.pending_pair and not self.origin and not self.transfers
+
+    def abandon_all(self, reason: str) -> int:
+        origins = {**self.pending_pair, **self.origin, **{rid: t.origin for rid, t in self.transfers.items()}}
+        for request_id, origin in origins.items():
+            self.core.abort(request_id)
+            self._fail(origin, reason)
+        self.pending_pair.clear()
+        self.origin.clear()
+        self.transfers.clear()
+        return len(origins)
+
     def _pieces(self, decode_layout: KVLayout | None) -> list[KVPiece]:
         spec = self.kv_layout_spec
         return pieces_for(spec, layout_spec(decode_layout, spec.num_layers, spec.num_kv_heads))

@@ -7,6 +7,7 @@ Endpoints:
     GET  /workers                                     live workers and their latest heartbeat figures
     GET  /info                                        model, limits, and the bound ZMQ address
     GET  /metrics                                     Prometheus text format (see ``metrics.py``)
+    GET  /admin/pools, POST /admin/scale, POST /admin/workers/{id}/drain   pools (see ``admin.py``)
 
 Both generation endpoints take ``n`` (1..16 choices; ``best_of`` only if equal
 to ``n``), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``max_tokens``,
@@ -35,6 +36,7 @@ from transformers import AutoTokenizer
 
 from pdserve.common.auth import bearer_matches
 from pdserve.common.protocol import WorkerRole
+from pdserve.router.admin import add_admin_routes
 from pdserve.router.config import RouterConfig
 from pdserve.router.engine import RouterEngine
 from pdserve.router.errors import APIError
@@ -105,8 +107,8 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     if config.api_key is not None:
         @app.middleware("http")
         async def _require_api_key(request: Request, call_next):
-            """``/v1/*`` needs ``Authorization: Bearer <api key>``; /health and /metrics stay open."""
-            if request.url.path.startswith("/v1/") and not bearer_matches(
+            """``/v1/*`` and ``/admin/*`` need ``Authorization: Bearer <api key>``; /health and /metrics stay open."""
+            if request.url.path.startswith(("/v1/", "/admin/")) and not bearer_matches(
                     config.api_key, request.headers.get("authorization")):
                 err = APIError(401, "Incorrect or missing API key: send Authorization: Bearer <key>.",
                                type="invalid_request_error")
@@ -155,6 +157,8 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     @app.get("/workers")
     async def workers():
         return registry.snapshot()
+
+    add_admin_routes(app, engine)
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request):

@@ -44,6 +44,8 @@ class RouterConfig:
         worker_timeout_s: a worker silent for longer than this is dead.
         step_timeout_s: a worker whose heartbeats say its step loop has not moved for
             longer than this is stuck: nothing is routed to it and its requests fail.
+        worker_wait_s: a request that finds no decode worker waits this long for one to register
+            (a pool being scaled, a worker restarting) before it fails with 503; 0: fail at once.
         log_level: uvicorn / logging level name.
         api_key: clients must send ``Authorization: Bearer <api_key>`` on ``/v1/*`` (None: open);
             default ``$PDSERVE_API_KEY``.
@@ -59,6 +61,7 @@ class RouterConfig:
     max_model_len: int | None = None
     worker_timeout_s: float = 10.0
     step_timeout_s: float = 300.0
+    worker_wait_s: float = 10.0
     log_level: str = "info"
     api_key: str | None = None
     cluster_secret: str | None = None
@@ -83,6 +86,8 @@ class RouterConfig:
             raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
         if not self.step_timeout_s > 0:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
+        if not self.worker_wait_s >= 0:
+            raise ValueError(f"worker_wait_s must be >= 0, got {self.worker_wait_s}")
         self.log_level = self.log_level.lower()
         self.api_key = from_env(self.api_key, API_KEY_ENV)
         self.cluster_secret = from_env(self.cluster_secret, CLUSTER_SECRET_ENV)
@@ -106,8 +111,10 @@ class RouterConfig:
         g.add_argument("--step-timeout-s", type=float, default=cls.step_timeout_s,
                        help="seconds a worker's step loop may go without finishing an iteration "
                             "before the worker counts as stuck (its heartbeats report it)")
+        g.add_argument("--worker-wait-s", type=float, default=cls.worker_wait_s,
+                       help="a request that finds no decode worker waits this long for one before the 503")
         g.add_argument("--api-key", default=None,
-                       help="require Authorization: Bearer KEY on /v1/* (default: $PDSERVE_API_KEY)")
+                       help="require Authorization: Bearer KEY on /v1/* and /admin/* (default: $PDSERVE_API_KEY)")
         g.add_argument("--cluster-secret", default=None,
                        help="admit only workers that know this secret (default: $PDSERVE_CLUSTER_SECRET)")
         return parser

@@ -9,7 +9,14 @@ Three background tasks share one ``zmq.asyncio`` context:
   created lazily). Handlers only ``put_nowait`` into the outbox, so submitting
   and aborting never await, which matters in cancelled tasks (client gone).
 * ``_expire_loop`` drops workers that went silent, and fails the requests of
-  those and of workers whose step loop is stuck.
+  those and of workers whose step loop is stuck; it also re-sends
+  ``DrainWorker`` to drained workers that have not left yet.
+
+Draining (``drain``, ``scale``, or a worker's own ``WorkerDraining`` after
+SIGTERM): the worker gets nothing new, and once no request still needs it
+(decode: none routed there unfinished; prefill: none naming it still waiting for
+its KV) it is sent ``DrainWorker`` and exits when idle. Its ``WorkerExiting``
+removes it from the pool at once, as it does for a worker stopped any other way.
 
 A request's queue yields ``RequestDelta``s from its decode worker, or one
 ``RequestFailed`` if that worker died or the router stopped. Deltas for a
@@ -31,8 +38,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.common.protocol import (AbortRequest, GenerateRequest, Heartbeat, RegisterWorker,
-                                     RequestDelta, RequestOutputs, SamplingParams)
+from pdserve.common.protocol import (AbortRequest, DrainWorker, GenerateRequest, Heartbeat, RegisterWorker,
+                                     RequestDelta, RequestOutputs, SamplingParams, WorkerDraining, WorkerExiting,
+                                     WorkerRole)
 from pdserve.common.auth import token_matches
 from pdserve.common.transport import ProtocolError, decode, encode
 from pdserve.router.metrics import WorkerStatsCollector
@@ -60,6 +68,8 @@ class RequestHandle:
     queue: asyncio.Queue  # RequestDelta | RequestFailed
     num_choices: int = 1
     finished_choices: set[int] = dataclasses.field(default_factory=set)  # finished at the worker
+    prefill_addr: str | None = None
+    prefill_pending: bool = False  # its prefill worker has not delivered the KV yet (no delta seen)
 
 
 class RouterEngine:
@@ -74,6 +84,7 @@ class RouterEngine:
     """
 
     _SNDHWM = 100_000
+    _DRAIN_RESEND_S = 5.0  # a drained worker that has not left gets DrainWorker again this often
     _MAX_ORPHANS = 4096  # request ids remembered as aborted-for-orphan-deltas (bounds the memory)
 
     def __init__(self, host: str, zmq_port: int, registry: WorkerRegistry,
@@ -149,12 +160,15 @@ class RouterEngine:
         """
         handle = RequestHandle(request_id, decode_worker.worker_id, decode_worker.input_addr,
                                prefill_worker.worker_id if prefill_worker else None, asyncio.Queue(),
-                               num_choices=sampling_params.n)
+                               num_choices=sampling_params.n,
+                               prefill_addr=prefill_worker.input_addr if prefill_worker else None,
+                               prefill_pending=prefill_worker is not None)
         self._requests[request_id] = handle
         decode_worker.num_inflight += 1
         decode_worker.num_routed += 1
         if prefill_worker is not None:
             prefill_worker.num_routed += 1
+            prefill_worker.num_prefill_pending += 1
         self._send(decode_worker.input_addr, GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params,
@@ -190,14 +204,85 @@ class RouterEngine:
             self._loop.call_soon_threadsafe(self.abort_all, message)
 
     def _release(self, handle: RequestHandle) -> None:
+        self._release_prefill(handle)
         worker = self.registry.get(handle.decode_worker_id)
         if worker is not None and worker.input_addr == handle.decode_addr:
             worker.num_inflight = max(0, worker.num_inflight - 1)
+            self._maybe_send_drain(worker)
+
+    def _release_prefill(self, handle: RequestHandle) -> None:
+        """The request no longer needs its prefill worker (its KV arrived, or it ended)."""
+        if not handle.prefill_pending:
+            return
+        handle.prefill_pending = False
+        worker = self.registry.get(handle.prefill_worker_id) if handle.prefill_worker_id else None
+        if worker is not None and worker.input_addr == handle.prefill_addr:
+            worker.num_prefill_pending = max(0, worker.num_prefill_pending - 1)
+            self._maybe_send_drain(worker)
+
+    # --- pools ----------------------------------------------------------------------------
+
+    def drain(self, worker_id: str, reason: str) -> WorkerInfo | None:
+        """Route nothing new to ``worker_id``; it is told to leave once no request needs it.
+
+        Returns the worker, or None if the router does not know it. Idempotent.
+        """
+        worker = self.registry.get(worker_id)
+        if worker is None:
+            return None
+        if not worker.draining:
+            worker.draining, worker.drain_reason = True, reason
+            logger.info("draining %s worker %s (%s); %d requests still need it", worker.role.name.lower(),
+                        worker_id, reason, worker.num_outstanding)
+        self._maybe_send_drain(worker)
+        return worker
+
+    def scale(self, role: WorkerRole, num_workers: int) -> list[WorkerInfo]:
+        """Set ``role``'s pool target to ``num_workers``; drain the surplus (returned).
+
+        Growing is the launcher's part: it starts workers until the pool reaches the target.
+        """
+        self.registry.desired[role] = num_workers
+        victims = self.registry.surplus(role)
+        for worker in victims:
+            self.drain(worker.worker_id, f"pool scaled to {num_workers}")
+        return victims
+
+    def _maybe_send_drain(self, worker: WorkerInfo, now: float | None = None) -> None:
+        if not worker.draining or worker.num_outstanding > 0:
+            return
+        now = self.registry._now(now)
+        if worker.drain_sent_at is not None and now - worker.drain_sent_at < self._DRAIN_RESEND_S:
+            return
+        worker.drain_sent_at = now
+        self._send(worker.input_addr, DrainWorker(reason=worker.drain_reason))
+
+    def _worker_left(self, msg: WorkerExiting) -> None:
+        worker = self.registry.get(msg.worker_id)
+        if worker is None or worker.input_addr != msg.input_addr:
+            return
+        self.registry.remove(msg.worker_id)
+        logger.info("%s worker %s left the pool (%s)", worker.role.name.lower(), msg.worker_id,
+                    msg.reason or "exiting")
+        self._fail_worker_requests(worker, f"{worker.role.name.lower()} worker {msg.worker_id} exited "
+                                           f"({msg.reason or 'stopped'})")
+
+    def _authentic(self, msg: RegisterWorker | WorkerDraining | WorkerExiting) -> bool:
+        """With a cluster secret: whether ``msg`` proves it (a stranger cannot join, drain or remove a worker)."""
+        if self.cluster_secret is None or token_matches(self.cluster_secret, msg.auth, msg.worker_id, msg.role,
+                                                        msg.input_addr):
+            return True
+        self.num_refused_registrations += 1
+        if self.num_refused_registrations <= 10 or self.num_refused_registrations % 100 == 0:
+            logger.warning("refused %s from %s at %s: it does not know the cluster secret", type(msg).__name__,
+                           msg.worker_id, msg.input_addr)
+        return False
 
     def _fail_worker_requests(self, worker: WorkerInfo, message: str) -> None:
         for handle in list(self._requests.values()):
             if handle.decode_worker_id == worker.worker_id and handle.decode_addr == worker.input_addr:
                 del self._requests[handle.request_id]
+                self._release_prefill(handle)
                 handle.queue.put_nowait(RequestFailed(message))
         sock = self._push.pop(worker.input_addr, None)
         if sock is not None:
@@ -250,15 +335,19 @@ class RouterEngine:
         elif isinstance(msg, Heartbeat):
             if not self.registry.heartbeat(msg):
                 logger.debug("heartbeat from unregistered worker %s ignored", msg.worker_id)
-            elif self.worker_stats is not None:
+                return
+            if self.worker_stats is not None:
                 self.worker_stats.observe_heartbeat(msg)
+            if msg.draining:  # e.g. the router restarted while the worker drained
+                self.drain(msg.worker_id, "the worker is leaving")
+        elif isinstance(msg, WorkerDraining):
+            if self._authentic(msg):
+                self.drain(msg.worker_id, "the worker is shutting down")
+        elif isinstance(msg, WorkerExiting):
+            if self._authentic(msg):
+                self._worker_left(msg)
         elif isinstance(msg, RegisterWorker):
-            if self.cluster_secret is not None and not token_matches(self.cluster_secret, msg.auth, msg.worker_id,
-                                                                     msg.role, msg.input_addr):
-                self.num_refused_registrations += 1
-                if self.num_refused_registrations <= 10 or self.num_refused_registrations % 100 == 0:
-                    logger.warning("refused registration of %s at %s: it does not know the cluster secret",
-                                   msg.worker_id, msg.input_addr)
+            if not self._authentic(msg):
                 return
             replaced = self.registry.register(msg)
             if replaced is not None:
@@ -279,6 +368,7 @@ class RouterEngine:
             logger.warning("request %s: delta for choice %d of %d dropped", delta.request_id,
                            delta.index, handle.num_choices)
             return
+        self._release_prefill(handle)  # a delta means the prompt's KV is in the decode worker
         if delta.finish_reason is not None:
             handle.finished_choices.add(delta.index)
             if len(handle.finished_choices) == handle.num_choices:
@@ -306,3 +396,5 @@ class RouterEngine:
             await asyncio.sleep(interval)
             for worker, reason in self.registry.expire():
                 self._fail_worker_requests(worker, reason)
+            for worker in self.registry.all():
+                self._maybe_send_drain(worker)

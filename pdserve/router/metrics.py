@@ -148,7 +148,7 @@ class WorkerStatsCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         families = self._families()
         running, waiting, kv_usage, num_workers = families[:4]
-        for w in self.registry.live():
+        for w in self.registry.all():  # draining and stalled workers still hold KV
             hb = w.heartbeat
             if hb is None:
                 continue

@@ -15,8 +15,13 @@ the worker's step loop has gone without finishing an iteration
 *stalled*: nothing is routed to it, and ``expire`` returns it once so its
 requests fail; it serves again when its loop moves.
 
-Routing: round-robin per role over the live, unstalled workers in
+Routing: round-robin per role over the live, unstalled, undrained workers in
 registration order that accept the request (``accepts``, e.g. its limits).
+
+Pools: ``desired`` holds each pool's target size once someone scaled it
+(``pdserve scale``, ``POST /admin/scale``); launchers start workers up to it,
+and ``surplus`` picks which serving workers to drain when it shrinks. A
+*draining* worker stays registered (its requests finish) but gets nothing new.
 """
 
 from __future__ import annotations
@@ -52,6 +57,20 @@ class WorkerInfo:
     num_routed: int = 0  # requests ever routed here
     stalled: bool = False  # its step loop stopped moving (heartbeat.loop_stall_s > step_timeout_s)
     stall_reported: bool = False  # ``expire`` returned it for this stall already
+    draining: bool = False  # leaving: nothing new is routed to it
+    drain_reason: str = ""
+    drain_sent_at: float | None = None  # when the router last sent it DrainWorker
+    num_prefill_pending: int = 0  # prefill workers: requests naming it whose KV has not arrived yet
+
+    @property
+    def state(self) -> str:
+        """``draining``, ``stalled`` or ``serving``."""
+        return "draining" if self.draining else "stalled" if self.stalled else "serving"
+
+    @property
+    def num_outstanding(self) -> int:
+        """Requests that still need this worker (decode: routed here; prefill: waiting for its KV)."""
+        return self.num_inflight if self.role == WorkerRole.DECODE else self.num_prefill_pending
 
     def limits(self, fallback_vocab_size: int) -> EngineLimits:
         """What this worker advertised it can hold (``fallback_vocab_size`` if it named no vocabulary)."""
@@ -87,6 +106,8 @@ class WorkerInfo:
             "num_steps": hb.num_steps if hb else 0,
             "loop_stall_s": round(hb.loop_stall_s, 3) if hb else 0.0,
             "stalled": self.stalled,
+            "state": self.state,
+            "num_outstanding": self.num_outstanding,
             "vocab_size": self.vocab_size,
             "heartbeat_received": hb is not None,
         }
@@ -106,6 +127,7 @@ class WorkerRegistry:
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}  # insertion order = registration order
         self._next: dict[WorkerRole, int] = {WorkerRole.PREFILL: 0, WorkerRole.DECODE: 0}
+        self.desired: dict[WorkerRole, int | None] = {WorkerRole.PREFILL: None, WorkerRole.DECODE: None}
 
     def _now(self, now: float | None) -> float:
         return self._clock() if now is None else now
@@ -186,8 +208,40 @@ class WorkerRegistry:
         return self._workers.get(worker_id)
 
     def live(self, role: WorkerRole | None = None) -> list[WorkerInfo]:
-        """Registered workers of ``role`` that are not stalled, in registration order."""
-        return [w for w in self._workers.values() if (role is None or w.role == role) and not w.stalled]
+        """Registered workers of ``role`` that take new requests (not stalled, not draining), in order."""
+        return [w for w in self._workers.values()
+                if (role is None or w.role == role) and not w.stalled and not w.draining]
+
+    def all(self, role: WorkerRole | None = None) -> list[WorkerInfo]:
+        """Every registered worker of ``role`` (draining and stalled ones included)."""
+        return [w for w in self._workers.values() if role is None or w.role == role]
+
+    def surplus(self, role: WorkerRole) -> list[WorkerInfo]:
+        """Workers to drain so that ``role``'s pool shrinks to ``desired`` (empty if not above it).
+
+        Stalled workers go first (they serve nothing), then those holding the fewest requests,
+        the most recently registered first among equals.
+        """
+        target = self.desired[role]
+        pool = [w for w in self._workers.values() if w.role == role and not w.draining]
+        if target is None or len(pool) <= target:
+            return []
+        order = sorted(pool, key=lambda w: (not w.stalled, w.num_outstanding, -w.registered_at))
+        return order[:len(pool) - target]
+
+    def pools(self, now: float | None = None) -> dict:
+        """Each pool's target size and workers (``GET /admin/pools``)."""
+        now = self._now(now)
+        out = {}
+        for role in (WorkerRole.PREFILL, WorkerRole.DECODE):
+            workers = self.all(role)
+            out[role.name.lower()] = {
+                "desired": self.desired[role],
+                "num_serving": sum(w.state == "serving" for w in workers),
+                "num_draining": sum(w.draining for w in workers),
+                "workers": [w.to_json(now) for w in workers],
+            }
+        return out
 
     def num_live(self, role: WorkerRole) -> int:
         return len(self.live(role))

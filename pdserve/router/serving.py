@@ -43,7 +43,7 @@ from pdserve.common.validation import (EngineLimits, ValidationError, check_cont
 from pdserve.router import preprocess
 from pdserve.router.config import RouterConfig
 from pdserve.router.engine import RequestFailed, RequestHandle, RouterEngine
-from pdserve.router.errors import APIError, bad_request, unavailable
+from pdserve.router.errors import APIError, bad_request
 from pdserve.router.registry import WorkerInfo
 from pdserve.router.logprobs import TokenEntry, TokenTexts, chat_logprobs, completion_logprobs
 from pdserve.router.metrics import RouterMetrics
@@ -60,7 +60,14 @@ from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 logger = logging.getLogger(__name__)
 
 _CLIENT_GONE = object()  # put in a request's queue by the disconnect watcher
-_NO_DECODE_WORKER = "No decode worker is available; start one or wait for it to register."
+_WORKER_POLL_S = 0.1
+
+
+class NoDecodeWorker(APIError):
+    """503: the decode pool is empty."""
+
+    def __init__(self):
+        super().__init__(503, "No decode worker is available; start one or wait for it to register.")
 
 
 class ClientDisconnected(Exception):
@@ -120,7 +127,7 @@ class OpenAIServing:
         preprocess.check_model(req, self.model_name)
         preprocess.check_completion_supported(req)
         prompt_ids = preprocess.completion_prompt_ids(req, self.tokenizer)
-        run = self._submit(req, prompt_ids, "cmpl", arrival)
+        run = await self._submit(req, prompt_ids, "cmpl", arrival)
 
         def logprobs(tokens: list[TokenEntry], always: bool = False) -> CompletionLogprobs | None:
             if run.num_logprobs is None or not (tokens or always):
@@ -151,7 +158,7 @@ class OpenAIServing:
         preprocess.check_model(req, self.model_name)
         preprocess.check_chat_supported(req)
         prompt_ids = preprocess.chat_prompt_ids(req, self.tokenizer)
-        run = self._submit(req, prompt_ids, "chatcmpl", arrival)
+        run = await self._submit(req, prompt_ids, "chatcmpl", arrival)
 
         def logprobs(tokens: list[TokenEntry], always: bool = False) -> ChatLogprobs | None:
             if run.num_logprobs is None or not (tokens or always):
@@ -187,10 +194,22 @@ class OpenAIServing:
 
     # --- shared steps ---------------------------------------------------------------------
 
-    def _submit(self, req: SamplingRequest, prompt_ids: list[int], id_prefix: str,
-                arrival: float) -> _Run:
-        """Check the request against the live workers' limits, pick workers, send it."""
-        params, decode_worker, prefill_worker = self._route(req, prompt_ids)
+    async def _submit(self, req: SamplingRequest, prompt_ids: list[int], id_prefix: str,
+                      arrival: float) -> _Run:
+        """Check the request against the live workers' limits, pick workers, send it.
+
+        With no decode worker live (a pool being scaled or restarted), wait up to
+        ``config.worker_wait_s`` for one before the 503.
+        """
+        deadline = time.monotonic() + self.config.worker_wait_s
+        while True:
+            try:
+                params, decode_worker, prefill_worker = self._route(req, prompt_ids)
+                break
+            except NoDecodeWorker:
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(_WORKER_POLL_S)
         request_id = uuid.uuid4().hex
         handle = self.engine.submit(request_id, prompt_ids, params, decode_worker, prefill_worker)
         choices = [ChoiceOutput(i, IncrementalDetokenizer(
@@ -238,7 +257,7 @@ class OpenAIServing:
             params = preprocess.build_sampling_params(req, max_tokens, self.vocab_size)
             decode_workers = registry.live(WorkerRole.DECODE)
             if not decode_workers:
-                raise unavailable(_NO_DECODE_WORKER)
+                raise NoDecodeWorker()
             limits = {w.worker_id: self.worker_limits(w) for w in decode_workers}
             best = max(limits.values(), key=_capacity)
             if requested is None:
