@@ -2,7 +2,8 @@
 
 The prefill pool (one worker of two tensor-parallel ranks) is pinned to the node that has the
 ``prefill_node`` resource, the decode pool to the other one; requests through the router are
-token-identical to transformers; SIGTERM removes every actor and placement group. Everything
+token-identical to transformers; the decode pool grows and shrinks (``pdserve scale``), each
+worker its own placement group; SIGTERM removes every actor and placement group. Everything
 stays on loopback: Ray is told not to look for a "reachable" address.
 """
 
@@ -21,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.utils import free_port
+from pdserve.scale import scale_pools
 
 # Ray's node address = 127.0.0.1 (read once, when ray is imported): nothing leaves loopback.
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -46,7 +48,11 @@ def two_nodes():
         cluster.shutdown()
 
 
-def test_pools_placed_on_their_nodes_serve_exactly_and_sigterm_removes_everything(model_dir, two_nodes):
+def created_groups() -> dict[str, dict]:
+    return {g["name"]: g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"}
+
+
+def test_pools_placed_on_their_nodes_serve_exactly_scale_and_sigterm_removes_everything(model_dir, two_nodes):
     port = free_port()
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--ray", "--address", two_nodes.address,
                            "--model", model_dir, "--port", str(port), "--prefill-tensor-parallel-size", "2",
@@ -68,7 +74,7 @@ def test_pools_placed_on_their_nodes_serve_exactly_and_sigterm_removes_everythin
 
         ray.init(address=two_nodes.address)
         node_resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
-        groups = {g["name"]: g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"}
+        groups = created_groups()
         assert set(groups) == {"pdserve-prefill-0", "pdserve-decode-0"}
         prefill_nodes = set(groups["pdserve-prefill-0"]["bundles_to_node_id"].values())
         decode_nodes = set(groups["pdserve-decode-0"]["bundles_to_node_id"].values())
@@ -93,6 +99,23 @@ def test_pools_placed_on_their_nodes_serve_exactly_and_sigterm_removes_everythin
                 httpx.get(f"{url}/metrics").text:
             assert time.monotonic() < deadline, "no KV transfer from the prefill node to the decode node"
             time.sleep(0.3)
+
+        # the decode pool grows by a worker (its own placement group on the decode node), then shrinks
+        grown = scale_pools(url, decode=2, wait=True, timeout_s=120)
+        assert [w["id"] for w in grown["decode"]["workers"]] == ["decode-0", "decode-1"]
+        groups = created_groups()
+        assert set(groups) == {"pdserve-prefill-0", "pdserve-decode-0", "pdserve-decode-1"}
+        assert set(groups["pdserve-decode-1"]["bundles_to_node_id"].values()) <= decode_nodes
+        for _ in range(2):  # round-robin: one request on each decode worker
+            assert api.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        shrunk = scale_pools(url, decode=1, wait=True, timeout_s=120)
+        assert [w["id"] for w in shrunk["decode"]["workers"]] == ["decode-0"]  # the newest idle one drained
+        deadline = time.monotonic() + 30  # the launcher removes a drained worker's actors and group
+        while "pdserve-decode-1" in created_groups():
+            assert time.monotonic() < deadline, "the drained worker's placement group was not removed"
+            time.sleep(0.5)
+        with pytest.raises(ValueError):
+            ray.get_actor("pdserve-decode-1-rank0")
 
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0
