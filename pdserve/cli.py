@@ -46,7 +46,7 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
         worker_args += ["--cluster-secret", args.cluster_secret]
     spec = ClusterSpec(model=model, num_prefill=num_prefill, num_decode=args.num_decode, host=args.host,
                        port=args.port, zmq_port=args.zmq_port, worker_args=worker_args, router_args=router_args,
-                       api_key=from_env(args.api_key, API_KEY_ENV),
+                       api_key=from_env(args.api_key, API_KEY_ENV), max_restarts=args.max_restarts,
                        threads_per_worker=args.threads_per_worker, **pool_parallel_sizes(args))
     if args.ray:
         from pdserve.launcher import serve_until_stopped
@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-resources", default=None,
                     help='with --ray: JSON resources every prefill rank asks for, e.g. \'{"prefill_node": 1}\'')
     up.add_argument("--decode-resources", default=None, help="with --ray: the same for decode ranks")
+    up.add_argument("--max-restarts", type=int, default=5,
+                    help="restart a failed worker (backoff 1, 2, 4.. s) at most this many times in a row")
     up.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/* "
                                                     "(or set $PDSERVE_API_KEY)")
     up.add_argument("--cluster-secret", default=None, help="secret the workers prove to join the router's pools "

@@ -36,6 +36,8 @@ class ClusterSpec:
         worker_args: extra CLI args for every worker (engine flags such as --kv-cache-memory).
         router_args: extra CLI args for the router.
         api_key: the router's ``--api-key`` (the launcher uses it to read ``/admin/pools``).
+        max_restarts: a worker that fails (non-zero exit) is restarted, with exponential backoff, at most
+            this many times in a row (a run of ``RESTART_RESET_S`` resets the count); then the cluster stops.
         prefill_args, decode_args: extra CLI args for the workers of one pool only (after worker_args).
         threads_per_worker: torch CPU threads per worker rank (None: cores / ranks, at least 1).
         prefill_tensor_parallel_size, prefill_pipeline_parallel_size, decode_tensor_parallel_size,
@@ -52,6 +54,7 @@ class ClusterSpec:
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     api_key: str | None = None
+    max_restarts: int = 5
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
     threads_per_worker: int | None = None
@@ -93,6 +96,9 @@ class LaunchedWorker:
     role: str
     handle: object  # LocalCluster: the driver's Popen; RayCluster: its actors and placement group
     seen_registered: bool = False  # the router has listed it at least once
+    started_at: float = field(default_factory=time.monotonic)
+    num_restarts: int = 0  # restarts in a row that each ran less than RESTART_RESET_S
+    restart_at: float | None = None  # it failed: start it again at this time (time.monotonic())
 
 
 class ClusterLauncher:
@@ -105,13 +111,18 @@ class ClusterLauncher:
     Pools change while serving (``pdserve scale``, ``POST /admin/scale``): the router keeps each
     pool's target size and drains the surplus itself; ``reconcile()`` reads ``/admin/pools`` and
     starts workers while a pool is below its target. A worker that exits with code 0 (drained, or
-    stopped by SIGINT) has left the cluster and is forgotten; any other exit is fatal.
+    stopped by SIGINT) has left the cluster and is forgotten. A worker that fails (any other exit,
+    a signal included) is restarted under the same name after 1, 2, 4, ... s (at most
+    ``MAX_BACKOFF_S``), at most ``spec.max_restarts`` times in a row; the router meanwhile migrates
+    its requests to the survivors. Only the router's exit, or a worker out of restarts, is fatal.
     ``serve_until_stopped`` runs ``supervise_once`` in its loop; used as a context manager, a
     launcher runs it on a background thread (fatal exits are then kept in ``fatal``).
     """
 
     spec: ClusterSpec
     ready_timeout_s: float = 300.0
+    MAX_BACKOFF_S = 30.0
+    RESTART_RESET_S = 60.0
 
     def __init__(self, spec: ClusterSpec, ready_timeout_s: float = 300.0):
         self.spec = spec
@@ -173,25 +184,46 @@ class ClusterLauncher:
         return out
 
     def check(self) -> list[str]:
-        """While serving: forget workers that left cleanly (exit 0); return the fatal exits."""
+        """While serving: forget workers that left cleanly (exit 0), restart failed ones (with backoff);
+        return the fatal exits (the router's; a worker's once it is out of restarts)."""
         fatal = []
         if (code := self._router_exit_code()) is not None:
             fatal.append(f"router (exit {code})")
+        now = time.monotonic()
         with self._lock:
             workers = list(self.workers.items())
         for name, w in workers:
+            if w.restart_at is not None:
+                if now >= w.restart_at:
+                    self._restart(w)
+                continue
             code = self._worker_exit_code(w.handle)
             if code is None:
                 continue
+            self._remove_worker(w.handle)
             if code == 0:
                 logger.info("worker %s left the cluster", name)
                 print(f"pdserve: {name} left the cluster", flush=True)
-                self._remove_worker(w.handle)
                 with self._lock:
                     self.workers.pop(name, None)
-            else:
-                fatal.append(f"{name} (exit {code})")
+                continue
+            if now - w.started_at >= self.RESTART_RESET_S:
+                w.num_restarts = 0
+            if w.num_restarts >= self.spec.max_restarts:
+                fatal.append(f"{name} (exit {code}; restarted {w.num_restarts} times in a row)")
+                continue
+            delay = min(self.MAX_BACKOFF_S, 2.0 ** w.num_restarts)
+            w.restart_at, w.seen_registered = now + delay, False  # counts as starting for reconcile
+            logger.warning("worker %s exited with %s; restarting it in %.0f s", name, code, delay)
+            print(f"pdserve: {name} exited ({code}); restarting it in {delay:.0f} s", flush=True)
         return fatal
+
+    def _restart(self, w: LaunchedWorker) -> None:
+        w.num_restarts += 1
+        w.restart_at = None
+        w.started_at = time.monotonic()
+        w.handle = self._start_worker(w.role, w.name)
+        logger.info("worker %s restarted (restart %d in a row)", w.name, w.num_restarts)
 
     def router_get(self, path: str) -> dict:
         """GET ``path`` from the router (with the API key), as JSON. Raises OSError on failure."""
@@ -360,8 +392,9 @@ def run_cluster(spec: ClusterSpec) -> int:
 
 def serve_until_stopped(cluster) -> int:
     """Start ``cluster`` (a ``LocalCluster`` or ``RayCluster``), wait until every worker is live, and
-    serve until Ctrl-C/SIGTERM or one of its processes fails (a worker that exits 0 has left the cluster:
-    drained or scaled away); meanwhile start workers while a pool is below the target ``pdserve scale`` set.
+    serve until Ctrl-C/SIGTERM, the router's exit, or a worker out of restarts (a worker that exits 0 has
+    left the cluster: drained or scaled away; one that fails is restarted); meanwhile start workers while
+    a pool is below the target ``pdserve scale`` set.
     Then stop everything. Returns an exit code.
 
     A cluster with a ``connect()`` (Ray) is connected first: Ray installs signal handlers of its own

@@ -69,6 +69,7 @@ class _Worker:
     name: str
     placement_group: object
     actors: list = field(default_factory=list)  # rank order
+    removed: bool = False
 
 
 class RayCluster(ClusterLauncher):
@@ -174,6 +175,9 @@ class RayCluster(ClusterLauncher):
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if worker.removed:
+            return
+        worker.removed = True
         ray.get([a.stop.remote() for a in reversed(worker.actors)])
         for actor in worker.actors:
             ray.kill(actor)

@@ -34,7 +34,8 @@ def test_tp2_decode_worker_serves_exactly_and_a_killed_rank_removes_it(model_dir
                        decode_tensor_parallel_size=2,
                        worker_args=["--kv-cache-memory", "2MiB", "--max-num-batched-tokens", "32",
                                     "--rank-timeout", "10"],
-                       router_args=["--worker-timeout-s", "3", "--worker-wait-s", "0"])
+                       router_args=["--worker-timeout-s", "3", "--worker-wait-s", "0"],
+                       max_restarts=0)  # the launcher would otherwise restart the failed worker
     tok = AutoTokenizer.from_pretrained(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = ["the quick brown fox jumps over the lazy dog " * 3, "seven wizards quietly pack boxes",

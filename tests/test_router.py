@@ -572,7 +572,8 @@ def test_deltas_for_forgotten_requests_are_aborted_at_their_worker(router, worke
 
 
 def test_stuck_step_loop_fails_inflight_requests_and_takes_no_more(model_dir, tok):
-    config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=5.0, step_timeout_s=0.5)
+    # no other decode worker to migrate to: the request fails once worker_wait_s has passed
+    config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=5.0, step_timeout_s=0.5, worker_wait_s=0.5)
     with TestClient(build_app(config)) as client:
         w = FakeDecodeWorker(client.get("/info").json()["zmq_address"])
         try:
@@ -587,7 +588,8 @@ def test_stuck_step_loop_fails_inflight_requests_and_takes_no_more(model_dir, to
             w.loop_stall_s = 2.0  # heartbeats keep coming: the loop, not the process, is stuck
             thread.join(timeout=10)
             err = error_of(result["resp"], 503)
-            assert "step loop has not moved" in err["message"]
+            assert "step loop has not moved" in err["message"] and "no other decode worker" in err["message"]
+            assert w.aborted  # the stuck worker must not keep the request's blocks when it wakes up
             assert client.get("/health").json()["num_decode"] == 0
             assert client.get("/workers").json()[0]["stalled"] is True
             assert error_of(client.post("/v1/completions", json=COMPLETION), 503)

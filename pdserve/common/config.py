@@ -35,7 +35,8 @@ class WorkerConfig:
         health_file: touched at every heartbeat while the step loop moves (loop stalled less than
             ``health_stall_s``), for process supervisors' probes (Kubernetes ``exec`` liveness); None: none.
         drain_timeout_s: after SIGTERM (or the router's ``DrainWorker``), how long the worker may take
-            to finish what it holds before it fails the rest and exits. SIGINT exits at once.
+            to finish what it holds before it hands the rest back (the router migrates them) and exits.
+            SIGINT exits at once.
     """
 
     role: str

@@ -198,11 +198,23 @@ class WorkerExiting(_Msg):
     reason: str = ""
 
 
+class ResumedChoice(_Msg):
+    """One choice of a migrated request: the tokens it already produced on a worker that went away."""
+
+    index: int
+    output_token_ids: list[int] = []
+
+
 class GenerateRequest(_Msg):
     """Router -> decode worker: start a request.
 
     ``prefill_worker_id``/``prefill_addr`` name the prefill worker that should
     build the prompt's KV, or are None for a local prefill on the decode worker.
+    ``resume`` (a request migrated off a dead or stuck decode worker) lists the
+    choices still unfinished, each continuing after the tokens it already
+    produced: they are recomputed here as context but count as output (for
+    ``max_tokens``, ``min_tokens``, penalties and the seeded draw of each
+    position), so the continuation is what the first worker would have produced.
     """
 
     request_id: str
@@ -211,6 +223,7 @@ class GenerateRequest(_Msg):
     prefill_worker_id: str | None = None
     prefill_addr: str | None = None
     prefill_layout: KVLayout | None = None  # the prefill worker's ranks (None: one rank)
+    resume: list[ResumedChoice] | None = None
 
 
 class AbortRequest(_Msg):

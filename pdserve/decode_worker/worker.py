@@ -96,7 +96,7 @@ class DecodeWorker(WorkerBase):
             logger.warning("decode worker ignores %s", type(msg).__name__)
 
     def _add(self, msg: GenerateRequest) -> None:
-        remote = msg.prefill_worker_id is not None and msg.prefill_addr is not None
+        remote = msg.prefill_worker_id is not None and msg.prefill_addr is not None and msg.resume is None
         pieces = []
         if remote:
             try:
@@ -106,7 +106,8 @@ class DecodeWorker(WorkerBase):
                 logger.warning("request %s: %s; prefilling locally", msg.request_id, e)
                 remote = False
         try:
-            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, remote_prefill=remote)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, remote_prefill=remote,
+                                  resume=msg.resume)
         except ValueError as e:  # ValidationError included: a request sent past the router's checks
             self._deltas.append(rejection_delta(msg.request_id, e))
             return
@@ -118,10 +119,10 @@ class DecodeWorker(WorkerBase):
         return super().idle() and not self.remote and not self._deltas
 
     def abandon_all(self, reason: str) -> int:
+        """Free every request; the router migrates them to another decode worker when this one exits."""
         group_ids = {r.group_id for r in self.core.scheduler.requests.values()}
         for group_id in group_ids:
             self._abort(group_id)
-            self._deltas.append(error_delta(group_id, reason, ErrorKind.UNAVAILABLE))
         self._flush_ops()
         self._flush()
         return len(group_ids)

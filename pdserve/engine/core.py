@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from pdserve.common.protocol import KVStepOps, SamplingParams, TokenLogprob, WorkerStats
-from pdserve.common.validation import EngineLimits, check_request
+from pdserve.common.protocol import KVStepOps, ResumedChoice, SamplingParams, TokenLogprob, WorkerStats
+from pdserve.common.validation import EngineLimits, ValidationError, check_request
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_runner import ModelRunner
@@ -87,7 +87,8 @@ class EngineCore:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    remote_prefill: bool = False, stop_at_max_model_len: bool = False) -> Request:
+                    remote_prefill: bool = False, stop_at_max_model_len: bool = False,
+                    resume: list[ResumedChoice] | None = None) -> Request:
         """Check a request against this engine's limits and queue it.
 
         Args:
@@ -97,16 +98,37 @@ class EngineCore:
             remote_prefill: decode worker: the prompt's KV comes from a prefill worker.
             stop_at_max_model_len: accept prompt + max_tokens > max_model_len and stop
                 there (the offline API's rule); servers reject such requests.
+            resume: a migrated request: only these choices, each continuing after its
+                ``output_token_ids`` (recomputed here, counted as output). Prefilled locally.
 
         Raises:
             ValidationError: the request breaks a rule (``pdserve.common.validation``).
             ValueError: a duplicate request_id.
         """
         check_request(prompt_token_ids, params, self.limits, stop_at_max_model_len)
+        if resume is not None:
+            return self._resume(request_id, prompt_token_ids, params, resume)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.runner.eos_token_ids,
                           max_model_len=self.runner.max_model_len, group_id=request_id)
         self.scheduler.add_request(request, remote_prefill=remote_prefill)
         return request
+
+    def _resume(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                resume: list[ResumedChoice]) -> Request:
+        """Queue each resumed choice as its own sample (no forking), its tokens so far already output."""
+        if not resume or len({c.index for c in resume}) != len(resume) or \
+                not all(0 <= c.index < params.n and len(c.output_token_ids) < params.max_tokens for c in resume):
+            raise ValidationError(f"resume must name distinct unfinished choices in [0, {params.n})", "resume")
+        requests = []
+        for choice in resume:
+            request = Request(request_id if choice.index == 0 else f"{request_id}#{choice.index}", prompt_token_ids,
+                              params, eos_token_ids=self.runner.eos_token_ids,
+                              max_model_len=self.runner.max_model_len, group_id=request_id, sample_index=choice.index)
+            request.output_token_ids = list(choice.output_token_ids)
+            request.forked = True  # its siblings come with the resume list, or finished already
+            self.scheduler.add_request(request)
+            requests.append(request)
+        return requests[0]
 
     def abort(self, group_id: str) -> list[Request]:
         """Finish every sample of a router request as aborted and free its blocks (idempotent)."""

@@ -15,7 +15,9 @@ nothing new to it and, once no request it holds still needs the worker, answers
 ``DrainWorker``; the worker then exits as soon as it is idle. A ``DrainWorker``
 the router sends on its own (``pdserve scale``, ``/admin/workers/ID/drain``)
 starts the same drain. Whatever is still unfinished after ``drain_timeout_s``
-fails with a 503 and the worker exits.
+is handed back and the worker exits: the router migrates a decode worker's
+requests to another one, and a prefill worker's requests are recomputed by
+their decode workers.
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ class WorkerBase:
         return not self.core.has_unfinished()
 
     def abandon_all(self, reason: str) -> int:
-        """Fail everything still held (drain timeout), freeing its blocks; returns how many requests."""
+        """Drop everything still held (drain timeout), freeing its blocks; returns how many requests.
+
+        ``reason`` goes to whoever must take the requests over (a prefill worker's decode workers)."""
         raise NotImplementedError
 
     def _auth(self) -> str | None:
@@ -171,7 +175,7 @@ class WorkerBase:
         elif now >= self._drain_deadline:
             n = self.abandon_all(f"{self.role.name.lower()} worker {self.worker_id} shut down before the request "
                                  f"finished (drain timeout {self.config.drain_timeout_s:g} s)")
-            logger.warning("%s %s: drain timed out; failed %d unfinished requests", self.role.name.lower(),
+            logger.warning("%s %s: drain timed out; handing back %d unfinished requests", self.role.name.lower(),
                            self.worker_id, n)
             self._send_exiting("drain timed out")
             self._stop.set()

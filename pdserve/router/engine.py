@@ -19,7 +19,21 @@ its KV) it is sent ``DrainWorker`` and exits when idle. Its ``WorkerExiting``
 removes it from the pool at once, as it does for a worker stopped any other way.
 
 A request's queue yields ``RequestDelta``s from its decode worker, or one
-``RequestFailed`` if that worker died or the router stopped. Deltas for a
+``RequestFailed`` if it cannot finish (the router stopped, or no decode worker
+took it over in time).
+
+Migration: when a decode worker is lost (its connection drops, as the PUSH
+socket's monitor sees at once; it exits or re-registers as a new process; it
+goes silent past ``worker_timeout_s``; its step loop is stuck), each request it
+held moves to a live decode worker as a ``GenerateRequest`` with ``resume``:
+every unfinished choice continues after the tokens the client already has, so
+the stream goes on with no error and no token repeated or missing (greedy
+output is what an undisturbed run gives; seeded sampling too, as each position's
+draw depends only on the seed, the choice and the position). Deltas from the
+old worker are dropped from then on. With no live decode worker the request
+waits up to ``worker_wait_s`` for one; a request migrated ``max_migrations``
+times fails (a request that kills every worker it lands on must not take the
+pool down). Deltas for a
 request the router no longer knows (failed over, timed out, aborted while the
 deltas were in flight) that are not final get an ``AbortRequest`` back to
 their worker, so no worker keeps decoding for nobody. A request with
@@ -34,13 +48,17 @@ import collections
 import dataclasses
 import logging
 
+import time
+from collections.abc import Callable
+
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.common.protocol import (AbortRequest, DrainWorker, GenerateRequest, Heartbeat, RegisterWorker,
-                                     RequestDelta, RequestOutputs, SamplingParams, WorkerDraining, WorkerExiting,
-                                     WorkerRole)
+                                     RequestDelta, RequestOutputs, ResumedChoice, SamplingParams, WorkerDraining,
+                                     WorkerExiting, WorkerRole)
 from pdserve.common.auth import token_matches
 from pdserve.common.transport import ProtocolError, decode, encode
 from pdserve.router.metrics import WorkerStatsCollector
@@ -62,14 +80,26 @@ class RequestHandle:
     """One in-flight request: where it runs and where its outputs arrive."""
 
     request_id: str
-    decode_worker_id: str
-    decode_addr: str
+    decode_worker_id: str | None  # None while it waits for a decode worker to migrate to
+    decode_addr: str | None
     prefill_worker_id: str | None
     queue: asyncio.Queue  # RequestDelta | RequestFailed
     num_choices: int = 1
     finished_choices: set[int] = dataclasses.field(default_factory=set)  # finished at the worker
     prefill_addr: str | None = None
     prefill_pending: bool = False  # its prefill worker has not delivered the KV yet (no delta seen)
+    prompt_token_ids: list[int] = dataclasses.field(default_factory=list)
+    sampling_params: SamplingParams | None = None
+    output_token_ids: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # per choice, delivered
+    num_migrations: int = 0
+    stranded_at: float | None = None  # lost its worker and found no other yet (time.monotonic())
+    lost_reason: str = ""  # why it last lost its decode worker
+    lost_worker_id: str | None = None  # the decode worker it last lost
+
+    @property
+    def worker_label(self) -> str:
+        """The decode worker to name in metrics and errors (the lost one while it waits)."""
+        return self.decode_worker_id or self.lost_worker_id or "none"
 
 
 class RouterEngine:
@@ -81,6 +111,9 @@ class RouterEngine:
         registry: the worker registry to feed and route with.
         worker_stats: where heartbeats' ``WorkerStats`` go for ``/metrics`` (optional).
         cluster_secret: admit only registrations whose token proves the secret (``pdserve.common.auth``).
+        worker_wait_s: how long a request that lost its decode worker waits for another.
+        max_migrations: a request is migrated at most this many times, then fails.
+        on_migration: called with (lost worker id, reason) for each request migrated (metrics).
     """
 
     _SNDHWM = 100_000
@@ -88,8 +121,14 @@ class RouterEngine:
     _MAX_ORPHANS = 4096  # request ids remembered as aborted-for-orphan-deltas (bounds the memory)
 
     def __init__(self, host: str, zmq_port: int, registry: WorkerRegistry,
-                 worker_stats: WorkerStatsCollector | None = None, cluster_secret: str | None = None):
+                 worker_stats: WorkerStatsCollector | None = None, cluster_secret: str | None = None,
+                 worker_wait_s: float = 10.0, max_migrations: int = 3,
+                 on_migration: Callable[[str, str], None] | None = None):
         self.host = host
+        self.worker_wait_s = worker_wait_s
+        self.max_migrations = max_migrations
+        self.on_migration = on_migration
+        self.num_migrations = 0
         self.cluster_secret = cluster_secret
         self.num_refused_registrations = 0
         self.zmq_port = zmq_port
@@ -100,6 +139,7 @@ class RouterEngine:
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._push: dict[str, zmq.asyncio.Socket] = {}
+        self._monitors: dict[str, asyncio.Task] = {}  # per PUSH socket: watches for its peer's disconnect
         self._outbox: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,9 +179,8 @@ class RouterEngine:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        for sock in self._push.values():
-            sock.close(linger=100)
-        self._push.clear()
+        for addr in list(self._push):
+            self._close_socket(addr, linger=100)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
@@ -162,7 +201,8 @@ class RouterEngine:
                                prefill_worker.worker_id if prefill_worker else None, asyncio.Queue(),
                                num_choices=sampling_params.n,
                                prefill_addr=prefill_worker.input_addr if prefill_worker else None,
-                               prefill_pending=prefill_worker is not None)
+                               prefill_pending=prefill_worker is not None, prompt_token_ids=prompt_token_ids,
+                               sampling_params=sampling_params)
         self._requests[request_id] = handle
         decode_worker.num_inflight += 1
         decode_worker.num_routed += 1
@@ -189,7 +229,8 @@ class RouterEngine:
         if handle is None:
             return
         self._release(handle)
-        if self.registry.get(handle.decode_worker_id) is not None:
+        worker = self.registry.get(handle.decode_worker_id) if handle.decode_worker_id else None
+        if worker is not None:
             self._send(handle.decode_addr, AbortRequest(request_id=request_id))
 
     def abort_all(self, message: str) -> None:
@@ -205,7 +246,7 @@ class RouterEngine:
 
     def _release(self, handle: RequestHandle) -> None:
         self._release_prefill(handle)
-        worker = self.registry.get(handle.decode_worker_id)
+        worker = self.registry.get(handle.decode_worker_id) if handle.decode_worker_id else None
         if worker is not None and worker.input_addr == handle.decode_addr:
             worker.num_inflight = max(0, worker.num_inflight - 1)
             self._maybe_send_drain(worker)
@@ -264,8 +305,8 @@ class RouterEngine:
         self.registry.remove(msg.worker_id)
         logger.info("%s worker %s left the pool (%s)", worker.role.name.lower(), msg.worker_id,
                     msg.reason or "exiting")
-        self._fail_worker_requests(worker, f"{worker.role.name.lower()} worker {msg.worker_id} exited "
-                                           f"({msg.reason or 'stopped'})")
+        self._worker_lost(worker, f"{worker.role.name.lower()} worker {msg.worker_id} exited "
+                                  f"({msg.reason or 'stopped'})")
 
     def _authentic(self, msg: RegisterWorker | WorkerDraining | WorkerExiting) -> bool:
         """With a cluster secret: whether ``msg`` proves it (a stranger cannot join, drain or remove a worker)."""
@@ -278,15 +319,69 @@ class RouterEngine:
                            msg.worker_id, msg.input_addr)
         return False
 
-    def _fail_worker_requests(self, worker: WorkerInfo, message: str) -> None:
+    def _worker_lost(self, worker: WorkerInfo, reason: str) -> None:
+        """``worker`` cannot finish its requests (gone, or stuck): migrate each one it holds."""
+        lost = [h for h in self._requests.values()
+                if h.decode_worker_id == worker.worker_id and h.decode_addr == worker.input_addr]
+        still_registered = self.registry.get(worker.worker_id) is worker
+        for handle in lost:
+            if still_registered:  # stuck, not gone: it must not keep the blocks when it wakes up
+                worker.num_inflight = max(0, worker.num_inflight - 1)
+                self._send(worker.input_addr, AbortRequest(request_id=handle.request_id))
+            self._migrate(handle, reason)
+        if not still_registered:
+            self._close_socket(worker.input_addr)
+
+    def _migrate(self, handle: RequestHandle, reason: str) -> None:
+        """Move ``handle`` to a live decode worker, resuming its unfinished choices; or strand it."""
+        self._release_prefill(handle)  # the new worker recomputes the prompt itself
+        lost_worker = handle.lost_worker_id = handle.decode_worker_id or handle.lost_worker_id
+        handle.decode_worker_id = handle.decode_addr = None
+        if handle.num_migrations >= self.max_migrations:
+            self._fail(handle, f"{reason}; the request was already moved {handle.num_migrations} times, "
+                               "giving up")
+            return
+        params = handle.sampling_params
+        needed = len(handle.prompt_token_ids) + params.max_tokens
+        target = self.registry.pick(WorkerRole.DECODE, lambda w: w.max_model_len <= 0 or w.max_model_len >= needed)
+        if target is None:
+            if handle.stranded_at is None:
+                handle.stranded_at, handle.lost_reason = time.monotonic(), reason
+                logger.warning("request %s: %s; waiting up to %.0f s for a decode worker", handle.request_id,
+                               reason, self.worker_wait_s)
+            return
+        handle.stranded_at = None
+        handle.num_migrations += 1
+        handle.decode_worker_id, handle.decode_addr = target.worker_id, target.input_addr
+        target.num_inflight += 1
+        target.num_routed += 1
+        resume = [ResumedChoice(index=i, output_token_ids=list(handle.output_token_ids.get(i, [])))
+                  for i in range(handle.num_choices) if i not in handle.finished_choices]
+        self._send(target.input_addr, GenerateRequest(request_id=handle.request_id,
+                                                      prompt_token_ids=handle.prompt_token_ids,
+                                                      sampling_params=params, resume=resume))
+        self.num_migrations += 1
+        if self.on_migration is not None:
+            self.on_migration(lost_worker or "", reason)
+        logger.warning("request %s: %s; migrated to decode worker %s (%s)", handle.request_id, reason,
+                       target.worker_id, ", ".join(f"choice {c.index} after {len(c.output_token_ids)} tokens"
+                                                   for c in resume))
+
+    def _fail(self, handle: RequestHandle, message: str) -> None:
+        self._requests.pop(handle.request_id, None)
+        self._release(handle)
+        handle.queue.put_nowait(RequestFailed(message))
+
+    def _retry_stranded(self, now: float) -> None:
+        """Migrate requests still waiting for a decode worker; fail those past ``worker_wait_s``."""
         for handle in list(self._requests.values()):
-            if handle.decode_worker_id == worker.worker_id and handle.decode_addr == worker.input_addr:
-                del self._requests[handle.request_id]
-                self._release_prefill(handle)
-                handle.queue.put_nowait(RequestFailed(message))
-        sock = self._push.pop(worker.input_addr, None)
-        if sock is not None:
-            sock.close(linger=0)
+            if handle.stranded_at is None:
+                continue
+            if now - handle.stranded_at > self.worker_wait_s:
+                self._fail(handle, f"{handle.lost_reason}; no other decode worker took the request within "
+                                   f"{self.worker_wait_s:g} s")
+            else:
+                self._migrate(handle, "resuming on a decode worker that joined")
 
     # --- sockets --------------------------------------------------------------------------
 
@@ -295,18 +390,56 @@ class RouterEngine:
             raise RuntimeError("RouterEngine.start() was not called")
         self._outbox.put_nowait((addr, encode(msg)))
 
+    def _socket(self, addr: str) -> zmq.asyncio.Socket:
+        """The PUSH socket to ``addr`` (connected on first use), watched for its peer's disconnect."""
+        sock = self._push.get(addr)
+        if sock is None:
+            assert self._ctx is not None
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self._SNDHWM)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            sock.connect(addr)
+            self._push[addr] = sock
+            self._monitors[addr] = asyncio.create_task(self._watch(addr, monitor), name=f"router-watch-{addr}")
+        return sock
+
+    def _close_socket(self, addr: str, linger: int = 0) -> None:
+        task = self._monitors.pop(addr, None)
+        if task is not None:
+            task.cancel()
+        sock = self._push.pop(addr, None)
+        if sock is not None:
+            sock.disable_monitor()
+            sock.close(linger=linger)
+
+    async def _watch(self, addr: str, monitor: zmq.asyncio.Socket) -> None:
+        """A worker's process died or its host went away: its TCP connection drops at once."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._connection_lost(addr)
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        finally:
+            monitor.close(linger=0)
+
+    def _connection_lost(self, addr: str) -> None:
+        worker = next((w for w in self.registry.all() if w.input_addr == addr), None)
+        if worker is None:
+            return
+        self.registry.remove(worker.worker_id)
+        logger.warning("%s worker %s: connection lost; removed from the pool", worker.role.name.lower(),
+                       worker.worker_id)
+        self._worker_lost(worker, f"{worker.role.name.lower()} worker {worker.worker_id} disconnected")
+
     async def _send_loop(self) -> None:
         assert self._outbox is not None and self._ctx is not None
         while True:
             addr, frames = await self._outbox.get()
             try:
-                sock = self._push.get(addr)
-                if sock is None:
-                    sock = self._ctx.socket(zmq.PUSH)
-                    sock.setsockopt(zmq.LINGER, 0)
-                    sock.setsockopt(zmq.SNDHWM, self._SNDHWM)
-                    sock.connect(addr)
-                    self._push[addr] = sock
+                sock = self._socket(addr)
                 await sock.send_multipart(frames, copy=False)
             except Exception as e:  # e.g. the socket was closed because its worker died
                 logger.error("sending to %s failed: %s", addr, e)
@@ -350,11 +483,13 @@ class RouterEngine:
             if not self._authentic(msg):
                 return
             replaced = self.registry.register(msg)
+            self._socket(msg.input_addr)  # connect now: a dead worker is seen at once, not at the next send
+            if msg.role == WorkerRole.DECODE:
+                self._retry_stranded(time.monotonic())
             if replaced is not None:
                 if self.worker_stats is not None:
                     self.worker_stats.observe_restart(replaced.worker_id, replaced.role)
-                self._fail_worker_requests(
-                    replaced, f"worker {replaced.worker_id} restarted; its requests were lost")
+                self._worker_lost(replaced, f"worker {replaced.worker_id} restarted")
         else:
             logger.warning("router got an unexpected %s message; dropped", type(msg).__name__)
 
@@ -364,10 +499,13 @@ class RouterEngine:
             if delta.finish_reason is None:
                 self._abort_orphan(delta.request_id, worker_id)
             return
+        if worker_id != handle.decode_worker_id:  # from a worker the request was migrated away from
+            return
         if not 0 <= delta.index < handle.num_choices:
             logger.warning("request %s: delta for choice %d of %d dropped", delta.request_id,
                            delta.index, handle.num_choices)
             return
+        handle.output_token_ids.setdefault(delta.index, []).extend(delta.new_token_ids)
         self._release_prefill(handle)  # a delta means the prompt's KV is in the decode worker
         if delta.finish_reason is not None:
             handle.finished_choices.add(delta.index)
@@ -395,6 +533,7 @@ class RouterEngine:
         while True:
             await asyncio.sleep(interval)
             for worker, reason in self.registry.expire():
-                self._fail_worker_requests(worker, reason)
+                self._worker_lost(worker, reason)
+            self._retry_stranded(time.monotonic())
             for worker in self.registry.all():
                 self._maybe_send_drain(worker)

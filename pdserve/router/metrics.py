@@ -23,6 +23,8 @@ From the router's own clock (``RouterMetrics``; ``worker`` = the request's
 decode worker, ``role="decode"``):
 
     counter    vllm:request_success{finished_reason=stop|length|abort|error}, one per choice
+    counter    pdserve:request_migrations{worker=<the decode worker it left>}: requests moved to
+               another decode worker because theirs was lost
     histograms vllm:time_to_first_token_seconds (arrival -> first token of any choice),
                vllm:inter_token_latency_seconds (between a choice's deltas, usually one token),
                vllm:e2e_request_latency_seconds, vllm:request_prompt_tokens,
@@ -206,12 +208,18 @@ class RouterMetrics:
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "End-to-end request latency in seconds (any finish).",
                              _WORKER_LABELS, buckets=_E2E_BUCKETS, registry=reg)
+        self.migrations = Counter(
+            "pdserve:request_migrations", "Requests moved to another decode worker because theirs was lost.",
+            ["model_name", "worker"], registry=reg)
         token_buckets = _one_two_five_buckets(max_model_len)
         self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
                                        _WORKER_LABELS, buckets=token_buckets, registry=reg)
         self.generation_tokens = Histogram(
             "vllm:request_generation_tokens", "Generated tokens per request (all choices).",
             _WORKER_LABELS, buckets=token_buckets, registry=reg)
+
+    def observe_migration(self, lost_worker_id: str, reason: str) -> None:
+        self.migrations.labels(self.model_name, lost_worker_id).inc()
 
     def _labels(self, decode_worker_id: str) -> tuple[str, str, str]:
         return self.model_name, decode_worker_id, "decode"

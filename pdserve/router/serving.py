@@ -318,12 +318,12 @@ class OpenAIServing:
         if status == 400:
             return bad_request(message)
         return APIError(status, f"request {run.request_id} failed on decode worker "
-                                f"{run.handle.decode_worker_id}: {message}")
+                                f"{run.handle.worker_label}: {message}")
 
     def _observe_timing(self, run: _Run, delta: RequestDelta) -> None:
         if not delta.new_token_ids:
             return
-        now, worker_id = time.monotonic(), run.handle.decode_worker_id
+        now, worker_id = time.monotonic(), run.handle.worker_label
         if run.first_token_at is None:
             run.first_token_at = now
             self.metrics.observe_first_token(worker_id, now - run.arrival)
@@ -337,7 +337,7 @@ class OpenAIServing:
         there) and record its end; choices cut short count as ``run.failure`` or abort."""
         self.engine.abort(run.request_id)
         self.metrics.observe_request(
-            run.handle.decode_worker_id, time.monotonic() - run.arrival, run.num_prompt_tokens,
+            run.handle.worker_label, time.monotonic() - run.arrival, run.num_prompt_tokens,
             run.num_output_tokens, [c.finish_reason or run.failure or "abort" for c in run.choices])
 
     async def _collect(self, run: _Run, raw: Request) -> bool:
