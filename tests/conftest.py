@@ -1,6 +1,12 @@
-import pytest
+import os
 
-from pdserve.models.tiny_model import write_tiny_model
+# Ray reads this once, when it is first imported (by whichever test module comes first): a node's
+# address is then 127.0.0.1, so a local Ray cluster in the tests never leaves loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest  # noqa: E402
+
+from pdserve.models.tiny_model import write_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
