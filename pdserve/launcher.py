@@ -371,11 +371,10 @@ class LocalCluster(ClusterLauncher):
         return handle.poll()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGINT every worker (exit now, no drain) and SIGTERM the router; SIGKILL what is left after
-        ``timeout_s``."""
+        """SIGINT every process (exit now: SIGTERM would drain them); SIGKILL what is left after ``timeout_s``."""
         for name, proc in self.procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM if name == "router" else signal.SIGINT)
+                proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + timeout_s
         for _, proc in self.procs:
             try:

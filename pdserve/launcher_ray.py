@@ -191,7 +191,7 @@ class RayCluster(ClusterLauncher):
             self._remove_worker(worker.handle)
         self.workers = {}
         if self.router is not None:
-            ray.get(self.router.stop.remote(signal.SIGTERM))
+            ray.get(self.router.stop.remote())
             ray.kill(self.router)
             self.router = None
         if self._started_ray:

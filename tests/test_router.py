@@ -972,3 +972,33 @@ def test_a_worker_shutting_down_asks_to_drain_and_strangers_cannot_remove_it(mod
             assert [w["state"] for w in pools["decode"]["workers"]] == ["draining"]
         finally:
             member.close()
+
+
+def test_bounded_admission_answers_503_with_retry_after_at_once(model_dir, tok):
+    config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=30, max_num_waiting_requests=2)
+    with TestClient(build_app(config)) as client:
+        worker = FakeDecodeWorker(client.get("/info").json()["zmq_address"])
+        try:
+            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
+            worker.script = tok.encode(" one two")
+            worker.heartbeating = False  # holds every request before its first token
+            results = []
+            threads = [threading.Thread(target=lambda: results.append(client.post(
+                "/v1/completions", json={**COMPLETION, "max_tokens": 2}))) for _ in range(2)]
+            for t in threads:
+                t.start()
+            wait_for(lambda: len(worker.requests()) == 2)
+            started = time.monotonic()
+            resp = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
+            assert time.monotonic() - started < 1.0  # refused at once, not queued
+            err = error_of(resp, 503)
+            assert "overloaded" in err["message"] and resp.headers["retry-after"] == "1"
+            assert len(worker.requests()) == 2  # the refused request never reached a worker
+            assert 'pdserve:requests_rejected_total{model_name="tiny"} 1.0' in client.get("/metrics").text
+            worker.heartbeating = True
+            for t in threads:
+                t.join(timeout=10)
+            assert [r.status_code for r in results] == [200, 200]
+            assert client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2}).status_code == 200
+        finally:
+            worker.close()

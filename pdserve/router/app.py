@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 
 def _error_json(err: APIError) -> JSONResponse:
-    return JSONResponse(err.to_response().model_dump(), status_code=err.status_code)
+    return JSONResponse(err.to_response().model_dump(), status_code=err.status_code, headers=err.headers or None)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -152,8 +152,11 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "num_prefill": registry.num_live(WorkerRole.PREFILL),
+        """200 ``{"status": "ok", ...}``; 503 ``"draining"`` once SIGTERM started the router's drain."""
+        body = {"status": "draining" if serving.draining else "ok",
+                "num_prefill": registry.num_live(WorkerRole.PREFILL),
                 "num_decode": registry.num_live(WorkerRole.DECODE)}
+        return JSONResponse(body, status_code=503 if serving.draining else 200)
 
     @app.get("/workers")
     async def workers():

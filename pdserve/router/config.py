@@ -46,6 +46,11 @@ class RouterConfig:
             longer than this is stuck: nothing is routed to it and its requests fail.
         worker_wait_s: a request that finds no decode worker waits this long for one to register
             (a pool being scaled, a worker restarting) before it fails with 503; 0: fail at once.
+        max_num_waiting_requests: admit a request only while fewer than this many are waiting for
+            their first token (None: no bound); past it, 503 with ``Retry-After`` at once.
+        max_num_waiting_tokens: the same bound on the prompt tokens of the waiting requests.
+        shutdown_timeout_s: on SIGTERM the router drains: ``/health`` answers 503, new requests get
+            503, and in-flight ones may finish for this long before they fail. SIGINT stops at once.
         log_level: uvicorn / logging level name.
         api_key: clients must send ``Authorization: Bearer <api_key>`` on ``/v1/*`` (None: open);
             default ``$PDSERVE_API_KEY``.
@@ -62,6 +67,9 @@ class RouterConfig:
     worker_timeout_s: float = 10.0
     step_timeout_s: float = 300.0
     worker_wait_s: float = 10.0
+    max_num_waiting_requests: int | None = None
+    max_num_waiting_tokens: int | None = None
+    shutdown_timeout_s: float = 30.0
     log_level: str = "info"
     api_key: str | None = None
     cluster_secret: str | None = None
@@ -88,6 +96,11 @@ class RouterConfig:
             raise ValueError(f"step_timeout_s must be > 0, got {self.step_timeout_s}")
         if not self.worker_wait_s >= 0:
             raise ValueError(f"worker_wait_s must be >= 0, got {self.worker_wait_s}")
+        for name in ("max_num_waiting_requests", "max_num_waiting_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         self.log_level = self.log_level.lower()
         self.api_key = from_env(self.api_key, API_KEY_ENV)
         self.cluster_secret = from_env(self.cluster_secret, CLUSTER_SECRET_ENV)
@@ -113,6 +126,13 @@ class RouterConfig:
                             "before the worker counts as stuck (its heartbeats report it)")
         g.add_argument("--worker-wait-s", type=float, default=cls.worker_wait_s,
                        help="a request that finds no decode worker waits this long for one before the 503")
+        g.add_argument("--max-num-waiting-requests", type=int, default=None,
+                       help="503 + Retry-After at once while this many requests wait for their first token")
+        g.add_argument("--max-num-waiting-tokens", type=int, default=None,
+                       help="the same bound on the prompt tokens of the waiting requests")
+        g.add_argument("--shutdown-timeout", type=float, default=cls.shutdown_timeout_s, dest="shutdown_timeout_s",
+                       help="SIGTERM: refuse new requests (/health 503) and let in-flight ones finish for this "
+                            "many seconds; SIGINT stops at once")
         g.add_argument("--api-key", default=None,
                        help="require Authorization: Bearer KEY on /v1/* and /admin/* (default: $PDSERVE_API_KEY)")
         g.add_argument("--cluster-secret", default=None,

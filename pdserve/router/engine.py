@@ -191,6 +191,11 @@ class RouterEngine:
     def num_inflight(self) -> int:
         return len(self._requests)
 
+    def waiting_load(self) -> tuple[int, int]:
+        """(requests, their prompt tokens) sent to a worker that have not had a token back yet."""
+        waiting = [h for h in self._requests.values() if not h.output_token_ids]
+        return len(waiting), sum(len(h.prompt_token_ids) for h in waiting)
+
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                decode_worker: WorkerInfo, prefill_worker: WorkerInfo | None) -> RequestHandle:
         """Send a request to ``decode_worker``, naming ``prefill_worker`` (None: D prefills locally).

@@ -19,8 +19,9 @@ class APIError(Exception):
     """
 
     def __init__(self, status_code: int, message: str, param: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers or {}
         self.status_code = status_code
         self.message = message
         self.param = param

@@ -23,6 +23,7 @@ From the router's own clock (``RouterMetrics``; ``worker`` = the request's
 decode worker, ``role="decode"``):
 
     counter    vllm:request_success{finished_reason=stop|length|abort|error}, one per choice
+    counter    pdserve:requests_rejected: refused at admission (``--max-num-waiting-*``)
     counter    pdserve:request_migrations{worker=<the decode worker it left>}: requests moved to
                another decode worker because theirs was lost
     histograms vllm:time_to_first_token_seconds (arrival -> first token of any choice),
@@ -211,6 +212,9 @@ class RouterMetrics:
         self.migrations = Counter(
             "pdserve:request_migrations", "Requests moved to another decode worker because theirs was lost.",
             ["model_name", "worker"], registry=reg)
+        self.num_rejected = Counter(
+            "pdserve:requests_rejected", "Requests refused at admission (503 + Retry-After): too many waiting.",
+            ["model_name"], registry=reg)
         token_buckets = _one_two_five_buckets(max_model_len)
         self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
                                        _WORKER_LABELS, buckets=token_buckets, registry=reg)

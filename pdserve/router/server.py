@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 
 import uvicorn
 
@@ -15,17 +16,39 @@ from pdserve.router.config import RouterConfig
 
 
 class _RouterServer(uvicorn.Server):
-    """uvicorn's server, plus: on SIGINT/SIGTERM fail in-flight requests at once
-    (503 / an error event, and AbortRequest to their workers) instead of waiting
-    for them, and return normally (exit status 0) rather than re-raising the signal."""
+    """uvicorn's server, plus a drain, and a clean exit status.
 
-    def __init__(self, config: uvicorn.Config, on_exit):
+    SIGTERM (Kubernetes, a supervisor) drains: ``on_drain()`` makes ``/health``
+    answer 503 and new requests get 503, and in-flight requests may finish for
+    up to ``shutdown_timeout_s``; then, or on SIGINT, or on a second signal,
+    ``on_exit()`` fails what is left (503 / an error event, and AbortRequest to
+    their workers) and the server stops. Returns normally (exit status 0)
+    rather than re-raising the signal.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_drain, on_exit, num_inflight, shutdown_timeout_s: float):
         super().__init__(config)
-        self._on_exit = on_exit
+        self._on_drain, self._on_exit, self._num_inflight = on_drain, on_exit, num_inflight
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._draining = False
 
     def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and not self._draining and self._shutdown_timeout_s > 0:
+            self._draining = True
+            self._on_drain()
+            threading.Thread(target=self._drain, name="router-drain", daemon=True).start()
+            return
         self._on_exit()
         super().handle_exit(sig, frame)
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + self._shutdown_timeout_s
+        while self._num_inflight() > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        logging.getLogger(__name__).info("router drained (%d requests still in flight); stopping",
+                                         self._num_inflight())
+        self._on_exit()
+        super().handle_exit(signal.SIGTERM, None)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -44,17 +67,25 @@ class _RouterServer(uvicorn.Server):
 def run_router(config: RouterConfig) -> None:
     """Serve HTTP and ZMQ until SIGTERM/SIGINT (blocking), then return.
 
-    On the signal, in-flight requests fail with 503 (streams: an error event),
-    are aborted at their decode workers, and all sockets are closed.
+    SIGTERM drains first (``/health`` 503, new requests 503, in-flight ones finish within
+    ``config.shutdown_timeout_s``). Then, or at once on SIGINT, what is left fails with 503
+    (streams: an error event) and is aborted at its decode workers, and all sockets are closed.
     """
     logging.basicConfig(level=config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = build_app(config)
-    engine = app.state.engine
+    engine, serving = app.state.engine, app.state.serving
+
+    def on_drain() -> None:
+        serving.draining = True
+        logging.getLogger(__name__).info("SIGTERM: draining %d in-flight requests (at most %.0f s)",
+                                         engine.num_inflight, config.shutdown_timeout_s)
+
     server = _RouterServer(
         uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                        timeout_graceful_shutdown=5, access_log=config.log_level == "debug"),
-        on_exit=lambda: engine.abort_all_threadsafe("the router is shutting down"))
+        on_drain=on_drain, on_exit=lambda: engine.abort_all_threadsafe("the router is shutting down"),
+        num_inflight=lambda: engine.num_inflight, shutdown_timeout_s=config.shutdown_timeout_s)
     server.run()
 
 

@@ -119,6 +119,7 @@ class OpenAIServing:
         self.engine = engine
         self.metrics = metrics
         self.token_texts = TokenTexts(tokenizer)
+        self.draining = False  # SIGTERM: refuse new requests, let in-flight ones finish
 
     # --- endpoints ------------------------------------------------------------------------
 
@@ -201,6 +202,9 @@ class OpenAIServing:
         With no decode worker live (a pool being scaled or restarted), wait up to
         ``config.worker_wait_s`` for one before the 503.
         """
+        if self.draining:
+            raise APIError(503, "The router is shutting down; send the request to another replica.")
+        self._admit(len(prompt_ids))
         deadline = time.monotonic() + self.config.worker_wait_s
         while True:
             try:
@@ -220,6 +224,23 @@ class OpenAIServing:
                      request_id, len(prompt_ids), params.n, params.max_tokens, handle.decode_worker_id)
         return _Run(f"{id_prefix}-{request_id}", handle, choices, len(prompt_ids), params.logprobs,
                     arrival)
+
+    def _admit(self, num_prompt_tokens: int) -> None:
+        """Bounded admission: 503 with ``Retry-After`` at once when the waiting queue is full.
+
+        Waiting = sent to a worker and no token back yet (queued for prefill, prefilling, or
+        waiting for its KV): what more load would only lengthen.
+        """
+        cfg = self.config
+        if cfg.max_num_waiting_requests is None and cfg.max_num_waiting_tokens is None:
+            return
+        num_requests, num_tokens = self.engine.waiting_load()
+        if (cfg.max_num_waiting_requests is not None and num_requests >= cfg.max_num_waiting_requests) or \
+                (cfg.max_num_waiting_tokens is not None and num_tokens + num_prompt_tokens > cfg.max_num_waiting_tokens
+                 and num_requests > 0):
+            self.metrics.num_rejected.labels(self.model_name).inc()
+            raise APIError(503, f"The server is overloaded: {num_requests} requests ({num_tokens} prompt tokens) "
+                                "are waiting for their first token; retry shortly.", headers={"Retry-After": "1"})
 
     def worker_limits(self, worker: WorkerInfo) -> EngineLimits:
         """What ``worker`` advertised, capped by the router's own ``max_model_len`` and by the
