@@ -1002,3 +1002,22 @@ def test_bounded_admission_answers_503_with_retry_after_at_once(model_dir, tok):
             assert client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2}).status_code == 200
         finally:
             worker.close()
+
+
+def test_request_timeout_aborts_at_the_worker_and_answers_504(model_dir, tok):
+    config = RouterConfig(model=model_dir, zmq_port=0, request_timeout_s=0.5)
+    with TestClient(build_app(config)) as client:
+        worker = FakeDecodeWorker(client.get("/info").json()["zmq_address"])
+        try:
+            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
+            worker.script, worker.delay_s = tok.encode(" one two three"), 1.0  # 2 s: past the timeout
+            started = time.monotonic()
+            err = error_of(client.post("/v1/completions", json={**COMPLETION, "max_tokens": 3}), 504)
+            assert "--request-timeout" in err["message"] and time.monotonic() - started < 2.0
+            wait_for(lambda: len(worker.aborted) == 1)  # its blocks are freed at the worker
+            body = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 3, "stream": True}).text
+            assert body.count("data: ") >= 2 and '"code":504' in body.replace(" ", "")
+            worker.delay_s = 0.0
+            assert client.post("/v1/completions", json={**COMPLETION, "max_tokens": 3}).status_code == 200
+        finally:
+            worker.close()

@@ -276,11 +276,25 @@ class DecodeWorker(WorkerBase):
         for request in scheduler_output.remote_prefills:
             self._send_remote_prefill(request)
         if scheduler_output.scheduled:
-            runner_output = self.core.execute(scheduler_output)
-            for output in self.core.update(scheduler_output, runner_output):
-                self._emit(output)
+            try:
+                runner_output = self.core.execute(scheduler_output)
+            except Exception as e:  # noqa: BLE001  one failing batch must not take the worker down
+                if self.core.world_size > 1:
+                    raise  # the ranks may be mid-collective: leave, the router migrates the requests
+                self._fail_step(scheduler_output, e)
+            else:
+                for output in self.core.update(scheduler_output, runner_output):
+                    self._emit(output)
         self._flush()
         return not scheduler_output.is_empty()
+
+    def _fail_step(self, scheduler_output, error: Exception) -> None:
+        """Fail the requests of a step whose forward or sampling raised (500), free their blocks, go on."""
+        logger.exception("decode step over %d requests failed; failing them", len(scheduler_output.scheduled))
+        for group_id in self.core.fail_step(scheduler_output):
+            self._abort(group_id)
+            self._deltas.append(error_delta(group_id, f"the forward pass failed: {type(error).__name__}: {error}",
+                                            ErrorKind.INTERNAL))
 
     def _emit(self, output: EngineCoreOutput) -> None:
         request, finished = output.request, output.finished

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from pdserve.common import faults
 from pdserve.common.protocol import KVStepOps, ResumedChoice, SamplingParams, TokenLogprob, WorkerStats
 from pdserve.common.validation import EngineLimits, ValidationError, check_request
 from pdserve.engine.block_manager import BlockManager
@@ -154,12 +155,23 @@ class EngineCore:
         ``on_layer_done(layer_idx)`` is called once each layer's K/V are in the cache; ``kv_ops``
         is the step's KV transfer work for every rank's agent (``pdserve.kvtransfer.agent``).
         """
+        faults.check_forward([request.prompt_token_ids for request, _ in scheduler_output.scheduled])
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
                                      block_copies=scheduler_output.block_copies, kv_ops=kv_ops)
         if scheduler_output.scheduled:
             self.num_steps += 1
             self.max_step_batch_size = max(self.max_step_batch_size, len(scheduler_output.scheduled))
         return output
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """A step's forward or sampling raised: finish its requests as errors, freeing their blocks.
+
+        Returns the router request ids (groups) failed. Every sample of a group fails with it.
+        """
+        group_ids = list(dict.fromkeys(request.group_id for request, _ in scheduler_output.scheduled))
+        for group_id in group_ids:
+            self.scheduler.finish_group(group_id, RequestStatus.FINISHED_ERROR)
+        return group_ids
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance every scheduled request; finished ones are freed. One output per sampled token."""

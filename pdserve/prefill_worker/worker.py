@@ -204,7 +204,19 @@ class PrefillWorker(WorkerBase):
         if not scheduler_output.scheduled:
             return False
         sends = self._start_transfers(scheduler_output.scheduled)
-        runner_output = self.core.execute(scheduler_output, kv_ops=KVStepOps(sends=sends) if sends else None)
+        try:
+            runner_output = self.core.execute(scheduler_output, kv_ops=KVStepOps(sends=sends) if sends else None)
+        except Exception as e:  # noqa: BLE001  one failing batch must not take the worker down
+            if self.core.world_size > 1:
+                raise  # the ranks may be mid-collective: leave; decode workers recompute the prompts
+            logger.exception("prefill step over %d requests failed; handing them back",
+                             len(scheduler_output.scheduled))
+            for request_id in self.core.fail_step(scheduler_output):
+                transfer = self.transfers.pop(request_id, None)
+                origin = self.origin.pop(request_id, None) or (transfer.origin if transfer else None)
+                if origin is not None:  # its decode worker recomputes it (and fails it if that fails too)
+                    self._fail(origin, f"the prefill forward pass failed: {type(e).__name__}: {e}")
+            return True
         for plan in sends:
             transfer = self.transfers.get(plan.request_id)
             if transfer is None:

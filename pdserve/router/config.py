@@ -49,6 +49,8 @@ class RouterConfig:
         max_num_waiting_requests: admit a request only while fewer than this many are waiting for
             their first token (None: no bound); past it, 503 with ``Retry-After`` at once.
         max_num_waiting_tokens: the same bound on the prompt tokens of the waiting requests.
+        request_timeout_s: a request not finished this long after it arrived is aborted at its worker
+            (its blocks freed) and answered 504 (a stream: an error event). None: no limit.
         shutdown_timeout_s: on SIGTERM the router drains: ``/health`` answers 503, new requests get
             503, and in-flight ones may finish for this long before they fail. SIGINT stops at once.
         log_level: uvicorn / logging level name.
@@ -69,6 +71,7 @@ class RouterConfig:
     worker_wait_s: float = 10.0
     max_num_waiting_requests: int | None = None
     max_num_waiting_tokens: int | None = None
+    request_timeout_s: float | None = None
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
     api_key: str | None = None
@@ -99,6 +102,8 @@ class RouterConfig:
         for name in ("max_num_waiting_requests", "max_num_waiting_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         self.log_level = self.log_level.lower()
@@ -130,6 +135,8 @@ class RouterConfig:
                        help="503 + Retry-After at once while this many requests wait for their first token")
         g.add_argument("--max-num-waiting-tokens", type=int, default=None,
                        help="the same bound on the prompt tokens of the waiting requests")
+        g.add_argument("--request-timeout", type=float, default=None, dest="request_timeout_s",
+                       help="abort a request (504) not finished this many seconds after it arrived")
         g.add_argument("--shutdown-timeout", type=float, default=cls.shutdown_timeout_s, dest="shutdown_timeout_s",
                        help="SIGTERM: refuse new requests (/health 503) and let in-flight ones finish for this "
                             "many seconds; SIGINT stops at once")

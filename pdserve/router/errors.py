@@ -9,6 +9,7 @@ _TYPE_BY_STATUS = {
     404: "NotFoundError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
 }
 
 

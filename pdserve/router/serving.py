@@ -305,11 +305,21 @@ class OpenAIServing:
         """Yield each choice's deltas until every choice finished.
 
         Raises:
-            APIError: the worker failed the request or went away.
+            APIError: the worker failed the request or went away (5xx), or ``request_timeout_s`` passed (504).
             ClientDisconnected: the disconnect watcher fired.
         """
+        timeout_s = self.config.request_timeout_s
         while not run.done:
-            item = await run.handle.queue.get()
+            if timeout_s is None:
+                item = await run.handle.queue.get()
+            else:
+                try:
+                    item = await asyncio.wait_for(run.handle.queue.get(),
+                                                  max(0.0, run.arrival + timeout_s - time.monotonic()))
+                except asyncio.TimeoutError:
+                    run.failure = "abort"
+                    raise APIError(504, f"request {run.request_id} did not finish within --request-timeout "
+                                        f"({timeout_s:g} s); it was aborted") from None
             if item is _CLIENT_GONE:
                 run.failure = "abort"
                 raise ClientDisconnected()
