@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 import pdserve.kvtransfer.wire as wire
+from pdserve.common import faults
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.pair import KVPair
 from pdserve.kvtransfer.wire import KVTransferError
@@ -91,7 +92,25 @@ class OutgoingKV:
                                   f"{blocks.dtype}, layer 0 was {list(self._layer_spec[0])} {self._layer_spec[1]}")
         self._sent.append(blocks)
         self.num_bytes += blocks.numel() * blocks.element_size()
+        if (fault := faults.kv_send_fault(self.request_id)) is not None and not self._inject(fault, layer_idx, tensors):
+            return
         self.pair._enqueue(self, tensors, last=layer_idx == self.num_layers - 1)
+
+    def _inject(self, fault: dict, layer_idx: int, tensors: list[torch.Tensor]) -> bool:
+        """Test-only (``pdserve.common.faults``): misbehave as asked; False if nothing is to be sent."""
+        mode = fault["mode"]
+        if mode == "never":
+            return False
+        if mode == "delay" and layer_idx == 0:
+            time.sleep(float(fault.get("delay_s", 5.0)))
+        elif mode == "corrupt":  # the checksum stays that of the true layer (self._sent)
+            wrong = tensors[-1].clone()
+            wrong.view(-1)[0] += 1.0
+            tensors[-1] = wrong
+        elif mode == "truncate":  # half a layer: the receiver's buffer keeps stale bytes past the cut
+            flat = tensors[-1].reshape(-1)
+            tensors[-1] = flat[:flat.numel() // 2].clone()
+        return True
 
     def abort(self, reason: str) -> None:
         """Give up on this request. If some layers were never sent the stream is broken, so the pair closes."""

@@ -25,6 +25,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from pdserve.common import faults
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (AbortRequest, KVConnect, KVLayout, KVPieceSum, KVReset, KVSendPlan, KVStepOps,
                                      KVTransferHeader, RankReport, RankReportKind, RemotePrefillDone,
@@ -251,6 +252,7 @@ class PrefillWorker(WorkerBase):
                     block_size=runner.block_size, num_kv_heads=s.num_heads, head_dim=runner.head_dim, dtype=dtype,
                     num_tokens=request.num_tokens, first_block=first_block, prefill_rank=piece.prefill_rank,
                     decode_rank=piece.decode_rank, first_layer=s.layer_start, first_kv_head=s.head_start))
+            faults.mark_kv_send(request.request_id, origin.prompt_token_ids)
             self.transfers[request.request_id] = _Transfer(origin, pieces, time.monotonic())
             plans.append(KVSendPlan(request_id=request.request_id, seq_index=seq_index, first_block=first_block,
                                     num_blocks=num_blocks, decode_worker_id=origin.decode_worker_id,
