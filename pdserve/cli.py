@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -76,11 +77,26 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_now(code: int) -> None:
+    """Leave a worker or rank process once it has shut down cleanly, skipping interpreter teardown.
+
+    Its sockets are closed and its messages sent by now; what teardown would add is C++ static
+    destruction, which aborts the process ("terminate called without an active exception", exit -6)
+    while a gloo thread is still connecting a KV pair or a group, and a launcher would then see a
+    failure where there was a clean exit.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 def _cmd_rank(args: argparse.Namespace) -> int:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.ranks import serve_rank
 
-    return serve_rank(EngineConfig.from_cli_args(args))
+    _exit_now(serve_rank(EngineConfig.from_cli_args(args)))
+    return 0  # not reached
 
 
 def _cmd_worker(role: str, args: argparse.Namespace) -> int:
@@ -96,7 +112,8 @@ def _cmd_worker(role: str, args: argparse.Namespace) -> int:
     else:
         from pdserve.decode_worker.worker import DecodeWorker as Worker
     Worker(engine_config, worker_config).run()
-    return 0
+    _exit_now(0)
+    return 0  # not reached
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
