@@ -1021,3 +1021,12 @@ def test_request_timeout_aborts_at_the_worker_and_answers_504(model_dir, tok):
             assert client.post("/v1/completions", json={**COMPLETION, "max_tokens": 3}).status_code == 200
         finally:
             worker.close()
+
+
+def test_body_and_list_bounds_are_400_or_413_with_clear_messages(router):
+    err = error_of(router.post("/v1/completions", json={**COMPLETION, "stop": ["x"] * 65}), 400)
+    assert err["param"].startswith("stop") and "64" in err["message"]
+    error_of(router.post("/v1/completions", json={**COMPLETION, "stop_token_ids": list(range(1025))}), 400)
+    big = json.dumps({**COMPLETION, "prompt": "a" * (16 * 2**20)})
+    err = error_of(router.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413)
+    assert "at most" in err["message"]

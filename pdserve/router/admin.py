@@ -17,7 +17,7 @@ launcher (hand-joined workers, Kubernetes) grows by starting workers (or
 from __future__ import annotations
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pdserve.common.protocol import WorkerRole
 from pdserve.router.engine import RouterEngine
@@ -25,13 +25,20 @@ from pdserve.router.errors import APIError
 
 
 class ScaleRequest(BaseModel):
-    """Target pool sizes; a pool left out keeps its target."""
+    """Target pool sizes; a pool left out keeps its target (``true`` is not a pool size; ``3.0`` is 3)."""
 
     model_config = ConfigDict(extra="forbid")
 
     prefill: int | None = Field(default=None, ge=0, le=1024,
                                 description="prefill workers (0: decode workers prefill locally)")
     decode: int | None = Field(default=None, ge=1, le=1024, description="decode workers (at least 1)")
+
+    @field_validator("prefill", "decode", mode="before")
+    @classmethod
+    def _no_booleans(cls, value):
+        if isinstance(value, bool):
+            raise ValueError("must be a number of workers, not a boolean")
+        return value
 
 
 def add_admin_routes(app: FastAPI, engine: RouterEngine) -> None:

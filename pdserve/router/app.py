@@ -37,6 +37,7 @@ from transformers import AutoTokenizer
 from pdserve.common.auth import bearer_matches
 from pdserve.common.protocol import WorkerRole
 from pdserve.router.admin import add_admin_routes
+from pdserve.router.openapi import install_openapi
 from pdserve.router.config import RouterConfig
 from pdserve.router.engine import RouterEngine
 from pdserve.router.errors import APIError
@@ -105,6 +106,15 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     app.state.serving = serving
     app.state.metrics = metrics
 
+    @app.middleware("http")
+    async def _bounded_body(request: Request, call_next):
+        """413 before reading a body larger than ``--max-request-body-bytes``."""
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_request_body_bytes:
+            return _error_json(APIError(413, f"the request body is {length} bytes; this server accepts at most "
+                                             f"{config.max_request_body_bytes}"))
+        return await call_next(request)
+
     if config.api_key is not None:
         @app.middleware("http")
         async def _require_api_key(request: Request, call_next):
@@ -127,7 +137,8 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return _error_json(APIError(exc.status_code, str(exc.detail)))
+        """404, 405 (with its ``Allow`` header) and the like, in OpenAI's error shape."""
+        return _error_json(APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
@@ -176,4 +187,5 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
                 "max_model_len": serving.max_model_len(), "zmq_address": engine.address,
                 "worker_timeout_s": config.worker_timeout_s, "num_inflight": engine.num_inflight}
 
+    install_openapi(app, api_key_required=config.api_key is not None)
     return app

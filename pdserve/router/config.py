@@ -49,6 +49,7 @@ class RouterConfig:
         max_num_waiting_requests: admit a request only while fewer than this many are waiting for
             their first token (None: no bound); past it, 503 with ``Retry-After`` at once.
         max_num_waiting_tokens: the same bound on the prompt tokens of the waiting requests.
+        max_request_body_bytes: a request body larger than this (by ``Content-Length``) gets 413.
         request_timeout_s: a request not finished this long after it arrived is aborted at its worker
             (its blocks freed) and answered 504 (a stream: an error event). None: no limit.
         shutdown_timeout_s: on SIGTERM the router drains: ``/health`` answers 503, new requests get
@@ -71,6 +72,7 @@ class RouterConfig:
     worker_wait_s: float = 10.0
     max_num_waiting_requests: int | None = None
     max_num_waiting_tokens: int | None = None
+    max_request_body_bytes: int = 16 * 2**20
     request_timeout_s: float | None = None
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
@@ -135,6 +137,8 @@ class RouterConfig:
                        help="503 + Retry-After at once while this many requests wait for their first token")
         g.add_argument("--max-num-waiting-tokens", type=int, default=None,
                        help="the same bound on the prompt tokens of the waiting requests")
+        g.add_argument("--max-request-body-bytes", type=int, default=cls.max_request_body_bytes,
+                       help="413 for a request body larger than this")
         g.add_argument("--request-timeout", type=float, default=None, dest="request_timeout_s",
                        help="abort a request (504) not finished this many seconds after it arrived")
         g.add_argument("--shutdown-timeout", type=float, default=cls.shutdown_timeout_s, dest="shutdown_timeout_s",

@@ -15,9 +15,12 @@ one ``ChatLogprobToken`` per position with ``bytes`` and a ``top_logprobs`` list
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+MAX_STOP_STRINGS = 64  # stop strings per request (each is matched against every choice's text)
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class _Request(BaseModel):
@@ -56,7 +59,7 @@ class SamplingRequest(_Request):
     temperature: float | None = None  # None = 1.0; 0 = greedy
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -66,7 +69,7 @@ class SamplingRequest(_Request):
     top_k: int | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     repetition_penalty: float | None = None
 
