@@ -82,8 +82,11 @@ def run_router(config: RouterConfig) -> None:
                                          engine.num_inflight, config.shutdown_timeout_s)
 
     server = _RouterServer(
+        # keep-alive longer than clients' and load balancers' idle timeouts (httpx: 5 s, AWS ALB: 60 s): a
+        # server that closes an idle connection first races a client reusing it, whose request then gets
+        # no answer (uvicorn's default is 5 s, the same as httpx's)
         uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                       timeout_graceful_shutdown=5, access_log=config.log_level == "debug"),
+                       timeout_graceful_shutdown=5, timeout_keep_alive=75, access_log=config.log_level == "debug"),
         on_drain=on_drain, on_exit=lambda: engine.abort_all_threadsafe("the router is shutting down"),
         num_inflight=lambda: engine.num_inflight, shutdown_timeout_s=config.shutdown_timeout_s)
     server.run()
