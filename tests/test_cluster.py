@@ -74,6 +74,22 @@ def wait_all_blocks_free(cluster, timeout_s=15.0) -> None:
     pytest.fail(f"KV blocks not all free again: {json.dumps(workers(cluster))}")
 
 
+def hf_greedy_texts(model_dir: str, prompts: list, max_tokens: int) -> dict:
+    """Transformers' greedy completion of each prompt (text, or token ids), exactly ``max_tokens`` long
+    (as with ``ignore_eos``), keyed by the prompt (token-id prompts as tuples)."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    texts = {}
+    for prompt in prompts:
+        ids = tok(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        texts[prompt if isinstance(prompt, str) else tuple(prompt)] = tok.decode(out[0, len(ids):],
+                                                                                skip_special_tokens=True)
+    return texts
+
+
 def prompt_text(rng: random.Random, n_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n_words))
 

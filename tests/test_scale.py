@@ -15,13 +15,11 @@ import time
 import httpx
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.utils import free_port
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.scale import scale_pools
-from tests.test_cluster import prompt_text, wait_all_blocks_free
+from tests.test_cluster import hf_greedy_texts, prompt_text, wait_all_blocks_free
 
 pytestmark = pytest.mark.cluster
 
@@ -125,15 +123,7 @@ def test_pools_grow_drain_and_shrink_under_load_with_nothing_failed(model_dir, t
                                                  for w in final[role]["workers"])
         wait_all_blocks_free(cluster)
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    expected = {}
-    for prompt in prompts:
-        ids = tok(prompt).input_ids
-        with torch.no_grad():
-            out = ref.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                               do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        expected[prompt] = tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    expected = hf_greedy_texts(model_dir, prompts, MAX_TOKENS)
     assert len(load.results) >= 24
     mismatched = [(p, t) for p, t in load.results if t != expected[p]]
     assert not mismatched, mismatched[:2]

@@ -13,12 +13,10 @@ import time
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.utils import free_port
 from pdserve.launcher import ClusterSpec, LocalCluster
-from tests.test_cluster import wait_all_blocks_free
+from tests.test_cluster import hf_greedy_texts, wait_all_blocks_free
 
 pytestmark = pytest.mark.cluster
 
@@ -35,14 +33,8 @@ def counter(url: str, name: str, role: str) -> float:
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-
     def greedy(prompt: list[int], max_tokens: int) -> str:
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        return tok.decode(out[0, len(prompt):], skip_special_tokens=True)
+        return hf_greedy_texts(model_dir, [prompt], max_tokens)[tuple(prompt)]
 
     return greedy
 
