@@ -21,6 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from pdserve.common.utils import free_port
+from pdserve.scale import admin_request
 
 logger = logging.getLogger(__name__)
 
@@ -225,12 +226,6 @@ class ClusterLauncher:
         w.handle = self._start_worker(w.role, w.name)
         logger.info("worker %s restarted (restart %d in a row)", w.name, w.num_restarts)
 
-    def router_get(self, path: str) -> dict:
-        """GET ``path`` from the router (with the API key), as JSON. Raises OSError on failure."""
-        headers = {"Authorization": f"Bearer {self.spec.api_key}"} if self.spec.api_key else {}
-        with urllib.request.urlopen(urllib.request.Request(f"{self.url}{path}", headers=headers), timeout=5) as r:
-            return json.load(r)
-
     def reconcile(self) -> list[str]:
         """Start workers for every pool below its target (``/admin/pools``); returns the names started.
 
@@ -238,8 +233,8 @@ class ClusterLauncher:
         yet; draining workers do not count (they are leaving).
         """
         try:
-            pools = self.router_get("/admin/pools")
-        except (OSError, ValueError) as e:
+            pools = admin_request(self.url, "/admin/pools", self.spec.api_key)
+        except (OSError, RuntimeError, ValueError) as e:
             logger.debug("reading the router's pools failed: %s", e)
             return []
         with self._lock:

@@ -14,7 +14,13 @@ import urllib.error
 import urllib.request
 
 
-def _call(router: str, path: str, api_key: str | None, body: dict | None = None) -> dict:
+def admin_request(router: str, path: str, api_key: str | None, body: dict | None = None) -> dict:
+    """GET ``path`` from the router (POST ``body`` as JSON if given), with the API key; the JSON answer.
+
+    Raises:
+        RuntimeError: the router answered an error (its OpenAI-style message included).
+        OSError: the router cannot be reached.
+    """
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -48,8 +54,8 @@ def scale_pools(router: str, prefill: int | None = None, decode: int | None = No
     """
     targets = {role: n for role, n in (("prefill", prefill), ("decode", decode)) if n is not None}
     if not targets:
-        return _call(router, "/admin/pools", api_key)
-    pools = _call(router, "/admin/scale", api_key, targets)["pools"]
+        return admin_request(router, "/admin/pools", api_key)
+    pools = admin_request(router, "/admin/scale", api_key, targets)["pools"]
     deadline = time.monotonic() + timeout_s
     while wait and not pools_settled(pools, targets):
         if time.monotonic() > deadline:
@@ -57,7 +63,7 @@ def scale_pools(router: str, prefill: int | None = None, decode: int | None = No
                 f"{role} {pools[role]['num_serving']} serving, {pools[role]['num_draining']} draining"
                 for role in targets))
         time.sleep(poll_s)
-        pools = _call(router, "/admin/pools", api_key)
+        pools = admin_request(router, "/admin/pools", api_key)
     return pools
 
 

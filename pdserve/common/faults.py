@@ -32,10 +32,11 @@ class InjectedFault(RuntimeError):
     """A fault a test asked for."""
 
 
-def check_forward(prompts: list[list[int]]) -> None:
-    """Raise ``InjectedFault`` if ``forward_fails_on_token`` is in any of this step's prompts."""
-    token = FAULTS.get("forward_fails_on_token")
-    if token is not None and any(token in prompt for prompt in prompts):
+def check_forward(scheduled: list) -> None:
+    """Raise ``InjectedFault`` if ``forward_fails_on_token`` is in the prompt of any of this step's
+    ``(request, num_new_tokens)``. Without the fault configured this is one dictionary lookup."""
+    token = FAULTS.get("forward_fails_on_token") if FAULTS else None
+    if token is not None and any(token in request.prompt_token_ids for request, _ in scheduled):
         raise InjectedFault(f"injected fault: forward pass over a prompt holding token {token}")
 
 

@@ -155,7 +155,7 @@ class EngineCore:
         ``on_layer_done(layer_idx)`` is called once each layer's K/V are in the cache; ``kv_ops``
         is the step's KV transfer work for every rank's agent (``pdserve.kvtransfer.agent``).
         """
-        faults.check_forward([request.prompt_token_ids for request, _ in scheduler_output.scheduled])
+        faults.check_forward(scheduler_output.scheduled)
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
                                      block_copies=scheduler_output.block_copies, kv_ops=kv_ops)
         if scheduler_output.scheduled:
