@@ -5,9 +5,9 @@ Three background tasks share one ``zmq.asyncio`` context:
 * ``_recv_loop`` reads the PULL socket workers push to: ``RegisterWorker`` and
   ``Heartbeat`` update the registry, ``RequestOutputs`` deltas go to the
   request's ``asyncio.Queue``.
-* ``_send_loop`` drains the outbox into PUSH sockets (one per decode worker,
-  created lazily). Handlers only ``put_nowait`` into the outbox, so submitting
-  and aborting never await, which matters in cancelled tasks (client gone).
+* ``WorkerSockets.send_loop`` (``sockets.py``) drains the outbox into one PUSH
+  socket per worker, each watched for its connection dropping. Handlers only
+  ``put_nowait`` into the outbox, so submitting and aborting never await.
 * ``_expire_loop`` drops workers that went silent, and fails the requests of
   those and of workers whose step loop is stuck; it also re-sends
   ``DrainWorker`` to drained workers that have not left yet.
@@ -54,15 +54,15 @@ from collections.abc import Callable
 import msgspec
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.common.protocol import (AbortRequest, DrainWorker, GenerateRequest, Heartbeat, RegisterWorker,
                                      RequestDelta, RequestOutputs, ResumedChoice, SamplingParams, WorkerDraining,
                                      WorkerExiting, WorkerRole)
 from pdserve.common.auth import token_matches
-from pdserve.common.transport import ProtocolError, decode, encode
+from pdserve.common.transport import ProtocolError, decode
 from pdserve.router.metrics import WorkerStatsCollector
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
+from pdserve.router.sockets import WorkerSockets
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,6 @@ class RouterEngine:
         on_migration: called with (lost worker id, reason) for each request migrated (metrics).
     """
 
-    _SNDHWM = 100_000
     _DRAIN_RESEND_S = 5.0  # a drained worker that has not left gets DrainWorker again this often
     _MAX_ORPHANS = 4096  # request ids remembered as aborted-for-orphan-deltas (bounds the memory)
 
@@ -138,9 +137,7 @@ class RouterEngine:
         self._requests: dict[str, RequestHandle] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
-        self._push: dict[str, zmq.asyncio.Socket] = {}
-        self._monitors: dict[str, asyncio.Task] = {}  # per PUSH socket: watches for its peer's disconnect
-        self._outbox: asyncio.Queue | None = None
+        self._sockets: WorkerSockets | None = None  # PUSH sockets to the workers, once started
         self._tasks: list[asyncio.Task] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._orphans: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -159,10 +156,10 @@ class RouterEngine:
             port = self.zmq_port
             self._pull.bind(f"tcp://{self.host}:{port}")
         self.address = f"tcp://{self.host}:{port}"
-        self._outbox = asyncio.Queue()
+        self._sockets = WorkerSockets(self._ctx, on_disconnect=self._connection_lost)
         self._tasks = [asyncio.create_task(coro, name=name) for name, coro in (
             ("router-recv", self._recv_loop()),
-            ("router-send", self._send_loop()),
+            ("router-send", self._sockets.send_loop()),
             ("router-expire", self._expire_loop()),
         )]
         logger.info("router ZMQ PULL socket bound at %s", self.address)
@@ -170,17 +167,14 @@ class RouterEngine:
     async def stop(self) -> None:
         """Abort every in-flight request at its worker, then close all sockets."""
         self.abort_all("the router is shutting down")
-        if self._outbox is not None:
-            try:
-                await asyncio.wait_for(self._outbox.join(), timeout=1.0)
-            except asyncio.TimeoutError:
-                logger.warning("router stopped with %d unsent messages", self._outbox.qsize())
+        if self._sockets is not None:
+            await self._sockets.flush(timeout_s=1.0)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        for addr in list(self._push):
-            self._close_socket(addr, linger=100)
+        if self._sockets is not None:
+            self._sockets.close_all(linger=100)
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
@@ -335,7 +329,7 @@ class RouterEngine:
                 self._send(worker.input_addr, AbortRequest(request_id=handle.request_id))
             self._migrate(handle, reason)
         if not still_registered:
-            self._close_socket(worker.input_addr)
+            self._sockets.close(worker.input_addr)
 
     def _migrate(self, handle: RequestHandle, reason: str) -> None:
         """Move ``handle`` to a live decode worker, resuming its unfinished choices; or strand it."""
@@ -391,44 +385,9 @@ class RouterEngine:
     # --- sockets --------------------------------------------------------------------------
 
     def _send(self, addr: str, msg: msgspec.Struct) -> None:
-        if self._outbox is None:
+        if self._sockets is None:
             raise RuntimeError("RouterEngine.start() was not called")
-        self._outbox.put_nowait((addr, encode(msg)))
-
-    def _socket(self, addr: str) -> zmq.asyncio.Socket:
-        """The PUSH socket to ``addr`` (connected on first use), watched for its peer's disconnect."""
-        sock = self._push.get(addr)
-        if sock is None:
-            assert self._ctx is not None
-            sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, self._SNDHWM)
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            sock.connect(addr)
-            self._push[addr] = sock
-            self._monitors[addr] = asyncio.create_task(self._watch(addr, monitor), name=f"router-watch-{addr}")
-        return sock
-
-    def _close_socket(self, addr: str, linger: int = 0) -> None:
-        task = self._monitors.pop(addr, None)
-        if task is not None:
-            task.cancel()
-        sock = self._push.pop(addr, None)
-        if sock is not None:
-            sock.disable_monitor()
-            sock.close(linger=linger)
-
-    async def _watch(self, addr: str, monitor: zmq.asyncio.Socket) -> None:
-        """A worker's process died or its host went away: its TCP connection drops at once."""
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())
-                if event["event"] == zmq.EVENT_DISCONNECTED:
-                    self._connection_lost(addr)
-        except (asyncio.CancelledError, zmq.ZMQError):
-            pass
-        finally:
-            monitor.close(linger=0)
+        self._sockets.send(addr, msg)
 
     def _connection_lost(self, addr: str) -> None:
         worker = next((w for w in self.registry.all() if w.input_addr == addr), None)
@@ -438,18 +397,6 @@ class RouterEngine:
         logger.warning("%s worker %s: connection lost; removed from the pool", worker.role.name.lower(),
                        worker.worker_id)
         self._worker_lost(worker, f"{worker.role.name.lower()} worker {worker.worker_id} disconnected")
-
-    async def _send_loop(self) -> None:
-        assert self._outbox is not None and self._ctx is not None
-        while True:
-            addr, frames = await self._outbox.get()
-            try:
-                sock = self._socket(addr)
-                await sock.send_multipart(frames, copy=False)
-            except Exception as e:  # e.g. the socket was closed because its worker died
-                logger.error("sending to %s failed: %s", addr, e)
-            finally:
-                self._outbox.task_done()
 
     async def _recv_loop(self) -> None:
         assert self._pull is not None
@@ -488,7 +435,7 @@ class RouterEngine:
             if not self._authentic(msg):
                 return
             replaced = self.registry.register(msg)
-            self._socket(msg.input_addr)  # connect now: a dead worker is seen at once, not at the next send
+            self._sockets.connect(msg.input_addr)  # connect now: a dead worker is seen at once
             if msg.role == WorkerRole.DECODE:
                 self._retry_stranded(time.monotonic())
             if replaced is not None:
