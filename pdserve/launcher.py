@@ -20,7 +20,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-from pdserve.common.utils import free_port
+from pdserve.common.utils import format_cpu_list, free_port
 from pdserve.scale import admin_request
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,10 @@ class ClusterSpec:
 
     def router_auth_args(self) -> list[str]:
         return ["--api-key", self.api_key] if self.api_key else []
+
+    def ranks_per_worker(self, role: str) -> int:
+        """Processes one worker of pool ``role`` runs."""
+        return getattr(self, f"{role}_tensor_parallel_size") * getattr(self, f"{role}_pipeline_parallel_size")
 
     @property
     def num_ranks(self) -> int:
@@ -326,6 +330,7 @@ class LocalCluster(ClusterLauncher):
         self.zmq_port = spec.zmq_port or free_port(spec.host)
         self.router_proc: subprocess.Popen | None = None
         self.log_dir = log_dir
+        self.worker_cores: dict[str, list[int]] = {}  # worker name -> the cores it was pinned to
 
     @property
     def url(self) -> str:
@@ -351,12 +356,39 @@ class LocalCluster(ClusterLauncher):
                                                   str(s.port), "--zmq-port", str(self.zmq_port),
                                                   *s.router_auth_args(), *s.router_args])
 
+    def _cores_for(self, role: str, name: str) -> tuple[list[int], int]:
+        """This worker's cores and threads per rank: an even share of the cores this process may use.
+
+        Each rank of the spec's workers gets ``cores // ranks`` cores (at least one); a new or
+        restarted worker takes the least-used cores, so prefill and decode never share one while
+        there are enough (a single colocated worker gets them all)."""
+        s = self.spec
+        available = sorted(os.sched_getaffinity(0))
+        self.worker_cores.pop(name, None)
+        per_rank = max(1, len(available) // max(1, s.num_ranks))
+        ranks = s.ranks_per_worker(role)
+        want = min(len(available), per_rank * ranks)
+        used = {c: 0 for c in available}
+        for cores in self.worker_cores.values():
+            for c in cores:
+                if c in used:
+                    used[c] += 1
+        cores = sorted(sorted(available, key=lambda c: (used[c], c))[:want])
+        self.worker_cores[name] = cores
+        return cores, s.threads_per_worker or max(1, len(cores) // ranks)
+
     def _start_worker(self, role: str, name: str) -> subprocess.Popen:
         s = self.spec
-        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.num_ranks)
+        extra = [*s.worker_args, *(s.prefill_args if role == "prefill" else s.decode_args)]
+        if "--cpu-cores" in extra or not hasattr(os, "sched_getaffinity"):  # the user placed it, or no pinning here
+            threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.num_ranks)
+            placement = ["--num-threads", str(threads)]
+        else:
+            cores, threads = self._cores_for(role, name)
+            placement = ["--num-threads", str(threads), "--cpu-cores", format_cpu_list(cores)]
         return self._spawn(name, [role, "--worker-id", name, "--model", s.model, "--router",
-                                  f"tcp://{s.host}:{self.zmq_port}", "--host", s.host, "--num-threads",
-                                  str(threads), *s.worker_args, *s.parallel_args(role),
+                                  f"tcp://{s.host}:{self.zmq_port}", "--host", s.host, *placement,
+                                  *s.worker_args, *s.parallel_args(role),
                                   *(s.prefill_args if role == "prefill" else s.decode_args)])
 
     def _router_exit_code(self) -> int | None:

@@ -3,6 +3,9 @@ import os
 # Ray reads this once, when it is first imported (by whichever test module comes first): a node's
 # address is then 127.0.0.1, so a local Ray cluster in the tests never leaves loopback.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Engines in tests run eagerly (each compiled start-up costs seconds): the compiled decode
+# step has its own tests (tests/test_compiled_step.py), which turn compilation back on.
+os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
 
 import pytest  # noqa: E402
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 
@@ -25,6 +26,63 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,6"`` -> ``[0, 1, 2, 3, 6]`` (Linux's cpu-list syntax, as taskset and cgroups write it).
+
+    Raises:
+        ValueError: not a cpu list, or an empty one.
+    """
+    cores: set[int] = set()
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not match:
+            raise ValueError(f"not a cpu list: {text!r} (use e.g. 0-3 or 0,2,4)")
+        lo, hi = int(match.group(1)), int(match.group(2) or match.group(1))
+        if hi < lo:
+            raise ValueError(f"not a cpu list: {text!r} ({lo}-{hi} is empty)")
+        cores.update(range(lo, hi + 1))
+    return sorted(cores)
+
+
+def format_cpu_list(cores: list[int]) -> str:
+    """``[0, 1, 2, 3, 6]`` -> ``"0-3,6"`` (inverse of ``parse_cpu_list``)."""
+    parts, cores = [], sorted(set(cores))
+    i = 0
+    while i < len(cores):
+        j = i
+        while j + 1 < len(cores) and cores[j + 1] == cores[j] + 1:
+            j += 1
+        parts.append(str(cores[i]) if i == j else f"{cores[i]}-{cores[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def pin_to_cores(cpu_cores: str | None, num_threads: int | None, rank: int = 0, world_size: int = 1) -> list[int]:
+    """Pin this process to its share of ``cpu_cores`` and size torch's thread pool to it.
+
+    A worker of ``world_size`` ranks given ``cpu_cores`` splits them: rank r takes every
+    world_size-th core from the r-th (all of them when there are fewer cores than ranks).
+    Threads: ``num_threads``, or one per core of the share. ``cpu_cores`` None only applies
+    ``num_threads`` (when given). Returns the cores this process may run on.
+
+    Raises:
+        ValueError: a bad cpu list, or cores this process may not use.
+    """
+    if cpu_cores is None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    cores = parse_cpu_list(cpu_cores)
+    allowed = os.sched_getaffinity(0)
+    if not set(cores) <= allowed:
+        raise ValueError(f"--cpu-cores {cpu_cores}: cores {format_cpu_list(sorted(set(cores) - allowed))} are not "
+                         f"available to this process (it may use {format_cpu_list(sorted(allowed))})")
+    share = cores[rank::world_size] if len(cores) >= world_size else cores
+    os.sched_setaffinity(0, share)
+    torch.set_num_threads(num_threads or len(share))
+    return share
+
+
 def resolve_device(name: str) -> torch.device:
     """``"auto"`` picks CUDA when available, else CPU. The one place devices are chosen."""
     if name == "auto":
@@ -32,19 +90,52 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``"auto"`` is float32 on CPU and bfloat16 on CUDA.
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX); else bf16 is emulated and slow."""
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # an older torch: read the flags
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line for line in f if line.startswith("flags")), "").split()
+        except OSError:
+            return False
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None = None) -> tuple[torch.dtype, str]:
+    """The model dtype for ``--dtype NAME`` on ``device``, and why (one line for the start-up log).
+
+    ``auto`` follows vLLM's rule, adapted to CPUs: the checkpoint's ``torch_dtype``
+    (``checkpoint_dtype``, e.g. ``"bfloat16"``; None = unknown, taken as float32), except
+    that a CPU without native bf16 (``cpu_has_native_bf16``) runs bfloat16 and float16
+    checkpoints in float32, a CPU with it runs float16 checkpoints in bfloat16, and CUDA runs
+    float32 checkpoints in bfloat16.
 
     Raises:
         ValueError: an unknown dtype name.
     """
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtypes = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-              "float16": torch.float16, "half": torch.float16}
-    if name not in dtypes:
-        raise ValueError(f"unknown dtype {name!r}; choose from auto, {', '.join(dtypes)}")
-    return dtypes[name]
+    if name != "auto":
+        if name not in _DTYPES:
+            raise ValueError(f"unknown dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
+        return _DTYPES[name], f"--dtype {name}"
+    ckpt = _DTYPES.get(str(checkpoint_dtype or "float32").removeprefix("torch."), torch.float32)
+    ckpt_name = str(ckpt).removeprefix("torch.")
+    if device.type == "cuda":
+        if ckpt == torch.float32:
+            return torch.bfloat16, "auto: float32 checkpoint, bfloat16 on CUDA"
+        return ckpt, f"auto: the checkpoint's {ckpt_name}"
+    if ckpt == torch.float32:
+        return ckpt, "auto: the checkpoint's float32"
+    if cpu_has_native_bf16():
+        why = "the checkpoint's" if ckpt == torch.bfloat16 else f"{ckpt_name} checkpoint, and this CPU has"
+        return torch.bfloat16, f"auto: {why} bfloat16 (native on this CPU: AVX-512 BF16 / AMX)"
+    return torch.float32, (f"auto: {ckpt_name} checkpoint, but this CPU has no native bf16 (AVX-512 BF16 / AMX): "
+                           "float32 is faster here")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

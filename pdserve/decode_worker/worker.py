@@ -154,7 +154,7 @@ class DecodeWorker(WorkerBase):
         num_blocks = len(request.block_table) - request.num_cached_tokens // self.runner.block_size
         want = None if piece is None else (piece.slice.layer_start, piece.slice.num_layers, piece.slice.head_start,
                                            piece.slice.num_heads, num_blocks, self.runner.block_size,
-                                           self.runner.head_dim, dtype_name(self.runner.dtype))
+                                           self.runner.head_dim, dtype_name(self.runner.kv_cache_dtype))
         got = (header.first_layer, header.num_layers, header.first_kv_head, header.num_kv_heads, header.num_blocks,
                header.block_size, header.head_dim, header.dtype)
         if got != want:

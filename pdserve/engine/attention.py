@@ -10,8 +10,16 @@ A token's K/V lives at slot ``s = block_id * block_size + offset``. A sequence's
 
 The algorithm is PagedAttention (Kwon et al., "Efficient Memory Management for
 Large Language Model Serving with PagedAttention", SOSP'23; the vLLM project).
-Here it is expressed with gathers and ``scaled_dot_product_attention`` so that
-the same code runs on CPU and CUDA without custom kernels.
+Two backends compute the same thing:
+
+* ``paged`` (CPU): a small native kernel (``pdserve/engine/kernels/paged_attention.cpp``)
+  reads each sequence's K/V straight from the cache through its block table: no gather,
+  no zero-fill, no padding. A sequence prefilled from scratch in this step (no cached
+  tokens) instead attends over its own new K/V with ``scaled_dot_product_attention``
+  (causal, flash kernel), which needs no cache read at all.
+* ``reference``: gathers each sequence's context through its block table and runs one
+  padded, masked ``scaled_dot_product_attention``, in plain torch ops on any device. The
+  tests check the paged backend against it.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+
+from pdserve.engine.kernels import KV_DTYPE_CODES, load_paged_attention
 
 
 @dataclass
@@ -38,8 +48,10 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int64: cumulative new-token counts
     max_query_len: int
     max_seq_len: int
-    # Derived once per forward by paged_attention and shared by all layers (see _plan).
+    backend: str = "reference"  # "paged" (native CPU kernel) or "reference" (gather + SDPA); see select_backend
+    # Derived once per forward by paged_attention and shared by all layers (see _plan, _native_plan).
     _groups: list["_Group"] | None = field(default=None, init=False, repr=False, compare=False)
+    _native: "_NativePlan | None" = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -49,6 +61,7 @@ class AttentionMetadata:
         num_new_tokens: Sequence[int],
         block_size: int,
         device: str | torch.device = "cpu",
+        backend: str = "reference",
     ) -> "AttentionMetadata":
         """Build metadata from per-sequence Python lists (a convenience for tests and runners).
 
@@ -76,6 +89,7 @@ class AttentionMetadata:
             query_start_loc=as_tensor(qsl),
             max_query_len=max(num_new_tokens, default=0),
             max_seq_len=max(seq_lens, default=0),
+            backend=backend,
         )
 
 
@@ -156,17 +170,29 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    layer: int | None = None,
 ) -> torch.Tensor:
     """Write new K/V into the cache, then attend causally over each sequence's whole context.
 
     query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim];
-    kv_cache_layer: [2, num_blocks, block_size, num_kv_heads, head_dim].
+    kv_cache_layer: [2, num_blocks, block_size, num_kv_heads, head_dim], or, with ``layer``
+    given, the whole cache [num_layers, 2, ...] of which layer ``layer`` is used (so that a
+    compiled graph hands the opaque decode op its input tensor itself, never a view of it).
     Returns [num_tokens, num_heads, head_dim].
 
     A decode-only or prefill-only batch is one padded, batched call (_attend_padded); a
     mixed batch is two, one for its decode rows and one for its prefill rows.
     """
+    if metadata.backend == "paged" and metadata.max_query_len <= 1:  # decode only: one opaque op (torch.compile)
+        kv_cache, index = (kv_cache_layer, layer) if layer is not None else (kv_cache_layer[None], 0)
+        return torch.ops.pdserve.paged_decode_attention(query, key, value, kv_cache, index, metadata.slot_mapping,
+                                                        metadata.block_tables, metadata.seq_lens,
+                                                        metadata.query_start_loc, scale, sliding_window or 0)
+    if layer is not None:
+        kv_cache_layer = kv_cache_layer[layer]
     write_kv_cache(key, value, kv_cache_layer, metadata.slot_mapping)
+    if metadata.backend == "paged":
+        return _attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window)
     groups = _plan(metadata)
     if len(groups) == 1:
         g = groups[0]
@@ -179,6 +205,118 @@ def paged_attention(
                               g.max_seq_len, scale, sliding_window)
         out.index_copy_(0, g.token_ids, part)
     return out
+
+
+def select_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype, head_dim: int = 64) -> str:
+    """The attention backend for ``name`` (``auto`` | ``paged`` | ``reference``) on this device.
+
+    ``auto`` is ``paged`` on CPU when the native kernel builds and supports the KV dtype
+    (float32, bfloat16) and head_dim (a multiple of 8), else ``reference``.
+
+    Raises:
+        ValueError: an unknown name, or ``paged`` where it cannot run.
+    """
+    if name not in ("auto", "paged", "reference"):
+        raise ValueError(f"unknown attention backend {name!r}; choose from auto, paged, reference")
+    if name == "reference":
+        return name
+    usable = device.type == "cpu" and kv_cache_dtype in KV_DTYPE_CODES and head_dim % 8 == 0
+    if usable and load_paged_attention() is None:
+        usable = False
+    if name == "paged" and not usable:
+        raise ValueError(f"the paged attention kernel cannot run here ({device.type}, KV {kv_cache_dtype}, "
+                         f"head_dim {head_dim}, or no C++ compiler); use --attention-backend reference")
+    return "paged" if usable else "reference"
+
+
+@dataclass
+class _NativePlan:
+    """Host-side facts of one forward for the native kernel, computed once and shared by all layers.
+
+    fresh: (begin, end) query-row ranges of sequences prefilled from scratch this step (no
+    cached tokens, several new ones): these attend over their own new K/V with SDPA.
+    skip: [num_seqs] uint8, 1 for those sequences (the kernel leaves their rows), or None."""
+
+    fresh: list[tuple[int, int]]
+    skip: torch.Tensor | None
+
+
+def _native_plan(metadata: AttentionMetadata, sliding_window: int | None) -> _NativePlan:
+    if metadata.max_query_len <= 1 or sliding_window is not None:  # decode only: the kernel takes every row
+        return _NativePlan([], None)
+    if metadata._native is not None:
+        return metadata._native
+    qsl = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    fresh, skip = [], []
+    for i, ctx in enumerate(seq_lens):
+        q_len = qsl[i + 1] - qsl[i]
+        is_fresh = q_len > 1 and q_len == ctx
+        skip.append(1 if is_fresh else 0)
+        if is_fresh:
+            fresh.append((qsl[i], qsl[i + 1]))
+    plan = _NativePlan(fresh, torch.tensor(skip, dtype=torch.uint8) if fresh else None)
+    metadata._native = plan
+    return plan
+
+
+@torch.library.custom_op("pdserve::paged_decode_attention", mutates_args=("kv_cache",))
+def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           query_start_loc: torch.Tensor, scale: float, sliding_window: int) -> torch.Tensor:
+    """Decode-only paged attention as one torch op (``torch.ops.pdserve.paged_decode_attention``):
+    writes the new K/V into layer ``layer`` of ``kv_cache`` and attends through the native kernel.
+
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; other shapes as
+    ``paged_attention`` with one query token per sequence; sliding_window 0 = none. An op of
+    its own so that a compiled step (torch.compile) treats it as one opaque call that mutates
+    the cache in place, never a copy of it. It takes the whole cache and an index because
+    inductor (torch 2.13) loses the storage offset of a view passed to a mutating custom op.
+    """
+    kv_cache_layer = kv_cache[layer]
+    write_kv_cache(key, value, kv_cache_layer, slot_mapping)
+    metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=1,
+                                 max_seq_len=0, backend="paged")
+    return _attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window or None)
+
+
+@paged_decode_attention.register_fake
+def _(query, key, value, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
+      sliding_window):
+    return query.new_empty(query.shape)  # contiguous, as the real op's output (whatever query's strides)
+
+
+def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
+                   metadata: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """The ``paged`` backend (CPU): shapes as ``paged_attention``; K/V are already in the cache."""
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache_layer.shape
+    if not (kv_cache_layer.is_contiguous() and metadata.block_tables.is_contiguous()
+            and metadata.seq_lens.is_contiguous() and metadata.query_start_loc.is_contiguous()):
+        raise ValueError("the paged kernel reads the cache and the metadata as contiguous tensors")
+    plan = _native_plan(metadata, sliding_window)
+    q = query.to(torch.float32).contiguous()
+    out = torch.empty_like(q)  # (N, H, D) float32
+    num_seqs = metadata.seq_lens.shape[0]
+    if len(plan.fresh) < num_seqs:
+        tables, seq_lens, qsl = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
+        with torch.profiler.record_function("pdserve::paged_attention"):
+            rc = load_paged_attention().pdserve_paged_attention(
+                out.data_ptr(), q.data_ptr(), kv_cache_layer.data_ptr(), KV_DTYPE_CODES[kv_cache_layer.dtype],
+                tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(),
+                plan.skip.data_ptr() if plan.skip is not None else None, num_seqs, num_heads, num_kv_heads,
+                head_dim, block_size, num_blocks, scale, sliding_window or 0, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"paged attention kernel rejected its inputs (code {rc}): {num_heads} heads, "
+                             f"{num_kv_heads} KV heads")
+    for begin, end in plan.fresh:  # causal attention over the sequence's own new K/V
+        q_s = query[begin:end].transpose(0, 1)  # (H, L, D)
+        k_s = key[begin:end].transpose(0, 1).to(query.dtype)  # (H_kv, L, D)
+        v_s = value[begin:end].transpose(0, 1).to(query.dtype)
+        o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale,
+                                             enable_gqa=num_heads != num_kv_heads)  # (H, L, D)
+        out[begin:end] = o_s.transpose(0, 1)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 
 def _attend_padded(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pdserve.common.utils import parse_size
+from pdserve.common.utils import parse_cpu_list, parse_size
 from pdserve.engine.parallel import ParallelConfig
 
 
@@ -16,7 +16,10 @@ class EngineConfig:
 
     Args:
         model: Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer).
-        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16``, ``float16``.
+        dtype: ``auto`` (the checkpoint's torch_dtype, float32 on a CPU without native bf16;
+            see ``pdserve.common.utils.resolve_dtype``), ``float32``, ``bfloat16``, ``float16``.
+        kv_cache_dtype: ``auto`` (the model dtype) or a dtype name; what the KV cache (and the
+            KV transfer) holds.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
         block_size: token slots per KV block.
         kv_cache_memory: KV cache budget in bytes (``--kv-cache-memory 2GiB``).
@@ -34,6 +37,11 @@ class EngineConfig:
         master_addr, master_port: the driver's rendezvous (torch's MASTER_ADDR / MASTER_PORT). Left
             out on the driver, it starts every other rank itself on this machine.
         rank_timeout_s: how long any collective of the ranks may wait (a dead rank fails the others).
+        enforce_eager: run the model eagerly (no torch.compile / CUDA graphs), as vLLM's flag;
+            defaults to ``$PDSERVE_ENFORCE_EAGER`` (set and not 0: eager).
+        attention_backend: ``auto`` | ``paged`` (native CPU kernel) | ``reference`` (plain torch);
+            see ``pdserve.engine.attention.select_backend``.
+        cpu_cores: the CPU cores this worker's threads run on (``"0-3"``, ``"0,2"``); None: all.
     """
 
     model: str
@@ -54,12 +62,18 @@ class EngineConfig:
     master_addr: str | None = None
     master_port: int | None = None
     rank_timeout_s: float = 120.0
+    enforce_eager: bool = field(default_factory=lambda: os.environ.get("PDSERVE_ENFORCE_EAGER", "") not in ("", "0"))
+    attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    cpu_cores: str | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.cpu_cores is not None:
+            parse_cpu_list(self.cpu_cores)  # a bad list fails here, before any rank starts
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         world_size = self.parallel.world_size  # validates the sizes
@@ -74,7 +88,11 @@ class EngineConfig:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("engine")
         g.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-        g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+        g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="model dtype; auto: the checkpoint's torch_dtype, float32 on a CPU without native "
+                            "bf16 (AVX-512 BF16 / AMX)")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="KV cache dtype (auto: the model's); the KV transfer carries it in its header")
         g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--kv-cache-memory", type=parse_size, default="512MiB", help="KV cache budget, e.g. 2GiB")
@@ -82,7 +100,11 @@ class EngineConfig:
         g.add_argument("--max-num-batched-tokens", type=int, default=2048)
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--seed", type=int, default=0)
-        g.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+        g.add_argument("--num-threads", type=int, default=None,
+                       help="torch CPU threads (default: one per core of --cpu-cores, else torch's default)")
+        g.add_argument("--cpu-cores", default=None,
+                       help="pin this worker to these cores, e.g. 0-3 or 0,2 (its ranks split them); "
+                            "pdserve up gives each worker its own share by default")
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        help="turn prefix caching off (on by default)")
         g.add_argument("--remote-prefill-threshold", type=int, default=16,
@@ -97,6 +119,13 @@ class EngineConfig:
         g.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: $MASTER_PORT)")
         g.add_argument("--rank-timeout", type=float, default=120.0, dest="rank_timeout_s",
                        help="seconds any collective between a worker's ranks may wait")
+        g.add_argument("--enforce-eager", action="store_true",
+                       default=os.environ.get("PDSERVE_ENFORCE_EAGER", "") not in ("", "0"),
+                       help="run the decode step eagerly: no torch.compile at start-up (as vLLM's flag; "
+                            "default: $PDSERVE_ENFORCE_EAGER)")
+        g.add_argument("--attention-backend", default="auto", choices=["auto", "paged", "reference"],
+                       help="paged: native CPU kernel reading K/V through block tables; reference: gather + "
+                            "SDPA in plain torch (any device); auto: paged where it runs")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -111,7 +140,9 @@ class EngineConfig:
                    remote_prefill_threshold=args.remote_prefill_threshold,
                    tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                    rank=rank, master_addr=args.master_addr or os.environ.get("MASTER_ADDR"), master_port=master_port,
-                   rank_timeout_s=args.rank_timeout_s)
+                   rank_timeout_s=args.rank_timeout_s, attention_backend=args.attention_backend,
+                   kv_cache_dtype=args.kv_cache_dtype, cpu_cores=args.cpu_cores,
+                   enforce_eager=args.enforce_eager)
 
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""
@@ -121,11 +152,16 @@ class EngineConfig:
                 "--seed", str(self.seed), "--tensor-parallel-size", str(self.tensor_parallel_size),
                 "--pipeline-parallel-size", str(self.pipeline_parallel_size), "--rank", str(rank),
                 "--master-addr", master_addr, "--master-port", str(master_port),
-                "--rank-timeout", str(self.rank_timeout_s)]
+                "--rank-timeout", str(self.rank_timeout_s), "--attention-backend", self.attention_backend,
+                "--kv-cache-dtype", self.kv_cache_dtype]
         if self.max_model_len is not None:
             args += ["--max-model-len", str(self.max_model_len)]
         if self.num_threads is not None:
             args += ["--num-threads", str(self.num_threads)]
+        if self.cpu_cores is not None:
+            args += ["--cpu-cores", self.cpu_cores]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
         if not self.enable_prefix_caching:
             args.append("--no-prefix-caching")
         return args

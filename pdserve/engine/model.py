@@ -96,7 +96,10 @@ class LlamaAttention(nn.Module):
         hidden: torch.Tensor,
         kv_cache_layer: torch.Tensor,
         attn_metadata: AttentionMetadata,
+        layer: int | None = None,
     ) -> torch.Tensor:
+        """kv_cache_layer: this layer's cache, or the whole cache with ``layer`` its index (see
+        ``paged_attention``)."""
         q_local = self.num_heads * self.head_dim
         kv_local = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_local, kv_local, kv_local], dim=-1)
@@ -104,7 +107,7 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
         q, k = self.rotary_emb(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache_layer, attn_metadata, self.scale, self.sliding_window)
+        out = paged_attention(q, k, v, kv_cache_layer, attn_metadata, self.scale, self.sliding_window, layer)
         return self.o_proj(out.reshape(-1, q_local))  # (N, H*D) -> (N, hidden)
 
 
@@ -138,8 +141,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
 
-    def forward(self, positions, hidden, kv_cache_layer, attn_metadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache_layer, attn_metadata)
+    def forward(self, positions, hidden, kv_cache_layer, attn_metadata, layer: int | None = None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache_layer, attn_metadata,
+                                         layer)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

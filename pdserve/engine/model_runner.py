@@ -21,8 +21,8 @@ import torch
 from transformers import AutoConfig
 
 from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach, WorkerRole
-from pdserve.common.utils import resolve_device, resolve_dtype
-from pdserve.engine.attention import AttentionMetadata
+from pdserve.common.utils import format_cpu_list, pin_to_cores, resolve_device, resolve_dtype
+from pdserve.engine.attention import AttentionMetadata, select_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.engine.loader import load_model
@@ -68,6 +68,16 @@ def _generation_config(model_dir: str) -> dict:
         return json.load(f)
 
 
+def _checkpoint_dtype(model_dir: str) -> str | None:
+    """config.json's ``torch_dtype`` (``dtype`` in transformers 5), or None."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return cfg.get("torch_dtype") or cfg.get("dtype")
+
+
 class ModelRunner:
     """This rank's model share and KV cache; builds step inputs and runs the forward.
 
@@ -86,10 +96,15 @@ class ModelRunner:
         self.config = config
         self.ranks = ranks
         self.device = ranks.device if ranks is not None else resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.num_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
         hf_config = AutoConfig.from_pretrained(config.model)
+        self.dtype, why = resolve_dtype(config.dtype, self.device, _checkpoint_dtype(config.model))
+        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else \
+            resolve_dtype(config.kv_cache_dtype, self.device)[0]
+        logger.info("dtype %s (%s); KV cache %s", str(self.dtype).removeprefix("torch."), why,
+                    str(self.kv_cache_dtype).removeprefix("torch."))
+        if self.device.type == "cpu":
+            self.cpu_cores = pin_to_cores(config.cpu_cores, config.num_threads, config.rank, config.parallel.world_size)
+            logger.info("%d torch threads on cores %s", torch.get_num_threads(), format_cpu_list(self.cpu_cores))
         layer_range = None
         if ranks is not None:
             layer_range = stage_layer_range(hf_config.num_hidden_layers, ranks.parallel.pipeline_parallel_size,
@@ -103,25 +118,32 @@ class ModelRunner:
         self.hidden_size = int(hf_config.hidden_size)
         self.eos_token_ids = read_eos_token_ids(config.model, hf_config)
         # Salts prefix-cache hashes: KV from another model or dtype must never be a hit.
-        self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{hf_config.to_json_string()}"
-                                            .encode())
+        self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{self.kv_cache_dtype}|"
+                                            f"{hf_config.to_json_string()}".encode())
         self.block_size = config.block_size
         self.num_layers = self.model.num_layers
         self.num_kv_heads = self.model.num_kv_heads
         self.head_dim = self.model.head_dim
-        block_bytes = kv_cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        block_bytes = kv_cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+                                           self.kv_cache_dtype)
         self.num_blocks = num_blocks_for_budget(config.kv_cache_memory, block_bytes)
         if ranks is not None:  # block ids are the driver's: every rank must have every block
             self.num_blocks = ranks.min_over_ranks(self.num_blocks)
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
-                                          self.head_dim, self.dtype, self.device)
+                                          self.head_dim, self.kv_cache_dtype, self.device)
         self.kv_cache_bytes = self.num_blocks * block_bytes
+        self.attention_backend = select_backend(config.attention_backend, self.device, self.kv_cache.dtype,
+                                                self.head_dim)
+        logger.info("attention backend: %s", self.attention_backend)
+        self._compiled_decode = None  # the decode step's forward under torch.compile (see compile_decode_step)
+        if not config.enforce_eager:
+            self.compile_decode_step()
         self.sampler = Sampler(config.seed)
         self.total_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
         self.kv_agent = None  # KVRankAgent once a worker attaches one (pdserve.kvtransfer.agent)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s, %d layers, %d KV heads)",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20,
-                    self.dtype, self.device, self.num_layers, self.num_kv_heads)
+                    self.kv_cache_dtype, self.device, self.num_layers, self.num_kv_heads)
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
                        block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:
@@ -167,6 +189,7 @@ class ModelRunner:
             query_start_loc=as_tensor(step.query_start_loc),
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
+            backend=self.attention_backend,
         )
         return ModelInput(as_tensor(step.input_ids), as_tensor(step.positions), metadata,
                           as_tensor(step.sample_indices))
@@ -220,8 +243,14 @@ class ModelRunner:
         if on_layer_done is None and agent is not None and agent.sending:
             on_layer_done = agent.on_layer_done
         try:
-            hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.attn_metadata, on_layer_done,
-                                hidden=hidden_in)
+            md = inp.attn_metadata
+            if self._compiled_decode is not None and md.max_query_len == 1 and on_layer_done is None:
+                with torch.inference_mode(False), torch.no_grad():  # inference tensors do not mix with compile
+                    hidden = self._compiled_decode(inp.input_ids.clone(), inp.positions.clone(), self.kv_cache,
+                                                   md.slot_mapping.clone(), md.block_tables.clone(),
+                                                   md.seq_lens.clone(), md.query_start_loc.clone())
+            else:
+                hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, md, on_layer_done, hidden=hidden_in)
         except Exception as e:
             if agent is not None and agent.sending:
                 agent.abort_sends(f"prefill forward failed: {e}")
@@ -234,6 +263,44 @@ class ModelRunner:
             ranks.send_hidden(hidden)
         rows = hidden[inp.sample_indices] if ranks.is_last_stage else None
         return ranks.exchange_sample_rows(rows, (len(step.sample_indices), self.hidden_size), self.dtype)
+
+    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor) -> torch.Tensor:
+        """The model forward of a decode-only step (one new token per sequence), from plain tensors."""
+        metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=1,
+                                     max_seq_len=0, backend=self.attention_backend)
+        model = self.model
+        hidden = model.model.embed_tokens(input_ids)
+        start, end = model.layer_range
+        for i in range(end - start):
+            hidden = model.model.layers[start + i](positions, hidden, kv_cache, metadata, layer=i)
+        return hidden
+
+    def compile_decode_step(self) -> None:
+        """Compile the decode step's forward with torch.compile (inductor) and warm it up now.
+
+        One graph with a symbolic batch size serves every decode batch (torch specializes batch
+        1 on its own, so both are compiled here, at start-up). Inductor's cache
+        (``$TORCHINDUCTOR_CACHE_DIR``) makes a restart's compile a cache hit. Only a single-rank
+        worker whose attention runs through the opaque ``pdserve::paged_decode_attention`` op
+        compiles; others stay eager (logged).
+        """
+        if self.ranks is not None or self.attention_backend != "paged":
+            logger.info("decode step runs eagerly (compiled only for single-rank workers on the paged backend)")
+            return
+        import time
+
+        compiled = torch.compile(self._decode_forward, dynamic=True)
+        start = time.monotonic()
+        for batch in (1, 2):
+            logger.info("compiling the decode step (batch %s)...", "1" if batch == 1 else "2 and up")
+            with torch.inference_mode(False), torch.no_grad():
+                ids = torch.zeros(batch, dtype=torch.int64, device=self.device)
+                compiled(ids, ids, self.kv_cache, ids, ids.view(batch, 1), ids + 1,
+                         torch.arange(batch + 1, device=self.device))
+        self._compiled_decode = compiled
+        logger.info("decode step compiled in %.1f s (--enforce-eager turns this off)", time.monotonic() - start)
 
     def broadcast_kv(self, ops: KVStepOps) -> None:
         """Driver: a step with KV transfer work only (every rank's agent does its part now)."""

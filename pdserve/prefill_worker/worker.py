@@ -236,7 +236,7 @@ class PrefillWorker(WorkerBase):
         """
         plans = []
         runner = self.runner
-        dtype = dtype_name(runner.dtype)
+        dtype = dtype_name(runner.kv_cache_dtype)
         for seq_index, (request, num_new) in enumerate(scheduled):
             if request.num_computed_tokens + num_new != request.num_tokens:
                 continue  # an earlier chunk: nothing to send yet

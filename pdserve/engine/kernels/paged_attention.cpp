@@ -1,0 +1,263 @@
+// Paged attention on the CPU: every query reads its sequence's K/V straight from the paged
+// cache through the block table. Nothing is gathered, nothing is zero-filled, and slots past a
+// sequence's length are never read.
+//
+// The algorithm is PagedAttention (Kwon et al., SOSP'23). For each query token, a work item
+// (a sequence, or a sequence's share of KV heads when there are fewer sequences than threads)
+// walks the sequence's blocks front to back: first the scores of every key it may see
+// (causal, optionally a sliding window) for all its query heads, then a softmax in float32,
+// (vectorized exp of our own), then the weighted sum of the value rows. A block's slots are adjacent in memory, so each
+// block is one contiguous read, and the next block is prefetched while this one is used.
+// The query heads that share a KV head (grouped-query attention) reuse each K/V row from L1.
+// Vectors are GCC vector extensions (8 floats), so -march=native picks AVX2 or AVX-512.
+//
+// Built by pdserve/engine/kernels/__init__.py with the system C++ compiler and loaded with
+// ctypes; plain C ABI, no torch headers (it compiles in about a second).
+//
+// Layouts (all contiguous, row-major):
+//   out, query:    [num_tokens, num_heads, head_dim] float32 (head_dim a multiple of 8)
+//   kv_cache:      [2, num_blocks, block_size, num_kv_heads, head_dim], element type kv_dtype
+//                  (0 = float32, 1 = bfloat16); index 0 is K, 1 is V
+//   block_tables:  [num_seqs, max_blocks_per_seq] int64
+//   seq_lens:      [num_seqs] int64, context length after this step (cached + new tokens)
+//   query_start_loc: [num_seqs + 1] int64, cumulative new-token counts
+//   skip:          [num_seqs] uint8 or null; rows of a sequence with skip[s] != 0 are not written
+// Query token j of sequence s sits at position seq_lens[s] - q_len_s + j and attends to keys
+// at positions k <= that position (and > position - sliding_window when sliding_window > 0).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline v8 load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32 (a bf16 is the high half of a float32)
+  v8u16 h; std::memcpy(&h, p, sizeof(h));
+  v8u32 w = __builtin_convertvector(h, v8u32) << 16;
+  v8 v; std::memcpy(&v, &w, sizeof(v)); return v;
+}
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }  // memcpy: unaligned-safe, one vmovups
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+
+// exp(x) for 8 floats: x = n*ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r), and 2^n
+// put straight into the exponent bits. Relative error about 2e-7 (float32 rounding); inputs below
+// -87 give 0, as softmax wants for scores far under the maximum.
+inline v8 exp8(v8 x) {
+  const v8 lo = v8{} - 87.0f, hi = v8{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const v8 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + (v8{} + 0.5f) - (x < 0 ? v8{} + 1.0f : v8{}), v8i32), v8);
+  v8 r = x - n * 0.693359375f;  // ln2 in two parts, so n*ln2 is exact
+  r = r + n * 2.12194440e-4f;
+  v8 p = v8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  v8i32 bits = (__builtin_convertvector(n, v8i32) + 127) << 23;
+  v8 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  v8 y = p * scale;
+  return x <= lo ? v8{} : y;
+}
+
+inline float hsum(v8 v) {
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+
+// scores[t] = scale * <q, k_t> for the `run` rows starting at krow (rows slot_stride apart).
+// Four keys at a time: one load of each q vector feeds four independent FMA chains.
+template <typename T>
+inline void block_scores(const float* q, const T* krow, int64_t slot_stride, int64_t run, int64_t head_dim,
+                         float scale, float* scores) {
+  int64_t t = 0;
+  for (; t + 4 <= run; t += 4) {
+    const T* k0 = krow + t * slot_stride;
+    const T* k1 = k0 + slot_stride;
+    const T* k2 = k1 + slot_stride;
+    const T* k3 = k2 + slot_stride;
+    v8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t d = 0; d < head_dim; d += 8) {
+      v8 qv = load8(q + d);
+      a0 += qv * load8(k0 + d);
+      a1 += qv * load8(k1 + d);
+      a2 += qv * load8(k2 + d);
+      a3 += qv * load8(k3 + d);
+    }
+    scores[t] = hsum(a0) * scale;
+    scores[t + 1] = hsum(a1) * scale;
+    scores[t + 2] = hsum(a2) * scale;
+    scores[t + 3] = hsum(a3) * scale;
+  }
+  for (; t < run; ++t) {
+    const T* k0 = krow + t * slot_stride;
+    v8 a0 = {};
+    for (int64_t d = 0; d < head_dim; d += 8) a0 += load8(q + d) * load8(k0 + d);
+    scores[t] = hsum(a0) * scale;
+  }
+}
+
+// x <- softmax(x) in place, in float32, 8 at a time.
+inline void softmax(float* x, int64_t n) {
+  float mx = x[0];
+  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, x[i]);
+  v8 sum8 = {};
+  float sum = 0.f;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    v8 e = exp8(load8(x + i) - mx);
+    store8(x + i, e);
+    sum8 += e;
+  }
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - mx);
+    sum += x[i];
+  }
+  const float inv = 1.f / (sum + hsum(sum8));
+  for (i = 0; i + 8 <= n; i += 8) store8(x + i, load8(x + i) * inv);
+  for (; i < n; ++i) x[i] *= inv;
+}
+
+// acc += sum_t p[t] * v_t over `run` rows (head_dim a multiple of 8).
+template <typename T>
+inline void block_values(const float* p, const T* vrow, int64_t slot_stride, int64_t run, int64_t head_dim,
+                         float* acc) {
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {  // 4 vectors of accumulators in registers
+    const int64_t w = std::min<int64_t>(32, head_dim - d0);
+    v8 a[4];
+    for (int i = 0; i < 4; ++i) a[i] = (i * 8 < w) ? load8(acc + d0 + i * 8) : v8{};
+    for (int64_t t = 0; t < run; ++t) {
+      const T* v = vrow + t * slot_stride + d0;
+      const v8 pt = v8{} + p[t];
+      for (int i = 0; i < 4; ++i)
+        if (i * 8 < w) a[i] += pt * load8(v + i * 8);
+    }
+    for (int i = 0; i < 4; ++i)
+      if (i * 8 < w) store8(acc + d0 + i * 8, a[i]);
+  }
+}
+
+template <typename T>
+void attend(float* out, const float* query, const T* kv_cache, const int64_t* block_tables,
+            int64_t max_blocks_per_seq, const int64_t* seq_lens, const int64_t* query_start_loc,
+            const uint8_t* skip, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+            int64_t block_size, int64_t num_blocks, float scale, int64_t sliding_window, int num_threads) {
+  const int64_t rep = num_heads / num_kv_heads;
+  const int64_t token_stride = num_heads * head_dim;
+  const int64_t slot_stride = num_kv_heads * head_dim;
+  const T* k_cache = kv_cache;
+  const T* v_cache = kv_cache + num_blocks * block_size * slot_stride;
+  // Work items: (sequence, group of KV heads). A sequence's heads stay together (its blocks are
+  // read front to back, all heads at once) unless there are too few sequences to share out.
+  const int64_t head_groups = num_seqs >= 2 * num_threads ? 1 : num_kv_heads;
+  const int64_t heads_per_item = num_kv_heads / head_groups;
+  const int64_t num_items = num_seqs * head_groups;
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scores;  // [heads_per_item * rep, n]
+    std::vector<float> acc;     // [heads_per_item * rep, head_dim]
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t s = item / head_groups;
+      const int64_t h0 = (item % head_groups) * heads_per_item;
+      if (skip != nullptr && skip[s]) continue;
+      const int64_t q_begin = query_start_loc[s];
+      const int64_t q_len = query_start_loc[s + 1] - q_begin;
+      const int64_t ctx = seq_lens[s];
+      const int64_t* table = block_tables + s * max_blocks_per_seq;
+      const int64_t rows = heads_per_item * rep;  // query heads of this item
+      for (int64_t j = 0; j < q_len; ++j) {
+        const int64_t pos = ctx - q_len + j;
+        const int64_t k_begin = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
+        const int64_t k_end = pos + 1;
+        const int64_t n = k_end - k_begin;
+        const float* q = query + (q_begin + j) * token_stride + h0 * rep * head_dim;  // [rows, head_dim]
+        float* o = out + (q_begin + j) * token_stride + h0 * rep * head_dim;
+        if (n <= 0) { std::fill(o, o + rows * head_dim, 0.f); continue; }
+        scores.resize(rows * n);
+        for (int64_t k = k_begin; k < k_end;) {
+          const int64_t block = table[k / block_size], off = k % block_size;
+          const int64_t run = std::min(block_size - off, k_end - k);
+          const T* base = k_cache + (block * block_size + off) * slot_stride;
+          if (k + run < k_end) {  // the next block is elsewhere in memory: start reading it now
+            const char* next = reinterpret_cast<const char*>(k_cache + table[(k + run) / block_size] * block_size * slot_stride + h0 * head_dim);
+            const int64_t bytes = block_size * slot_stride * (int64_t)sizeof(T);
+            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b);
+          }
+          for (int64_t hh = 0; hh < heads_per_item; ++hh)
+            for (int64_t r = 0; r < rep; ++r) {
+              const int64_t row = hh * rep + r;
+              block_scores(q + row * head_dim, base + (h0 + hh) * head_dim, slot_stride, run, head_dim, scale,
+                           scores.data() + row * n + (k - k_begin));
+            }
+          k += run;
+        }
+        for (int64_t row = 0; row < rows; ++row) softmax(scores.data() + row * n, n);
+        acc.assign(rows * head_dim, 0.f);
+        for (int64_t k = k_begin; k < k_end;) {
+          const int64_t block = table[k / block_size], off = k % block_size;
+          const int64_t run = std::min(block_size - off, k_end - k);
+          const T* base = v_cache + (block * block_size + off) * slot_stride;
+          if (k + run < k_end) {  // the next block is elsewhere in memory: start reading it now
+            const char* next = reinterpret_cast<const char*>(v_cache + table[(k + run) / block_size] * block_size * slot_stride + h0 * head_dim);
+            const int64_t bytes = block_size * slot_stride * (int64_t)sizeof(T);
+            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b);
+          }
+          for (int64_t hh = 0; hh < heads_per_item; ++hh)
+            for (int64_t r = 0; r < rep; ++r) {
+              const int64_t row = hh * rep + r;
+              block_values(scores.data() + row * n + (k - k_begin), base + (h0 + hh) * head_dim, slot_stride, run,
+                           head_dim, acc.data() + row * head_dim);
+            }
+          k += run;
+        }
+        std::memcpy(o, acc.data(), sizeof(float) * rows * head_dim);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0 on success, 1 for an unsupported kv_dtype, 2 for bad head counts, 3 for a head_dim
+// that is not a multiple of 8.
+int pdserve_paged_attention(float* out, const float* query, const void* kv_cache, int kv_dtype,
+                            const int64_t* block_tables, int64_t max_blocks_per_seq, const int64_t* seq_lens,
+                            const int64_t* query_start_loc, const uint8_t* skip, int64_t num_seqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            int64_t num_blocks, float scale, int64_t sliding_window, int num_threads) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
+  if (head_dim % 8 != 0) return 3;
+  if (num_threads < 1) num_threads = 1;
+  if (kv_dtype == 0) {
+    attend(out, query, static_cast<const float*>(kv_cache), block_tables, max_blocks_per_seq, seq_lens,
+           query_start_loc, skip, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+           sliding_window, num_threads);
+    return 0;
+  }
+  if (kv_dtype == 1) {
+    attend(out, query, static_cast<const uint16_t*>(kv_cache), block_tables, max_blocks_per_seq, seq_lens,
+           query_start_loc, skip, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+           sliding_window, num_threads);
+    return 0;
+  }
+  return 1;
+}
+}

@@ -1,0 +1,39 @@
+"""The compiled decode step (torch.compile over the paged kernel) against eager and Hugging Face."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.kernels import load_paged_attention
+from tests.test_llm import GREEDY, hf_greedy, prompts, token_ids  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: nothing is compiled")
+
+
+@pytest.fixture(scope="module")
+def compiled(model_dir):
+    llm = LLM(model_dir, max_num_batched_tokens=32, kv_cache_memory="1MiB", enforce_eager=False)
+    yield llm
+    llm.close()
+
+
+def test_compiled_decode_is_token_exact_with_hf(compiled, prompts, hf_greedy):  # noqa: F811
+    assert compiled.core.runner._compiled_decode is not None
+    outputs = compiled.generate(prompts, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == hf_greedy
+    assert compiled.block_manager.num_free_blocks == compiled.block_manager.num_blocks
+
+
+def test_compiled_logprobs_match_eager(model_dir, compiled, prompts):  # noqa: F811
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=3)
+    eager = LLM(model_dir, max_num_batched_tokens=32, kv_cache_memory="1MiB", enforce_eager=True)
+    assert eager.core.runner._compiled_decode is None
+    want = eager.generate(prompts, params, use_tqdm=False)
+    got = compiled.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert lg.top_token_ids == lw.top_token_ids
+            assert abs(lg.logprob - lw.logprob) < 1e-4
+            assert all(abs(a - b) < 1e-4 for a, b in zip(lg.top_logprobs, lw.top_logprobs))
