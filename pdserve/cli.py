@@ -8,6 +8,8 @@
     pdserve rank    --model DIR --rank R --master-addr H --master-port M ...   (one rank of a T x P worker)
     pdserve scale   [--router http://HOST:PORT] [--prefill N] [--decode M] [--wait]   (pools of a running cluster)
     pdserve tiny-model OUT_DIR [--preset tiny|bench]
+    pdserve bench serve [--url URL] [--dataset random|shared-prefix|jsonl] [--request-rate R] ...
+    pdserve bench compare [--model DIR] [--systems a,b,...] [--out-dir DIR] ...
 
 ``up`` runs a whole local cluster; the others start one part alone, which is
 how Ray and Kubernetes start them.
@@ -204,6 +206,17 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("out_dir")
     tiny.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
     tiny.add_argument("--seed", type=int, default=0)
+
+    from pdserve.bench.commands import add_compare_args, add_serve_args
+
+    bench = sub.add_parser("bench", help="serving benchmarks (serve: load one server; compare: several systems)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    add_serve_args(bench_sub.add_parser(
+        "serve", help="load an OpenAI-compatible server and report throughput, TTFT/TPOT/ITL/E2EL, goodput",
+        description="Streams /v1/completions requests (greedy, EOS ignored) at a rate or all at once."))
+    add_compare_args(bench_sub.add_parser(
+        "compare", help="one workload against pdserve (disagg, colocated), vLLM, transformers serve, HF generate",
+        description="Writes results.json, results.md and plots to --out-dir."))
     return parser
 
 
@@ -223,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_rank(args)
     if args.command == "scale":
         return _cmd_scale(args)
+    if args.command == "bench":
+        from pdserve.bench.commands import cmd_compare, cmd_serve
+
+        return cmd_serve(args) if args.bench_command == "serve" else cmd_compare(args)
     return _cmd_tiny_model(args)
 
 
