@@ -14,73 +14,48 @@ its output tokens/s.
 
 On a 2-core machine the prefill worker is pinned to core 0 and the decode
 worker to core 1 (one torch thread each); Hugging Face gets both cores.
+
+The workload, the load generator, the latency metrics and the Hugging Face
+baseline are ``pdserve.bench``'s (``pdserve bench serve`` / ``pdserve bench
+compare``); this script adds the cluster's own counters and memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import random
-import statistics
 import sys
 import time
 
 import httpx
 import psutil
-import torch
 
+from pdserve.bench import BenchRequest, DatasetConfig, ServeConfig, build_requests, run_benchmark_sync
+from pdserve.bench.hf_static import hf_static_generate
 from pdserve.common.utils import free_port, parse_size
 from pdserve.models.tiny_model import ensure_default_model
 from pdserve.launcher import ClusterSpec, LocalCluster
 
 
 def make_workload(n: int, vocab_size: int, seed: int, min_in: int, max_in: int, min_out: int, max_out: int,
-                  shared_prefix: int = 0):
-    """n (prompt_token_ids, max_tokens) pairs; the first ``shared_prefix`` prompt tokens are common to all."""
-    rng = random.Random(seed)
-    prefix = [rng.randrange(10, vocab_size) for _ in range(shared_prefix)]
-    return [(prefix + [rng.randrange(10, vocab_size) for _ in range(rng.randint(min_in, max_in))],
-             rng.randint(min_out, max_out)) for _ in range(n)]
+                  shared_prefix: int = 0) -> list[BenchRequest]:
+    """n requests of random token ids; the first ``shared_prefix`` prompt tokens are common to all."""
+    return build_requests(DatasetConfig(name="shared-prefix" if shared_prefix else "random", num_prompts=n,
+                                        min_input=min_in, max_input=max_in, min_output=min_out,
+                                        max_output=max_out, prefix_len=shared_prefix, vocab_size=vocab_size,
+                                        seed=seed))
 
 
-def percentiles(values: list[float]) -> str:
-    if not values:
+def percentiles(metrics: dict, name: str) -> str:
+    if metrics[f"p50_{name}_ms"] is None:
         return "n/a"
-    qs = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
-    return f"p50 {qs[49] * 1e3:8.1f} ms   p90 {qs[89] * 1e3:8.1f} ms   p99 {qs[98] * 1e3:8.1f} ms"
+    return "   ".join(f"{p} {metrics[f'{p}_{name}_ms']:8.1f} ms" for p in ("p50", "p90", "p99"))
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int):
-    start = time.perf_counter()
-    stamps: list[float] = []
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    completion_tokens = 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                completion_tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices"):
-                stamps.append(time.perf_counter())
-    ttft = stamps[0] - start
-    itl = [b - a for a, b in zip(stamps, stamps[1:])]
-    return ttft, itl, completion_tokens, time.perf_counter() - start
-
-
-async def run_load(url: str, model: str, workload) -> dict:
-    limits = httpx.Limits(max_connections=len(workload) + 4)
-    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
-        start = time.perf_counter()
-        results = await asyncio.gather(*(one_request(client, url, model, p, m) for p, m in workload))
-        wall = time.perf_counter() - start
-    return {"wall_s": wall, "ttft": [r[0] for r in results], "itl": [x for r in results for x in r[1]],
-            "output_tokens": sum(r[2] for r in results), "e2el": [r[3] for r in results]}
+def run_load(url: str, model: str, workload: list[BenchRequest]):
+    """Send every request at once and measure (``pdserve.bench``'s load generator)."""
+    return run_benchmark_sync(ServeConfig(url=url, model=model, disable_tqdm=True), workload)
 
 
 def metric_totals(text: str) -> dict[str, float]:
@@ -115,25 +90,9 @@ def memory_report(cluster: LocalCluster, model_bytes: int, kv_bytes: int) -> lis
     return lines
 
 
-def hf_static_batching(model_dir: str, workload, batch_size: int) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
-    useful = 0
-    start = time.perf_counter()
-    for i in range(0, len(workload), batch_size):
-        batch = workload[i:i + batch_size]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
-        max_new = max(m for _, m in batch)
-        with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, pad_token_id=pad)
-        useful += sum(m for _, m in batch)
-    return {"wall_s": time.perf_counter() - start, "output_tokens": useful}
+def hf_static_batching(model_dir: str, workload: list[BenchRequest], batch_size: int) -> dict:
+    wall_s, _ = hf_static_generate(model_dir, workload, batch_size)
+    return {"wall_s": wall_s, "output_tokens": sum(r.output_len for r in workload)}
 
 
 def main() -> int:
@@ -180,24 +139,26 @@ def main() -> int:
         pin_cluster(cluster)
         warmup = make_workload(2, cfg["vocab_size"], args.seed + 1, 16, 32, 4, 4)  # shares no prefix
         if args.shared_prefix:  # steady state: the shared prefix (a system prompt) has been seen once
-            warmup.append((workload[0][0][:args.shared_prefix] + [11, 12, 13], 4))
-        asyncio.run(run_load(cluster.url, name, warmup))
+            warmup.append(BenchRequest(workload[0].prompt[:args.shared_prefix] + [11, 12, 13], 4))
+        run_load(cluster.url, name, warmup)
         time.sleep(1.5)  # let the warm-up's counters reach the router
         base = metric_totals(httpx.get(f"{cluster.url}/metrics").text)
-        res = asyncio.run(run_load(cluster.url, name, workload))
+        res = run_load(cluster.url, name, workload)
         time.sleep(1.5)  # one more heartbeat, so the worker counters are current
         stats = httpx.get(f"{cluster.url}/workers").json()
         metrics = {k: v - base.get(k, 0.0)
                    for k, v in metric_totals(httpx.get(f"{cluster.url}/metrics").text).items()}
         mem = memory_report(cluster, model_bytes, kv_bytes)
-    tps = res["output_tokens"] / res["wall_s"]
+    m = res.metrics
+    tps = m["output_throughput"]
     mode = "colocated" if args.colocated else "disaggregated"
     print(f"\npdserve {mode} ({args.num_prefill}P + {args.num_decode}D, continuous batching, "
           f"prefix caching {'off' if args.no_prefix_caching else 'on'})")
-    print(f"  output tokens/s {tps:8.1f}   ({res['output_tokens']} tokens in {res['wall_s']:.1f} s)")
-    print(f"  TTFT  {percentiles(res['ttft'])}")
-    print(f"  ITL   {percentiles(res['itl'])}")
-    print(f"  E2EL  {percentiles(res['e2el'])}")
+    print(f"  output tokens/s {tps:8.1f}   ({m['total_output_tokens']} tokens in {m['duration']:.1f} s, "
+          f"{m['failed']} requests failed)")
+    print(f"  TTFT  {percentiles(m, 'ttft')}")
+    print(f"  ITL   {percentiles(m, 'itl')}")
+    print(f"  E2EL  {percentiles(m, 'e2el')}")
     for w in stats:
         print(f"  {w['role']:7s} {w['id']}: largest step batch {w.get('max_step_batch_size')}, "
               f"steps {w.get('num_steps')}")

@@ -273,7 +273,8 @@ def resolve_dataset(cfg: ServeConfig, model: str) -> DatasetConfig:
 
 
 async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest] | None = None) -> BenchResult:
-    """Send the workload (``requests``, or the one ``cfg.dataset`` builds) and measure it.
+    """Send the workload (``requests``, or the one ``cfg.dataset`` builds) and measure it. Given
+    ``requests``, ``cfg.dataset`` only describes them in the settings.
 
     Failed requests are counted and their errors kept. Raises httpx.HTTPError / RuntimeError
     when the model name cannot be found, ValueError for a workload the API cannot take.
@@ -286,8 +287,9 @@ async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest] | None = 
     timeout = httpx.Timeout(cfg.request_timeout_s, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         model = cfg.model or await first_model_id(client, url)
-        dataset = resolve_dataset(cfg, model)
+        dataset = cfg.dataset
         if requests is None:
+            dataset = resolve_dataset(cfg, model)
             requests = build_requests(dataset)
         tokenizer = _load_tokenizer(cfg, requests)
         endpoint_url = f"{url}/{cfg.endpoint.lstrip('/')}"
