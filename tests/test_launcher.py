@@ -41,6 +41,13 @@ def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path, mode):
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
         health = httpx.get(f"http://127.0.0.1:{port}/health").json()
         assert health["num_prefill"] == (0 if extra else 1) and health["num_decode"] == 1
+        # Each worker is pinned to its own share of the cores (a colocated worker gets them all).
+        cores = sorted(os.sched_getaffinity(0))
+        pinned = {c.cmdline()[3]: c.cpu_affinity() for c in children if c.cmdline()[3] in ("prefill", "decode")}
+        if extra:
+            assert pinned == {"decode": cores}
+        elif len(cores) >= 2:
+            assert pinned["prefill"] and pinned["decode"] and not set(pinned["prefill"]) & set(pinned["decode"])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         gone, alive = psutil.wait_procs(children, timeout=15)
@@ -65,3 +72,42 @@ def test_up_parallel_flags_size_each_pool():
     spec = ClusterSpec(model="m", num_prefill=1, num_decode=2, **sizes)
     assert spec.num_ranks == 4 + 2 and spec.parallel_args("prefill") == [
         "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
+
+
+def test_cpu_lists_and_core_shares():
+    from pdserve.common.utils import format_cpu_list, parse_cpu_list
+    from pdserve.launcher import ClusterSpec, LocalCluster
+
+    assert parse_cpu_list("0-3,6") == [0, 1, 2, 3, 6] and format_cpu_list([6, 0, 1, 2, 3]) == "0-3,6"
+    for bad in ("", "a", "3-1", "1,,2"):
+        with pytest.raises(ValueError, match="cpu list"):
+            parse_cpu_list(bad)
+    cluster = LocalCluster(ClusterSpec(model="m", num_prefill=1, num_decode=1))
+    cores = sorted(os.sched_getaffinity(0))
+    prefill, _ = cluster._cores_for("prefill", "prefill-0")
+    decode, threads = cluster._cores_for("decode", "decode-0")
+    assert len(prefill) == len(decode) == max(1, len(cores) // 2) and threads == len(decode)
+    if len(cores) >= 2:
+        assert not set(prefill) & set(decode)
+    assert cluster._cores_for("decode", "decode-0")[0] == decode  # a restart keeps its share
+    colocated = LocalCluster(ClusterSpec(model="m", num_prefill=0, num_decode=1))
+    assert colocated._cores_for("decode", "decode-0")[0] == cores
+
+
+def test_dtype_auto_follows_the_checkpoint_and_the_cpu():
+    import torch
+
+    from pdserve.common.utils import cpu_has_native_bf16, resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("float16", cpu)[0] == torch.float16
+    assert resolve_dtype("auto", cpu, "float32") == (torch.float32, "auto: the checkpoint's float32")
+    assert resolve_dtype("auto", cpu, None)[0] == torch.float32
+    dtype, why = resolve_dtype("auto", cpu, "bfloat16")
+    if cpu_has_native_bf16():
+        assert dtype == torch.bfloat16 and "native" in why
+    else:
+        assert dtype == torch.float32 and "no native bf16" in why
+    assert resolve_dtype("auto", torch.device("cuda"), "float32")[0] == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("int8", cpu)

@@ -252,17 +252,21 @@ class KVPair:
         self.close(reason)
         raise KVTransferError(reason)
 
-    def recv(self, tensor: torch.Tensor, timeout_s: float, what: str) -> None:
-        """Receive the stream's next message into ``tensor`` (contiguous, exact size), waiting up to ``timeout_s``."""
+    def irecv(self, tensor: torch.Tensor, what: str) -> dist.Work:
+        """Post a receive of the stream's next message into ``tensor`` (contiguous, exact size); returns
+        the Work to ``wait`` on. Receives posted back to back complete in stream order."""
         try:
-            work = self._live_pg().recv([tensor], self.peer_rank, wire.TAG)
+            return self._live_pg().recv([tensor], self.peer_rank, wire.TAG)
         except KVTransferError:
             raise
         except Exception as exc:
             reason = f"{what}: receive from {self.peer_desc} failed: {_short(exc)}"
             self.close(reason)
             raise KVTransferError(reason) from None
-        self.wait(work, timeout_s, what)
+
+    def recv(self, tensor: torch.Tensor, timeout_s: float, what: str) -> None:
+        """Receive the stream's next message into ``tensor`` (contiguous, exact size), waiting up to ``timeout_s``."""
+        self.wait(self.irecv(tensor, what), timeout_s, what)
 
     # -- send sequencer (used by OutgoingKV) ---------------------------------
 

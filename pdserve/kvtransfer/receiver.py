@@ -228,12 +228,15 @@ class DecodePairs:
                                       f"{header.prefill_worker_id} disagree ({diff})")
             kv = torch.empty((header.num_layers, 2, header.num_blocks, header.block_size, header.num_kv_heads,
                               header.head_dim), dtype=wire.dtype_from_name(header.dtype), device=self.device)
-            for i in range(header.num_layers):
-                pair.recv(kv[i], self.timeout_s, f"request {rid}: layer {i}/{header.num_layers}")
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
+            # Every layer's receive is posted at once; each layer is checksummed as soon as it is in,
+            # while the next ones are still arriving.
+            what = [f"request {rid}: layer {i}/{header.num_layers}" for i in range(header.num_layers)]
+            works = [pair.irecv(kv[i], what[i]) for i in range(header.num_layers)]
             checksum = KVChecksum()
-            for i in range(header.num_layers):
+            for i, work in enumerate(works):  # each layer may take timeout_s after the one before
+                pair.wait(work, self.timeout_s, what[i])
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
                 checksum.update(kv[i])
             return ReceivedKV(rid, kv, checksum.num_bytes, checksum.value)
 
