@@ -15,7 +15,7 @@ from pdserve.bench.datasets import DatasetConfig, build_requests, jsonl_requests
 from pdserve.bench.metrics import (RequestOutput, compute_metrics, parse_goodput, parse_percentiles, percentile)
 from pdserve.bench.report import markdown
 from pdserve.bench.serve import ServeConfig, arrival_offsets, base_url, request_body
-from pdserve.bench.systems import SystemResult, parse_cores
+from pdserve.bench.systems import SystemResult
 from pdserve.cli import main as pdserve_main
 
 
@@ -140,14 +140,11 @@ def test_compute_metrics_by_hand():
     assert empty["completed"] == 0 and empty["mean_ttft_ms"] is None
 
 
-def test_goodput_and_cores_parsing():
+def test_goodput_parsing():
     assert parse_goodput(["TTFT:500", "e2el:1e3"]) == {"ttft": 500.0, "e2el": 1000.0}
     for bad in (["itl:5"], ["ttft"], ["ttft:-1"], ["tpot:fast"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
-    assert parse_cores("0-2,5") == [0, 1, 2, 5]
-    with pytest.raises(ValueError):
-        parse_cores("3-1")
 
 
 def test_request_bodies():

@@ -174,7 +174,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     import shlex
 
     from pdserve.bench.compare import CompareConfig, run_compare
-    from pdserve.bench.systems import parse_cores
+    from pdserve.common.utils import parse_cpu_list
 
     quiet_http_logs()
     try:
@@ -189,7 +189,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             if not sep or not key:
                 raise ValueError(f"--vllm-env takes KEY=VALUE, got {item!r}")
             env[key] = value
-        cores = {name: parse_cores(getattr(args, name)) if getattr(args, name) else None
+        cores = {name: parse_cpu_list(getattr(args, name)) if getattr(args, name) else None
                  for name in ("prefill_cores", "decode_cores", "colocated_cores")}
         cfg = CompareConfig(
             model=model, out_dir=args.out_dir, systems=[s.strip() for s in args.systems.split(",") if s.strip()],

@@ -14,7 +14,6 @@ A system that cannot run is a row that says why (``not installed: ...`` / ``fail
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import shlex
@@ -68,27 +67,6 @@ def available_cores() -> list[int]:
     if hasattr(os, "sched_getaffinity"):
         return sorted(os.sched_getaffinity(0))
     return list(range(os.cpu_count() or 1))
-
-
-def parse_cores(text: str) -> list[int]:
-    """``"0-2,5"`` -> ``[0, 1, 2, 5]``. Raises ValueError for a malformed list."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        first, last = int(lo), int(hi or lo)
-        if first < 0 or last < first:
-            raise ValueError(f"bad core range {part!r}")
-        cores.update(range(first, last + 1))
-    if not cores:
-        raise ValueError(f"no cores in {text!r}")
-    return sorted(cores)
-
-
-def format_cores(cores: list[int]) -> str:
-    return ",".join(str(c) for c in cores)
 
 
 def default_core_split() -> tuple[list[int], list[int]]:
@@ -190,43 +168,33 @@ class ServerProcess:
 
 # --- pdserve --------------------------------------------------------------------------------------
 
-def _launcher_places_workers() -> bool:
-    """Whether this pdserve's workers take ``--cpu-cores`` (and pin their own threads)."""
-    from pdserve.engine.config import EngineConfig
-
-    return "cpu_cores" in {f.name for f in dataclasses.fields(EngineConfig)}
-
-
 def pdserve_cluster_spec(model: str, num_prefill: int, num_decode: int, prefill_cores: list[int],
                          decode_cores: list[int], worker_args: list[str]):
     """A ``ClusterSpec`` for a local cluster whose pools run on the given cores (one torch thread each)."""
-    from pdserve.common.utils import free_port
+    from pdserve.common.utils import format_cpu_list, free_port
     from pdserve.launcher import ClusterSpec
 
-    prefill_args, decode_args = [], []
-    if _launcher_places_workers():
-        prefill_args = ["--cpu-cores", format_cores(prefill_cores), "--num-threads", str(len(prefill_cores))]
-        decode_args = ["--cpu-cores", format_cores(decode_cores), "--num-threads", str(len(decode_cores))]
+    prefill_args = ["--cpu-cores", format_cpu_list(prefill_cores), "--num-threads", str(len(prefill_cores))]
+    decode_args = ["--cpu-cores", format_cpu_list(decode_cores), "--num-threads", str(len(decode_cores))]
     return ClusterSpec(model=model, num_prefill=num_prefill, num_decode=num_decode, port=free_port(),
-                       threads_per_worker=1 if not _launcher_places_workers() else None,
                        worker_args=list(worker_args), prefill_args=prefill_args, decode_args=decode_args)
 
 
 def pin_cluster(cluster, prefill_cores: list[int], decode_cores: list[int]) -> None:
-    """Pin the router to the first prefill core (decode when there are no prefill workers) and, when
-    the workers cannot place themselves, each worker process to its pool's cores."""
+    """Pin the router to the first prefill core (decode when there are no prefill workers); the workers
+    pin themselves (``--cpu-cores``)."""
     if not hasattr(os, "sched_setaffinity"):
         return
     has_prefill = cluster.spec.num_prefill > 0
     for name, proc in cluster.procs:
         if name == "router":
             os.sched_setaffinity(proc.pid, {(prefill_cores if has_prefill else decode_cores)[0]})
-        elif not _launcher_places_workers():
-            os.sched_setaffinity(proc.pid, set(prefill_cores if name.startswith("prefill") else decode_cores))
 
 
 def _cores_text(cores: list[int]) -> str:
-    return f"core{'s' if len(cores) > 1 else ''} {format_cores(cores)}"
+    from pdserve.common.utils import format_cpu_list
+
+    return f"core{'s' if len(cores) > 1 else ''} {format_cpu_list(cores)}"
 
 
 def run_pdserve(cfg, requests, bench, colocated: bool) -> SystemResult:
