@@ -309,13 +309,15 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         if rc != 0:
             raise ValueError(f"paged attention kernel rejected its inputs (code {rc}): {num_heads} heads, "
                              f"{num_kv_heads} KV heads")
+    num_rep = num_heads // num_kv_heads
     for begin, end in plan.fresh:  # causal attention over the sequence's own new K/V
-        q_s = query[begin:end].transpose(0, 1)  # (H, L, D)
-        k_s = key[begin:end].transpose(0, 1).to(query.dtype)  # (H_kv, L, D)
-        v_s = value[begin:end].transpose(0, 1).to(query.dtype)
-        o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale,
-                                             enable_gqa=num_heads != num_kv_heads)  # (H, L, D)
-        out[begin:end] = o_s.transpose(0, 1)
+        # 4-D inputs with the KV heads repeated: that is what reaches torch's flash kernel on CPU
+        # (3-D inputs or enable_gqa fall back to the math path, 3-4x slower on a 512-token prompt).
+        q_s = query[begin:end].transpose(0, 1)[None]  # (1, H, L, D)
+        k_s = key[begin:end].transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]  # (1, H, L, D)
+        v_s = value[begin:end].transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]
+        o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale)  # (1, H, L, D)
+        out[begin:end] = o_s[0].transpose(0, 1)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 

@@ -21,6 +21,7 @@ For each ``RemotePrefillRequest`` (the driver, rank 0, runs this; every rank's
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -77,7 +78,8 @@ class PrefillWorker(WorkerBase):
     role = WorkerRole.PREFILL
 
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig):
-        super().__init__(engine_config, worker_config)
+        # A prefill worker never runs a decode-only step: nothing to compile for one.
+        super().__init__(dataclasses.replace(engine_config, enforce_eager=True), worker_config)
         self.attach_kv_agent()
         self.pending_pair: dict[str, RemotePrefillRequest] = {}  # waiting for its pairs to connect
         self.pairs: dict[tuple[str, int], _Pairs] = {}  # (decode_worker_id, generation)
