@@ -181,14 +181,15 @@ def pdserve_cluster_spec(model: str, num_prefill: int, num_decode: int, prefill_
 
 
 def pin_cluster(cluster, prefill_cores: list[int], decode_cores: list[int]) -> None:
-    """Pin the router to the first prefill core (decode when there are no prefill workers); the workers
-    pin themselves (``--cpu-cores``)."""
+    """Keep the router off the workers' cores where a core is left over (as vLLM's API server runs
+    beside its pinned model worker); otherwise it floats. The workers pin themselves (``--cpu-cores``)."""
     if not hasattr(os, "sched_setaffinity"):
         return
-    has_prefill = cluster.spec.num_prefill > 0
-    for name, proc in cluster.procs:
-        if name == "router":
-            os.sched_setaffinity(proc.pid, {(prefill_cores if has_prefill else decode_cores)[0]})
+    spare = set(available_cores()) - set(prefill_cores if cluster.spec.num_prefill else []) - set(decode_cores)
+    if spare:
+        for name, proc in cluster.procs:
+            if name == "router":
+                os.sched_setaffinity(proc.pid, spare)
 
 
 def _cores_text(cores: list[int]) -> str:

@@ -245,9 +245,12 @@ class ModelRunner:
         try:
             md = inp.attn_metadata
             if self._compiled_decode is not None and md.max_query_len == 1 and on_layer_done is None:
+                tables = md.block_tables
+                if tables.shape[1] < 2:  # at least two wide, as compiled (the kernel reads only seq_lens' worth)
+                    tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
                 with torch.inference_mode(False), torch.no_grad():  # inference tensors do not mix with compile
                     hidden = self._compiled_decode(inp.input_ids.clone(), inp.positions.clone(), self.kv_cache,
-                                                   md.slot_mapping.clone(), md.block_tables.clone(),
+                                                   md.slot_mapping.clone(), tables.clone(),
                                                    md.seq_lens.clone(), md.query_start_loc.clone())
             else:
                 hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, md, on_layer_done, hidden=hidden_in)
@@ -297,8 +300,10 @@ class ModelRunner:
             logger.info("compiling the decode step (batch %s)...", "1" if batch == 1 else "2 and up")
             with torch.inference_mode(False), torch.no_grad():
                 ids = torch.zeros(batch, dtype=torch.int64, device=self.device)
-                compiled(ids, ids, self.kv_cache, ids, ids.view(batch, 1), ids + 1,
-                         torch.arange(batch + 1, device=self.device))
+                # Block tables two wide: torch specializes a dimension of size 1, which would
+                # recompile at the first real step.
+                compiled(ids, ids, self.kv_cache, ids, torch.zeros(batch, 2, dtype=torch.int64, device=self.device),
+                         ids + 1, torch.arange(batch + 1, device=self.device))
         self._compiled_decode = compiled
         logger.info("decode step compiled in %.1f s (--enforce-eager turns this off)", time.monotonic() - start)
 
