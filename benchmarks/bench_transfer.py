@@ -8,7 +8,8 @@ of 512 and 2048 tokens:
 * **transfer**: one request's KV through ``PrefillPairs``/``DecodePairs`` (metadata tensor,
   one gather + send per layer, the receiver's checksum), timed from the first
   ``send_layer`` until the decode side holds the whole checked KV;
-* **raw**: the same layer tensors with plain ``dist.send``/``dist.recv`` over a gloo group;
+* **raw**: the same layer tensors, already contiguous, with plain gloo send/recv (every
+  send and receive posted at once, then waited for): the floor for moving these bytes;
 * **exposed transfer**: the prefill forward of the same prompt on the bench model alone,
   then with every layer sent as soon as it is written (``on_layer_done``) and waited for;
   the extra time as a share of the forward alone.
@@ -66,9 +67,9 @@ def decode_main(ctrl, out, raw_port: int) -> None:
             group = dist.ProcessGroupGloo(store, 1, 2)
             for shape in shapes:
                 bufs = [torch.empty(shape) for _ in range(num_layers)]
-                for _ in range(repeats + 1):
-                    for b in bufs:
-                        group.recv([b], 0, 0).wait()
+                for _ in range(repeats + 1):  # every receive posted at once, as pdserve's receiver does
+                    for work in [group.recv([b], 0, 0) for b in bufs]:
+                        work.wait()
                     out.put(("raw_done", time.monotonic()))
         else:
             break
@@ -169,8 +170,8 @@ def run(args) -> dict:
             times = []
             for _ in range(args.repeats + 1):
                 t0 = time.monotonic()
-                for t in layers:
-                    group.send([t], 1, 0).wait()
+                for work in [group.send([t], 1, 0) for t in layers]:
+                    work.wait()
                 _, t_done = out.get(timeout=60)
                 times.append(t_done - t0)
             results[tokens]["raw_s"] = statistics.median(times[1:])

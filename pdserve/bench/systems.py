@@ -180,16 +180,17 @@ def pdserve_cluster_spec(model: str, num_prefill: int, num_decode: int, prefill_
                        worker_args=list(worker_args), prefill_args=prefill_args, decode_args=decode_args)
 
 
-def pin_cluster(cluster, prefill_cores: list[int], decode_cores: list[int]) -> None:
+def pin_cluster(cluster, prefill_cores: list[int], decode_cores: list[int]) -> str:
     """Keep the router off the workers' cores where a core is left over (as vLLM's API server runs
-    beside its pinned model worker); otherwise it floats. The workers pin themselves (``--cpu-cores``)."""
-    if not hasattr(os, "sched_setaffinity"):
-        return
+    beside its pinned model worker); otherwise it floats. The workers pin themselves (``--cpu-cores``).
+    Returns where the router runs, in words."""
     spare = set(available_cores()) - set(prefill_cores if cluster.spec.num_prefill else []) - set(decode_cores)
-    if spare:
-        for name, proc in cluster.procs:
-            if name == "router":
-                os.sched_setaffinity(proc.pid, spare)
+    if not spare or not hasattr(os, "sched_setaffinity"):
+        return "router unpinned"
+    for name, proc in cluster.procs:
+        if name == "router":
+            os.sched_setaffinity(proc.pid, spare)
+    return f"router on {_cores_text(sorted(spare))}"
 
 
 def _cores_text(cores: list[int]) -> str:
@@ -222,12 +223,12 @@ def run_pdserve(cfg, requests, bench, colocated: bool) -> SystemResult:
     except Exception as e:  # noqa: BLE001  the row says why
         raise SystemFailed(f"cluster did not start: {e} (logs in {log_dir})") from None
     try:
-        pin_cluster(cluster, prefill_cores, decode_cores)
+        router_place = pin_cluster(cluster, prefill_cores, decode_cores)
         result = bench(cluster.url, None, "openai")
     finally:
         cluster.__exit__(None, None, None)
     extra = f"; worker args: {shlex.join(cfg.pdserve_args)}" if cfg.pdserve_args else ""
-    return _row(name, f"{setup}, router on core {(prefill_cores if num_prefill else decode_cores)[0]}{extra}",
+    return _row(name, f"{setup}, {router_place}{extra}",
                 result)
 
 
