@@ -7,6 +7,10 @@ ARG TORCH_SPEC="torch==2.13.0"
 ARG TORCH_INDEX="https://download.pytorch.org/whl/cpu"
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
 
+# g++: the paged-attention kernel and torch.compile's CPU backend build native code on first use
+# (cached per user under ~/.cache); without a compiler the workers fall back to plain-torch attention.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/pdserve
 RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
 COPY pyproject.toml README.md ./

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import zlib
 from dataclasses import dataclass
 
@@ -292,10 +293,18 @@ class ModelRunner:
         if self.ranks is not None or self.attention_backend != "paged":
             logger.info("decode step runs eagerly (compiled only for single-rank workers on the paged backend)")
             return
-        import time
-
         compiled = torch.compile(self._decode_forward, dynamic=True)
         start = time.monotonic()
+        try:
+            self._warm_up(compiled)
+        except Exception as e:  # noqa: BLE001  an inductor failure costs speed, never the worker
+            logger.warning("could not compile the decode step (%s: %s); running it eagerly", type(e).__name__, e)
+            return
+        self._compiled_decode = compiled
+        logger.info("decode step compiled in %.1f s (--enforce-eager turns this off)", time.monotonic() - start)
+
+    def _warm_up(self, compiled) -> None:
+        """Compile now: one decode step at batch 1 and one at batch 2 (writing only block 0's slot 0)."""
         for batch in (1, 2):
             logger.info("compiling the decode step (batch %s)...", "1" if batch == 1 else "2 and up")
             with torch.inference_mode(False), torch.no_grad():
@@ -304,8 +313,6 @@ class ModelRunner:
                 # recompile at the first real step.
                 compiled(ids, ids, self.kv_cache, ids, torch.zeros(batch, 2, dtype=torch.int64, device=self.device),
                          ids + 1, torch.arange(batch + 1, device=self.device))
-        self._compiled_decode = compiled
-        logger.info("decode step compiled in %.1f s (--enforce-eager turns this off)", time.monotonic() - start)
 
     def broadcast_kv(self, ops: KVStepOps) -> None:
         """Driver: a step with KV transfer work only (every rank's agent does its part now)."""
