@@ -379,8 +379,9 @@ class LocalCluster(ClusterLauncher):
 
     def _start_worker(self, role: str, name: str) -> subprocess.Popen:
         s = self.spec
-        extra = [*s.worker_args, *(s.prefill_args if role == "prefill" else s.decode_args)]
-        if "--cpu-cores" in extra or not hasattr(os, "sched_getaffinity"):  # the user placed it, or no pinning here
+        pool_args = s.prefill_args if role == "prefill" else s.decode_args
+        user_placed = "--cpu-cores" in [*s.worker_args, *pool_args]
+        if user_placed or not hasattr(os, "sched_getaffinity"):  # the user placed it, or no pinning on this OS
             threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.num_ranks)
             placement = ["--num-threads", str(threads)]
         else:
@@ -388,8 +389,7 @@ class LocalCluster(ClusterLauncher):
             placement = ["--num-threads", str(threads), "--cpu-cores", format_cpu_list(cores)]
         return self._spawn(name, [role, "--worker-id", name, "--model", s.model, "--router",
                                   f"tcp://{s.host}:{self.zmq_port}", "--host", s.host, *placement,
-                                  *s.worker_args, *s.parallel_args(role),
-                                  *(s.prefill_args if role == "prefill" else s.decode_args)])
+                                  *s.worker_args, *s.parallel_args(role), *pool_args])
 
     def _router_exit_code(self) -> int | None:
         return None if self.router_proc is None else self.router_proc.poll()

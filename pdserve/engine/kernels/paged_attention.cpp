@@ -5,9 +5,10 @@
 // The algorithm is PagedAttention (Kwon et al., SOSP'23). For each query token, a work item
 // (a sequence, or a sequence's share of KV heads when there are fewer sequences than threads)
 // walks the sequence's blocks front to back: first the scores of every key it may see
-// (causal, optionally a sliding window) for all its query heads, then a softmax in float32,
-// (vectorized exp of our own), then the weighted sum of the value rows. A block's slots are adjacent in memory, so each
-// block is one contiguous read, and the next block is prefetched while this one is used.
+// (causal, optionally a sliding window) for all its query heads, then a softmax in float32
+// (vectorized exp of our own), then the weighted sum of the value rows. A block's slots are
+// adjacent in memory, so each block is one contiguous read, and the next block is prefetched
+// while this one is used (walk_blocks).
 // The query heads that share a KV head (grouped-query attention) reuse each K/V row from L1.
 // Vectors are GCC vector extensions (8 floats), so -march=native picks AVX2 or AVX-512.
 //
@@ -151,6 +152,25 @@ inline void block_values(const float* p, const T* vrow, int64_t slot_stride, int
   }
 }
 
+// Calls fn(first slot's row in `cache`, position k, run) for each stretch of positions
+// [k_begin, k_end) that lies in one block, in order. The next block is elsewhere in memory, so
+// it is prefetched (all of it: every KV head's rows) while fn uses this one.
+template <typename T, typename Fn>
+inline void walk_blocks(const T* cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
+                        int64_t k_begin, int64_t k_end, Fn fn) {
+  const int64_t block_bytes = block_size * slot_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t k = k_begin; k < k_end;) {
+    const int64_t off = k % block_size;
+    const int64_t run = std::min(block_size - off, k_end - k);
+    if (k + run < k_end) {
+      const char* next = reinterpret_cast<const char*>(cache + table[(k + run) / block_size] * block_size * slot_stride);
+      for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(next + b);
+    }
+    fn(cache + (table[k / block_size] * block_size + off) * slot_stride, k, run);
+    k += run;
+  }
+}
+
 template <typename T>
 void attend(float* out, const float* query, const T* kv_cache, const int64_t* block_tables,
             int64_t max_blocks_per_seq, const int64_t* seq_lens, const int64_t* query_start_loc,
@@ -190,42 +210,24 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
         float* o = out + (q_begin + j) * token_stride + h0 * rep * head_dim;
         if (n <= 0) { std::fill(o, o + rows * head_dim, 0.f); continue; }
         scores.resize(rows * n);
-        for (int64_t k = k_begin; k < k_end;) {
-          const int64_t block = table[k / block_size], off = k % block_size;
-          const int64_t run = std::min(block_size - off, k_end - k);
-          const T* base = k_cache + (block * block_size + off) * slot_stride;
-          if (k + run < k_end) {  // the next block is elsewhere in memory: start reading it now
-            const char* next = reinterpret_cast<const char*>(k_cache + table[(k + run) / block_size] * block_size * slot_stride + h0 * head_dim);
-            const int64_t bytes = block_size * slot_stride * (int64_t)sizeof(T);
-            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b);
-          }
+        walk_blocks(k_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run) {
           for (int64_t hh = 0; hh < heads_per_item; ++hh)
             for (int64_t r = 0; r < rep; ++r) {
               const int64_t row = hh * rep + r;
               block_scores(q + row * head_dim, base + (h0 + hh) * head_dim, slot_stride, run, head_dim, scale,
                            scores.data() + row * n + (k - k_begin));
             }
-          k += run;
-        }
+        });
         for (int64_t row = 0; row < rows; ++row) softmax(scores.data() + row * n, n);
         acc.assign(rows * head_dim, 0.f);
-        for (int64_t k = k_begin; k < k_end;) {
-          const int64_t block = table[k / block_size], off = k % block_size;
-          const int64_t run = std::min(block_size - off, k_end - k);
-          const T* base = v_cache + (block * block_size + off) * slot_stride;
-          if (k + run < k_end) {  // the next block is elsewhere in memory: start reading it now
-            const char* next = reinterpret_cast<const char*>(v_cache + table[(k + run) / block_size] * block_size * slot_stride + h0 * head_dim);
-            const int64_t bytes = block_size * slot_stride * (int64_t)sizeof(T);
-            for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(next + b);
-          }
+        walk_blocks(v_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run) {
           for (int64_t hh = 0; hh < heads_per_item; ++hh)
             for (int64_t r = 0; r < rep; ++r) {
               const int64_t row = hh * rep + r;
               block_values(scores.data() + row * n + (k - k_begin), base + (h0 + hh) * head_dim, slot_stride, run,
                            head_dim, acc.data() + row * head_dim);
             }
-          k += run;
-        }
+        });
         std::memcpy(o, acc.data(), sizeof(float) * rows * head_dim);
       }
     }
