@@ -61,8 +61,7 @@ def make_core(args, max_num_seqs: int) -> EngineCore:
 def fill(core: EngineCore, batch: int, min_in: int, max_in: int, seed: int, vocab: int) -> None:
     """Add ``batch`` requests and run until every one has prefilled."""
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=100_000 // 1, temperature=0.0, ignore_eos=True)
-    params.max_tokens = 4096 - max_in
+    params = SamplingParams(max_tokens=4096 - max_in, temperature=0.0, ignore_eos=True)  # never finishes here
     for i in range(batch):
         prompt = [rng.randrange(10, vocab) for _ in range(rng.randint(min_in, max_in))]
         core.add_request(f"r{i}", prompt, params, stop_at_max_model_len=True)
@@ -176,8 +175,6 @@ def main() -> int:
         timed_steps(core, 3)
         tpot = med(timed_steps(core, args.steps)["step"])
         weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
-        if core.runner.model.tie_word_embeddings:
-            pass  # counted once: lm_head shares embed_tokens' tensor
         req = core.scheduler.running[0]
         kv_bytes = req.num_tokens * core.runner.kv_cache[0, 0, 0, 0].numel() * 2 * core.runner.num_layers \
             * core.runner.kv_cache.element_size()
