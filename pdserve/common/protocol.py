@@ -77,6 +77,21 @@ class _Msg(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
     pass
 
 
+class StructuredOutputsParams(_Msg):
+    """What the output must match (vLLM's ``structured_outputs``); exactly one field is set.
+
+    ``json`` is a JSON schema serialized as text; ``json_object`` any JSON object;
+    ``regex`` a regular expression; ``choice`` one of these strings; ``grammar`` a
+    Lark-style context-free grammar.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingParams(_Msg):
     """How to pick tokens. ``temperature == 0`` means greedy.
 
@@ -98,6 +113,13 @@ class SamplingParams(_Msg):
     logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
     frequency_penalty: float = 0.0  # OpenAI: logit -= frequency_penalty * count(token in output)
     presence_penalty: float = 0.0  # OpenAI: logit -= presence_penalty * (token in output)
+    # --- issue 12 (vLLM's names) ---
+    repetition_penalty: float = 1.0  # CTRL (Keskar et al. 2019): over prompt + output, >1 discourages repeats
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's logit_bias)
+    bad_words_token_ids: list[list[int]] = []  # token sequences never generated (the router tokenizes bad_words)
+    prompt_logprobs: int | None = None  # logprobs of each prompt token and this many top alternatives
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output to a grammar
+    priority: int = 0  # scheduling priority under --scheduling-policy priority: lower runs sooner
 
 
 class TokenLogprob(_Msg):
