@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
@@ -173,13 +174,15 @@ class LLM:
     # ---- public API -------------------------------------------------------------
 
     def generate(self, prompts: str | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; return one ``RequestOutput`` per prompt, in input order.
 
         Args:
             prompts: a string, a list of strings, a list of token-id lists (or one token-id list).
             sampling_params: one for all prompts, or one per prompt; None = ``SamplingParams()``.
             use_tqdm: show a progress bar over finished prompts with the output rate (tokens/s).
+            priority: one per prompt (vLLM's argument), with ``scheduling_policy="priority"``:
+                lower runs sooner; it sets each prompt's ``SamplingParams.priority``.
 
         Raises:
             ValueError: bad sampling values, an empty or out-of-vocabulary prompt, or a request
@@ -188,6 +191,12 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         encoded = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
+        if priority is not None:
+            if len(priority) != len(encoded):
+                raise ValueError(f"got {len(priority)} priorities for {len(encoded)} prompts")
+            base = sampling_params or SamplingParams()
+            per_prompt = [base] * len(encoded) if isinstance(base, SamplingParams) else list(base)
+            sampling_params = [msgspec.structs.replace(p, priority=int(v)) for p, v in zip(per_prompt, priority)]
         return self._generate(encoded, sampling_params, use_tqdm)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],

@@ -107,6 +107,8 @@ def check_sampling_params(params: SamplingParams, vocab_size: int | None = None)
         raise ValidationError(f"n must be in [1, {MAX_N}], got {params.n}", "n")
     if params.seed is not None and not _INT64_MIN <= params.seed <= _INT64_MAX:
         raise ValidationError(f"seed must fit in a signed 64-bit integer, got {params.seed}", "seed")
+    if not _INT64_MIN <= params.priority <= _INT64_MAX:
+        raise ValidationError(f"priority must fit in a signed 64-bit integer, got {params.priority}", "priority")
     if params.min_tokens < 0:
         raise ValidationError(f"min_tokens must be >= 0, got {params.min_tokens}", "min_tokens")
     if params.min_tokens > params.max_tokens:

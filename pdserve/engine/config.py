@@ -42,6 +42,8 @@ class EngineConfig:
         attention_backend: ``auto`` | ``paged`` (native CPU kernel) | ``reference`` (plain torch);
             see ``pdserve.engine.attention.select_backend``.
         cpu_cores: the CPU cores this worker's threads run on (``"0-3"``, ``"0,2"``); None: all.
+        scheduling_policy: ``fcfs`` (arrival order) or ``priority`` (requests' ``priority``, lower
+            sooner; preemption evicts the largest first); see ``pdserve.engine.request_queue``.
     """
 
     model: str
@@ -66,6 +68,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     cpu_cores: str | None = None
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -74,6 +77,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be positive")
         if self.cpu_cores is not None:
             parse_cpu_list(self.cpu_cores)  # a bad list fails here, before any rank starts
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         world_size = self.parallel.world_size  # validates the sizes
@@ -126,6 +131,9 @@ class EngineConfig:
         g.add_argument("--attention-backend", default="auto", choices=["auto", "paged", "reference"],
                        help="paged: native CPU kernel reading K/V through block tables; reference: gather + "
                             "SDPA in plain torch (any device); auto: paged where it runs")
+        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                       help="waiting order: fcfs (arrival) or priority (the request's priority field, lower "
+                            "sooner; preemption evicts the lowest priority first)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -142,7 +150,7 @@ class EngineConfig:
                    rank=rank, master_addr=args.master_addr or os.environ.get("MASTER_ADDR"), master_port=master_port,
                    rank_timeout_s=args.rank_timeout_s, attention_backend=args.attention_backend,
                    kv_cache_dtype=args.kv_cache_dtype, cpu_cores=args.cpu_cores,
-                   enforce_eager=args.enforce_eager)
+                   enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy)
 
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""

@@ -77,7 +77,8 @@ class EngineCore:
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.runner.max_model_len,
-                            remote_prefill_threshold=config.remote_prefill_threshold),
+                            remote_prefill_threshold=config.remote_prefill_threshold,
+                            policy=config.scheduling_policy),
             self.block_manager)
         self.limits = EngineLimits(max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
                                    num_blocks=self.runner.num_blocks, block_size=self.runner.block_size)
@@ -107,6 +108,9 @@ class EngineCore:
             ValueError: a duplicate request_id.
         """
         check_request(prompt_token_ids, params, self.limits, stop_at_max_model_len)
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValidationError(f"priority {params.priority} was given, but priority scheduling is not enabled "
+                                  f"(--scheduling-policy priority)", "priority")
         if resume is not None:
             return self._resume(request_id, prompt_token_ids, params, resume)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.runner.eos_token_ids,

@@ -12,9 +12,12 @@ under a token budget of ``max_num_batched_tokens``:
 * a preempted request needs everything again (recompute), minus prefix hits.
 
 Running requests are served first, in admission order, then waiting ones in
-arrival order (FIFO). When blocks run out, the most recently admitted running
-request is preempted: its blocks are freed (full ones stay in the prefix cache)
-and it goes back to the head of the waiting queue.
+the order of the scheduling policy (``pdserve.engine.request_queue``): arrival
+order (``fcfs``), or ``(priority, arrival)`` (``priority``: lower runs sooner).
+When blocks run out, a running request is preempted: under ``fcfs`` the most
+recently admitted, under ``priority`` the one with the largest
+``(priority, arrival)``. Its blocks are freed (full ones stay in the prefix
+cache) and it goes back to the waiting queue (``fcfs``: to its head).
 
 On the decode worker, a waiting request marked ``remote_prefill`` is admitted by
 reserving blocks for its whole prompt (prefix hits shared) and parking it in
@@ -31,7 +34,6 @@ lands in a shared block, so it is copied first: copy-on-write).
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.common.validation import num_blocks_needed, num_kv_tokens_needed
@@ -39,6 +41,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request_queue import SCHEDULING_POLICIES, make_waiting_queue, priority_key
 
 
 @dataclass
@@ -50,12 +53,14 @@ class SchedulerConfig:
         max_num_batched_tokens: most new tokens computed in one step.
         max_model_len: longest sequence (prompt + output) in tokens.
         remote_prefill_threshold: prompts with fewer uncached tokens are prefilled locally.
+        policy: ``fcfs`` or ``priority`` (the waiting order and the preemption victim).
     """
 
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     remote_prefill_threshold: int = 0
+    policy: str = "fcfs"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -63,6 +68,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.remote_prefill_threshold < 0:
             raise ValueError("remote_prefill_threshold must be >= 0")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
 
 @dataclass
@@ -106,7 +113,7 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.kv = KVCacheManager(block_manager)
-        self.waiting: deque[Request] = deque()
+        self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
@@ -146,7 +153,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.groups.setdefault(request.group_id, []).append(request.request_id)
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -170,17 +177,18 @@ class Scheduler:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out):
-                break  # ``request`` itself was the last one left and got preempted
+                break  # ``request`` itself was the victim: nothing after it gets blocks either
             out.scheduled.append((request, num_new))
-            budget -= num_new
-            i += 1
+            # A priority victim may have been scheduled already: its tokens went back to the budget.
+            budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
+            i = self.running.index(request) + 1
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and self.num_running < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             hit = self.kv.find_prefix(request)
             num_cached = hit.num_blocks * self.kv.block_size
             if request.remote_prefill and self._prefill_locally(request, hit):
@@ -203,7 +211,7 @@ class Scheduler:
                 self.running.append(request)
                 out.scheduled.append((request, num_new))
                 budget -= num_new
-            self.waiting.popleft()
+            self.waiting.pop()
             request.num_cached_tokens = num_cached
             if request.num_preemptions == 0 and request.sample_index == 0:
                 self.stats.prefix_cache_queries += request.num_prompt_tokens
@@ -218,9 +226,10 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.kv.allocate_slots(request, num_tokens, out.block_copies):
-            victim = self.running.pop()  # most recently admitted
+            victim = self._pick_victim()
             self._preempt(victim)
             out.preempted.append(victim)
+            out.scheduled = [(r, n) for r, n in out.scheduled if r is not victim]
             if victim is request:
                 return False
         return True
@@ -232,7 +241,16 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.prepend(request)
+
+    def _pick_victim(self) -> Request:
+        """Take the running request to preempt out of ``running``: the most recently admitted
+        (``fcfs``), or the largest ``(priority, arrival)`` (``priority``; vLLM v1's choice)."""
+        if self.config.policy == "fcfs":
+            return self.running.pop()
+        victim = max(self.running, key=priority_key)
+        self.running.remove(victim)
+        return victim
 
     def update_from_output(self, out: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance progress after the forward pass.

@@ -72,6 +72,7 @@ class SamplingRequest(_Request):
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     repetition_penalty: float | None = None
+    priority: int = 0  # vLLM: with --scheduling-policy priority, lower runs sooner
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -136,7 +136,7 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int
         stop=[s for s in req.stop_list() if s], stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, n=1 if req.n is None else req.n,
         logprobs=requested_logprobs(req), frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0)
+        presence_penalty=req.presence_penalty or 0.0, priority=req.priority)
     try:
         check_sampling_params(params, vocab_size)
     except ValidationError as e:
