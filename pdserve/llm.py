@@ -276,8 +276,13 @@ class LLM:
         A choice that a stop string ended is finished in the engine here (the engine did not know).
         """
         request = output.request
-        logprob = output.logprobs[0] if output.logprobs else None
-        if not group.choices[request.sample_index].add(output.new_token_ids[0], logprob, output.finished):
+        choice = group.choices[request.sample_index]
+        last = len(output.new_token_ids) - 1  # several tokens: accepted drafts (speculative decoding)
+        for i, token_id in enumerate(output.new_token_ids):
+            logprob = output.logprobs[i] if output.logprobs else None
+            if choice.add(token_id, logprob, output.finished if i == last else None):
+                break
+        else:
             return None
         if output.finished is None:
             self.core.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)

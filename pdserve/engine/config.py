@@ -44,6 +44,10 @@ class EngineConfig:
         cpu_cores: the CPU cores this worker's threads run on (``"0-3"``, ``"0,2"``); None: all.
         scheduling_policy: ``fcfs`` (arrival order) or ``priority`` (requests' ``priority``, lower
             sooner; preemption evicts the largest first); see ``pdserve.engine.request_queue``.
+        speculative_config: vLLM's ``--speculative-config`` JSON (``{"method": "ngram",
+            "num_speculative_tokens": 4, "prompt_lookup_max": 4}`` or ``{"method": "draft_model",
+            "model": DIR, "num_speculative_tokens": 4}``); None: off. Decoding engines only (a
+            prefill worker ignores it). See ``pdserve.engine.spec_decode``.
     """
 
     model: str
@@ -69,6 +73,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     cpu_cores: str | None = None
     scheduling_policy: str = "fcfs"
+    speculative_config: str | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -79,11 +84,22 @@ class EngineConfig:
             parse_cpu_list(self.cpu_cores)  # a bad list fails here, before any rank starts
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if self.speculative_config is not None:
+            self.speculative  # noqa: B018  a bad config fails here, before any rank starts
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         world_size = self.parallel.world_size  # validates the sizes
         if not 0 <= self.rank < world_size:
             raise ValueError(f"rank {self.rank} is outside the worker's {world_size} ranks")
+
+    @property
+    def speculative(self):
+        """The parsed ``SpeculativeConfig``, or None (raises ValueError for a bad one)."""
+        from pdserve.engine.spec_decode.config import SpeculativeConfig
+
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_json(self.speculative_config)
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -134,6 +150,10 @@ class EngineConfig:
         g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                        help="waiting order: fcfs (arrival) or priority (the request's priority field, lower "
                             "sooner; preemption evicts the lowest priority first)")
+        g.add_argument("--speculative-config", default=None,
+                       help='speculative decoding (vLLM\'s JSON): \'{"method": "ngram", "num_speculative_tokens": '
+                            '4, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DIR, '
+                            '"num_speculative_tokens": 4}\'; decode side only')
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -150,7 +170,8 @@ class EngineConfig:
                    rank=rank, master_addr=args.master_addr or os.environ.get("MASTER_ADDR"), master_port=master_port,
                    rank_timeout_s=args.rank_timeout_s, attention_backend=args.attention_backend,
                    kv_cache_dtype=args.kv_cache_dtype, cpu_cores=args.cpu_cores,
-                   enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy)
+                   enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
+                   speculative_config=args.speculative_config)
 
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""

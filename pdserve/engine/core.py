@@ -80,11 +80,33 @@ class EngineCore:
                             remote_prefill_threshold=config.remote_prefill_threshold,
                             policy=config.scheduling_policy),
             self.block_manager)
+        self.proposer = None
+        spec = config.speculative
+        if spec is not None:
+            self.proposer = self._make_proposer(spec)
+            self.scheduler.proposer = self.proposer
         self.limits = EngineLimits(max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
                                    num_blocks=self.runner.num_blocks, block_size=self.runner.block_size)
         self.num_steps = 0
         self.max_step_batch_size = 0
         self.num_generation_tokens = 0
+
+    def _make_proposer(self, spec):
+        """The speculative decoding proposer of ``spec`` (``pdserve.engine.spec_decode``)."""
+        if spec.method == "ngram":
+            from pdserve.engine.spec_decode.ngram import NgramProposer
+
+            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            from pdserve.engine.spec_decode.draft_model import DraftModelProposer
+
+            try:
+                proposer = DraftModelProposer(spec.model, spec.num_speculative_tokens, self.runner)
+            except BaseException:
+                self.close()
+                raise
+        logger.info("speculative decoding: %s, %d tokens per step", spec.method, spec.num_speculative_tokens)
+        return proposer
 
     # ---- requests -------------------------------------------------------------------
 
@@ -160,6 +182,8 @@ class EngineCore:
         is the step's KV transfer work for every rank's agent (``pdserve.kvtransfer.agent``).
         """
         faults.check_forward(scheduler_output.scheduled)
+        if self.proposer is not None and self.proposer.drafts_at_execute:  # a draft model drafts now
+            self.proposer.propose(scheduler_output.scheduled, scheduler_output.block_copies)
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
                                      block_copies=scheduler_output.block_copies, kv_ops=kv_ops)
         if scheduler_output.scheduled:
@@ -180,7 +204,7 @@ class EngineCore:
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance every scheduled request; finished ones are freed. One output per sampled token."""
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self.num_generation_tokens += len(outputs)
+        self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
         return outputs
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
@@ -237,4 +261,7 @@ class EngineCore:
         return msgspec.structs.replace(
             transfer_stats, num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_prompt_tokens=s.num_prompt_tokens,
-            num_local_prefills=s.num_local_prefills, num_generation_tokens=self.num_generation_tokens)
+            num_local_prefills=s.num_local_prefills, num_generation_tokens=self.num_generation_tokens,
+            spec_decode_num_drafts=s.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=s.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens)

@@ -32,6 +32,7 @@ from pdserve.engine.outputs import ModelRunnerOutput
 from pdserve.engine.parallel import RankGroup
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.spec_decode.rejection_sampler import DraftGroup, RejectionSampler
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class ModelRunner:
         if not config.enforce_eager:
             self.compile_decode_step()
         self.sampler = Sampler(config.seed)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.total_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
         self.kv_agent = None  # KVRankAgent once a worker attaches one (pdserve.kvtransfer.agent)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s, %d layers, %d KV heads)",
@@ -149,7 +151,7 @@ class ModelRunner:
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
                        block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:
         """The flattened step for ``(request, num_new_tokens)`` pairs, and the requests it samples
-        (in ``sample_indices`` order)."""
+        (in ``sample_indices`` order; a request with ``k`` drafts owns ``k + 1`` rows)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -161,14 +163,16 @@ class ModelRunner:
         for request, num_new in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
-            input_ids.extend(request.all_token_ids[start:end])
+            tokens = request.all_token_ids + request.spec_token_ids  # drafts: scored after the last token
+            input_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             table = request.block_table
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + num_new)
-            if end == request.num_tokens:  # caught up: this step samples its next token
-                sample_indices.append(query_start_loc[-1] - 1)
+            if end == len(tokens):  # caught up: this step samples its next token (and verifies drafts)
+                num_drafts = len(request.spec_token_ids)
+                sample_indices.extend(range(query_start_loc[-1] - 1 - num_drafts, query_start_loc[-1]))
                 sample_requests.append(request)
         max_blocks = max((len(r.block_table) for r, _ in scheduled), default=0)
         block_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r, _ in scheduled]
@@ -377,6 +381,8 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
         """Sample one token per request, with logprobs for those that asked."""
+        if any(r.spec_token_ids for r in requests):
+            return self._verify(logits, requests)
         rows = [
             SamplingRow(r.sampling_params, r.num_output_tokens, self._banned(r), output_token_ids=r.output_token_ids,
                         sample_index=r.sample_index)
@@ -387,9 +393,33 @@ class ModelRunner:
             sampled_token_ids={r.request_id: t for r, t in zip(requests, out.token_ids)},
             logprobs={r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None})
 
-    def _banned(self, request: Request) -> tuple[int, ...]:
+    def _verify(self, logits: torch.Tensor, requests: list[Request]) -> ModelRunnerOutput:
+        """Speculative decoding: rejection-sample each request's drafts against its ``k + 1`` rows."""
+        rows: list[SamplingRow] = []
+        groups: list[DraftGroup] = []
+        for r in requests:
+            groups.append(DraftGroup(len(rows), r.spec_token_ids, r.spec_draft_probs))
+            for j in range(len(r.spec_token_ids) + 1):  # row j: after the first j drafts
+                n_out = r.num_output_tokens + j
+                rows.append(SamplingRow(r.sampling_params, n_out, self._banned(r, n_out),
+                                        output_token_ids=[*r.output_token_ids, *r.spec_token_ids[:j]],
+                                        sample_index=r.sample_index))
+        verified = self.rejection_sampler(logits, rows, groups)
+        out = ModelRunnerOutput()
+        for r, v in zip(requests, verified):
+            out.sampled_token_ids[r.request_id] = v.token_id
+            if v.accepted:
+                out.accepted_draft_ids[r.request_id] = v.accepted
+            if v.logprobs is not None:
+                out.spec_logprobs[r.request_id] = v.logprobs
+        return out
+
+    def _banned(self, request: Request, num_output_tokens: int | None = None) -> tuple[int, ...]:
+        """Tokens the request may not draw as output token number ``num_output_tokens`` (default: its next)."""
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        if num_output_tokens is None:
+            num_output_tokens = request.num_output_tokens
+        if num_output_tokens >= params.min_tokens:
             return ()
         banned = set(params.stop_token_ids)
         if not params.ignore_eos:

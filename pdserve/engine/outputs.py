@@ -27,10 +27,16 @@ class ModelRunnerOutput:
             last known token was computed (a partial prefill chunk samples nothing).
         logprobs: request_id -> logprobs of that token, only for requests whose
             ``sampling_params.logprobs`` is set.
+        accepted_draft_ids: speculative decoding: request_id -> the draft tokens verification
+            accepted, which come before ``sampled_token_ids[request_id]`` (absent: none).
+        spec_logprobs: with drafts: request_id -> one TokenLogprob per emitted token
+            (accepted drafts, then the sampled token), for requests that ask.
     """
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -40,7 +46,7 @@ class EngineCoreOutput:
     Attributes:
         request: the engine's request (``group_id`` is the router's request_id,
             ``sample_index`` the choice).
-        new_token_ids: tokens appended this step (one per step today).
+        new_token_ids: tokens appended this step (one, or more with speculative decoding).
         logprobs: one ``TokenLogprob`` per new token when the request asked, else None.
         finished: the request's final status if it finished (its blocks are freed), else None.
     """

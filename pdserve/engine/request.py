@@ -71,6 +71,12 @@ class Request:
         self.block_hashes: list[bytes] = []  # prefix-cache hash of each full, computed block
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.forked = sample_index > 0  # sample 0 forks samples 1..n-1 after its prompt is computed
+        # Speculative decoding (pdserve.engine.spec_decode): this step's draft tokens, the
+        # distributions they were drawn from ([k, vocab] or None: point masses), and how many
+        # tokens the draft model's own KV cache holds (draft_model method).
+        self.spec_token_ids: list[int] = []
+        self.spec_draft_probs = None
+        self.num_draft_computed_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -81,34 +81,76 @@ class Sampler:
         """
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         logits = logits.float()
-        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        # Indexing with a list copies, so the edits below do not reach these raw logprobs.
-        raw_logprobs = logits[asked].log_softmax(dim=-1) if asked else None  # (A, V)
-        logits = _apply_banned(logits, rows)
-        logits = _apply_penalties(logits, rows)
+        raw_logprobs, asked = self.raw_logprobs(logits, rows)
+        logits = self.process_logits(logits, rows)
         token_ids = self._sample(logits, rows)  # (R,)
+        return SamplerOutput(token_ids.tolist(), self.gather_logprobs(raw_logprobs, asked, token_ids, rows))
+
+    @staticmethod
+    def raw_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor | None, list[int]]:
+        """Log-softmax of the unprocessed float32 logits of the rows that ask for logprobs.
+
+        Returns ([num_asked, vocab_size] or None, the asked row indices). Indexing with a
+        list copies, so later edits of ``logits`` do not reach these.
+        """
+        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        return (logits[asked].log_softmax(dim=-1) if asked else None), asked
+
+    @staticmethod
+    def gather_logprobs(raw_logprobs: torch.Tensor | None, asked: list[int], token_ids: torch.Tensor,
+                        rows: list[SamplingRow]) -> list[TokenLogprob | None]:
+        """One entry per row: the TokenLogprob of ``token_ids[i]`` for asked rows, else None."""
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         if raw_logprobs is not None:
             for i, lp in zip(asked, _gather_logprobs(raw_logprobs, token_ids[asked], [rows[i] for i in asked])):
                 logprobs[i] = lp
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        return logprobs
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Every logits processor of the rows, in order (banned tokens, penalties).
+
+        Args:
+            logits: [num_rows, vocab_size] float32; not modified (a copy is made where edited).
+
+        Returns:
+            [num_rows, vocab_size] processed logits, before temperature and top-k/top-p.
+        """
+        logits = _apply_banned(logits, rows)
+        return _apply_penalties(logits, rows)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each row samples from: processed logits / temperature, top-k/top-p, softmax.
+
+        Greedy rows (temperature 0) get temperature 1 here; their callers take the argmax.
+
+        Args:
+            logits: [num_rows, vocab_size] processed logits (``process_logits``).
+
+        Returns:
+            [num_rows, vocab_size] float32 probabilities.
+        """
+        temperatures = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        scaled = logits / torch.where(temperatures < _GREEDY_EPS, 1.0, temperatures).unsqueeze(1)
+        return _apply_top_k_top_p(scaled, rows).softmax(dim=-1)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """[num_rows, vocab_size] processed logits -> [num_rows] int64 token ids."""
-        temperatures = torch.tensor([r.params.temperature for r in rows], device=logits.device)
-        greedy = temperatures < _GREEDY_EPS
+        greedy = torch.tensor([is_greedy(r.params) for r in rows], device=logits.device)
         greedy_tokens = logits.argmax(dim=-1)
-        if all(r.params.temperature < _GREEDY_EPS for r in rows):
+        if bool(greedy.all()):
             return greedy_tokens
-
-        scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
-        scaled = _apply_top_k_top_p(scaled, rows)
-        probs = scaled.softmax(dim=-1)  # (R, V)
-        noise = self._exponential_noise(probs, rows)  # (R, V)
+        probs = self.probs(logits, rows)  # (R, V)
+        noise = self.exponential_noise(probs, rows)  # (R, V)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, greedy_tokens, sampled)
 
-    def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """[num_rows, vocab_size] Exponential(1) draws: ``argmax(probs / noise)`` samples ``probs``.
+
+        Seeded rows draw from their own generator (``row_seed``), others from the worker's.
+        """
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
@@ -118,10 +160,23 @@ class Sampler:
         for i, row in enumerate(rows):
             if row.params.seed is None:
                 continue
-            gen = torch.Generator(device=probs.device)
-            gen.manual_seed(row_seed(row.params.seed, row.sample_index, row.num_output_tokens))
-            noise[i].exponential_(generator=gen)
+            noise[i].exponential_(generator=self.row_generator(row, probs.device))
         return noise.clamp_(min=1e-10)
+
+    def row_generator(self, row: SamplingRow, device: torch.device, stream: int = 0) -> torch.Generator:
+        """The generator of one row's draws: its own for a seeded row (``row_seed``; ``stream``
+        separates several draws of one position), the worker's otherwise."""
+        if row.params.seed is None:
+            return self._worker_generator(device)
+        gen = torch.Generator(device=device)
+        value = row_seed(row.params.seed, row.sample_index, row.num_output_tokens)
+        gen.manual_seed(value if not stream else _splitmix64(value ^ stream) % 2**63)
+        return gen
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Temperature 0 (below 1e-5): the row takes the argmax."""
+    return params.temperature < _GREEDY_EPS
 
 
 def row_seed(seed: int, sample_index: int, num_output_tokens: int) -> int:

@@ -30,6 +30,12 @@ Parallel sampling: a request with ``n > 1`` runs as sample 0 until its prompt
 is computed; then samples 1..n-1 fork from it, sharing its prompt blocks, and
 each recomputes the last prompt token to draw its own first token (that write
 lands in a shared block, so it is copied first: copy-on-write).
+
+Speculative decoding (``pdserve.engine.spec_decode``): with a ``proposer``, a
+decoding request is scheduled ``1 + k`` tokens (its last token and ``k`` drafts,
+within the budget, ``max_tokens`` and ``max_model_len``) when its blocks can
+grow without preempting anyone; otherwise it decodes one token as usual. After
+verification only the accepted tokens count as computed.
 """
 
 from __future__ import annotations
@@ -81,6 +87,9 @@ class SchedulerStats:
     prefix_cache_hits: int = 0
     num_prompt_tokens: int = 0
     num_local_prefills: int = 0
+    spec_decode_num_drafts: int = 0  # verification steps of a request with at least one draft
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -119,6 +128,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # group_id (router request_id) -> request ids
         self.stats = SchedulerStats()
+        # Speculative decoding: ``num_lookahead(request, max_k) -> k`` drafts to schedule (it may
+        # set ``request.spec_token_ids`` now; a draft model fills them in at execute). None: off.
+        self.proposer = None
 
     @property
     def num_preemptions(self) -> int:
@@ -176,6 +188,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new += self._schedule_drafts(request, num_new, budget, out)
             if not self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out):
                 break  # ``request`` itself was the victim: nothing after it gets blocks either
             out.scheduled.append((request, num_new))
@@ -185,6 +198,25 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
+
+    def _schedule_drafts(self, request: Request, num_new: int, budget: int, out: SchedulerOutput) -> int:
+        """Draft tokens to verify with a decoding request this step (0: none), their slots allocated."""
+        request.spec_token_ids = []
+        request.spec_draft_probs = None
+        if self.proposer is None or num_new != 1 or request.num_computed_tokens != request.num_tokens - 1:
+            return 0
+        params = request.sampling_params
+        # This step emits up to 1 + k tokens: never past max_tokens or max_model_len.
+        max_k = min(budget - 1, params.max_tokens - request.num_output_tokens - 1,
+                    self.config.max_model_len - request.num_tokens - 1)
+        if max_k < 1:
+            return 0
+        k = self.proposer.num_lookahead(request, max_k)
+        if k and not self.kv.allocate_slots(request, request.num_tokens + k, out.block_copies):
+            k = 0  # drafts never preempt anyone
+        if not k:
+            request.spec_token_ids = []
+        return k
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and self.num_running < self.config.max_num_seqs:
@@ -237,6 +269,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_draft_computed_tokens = 0
+        request.spec_token_ids = []
         request.remote_prefill = False  # recompute locally
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -269,20 +303,39 @@ class Scheduler:
         for request, num_new in out.scheduled:
             if request.status.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request)
+            num_drafts = len(request.spec_token_ids)
+            accepted = runner_output.accepted_draft_ids.get(request.request_id, [])
+            # Rejected drafts' K/V stay in their slots, uncounted: later tokens overwrite them.
+            request.num_computed_tokens += num_new - (num_drafts - len(accepted))
+            request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, request.num_computed_tokens)
+            request.spec_token_ids = []
+            request.spec_draft_probs = None
+            self.kv.cache_full_blocks(request)  # up to the tokens known before this step's (drafts: next step)
+            if num_drafts:
+                self.stats.spec_decode_num_drafts += 1
+                self.stats.spec_decode_num_draft_tokens += num_drafts
+                self.stats.spec_decode_num_accepted_tokens += len(accepted)
             token_id = sampled.get(request.request_id)
             if token_id is not None:
-                results.append(self._append(request, token_id, runner_output.logprobs.get(request.request_id)))
+                logprobs = runner_output.spec_logprobs.get(request.request_id)
+                if logprobs is None and request.request_id in runner_output.logprobs:
+                    logprobs = [runner_output.logprobs[request.request_id]]
+                results.append(self._append(request, [*accepted, token_id], logprobs))
         return results
 
-    def _append(self, request: Request, token_id: int, logprob=None) -> EngineCoreOutput:
-        finished = request.append_token(token_id)
+    def _append(self, request: Request, token_ids: list[int], logprobs=None) -> EngineCoreOutput:
+        """Append this step's tokens (one, or accepted drafts + one) until one finishes the request."""
+        finished = None
+        for n, token_id in enumerate(token_ids, 1):
+            finished = request.append_token(token_id)
+            if finished is not None:
+                token_ids, logprobs = token_ids[:n], logprobs[:n] if logprobs is not None else None
+                break
         if not request.forked:
             self._fork(request)
         if finished is not None:
             self.finish_request(request.request_id, finished)
-        return EngineCoreOutput(request, [token_id], [logprob] if logprob is not None else None, finished)
+        return EngineCoreOutput(request, list(token_ids), logprobs, finished)
 
     def _fork(self, parent: Request) -> None:
         """Start samples 1..n-1 of ``parent``'s group, sharing its prompt blocks."""
@@ -313,7 +366,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self.kv.cache_full_blocks(request)
-        return self._append(request, first_token_id, first_logprob)
+        return self._append(request, [first_token_id], [first_logprob] if first_logprob is not None else None)
 
     def recompute_locally(self, request_id: str) -> bool:
         """Remote prefill failed: prefill in this worker instead, keeping the reserved blocks."""

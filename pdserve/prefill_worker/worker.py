@@ -79,7 +79,7 @@ class PrefillWorker(WorkerBase):
 
     def __init__(self, engine_config: EngineConfig, worker_config: WorkerConfig):
         # A prefill worker never runs a decode-only step: nothing to compile for one.
-        super().__init__(dataclasses.replace(engine_config, enforce_eager=True), worker_config)
+        super().__init__(dataclasses.replace(engine_config, enforce_eager=True, speculative_config=None), worker_config)
         self.attach_kv_agent()
         self.pending_pair: dict[str, RemotePrefillRequest] = {}  # waiting for its pairs to connect
         self.pairs: dict[tuple[str, int], _Pairs] = {}  # (decode_worker_id, generation)

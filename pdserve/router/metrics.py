@@ -14,7 +14,8 @@ From heartbeats, computed at scrape time by ``WorkerStatsCollector``:
               -- latest heartbeat of each live worker;
               pdserve:num_workers{role} -- live workers per role
     counters  vllm:prefix_cache_queries, vllm:prefix_cache_hits, vllm:num_preemptions,
-              vllm:prompt_tokens, vllm:generation_tokens, pdserve:kv_transfers,
+              vllm:prompt_tokens, vllm:generation_tokens, vllm:spec_decode_num_drafts,
+              vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens, pdserve:kv_transfers,
               pdserve:kv_transfer_bytes, pdserve:kv_transfer_seconds,
               pdserve:kv_transfer_failures, pdserve:local_prefills
               -- each worker's cumulative ``WorkerStats``
@@ -65,6 +66,11 @@ _WORKER_COUNTERS = (
     ("pdserve:kv_transfer_failures", "kv_transfer_failures", "KV transfers that failed."),
     ("pdserve:local_prefills", "num_local_prefills",
      "Prompts a decode worker prefilled itself instead of remotely."),
+    ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts",
+     "Speculative decoding: verifications of a request with at least one draft token."),
+    ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+     "Draft tokens accepted by the target model."),
 )
 _STAT_FIELDS = WorkerStats.__struct_fields__
 
