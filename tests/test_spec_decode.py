@@ -2,6 +2,7 @@
 scheduler, and greedy exactness / metrics through ``LLM`` and a disaggregated cluster."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -198,3 +199,42 @@ def test_llm_sampled_speculative_decoding_keeps_stop_rules_and_seeds(model_dir):
         assert [c.token_ids for c in x.outputs] == [c.token_ids for c in y.outputs]
         for c in x.outputs:
             assert 5 <= len(c.token_ids) <= 20
+
+
+@pytest.mark.cluster
+def test_disaggregated_cluster_speculates_token_exactly_with_priorities(model_dir, tmp_path):
+    """1 prefill + 1 decode worker: the prefill worker samples the first token, the decode worker
+    speculates the rest (ngram); greedy output equals transformers', drafts show in /metrics."""
+    import httpx
+    import openai
+
+    from pdserve.common.utils import free_port
+    from pdserve.launcher import ClusterSpec, LocalCluster
+    from tests.test_cluster import hf_greedy_texts
+
+    spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
+                       worker_args=["--kv-cache-memory", "16MiB", "--remote-prefill-threshold", "0",
+                                    "--speculative-config", NGRAM, "--scheduling-policy", "priority"])
+    expected = hf_greedy_texts(model_dir, REPETITIVE, 24)
+    with LocalCluster(spec, log_dir=str(tmp_path)) as cluster:
+        client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
+        for i, prompt in enumerate(REPETITIVE):
+            resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                             logprobs=1, extra_body={"ignore_eos": True, "priority": i - 1})
+            assert resp.choices[0].text == expected[prompt]
+            assert len(resp.choices[0].logprobs.tokens) == resp.usage.completion_tokens == 24
+        stream = client.completions.create(model="tiny", prompt=REPETITIVE[0], max_tokens=24, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == expected[REPETITIVE[0]]
+        metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+
+        def total(name):
+            return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                       if line.startswith(name + "_total{") or line.startswith(name + "{"))
+
+        deadline = time.monotonic() + 10
+        while total("vllm:spec_decode_num_draft_tokens") == 0 and time.monotonic() < deadline:
+            time.sleep(0.5)  # counters come with the next heartbeat
+            metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+        assert total("vllm:spec_decode_num_drafts") > 0
+        assert 0 < total("vllm:spec_decode_num_accepted_tokens") <= total("vllm:spec_decode_num_draft_tokens")
