@@ -158,6 +158,7 @@ class EngineCore:
         faults.check_forward(scheduler_output.scheduled)
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
                                      block_copies=scheduler_output.block_copies, kv_ops=kv_ops)
+        _collect_prompt_logprobs(scheduler_output, output)
         if scheduler_output.scheduled:
             self.num_steps += 1
             self.max_step_batch_size = max(self.max_step_batch_size, len(scheduler_output.scheduled))
@@ -177,6 +178,8 @@ class EngineCore:
         """Advance every scheduled request; finished ones are freed. One output per sampled token."""
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generation_tokens += len(outputs)
+        for output in outputs:
+            _attach_prompt_logprobs(output)
         return outputs
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
@@ -189,14 +192,20 @@ class EngineCore:
     # ---- remote prefill (decode side) -------------------------------------------------
 
     def remote_kv_arrived(self, request_id: str, first_token_id: int,
-                          first_logprob: TokenLogprob | None = None) -> EngineCoreOutput | None:
+                          first_logprob: TokenLogprob | None = None,
+                          prompt_logprobs: list[TokenLogprob] | None = None) -> EngineCoreOutput | None:
         """The prompt's KV is in the request's blocks: it decodes from its first token on.
 
+        ``prompt_logprobs``: the prefill worker's entries of prompt tokens 1..N-1, when asked.
         Returns the first token's output, or None if the request no longer waits for KV.
         """
+        request = self.scheduler.waiting_for_remote_kvs.get(request_id)
+        if request is not None and prompt_logprobs:
+            request.prompt_logprobs = list(prompt_logprobs)
         output = self.scheduler.remote_kv_arrived(request_id, first_token_id, first_logprob)
         if output is not None:
             self.num_generation_tokens += 1
+            _attach_prompt_logprobs(output)
         return output
 
     def recompute_locally(self, request_id: str) -> bool:
@@ -234,3 +243,21 @@ class EngineCore:
             transfer_stats, num_preemptions=s.num_preemptions, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, num_prompt_tokens=s.num_prompt_tokens,
             num_local_prefills=s.num_local_prefills, num_generation_tokens=self.num_generation_tokens)
+
+
+def _collect_prompt_logprobs(scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
+    """Append the step's prompt-logprob entries to their requests (they accumulate over chunks)."""
+    if not output.prompt_logprobs:
+        return
+    for request, _ in scheduler_output.scheduled:
+        entries = output.prompt_logprobs.get(request.request_id)
+        if entries:
+            request.prompt_logprobs.extend(entries)
+
+
+def _attach_prompt_logprobs(output: EngineCoreOutput) -> None:
+    """Give a request's first output (choice 0, prompt_logprobs asked) its prompt's entries."""
+    request = output.request
+    if (request.sampling_params.prompt_logprobs is not None and request.sample_index == 0
+            and request.num_output_tokens == len(output.new_token_ids)):
+        output.prompt_logprobs = list(request.prompt_logprobs)

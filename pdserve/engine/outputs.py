@@ -31,6 +31,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request_id -> entries of the prompt tokens whose logits this step computed (prompt_logprobs set)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -49,3 +51,5 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     finished: RequestStatus | None = None
+    # With a request's first token (choice 0) when it asked for prompt_logprobs: prompt tokens 1..N-1
+    prompt_logprobs: list[TokenLogprob] | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pdserve.common.protocol import FinishReason, SamplingParams
+from pdserve.common.protocol import FinishReason, SamplingParams, TokenLogprob
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,6 +71,8 @@ class Request:
         self.block_hashes: list[bytes] = []  # prefix-cache hash of each full, computed block
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.forked = sample_index > 0  # sample 0 forks samples 1..n-1 after its prompt is computed
+        # sampling_params.prompt_logprobs: entries of prompt tokens 1.. so far (pdserve.engine.prompt_logprobs)
+        self.prompt_logprobs: list[TokenLogprob] = []
 
     @property
     def num_prompt_tokens(self) -> int:

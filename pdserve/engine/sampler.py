@@ -4,8 +4,11 @@ Order of operations on one row of logits (vLLM's order):
 
     raw logits --> logprobs (log-softmax, for rows that ask; "raw" logprobs)
         |
-        +--> banned tokens (-inf) --> frequency/presence penalties
+        +--> banned tokens (-inf) --> bad words (-inf) --> logit_bias --> repetition_penalty
+             --> frequency/presence penalties
              --> greedy argmax, or temperature --> top-k/top-p --> draw
+
+(bad words, logit_bias and repetition_penalty: ``pdserve.engine.logits_processors``)
 
 Sampling uses the exponential-race form of the Gumbel-max trick: with
 ``q ~ Exponential(1)`` per vocabulary entry, ``argmax(p / q)`` is a draw from
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.protocol import SamplingParams, TokenLogprob
+from pdserve.engine.logits_processors import apply_logits_processors
 
 _GREEDY_EPS = 1e-5
 _MASK64 = 2**64 - 1
@@ -41,6 +45,7 @@ class SamplingRow:
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
     output_token_ids: Sequence[int] = ()  # tokens generated so far (not the prompt), for penalties
     sample_index: int = 0  # which of the request's n choices this row samples
+    prompt_token_ids: Sequence[int] = ()  # the prompt, for repetition_penalty
 
 
 @dataclass
@@ -85,6 +90,7 @@ class Sampler:
         # Indexing with a list copies, so the edits below do not reach these raw logprobs.
         raw_logprobs = logits[asked].log_softmax(dim=-1) if asked else None  # (A, V)
         logits = _apply_banned(logits, rows)
+        logits = apply_logits_processors(logits, rows)
         logits = _apply_penalties(logits, rows)
         token_ids = self._sample(logits, rows)  # (R,)
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
