@@ -208,6 +208,12 @@ class EngineCore:
             _attach_prompt_logprobs(output)
         return output
 
+    def prompt_logprobs_of(self, request_id: str) -> list[TokenLogprob]:
+        """The prompt-logprob entries a live request has so far (prefill worker: all of them once its
+        last chunk ran); empty for a request that did not ask or is gone."""
+        request = self.scheduler.requests.get(request_id)
+        return list(request.prompt_logprobs) if request is not None else []
+
     def recompute_locally(self, request_id: str) -> bool:
         """A remote prefill failed: prefill here instead, keeping the reserved blocks."""
         return self.scheduler.recompute_locally(request_id)
