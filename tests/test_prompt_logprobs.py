@@ -5,7 +5,7 @@ style loglikelihood (echo, max_tokens 0, logprobs 1, temperature 0)."""
 
 from __future__ import annotations
 
-import math
+import time
 
 import httpx
 import pytest
@@ -68,3 +68,121 @@ def test_llm_prompt_logprobs_match_hf_with_chunked_prefill(model_dir, hf):
     assert all(o.prompt_logprobs is None for o in plain)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in outputs]
     assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+# --- the disaggregated cluster over HTTP ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    """1 prefill + 1 decode worker; 16-token steps (prompts prefill in chunks); prompts of fewer than
+    8 uncached tokens are prefilled by the decode worker itself."""
+    spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
+                       worker_args=["--kv-cache-memory", "4MiB", "--max-num-batched-tokens", "16",
+                                    "--remote-prefill-threshold", "8"])
+    with LocalCluster(spec, log_dir=str(tmp_path_factory.mktemp("logs"))) as c:
+        yield c
+
+
+def post(cluster, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(f"{cluster.url}{path}", json={"model": "tiny", **body}, timeout=120)
+
+
+def prefill_steps(cluster) -> int:
+    (worker,) = [w for w in httpx.get(f"{cluster.url}/workers", timeout=10).json() if w["role"] == "prefill"]
+    return worker["num_steps"]
+
+
+def test_cluster_prompt_logprobs_match_hf(cluster, hf):
+    tok, ref = hf
+    for prompt in PROMPTS:  # warm both prefix caches: they must not be used for prompt logprobs
+        post(cluster, {"prompt": prompt, "max_tokens": 1})
+    time.sleep(2.5)  # a heartbeat sent after the warm-up
+    before = prefill_steps(cluster)
+    for prompt in PROMPTS:  # the first is prefilled by the decode worker, the others by the prefill worker
+        resp = post(cluster, {"prompt": prompt, "max_tokens": 3, "temperature": 0, "prompt_logprobs": 2})
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        ids = tok.encode(prompt)
+        check_against_hf(ids, choice["prompt_logprobs"], ref(ids), 2)
+        assert choice["prompt_logprobs"][1][str(ids[1])]["decoded_token"] == tok.decode([ids[1]])
+        assert "prompt_logprobs" not in post(cluster, {"prompt": prompt, "max_tokens": 1}).json()["choices"][0]
+    # The long prompt's blocks were all cached on the decode worker, which would have prefilled it
+    # itself (no prefix hits for prompt logprobs, so the prefill worker computed it, in chunks).
+    deadline = time.monotonic() + 10
+    while prefill_steps(cluster) < before + 4 and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert prefill_steps(cluster) >= before + 4
+    chat = post(cluster, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 1,
+                          "prompt_logprobs": 0}, "/v1/chat/completions").json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt(cluster, hf):
+    tok, ref = hf
+    prompt = PROMPTS[2]
+    ids = tok.encode(prompt)
+    body = post(cluster, {"prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}).json()
+    choice = body["choices"][0]
+    assert choice["text"] == prompt
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = ref(ids)
+    for p in range(1, len(ids)):
+        assert lp["token_logprobs"][p] == pytest.approx(want[p - 1, ids[p]].item(), abs=ATOL)
+        assert max(lp["top_logprobs"][p].values()) == pytest.approx(want[p - 1].max().item(), abs=ATOL)
+    assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+    # echo with generation: the prompt, then the output (text and logprobs)
+    body = post(cluster, {"prompt": prompt, "echo": True, "max_tokens": 3, "logprobs": 0, "temperature": 0}).json()
+    plain = post(cluster, {"prompt": prompt, "max_tokens": 3, "logprobs": 0, "temperature": 0}).json()
+    assert body["choices"][0]["text"] == prompt + plain["choices"][0]["text"]
+    assert body["choices"][0]["logprobs"]["token_logprobs"][len(ids):] == plain["choices"][0]["logprobs"][
+        "token_logprobs"]
+    assert post(cluster, {"prompt": prompt, "max_tokens": 0}).status_code == 400  # 0 only with echo
+
+
+def test_lm_eval_loglikelihood_matches_hf(cluster, hf):
+    """lm-evaluation-harness ``local-completions``: token prompt, echo, max_tokens 1, logprobs 1,
+    temperature 0; the continuation's loglikelihood is the sum of token_logprobs[ctxlen:-1]."""
+    tok, ref = hf
+    context = tok.encode("the quick brown fox jumps over a lazy")
+    continuation = tok.encode(" dog while seven", add_special_tokens=False)
+    ids = context + continuation
+    body = post(cluster, {"prompt": [ids], "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0,
+                          "seed": 1234}).json()
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1
+    got = sum(lp["token_logprobs"][len(context):-1])
+    want_rows = ref(ids)
+    want = sum(want_rows[p - 1, ids[p]].item() for p in range(len(context), len(ids)))
+    assert got == pytest.approx(want, abs=1e-3)
+    is_greedy = all(t == max(top.values()) for t, top in zip(lp["token_logprobs"][len(context):-1],
+                                                             lp["top_logprobs"][len(context):-1]))
+    assert is_greedy == all(want_rows[p - 1].argmax().item() == ids[p] for p in range(len(context), len(ids)))
+
+
+def test_cluster_sampling_controls(cluster, model_dir, hf):
+    tok, _ = hf
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = PROMPTS[2]
+    ids = tok.encode(prompt)
+    body = post(cluster, {"prompt": prompt, "max_tokens": 12, "temperature": 0, "repetition_penalty": 1.3,
+                          "ignore_eos": True, "logprobs": 0}).json()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=12, min_new_tokens=12, do_sample=False, repetition_penalty=1.3,
+                             pad_token_id=2)
+    assert body["choices"][0]["text"] == tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    forced = tok.encode(" oak", add_special_tokens=False)
+    body = post(cluster, {"prompt": prompt, "max_tokens": 4, "seed": 5, "ignore_eos": True,
+                          "logit_bias": {str(forced[-1]): 100}}).json()
+    assert body["choices"][0]["text"] == tok.decode(forced[-1:] * 4)
+    plain = post(cluster, {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}).json()
+    word = plain["choices"][0]["text"].split()[0]
+    banned = post(cluster, {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                            "bad_words": [word]}).json()
+    assert word not in banned["choices"][0]["text"].split()
+    assert banned["choices"][0]["text"] != plain["choices"][0]["text"]
+    err = post(cluster, {"prompt": prompt, "logit_bias": {"99999": 5}})
+    assert err.status_code == 400 and err.json()["error"]["param"] == "logit_bias"
+    assert set(err.json()["error"]) == {"message", "type", "param", "code"}
