@@ -186,3 +186,18 @@ def test_cluster_sampling_controls(cluster, model_dir, hf):
     err = post(cluster, {"prompt": prompt, "logit_bias": {"99999": 5}})
     assert err.status_code == 400 and err.json()["error"]["param"] == "logit_bias"
     assert set(err.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_llm_prompt_logprobs_pipeline_parallel_under_preemption(model_dir, hf):
+    """Two pipeline stages (the prompt rows travel with the sampled ones) and a 6-block cache: requests
+    are preempted mid-prefill and recomputed; every entry is still there once, and equal to HF's."""
+    tok, ref = hf
+    prompts = [" ".join(WORDS[i % len(WORDS)] for i in range(k)) for k in (3, 8, 14, 20)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1, ignore_eos=True)
+    with LLM(model_dir, pipeline_parallel_size=2, max_num_batched_tokens=16, kv_cache_memory=6 * 4096) as llm:
+        assert llm.block_manager.num_blocks == 6
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.scheduler.stats.num_preemptions > 0
+    for prompt, out in zip(prompts, outputs):
+        ids = tok.encode(prompt)
+        check_against_hf(ids, out.prompt_logprobs, ref(ids), 1)
