@@ -5,6 +5,7 @@ style loglikelihood (echo, max_tokens 0, logprobs 1, temperature 0)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -139,6 +140,17 @@ def test_echo_with_max_tokens_0_returns_the_prompt(cluster, hf):
     assert body["choices"][0]["logprobs"]["token_logprobs"][len(ids):] == plain["choices"][0]["logprobs"][
         "token_logprobs"]
     assert post(cluster, {"prompt": prompt, "max_tokens": 0}).status_code == 400  # 0 only with echo
+    # streamed: the first chunk brings the prompt; the whole equals the non-stream answer
+    with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": prompt, "echo": True, "max_tokens": 3, "logprobs": 0, "temperature": 0,
+            "stream": True}) as resp:
+        events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert events[-1] == "[DONE]" and chunks[0]["text"].startswith(prompt)
+    assert "".join(c["text"] for c in chunks) == body["choices"][0]["text"]
+    assert sum((c["logprobs"]["token_logprobs"] for c in chunks), []) == \
+        body["choices"][0]["logprobs"]["token_logprobs"]
+    assert sum((c["logprobs"]["text_offset"] for c in chunks), []) == body["choices"][0]["logprobs"]["text_offset"]
 
 
 def test_lm_eval_loglikelihood_matches_hf(cluster, hf):

@@ -356,7 +356,6 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
     ("/v1/completions", {**COMPLETION, "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {**COMPLETION, "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {**COMPLETION, "logprobs": -1}, 400, "logprobs"),
-    ("/v1/completions", {**COMPLETION, "echo": True, "stream": True}, 400, "echo"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/completions", {**COMPLETION, "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {**COMPLETION, "prompt_logprobs": 21}, 400, "prompt_logprobs"),

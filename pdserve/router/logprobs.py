@@ -169,8 +169,7 @@ def echo_completion_logprobs(prompt_ids: Sequence[int], entries: Sequence[TokenL
 
     The first prompt token has null ``token_logprobs`` and ``top_logprobs``; each other prompt token
     has its logprob and a ``{text: logprob}`` dict of the top ``num_top`` and itself. Prompt
-    ``text_offset``s add up the tokens' own texts from 0; the output's are shifted by ``output_offset``
-    (where the output starts in the echoed text).
+    ``text_offset``s add up the tokens' own texts from 0; the output's are shifted by ``output_offset``.
 
     Args:
         prompt_ids: [num_prompt_tokens].

@@ -29,8 +29,6 @@ def check_model(req: SamplingRequest, served_model_name: str) -> None:
 def check_completion_supported(req: CompletionRequest) -> None:
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise not_supported("best_of", "`best_of` other than `n`")
-    if req.echo and req.stream:
-        raise not_supported("echo", "`echo` with `stream`")
     if req.suffix:
         raise not_supported("suffix")
 

@@ -142,47 +142,55 @@ class OpenAIServing:
             return CompletionResponse(id=run.response_id, created=run.created, model=self.model_name,
                                       choices=choices, usage=usage)
 
-        sent_prompt_logprobs: set[int] = set()
+        started: set[int] = set()  # choices whose first chunk went out (stream)
 
         def chunk(out: ChoiceDelta) -> CompletionResponse:
-            prompt_logprobs = None
-            if run.prompt_logprobs is not None and out.index not in sent_prompt_logprobs:
-                sent_prompt_logprobs.add(out.index)  # with each choice's first chunk
-                prompt_logprobs = prompt_logprobs_json(run.prompt_logprobs, self.token_texts)
-            return response([CompletionChoice(index=out.index, text=out.text,
-                                              logprobs=logprobs(out.tokens),
-                                              finish_reason=out.finish_reason, prompt_logprobs=prompt_logprobs)])
+            first = out.index not in started
+            started.add(out.index)
+            return response([self._completion_choice(req, run, prompt_ids, out.index, out.text,
+                                                     logprobs(out.tokens, always=first and req.echo),
+                                                     out.finish_reason, first)])
 
         if req.stream:
             usage_chunk = (lambda: response([], run.usage())) if req.include_usage() else None
             return self._stream(run, [], chunk, usage_chunk)
         if not await self._collect(run, raw):
             return Response(status_code=499)
-        body = response([self._completion_choice(req, run, c, prompt_ids, logprobs(c.entries, always=True))
+        body = response([self._completion_choice(req, run, prompt_ids, c.index, c.text,
+                                                 logprobs(c.entries, always=True), c.finish_reason, True)
                          for c in run.choices], run.usage())
         return JSONResponse(body.model_dump())
 
-    def _completion_choice(self, req: CompletionRequest, run: _Run, choice: ChoiceOutput, prompt_ids: list[int],
-                           logprobs: CompletionLogprobs | None) -> CompletionChoice:
-        """One finished choice of a non-stream completion, with ``echo`` and ``prompt_logprobs`` as vLLM
-        gives them: echo prepends the prompt's text (and, with ``logprobs``, the prompt's tokens); echo
-        with ``max_tokens`` 0 answers the prompt alone."""
-        text = choice.text
+    def _completion_choice(self, req: CompletionRequest, run: _Run, prompt_ids: list[int], index: int, text: str,
+                           logprobs: CompletionLogprobs | None, finish_reason: str | None,
+                           first: bool) -> CompletionChoice:
+        """A completion choice (or a stream chunk of one), with ``echo`` and ``prompt_logprobs`` as vLLM
+        gives them.
+
+        With ``echo`` the choice's ``first`` piece starts with the prompt's text (and, with ``logprobs``,
+        the prompt's tokens); later pieces' text offsets count the prompt too. Echo with ``max_tokens``
+        0 answers the prompt alone. ``prompt_logprobs`` go out with the ``first`` piece.
+        """
         if req.echo:
             prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 and \
                 isinstance(req.prompt[0], (str, list)) else req.prompt
             prompt_text = prompt if isinstance(prompt, str) else \
                 self.tokenizer.decode(prompt_ids, skip_special_tokens=req.skip_special_tokens)
             echo_only = preprocess.echo_only(req)
-            text = prompt_text if echo_only else prompt_text + choice.text
-            if run.num_logprobs is not None:
-                logprobs = echo_completion_logprobs(prompt_ids, run.prompt_logprobs or [], run.num_logprobs,
-                                                    self.token_texts, None if echo_only else logprobs,
-                                                    len(prompt_text))
+            if echo_only:
+                text, logprobs = "", None
+            elif logprobs is not None:
+                logprobs = logprobs.model_copy(update={"text_offset": [o + len(prompt_text)
+                                                                       for o in logprobs.text_offset]})
+            if first:
+                text = prompt_text + text
+                if run.num_logprobs is not None:
+                    logprobs = echo_completion_logprobs(prompt_ids, run.prompt_logprobs or [], run.num_logprobs,
+                                                        self.token_texts, logprobs, 0)
         prompt_logprobs = None
-        if run.wants_prompt_logprobs:
+        if run.wants_prompt_logprobs and first:
             prompt_logprobs = prompt_logprobs_json(run.prompt_logprobs or [], self.token_texts)
-        return CompletionChoice(index=choice.index, text=text, finish_reason=choice.finish_reason, logprobs=logprobs,
+        return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
