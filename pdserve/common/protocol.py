@@ -454,7 +454,8 @@ class ExecuteModel(_Msg):
 
     The flattened batch exactly as ``ModelRunner.prepare_inputs`` builds it: input_ids,
     positions, slot_mapping [num_tokens]; block_tables [num_seqs][max_num_blocks];
-    seq_lens [num_seqs]; query_start_loc [num_seqs + 1]; sample_indices [num_sampled].
+    seq_lens [num_seqs]; query_start_loc [num_seqs + 1]; sample_indices [num_sampled] (the rows
+    to sample, then the rows of prompt positions whose logprobs were asked for, in that order).
     ``block_copies`` are copy-on-write (src, dst) block copies to do first. An empty step
     (no tokens, no copies) is a liveness ping; ``shutdown`` ends the ranks' loops.
     """
