@@ -6,6 +6,7 @@ style loglikelihood (echo, max_tokens 0, logprobs 1, temperature 0)."""
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import httpx
@@ -15,11 +16,48 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
+from pdserve.common.protocol import ExecuteModel
+from pdserve.engine.prompt_logprobs import add_prompt_logprob_rows, token_logprobs_with_rank
+from pdserve.engine.request import Request
 from pdserve.launcher import ClusterSpec, LocalCluster
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
 PROMPTS = [" ".join(WORDS[i % len(WORDS)] for i in range(k)) for k in (2, 9, 40)]  # the last: 3+ chunks of 16
 ATOL = 1e-4
+
+
+def test_rows_follow_the_sampled_ones_and_accumulate_over_chunks():
+    """Prompt t0..t4 in chunks of 3 and 2 (positions 0-2, then 3-4), beside a decode of another request."""
+    request = Request("a", [10, 11, 12, 13, 14], SamplingParams(prompt_logprobs=1))
+    other = Request("b", [1, 2], SamplingParams())
+    other.num_computed_tokens = 2
+
+    def step(scheduled):
+        starts = [0]
+        for _, n in scheduled:
+            starts.append(starts[-1] + n)
+        return ExecuteModel(query_start_loc=starts, sample_indices=[starts[1] - 1])  # "b" is sampled
+
+    first = step([(other, 1), (request, 3)])
+    (span,) = add_prompt_logprob_rows(first, [(other, 1), (request, 3)])
+    assert (span.first, span.last) == (0, 3) and first.sample_indices == [0, 1, 2, 3]
+    request.prompt_logprobs = [None] * 3  # entries of t1, t2, t3 (as EngineCore collects them)
+    request.num_computed_tokens = 3
+    second = step([(request, 2)])
+    (span,) = add_prompt_logprob_rows(second, [(request, 2)])
+    assert (span.first, span.last) == (3, 4) and second.sample_indices == [1, 0]  # position 3 -> t4
+    request.prompt_logprobs.append(None)
+    request.num_computed_tokens = 1  # recomputed after a preemption: nothing is taken twice
+    assert add_prompt_logprob_rows(step([(request, 3)]), [(request, 3)]) == []
+    assert add_prompt_logprob_rows(step([(other, 1)]), [(other, 1)]) == []
+
+
+def test_token_logprobs_with_rank():
+    logprobs = torch.tensor([[0.1, 0.5, 0.2, 0.2], [0.7, 0.1, 0.1, 0.1]]).log()
+    a, b = token_logprobs_with_rank(logprobs, torch.tensor([2, 0]), 2)
+    assert (a.token_id, a.rank, a.top_token_ids[0]) == (2, 3, 1)  # ties count: 0.5, 0.2 and itself
+    assert a.logprob == pytest.approx(math.log(0.2)) and a.top_logprobs[0] == pytest.approx(math.log(0.5))
+    assert (b.rank, b.top_token_ids[0]) == (1, 0)
 
 
 @pytest.fixture(scope="module")
