@@ -94,11 +94,15 @@ def hf(model_dir):
 @pytest.mark.parametrize("penalty", [1.5, 0.7])
 def test_repetition_penalty_greedy_matches_hf(llm, hf, penalty):
     tok, model = hf
+    greedy = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    # Prompts that end with the model's own greedy continuation: the tokens it favours are in the
+    # prompt, so penalizing prompt tokens (not only output ones) changes the output.
+    prompts = [o.prompt_token_ids + o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     params = SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=penalty, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    plain = llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    for prompt, out, base in zip(PROMPTS, outputs, plain):
-        ids = torch.tensor([tok.encode(prompt)])
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    plain = llm.generate(prompts, greedy, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
         with torch.no_grad():
             ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
                                  do_sample=False, repetition_penalty=penalty, pad_token_id=2)

@@ -215,14 +215,20 @@ def test_cluster_sampling_controls(cluster, model_dir, hf):
     tok, _ = hf
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = PROMPTS[2]
+
+    def hf_greedy(ids: list[int], **kw) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=2, **kw)
+        return out[0, len(ids):].tolist()
+
     ids = tok.encode(prompt)
-    body = post(cluster, {"prompt": prompt, "max_tokens": 12, "temperature": 0, "repetition_penalty": 1.3,
-                          "ignore_eos": True, "logprobs": 0}).json()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=12, min_new_tokens=12, do_sample=False, repetition_penalty=1.3,
-                             pad_token_id=2)
-    assert body["choices"][0]["text"] == tok.decode(out[0, len(ids):], skip_special_tokens=True)
+    ids += hf_greedy(ids)  # the prompt holds the tokens the model favours: the penalty must bite
+    body = post(cluster, {"prompt": ids, "max_tokens": 12, "temperature": 0, "repetition_penalty": 1.3,
+                          "ignore_eos": True}).json()
+    want = hf_greedy(ids, repetition_penalty=1.3)
+    assert body["choices"][0]["text"] == tok.decode(want, skip_special_tokens=True)
+    assert want != hf_greedy(ids)
     forced = tok.encode(" oak", add_special_tokens=False)
     body = post(cluster, {"prompt": prompt, "max_tokens": 4, "seed": 5, "ignore_eos": True,
                           "logit_bias": {str(forced[-1]): 100}}).json()
