@@ -123,10 +123,10 @@ def check_sampling_params(params: SamplingParams, vocab_size: int | None = None)
         for t in params.stop_token_ids:
             if not 0 <= t < vocab_size:
                 raise ValidationError(f"stop token id {t} is out of range [0, {vocab_size})", "stop_token_ids")
-    check_issue12_params(params, vocab_size)
+    check_logits_params(params, vocab_size)
 
 
-def check_issue12_params(params: SamplingParams, vocab_size: int | None = None) -> None:
+def check_logits_params(params: SamplingParams, vocab_size: int | None = None) -> None:
     """Ranges of ``repetition_penalty``, ``logit_bias``, ``bad_words_token_ids`` and ``prompt_logprobs``.
 
     vLLM's rules: repetition_penalty > 0 and finite (1 is off); prompt_logprobs in

@@ -146,7 +146,7 @@ def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | 
     return out
 
 
-def issue12_fields(req: SamplingRequest, tokenizer=None) -> dict:
+def logits_params_fields(req: SamplingRequest, tokenizer=None) -> dict:
     """The ``SamplingParams`` fields of ``repetition_penalty``, ``logit_bias``, ``bad_words`` (tokenized
     with ``tokenizer``, as vLLM does) and ``prompt_logprobs``."""
     fields = {"repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -179,7 +179,7 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, n=1 if req.n is None else req.n,
         logprobs=requested_logprobs(req), frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0)
-    params = msgspec.structs.replace(params, **issue12_fields(req, tokenizer))
+    params = msgspec.structs.replace(params, **logits_params_fields(req, tokenizer))
     try:
         check_sampling_params(params, vocab_size)
     except ValidationError as e:
