@@ -42,7 +42,7 @@ from pdserve.engine.request import RequestStatus
 from pdserve.tokenizer.chat import render_chat_prompt
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams"]
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -65,8 +65,28 @@ class CompletionOutput:
 
 
 @dataclass
+class Logprob:
+    """One token's entry in ``RequestOutput.prompt_logprobs`` (vLLM's ``Logprob``).
+
+    ``rank``: 1 + how many ids the model ranks above this one; ``decoded_token``: the id decoded alone.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class RequestOutput:
-    """Everything generated for one prompt. ``prompt`` is None for token-id prompts."""
+    """Everything generated for one prompt. ``prompt`` is None for token-id prompts.
+
+    ``prompt_logprobs`` (when ``SamplingParams.prompt_logprobs`` is set), as vLLM gives it: one
+    entry per prompt token, None for the first, else ``{token_id: Logprob}`` holding the prompt
+    token itself first, then the top ``prompt_logprobs`` alternatives (ranks 1..k).
+    """
 
     request_id: str
     prompt: str | None
@@ -74,6 +94,23 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     finished: bool = True
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+def prompt_logprob_dicts(entries: Sequence[TokenLogprob], decode) -> PromptLogprobs:
+    """vLLM's prompt-logprobs list from the engine's entries of prompt tokens 1..N-1.
+
+    Args:
+        entries: one ``TokenLogprob`` per prompt token after the first (``rank`` set).
+        decode: token id -> its text alone.
+    """
+    out: PromptLogprobs = [None]
+    for entry in entries:
+        step = {entry.token_id: Logprob(entry.logprob, entry.rank, decode(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1):
+            step.setdefault(token_id, Logprob(logprob, rank, decode(token_id)))
+        out.append(step)
+    return out
 
 
 class _Choice:
@@ -114,10 +151,12 @@ class _Group:
     choices: list[_Choice]
     num_cached_tokens: int | None = None
     num_finished: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
     def result(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [c.result() for c in self.choices], self.num_cached_tokens or 0)
+                             [c.result() for c in self.choices], self.num_cached_tokens or 0,
+                             prompt_logprobs=self.prompt_logprobs)
 
 
 class LLM:
@@ -158,6 +197,9 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     @property
     def vocab_size(self) -> int:
@@ -276,6 +318,8 @@ class LLM:
         A choice that a stop string ended is finished in the engine here (the engine did not know).
         """
         request = output.request
+        if output.prompt_logprobs is not None and group.prompt_logprobs is None:
+            group.prompt_logprobs = prompt_logprob_dicts(output.prompt_logprobs, self._decode_token)
         choice = group.choices[request.sample_index]
         last = len(output.new_token_ids) - 1  # several tokens: accepted drafts (speculative decoding)
         for i, token_id in enumerate(output.new_token_ids):

@@ -130,6 +130,7 @@ class TokenLogprob(_Msg):
     logprob: float
     top_token_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: int | None = None  # prompt logprobs: 1 + how many ids the model ranks above token_id (vLLM's rank)
 
 
 class WorkerStats(_Msg):
@@ -333,6 +334,8 @@ class RemotePrefillDone(_Msg):
     error: str | None = None
     first_logprob: TokenLogprob | None = None  # when sampling_params.logprobs is set
     pieces: list[KVPieceSum] = []  # per-piece bytes and checksums (multi-rank workers)
+    # sampling_params.prompt_logprobs set: prompt tokens 1..N-1 given their prefixes (token 0 has none)
+    prompt_logprobs: list[TokenLogprob] = []
 
 
 class RequestDelta(_Msg):
@@ -347,6 +350,9 @@ class RequestDelta(_Msg):
     logprobs: list[TokenLogprob] | None = None  # one per new token, when requested
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error_kind: ErrorKind | None = None  # with ``error``: what the router answers (400/503/500)
+    # In the first delta of choice 0 when sampling_params.prompt_logprobs is set: prompt tokens
+    # 1..N-1, each given its prefix (the first prompt token has none)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class RequestOutputs(_Msg):
@@ -451,7 +457,8 @@ class ExecuteModel(_Msg):
 
     The flattened batch exactly as ``ModelRunner.prepare_inputs`` builds it: input_ids,
     positions, slot_mapping [num_tokens]; block_tables [num_seqs][max_num_blocks];
-    seq_lens [num_seqs]; query_start_loc [num_seqs + 1]; sample_indices [num_sampled].
+    seq_lens [num_seqs]; query_start_loc [num_seqs + 1]; sample_indices [num_sampled] (the rows
+    to sample, then the rows of prompt positions whose logprobs were asked for, in that order).
     ``block_copies`` are copy-on-write (src, dst) block copies to do first. An empty step
     (no tokens, no copies) is a liveness ping; ``shutdown`` ends the ranks' loops.
     """

@@ -27,6 +27,7 @@ from pdserve.common.protocol import SamplingParams
 MAX_N = 16  # most choices (parallel samples) of one request
 MAX_LOGPROBS = 20  # most top alternatives per position (OpenAI's limit)
 PENALTY_RANGE = 2.0  # frequency_penalty / presence_penalty lie in [-2, 2]
+LOGIT_BIAS_RANGE = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range; the router clamps to it)
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
@@ -124,6 +125,38 @@ def check_sampling_params(params: SamplingParams, vocab_size: int | None = None)
         for t in params.stop_token_ids:
             if not 0 <= t < vocab_size:
                 raise ValidationError(f"stop token id {t} is out of range [0, {vocab_size})", "stop_token_ids")
+    check_logits_params(params, vocab_size)
+
+
+def check_logits_params(params: SamplingParams, vocab_size: int | None = None) -> None:
+    """Ranges of ``repetition_penalty``, ``logit_bias``, ``bad_words_token_ids`` and ``prompt_logprobs``.
+
+    vLLM's rules: repetition_penalty > 0 and finite (1 is off); prompt_logprobs in
+    [0, 20]; logit_bias values in [-100, 100]; with ``vocab_size``, every logit_bias
+    and bad-word token id in [0, vocab_size).
+
+    Raises:
+        ValidationError: naming the field at fault.
+    """
+    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+        raise ValidationError(f"repetition_penalty must be > 0, got {params.repetition_penalty}",
+                              "repetition_penalty")
+    if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= MAX_LOGPROBS:
+        raise ValidationError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {params.prompt_logprobs}",
+                              "prompt_logprobs")
+    for token_id, bias in (params.logit_bias or {}).items():
+        if not (math.isfinite(bias) and abs(bias) <= LOGIT_BIAS_RANGE):
+            raise ValidationError(f"logit_bias values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+                                  f"got {bias} for token {token_id}", "logit_bias")
+        if vocab_size is not None and not 0 <= token_id < vocab_size:
+            raise ValidationError(f"logit_bias token id {token_id} is out of range [0, {vocab_size})", "logit_bias")
+    for word in params.bad_words_token_ids:
+        if not word:
+            raise ValidationError("bad_words must not hold an empty word", "bad_words")
+        if vocab_size is not None:
+            for t in word:
+                if not 0 <= t < vocab_size:
+                    raise ValidationError(f"bad word token id {t} is out of range [0, {vocab_size})", "bad_words")
 
 
 def check_context_length(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:

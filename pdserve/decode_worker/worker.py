@@ -214,7 +214,8 @@ class DecodeWorker(WorkerBase):
         self.stats.num_kv_transfers += 1
         self.stats.kv_transfer_bytes += sum(r.num_bytes for r in state.received.values())
         self.stats.kv_transfer_seconds += time.monotonic() - state.sent_at
-        output = self.core.remote_kv_arrived(request_id, state.done.first_token_id, state.done.first_logprob)
+        output = self.core.remote_kv_arrived(request_id, state.done.first_token_id, state.done.first_logprob,
+                                             state.done.prompt_logprobs)
         if output is not None:
             self._emit(output)
 
@@ -304,7 +305,7 @@ class DecodeWorker(WorkerBase):
             request_id=request.group_id, new_token_ids=output.new_token_ids,
             finish_reason=finished.finish_reason() if finished else None,
             num_prompt_tokens=request.num_prompt_tokens, index=request.sample_index, logprobs=output.logprobs,
-            num_cached_tokens=request.num_cached_tokens))
+            num_cached_tokens=request.num_cached_tokens, prompt_logprobs=output.prompt_logprobs))
 
     def _flush(self) -> None:
         if self._deltas:

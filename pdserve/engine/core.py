@@ -186,6 +186,7 @@ class EngineCore:
             self.proposer.propose(scheduler_output.scheduled, scheduler_output.block_copies)
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
                                      block_copies=scheduler_output.block_copies, kv_ops=kv_ops)
+        _collect_prompt_logprobs(scheduler_output, output)
         if scheduler_output.scheduled:
             self.num_steps += 1
             self.max_step_batch_size = max(self.max_step_batch_size, len(scheduler_output.scheduled))
@@ -205,6 +206,8 @@ class EngineCore:
         """Advance every scheduled request; finished ones are freed. One output per sampled token."""
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generation_tokens += sum(len(o.new_token_ids) for o in outputs)
+        for output in outputs:
+            _attach_prompt_logprobs(output)
         return outputs
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
@@ -217,15 +220,27 @@ class EngineCore:
     # ---- remote prefill (decode side) -------------------------------------------------
 
     def remote_kv_arrived(self, request_id: str, first_token_id: int,
-                          first_logprob: TokenLogprob | None = None) -> EngineCoreOutput | None:
+                          first_logprob: TokenLogprob | None = None,
+                          prompt_logprobs: list[TokenLogprob] | None = None) -> EngineCoreOutput | None:
         """The prompt's KV is in the request's blocks: it decodes from its first token on.
 
+        ``prompt_logprobs``: the prefill worker's entries of prompt tokens 1..N-1, when asked.
         Returns the first token's output, or None if the request no longer waits for KV.
         """
+        request = self.scheduler.waiting_for_remote_kvs.get(request_id)
+        if request is not None and prompt_logprobs:
+            request.prompt_logprobs = list(prompt_logprobs)
         output = self.scheduler.remote_kv_arrived(request_id, first_token_id, first_logprob)
         if output is not None:
             self.num_generation_tokens += 1
+            _attach_prompt_logprobs(output)
         return output
+
+    def prompt_logprobs_of(self, request_id: str) -> list[TokenLogprob]:
+        """The prompt-logprob entries a live request has so far (prefill worker: all of them once its
+        last chunk ran); empty for a request that did not ask or is gone."""
+        request = self.scheduler.requests.get(request_id)
+        return list(request.prompt_logprobs) if request is not None else []
 
     def recompute_locally(self, request_id: str) -> bool:
         """A remote prefill failed: prefill here instead, keeping the reserved blocks."""
@@ -265,3 +280,21 @@ class EngineCore:
             spec_decode_num_drafts=s.spec_decode_num_drafts,
             spec_decode_num_draft_tokens=s.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens)
+
+
+def _collect_prompt_logprobs(scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
+    """Append the step's prompt-logprob entries to their requests (they accumulate over chunks)."""
+    if not output.prompt_logprobs:
+        return
+    for request, _ in scheduler_output.scheduled:
+        entries = output.prompt_logprobs.get(request.request_id)
+        if entries:
+            request.prompt_logprobs.extend(entries)
+
+
+def _attach_prompt_logprobs(output: EngineCoreOutput) -> None:
+    """Give a request's first output (choice 0, prompt_logprobs asked) its prompt's entries."""
+    request = output.request
+    if (request.sampling_params.prompt_logprobs is not None and request.sample_index == 0
+            and request.num_output_tokens == len(output.new_token_ids)):
+        output.prompt_logprobs = list(request.prompt_logprobs)

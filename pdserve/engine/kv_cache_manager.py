@@ -44,7 +44,13 @@ class KVCacheManager:
         self.block_size = block_manager.block_size
 
     def find_prefix(self, request: Request) -> PrefixHit:
-        """Cached blocks for the start of ``request`` (never all of it: the last token is always computed)."""
+        """Cached blocks for the start of ``request`` (never all of it: the last token is always computed).
+
+        No hit for a request that asked for prompt logprobs: every prompt position needs its logits (vLLM
+        does not reuse cached prefixes for them either; their blocks still enter the cache).
+        """
+        if request.sampling_params.prompt_logprobs is not None:
+            return PrefixHit([], [])
         blocks, hashes = self.block_manager.find_cached_prefix(request.all_token_ids, request.num_tokens - 1)
         return PrefixHit(blocks, hashes)
 

@@ -30,6 +30,7 @@ from pdserve.engine.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
 from pdserve.engine.outputs import ModelRunnerOutput
 from pdserve.engine.parallel import RankGroup
+from pdserve.engine.prompt_logprobs import add_prompt_logprob_rows, compute_prompt_logprobs
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.spec_decode.rejection_sampler import DraftGroup, RejectionSampler
@@ -217,13 +218,20 @@ class ModelRunner:
         if not scheduled and not block_copies and kv_ops is None:
             return ModelRunnerOutput()
         step, sample_requests = self.prepare_inputs(scheduled, block_copies)
+        num_sampled = len(step.sample_indices)  # one row per request, k + 1 with k drafts
+        prompt_spans = add_prompt_logprob_rows(step, scheduled)  # their rows follow the sampled ones
         step.kv = kv_ops
         if self.ranks is not None:
             self.ranks.broadcast_step(step)
         rows = self.run_step(step, on_layer_done)
-        if rows is None or not sample_requests:
+        if rows is None or not (sample_requests or prompt_spans):
             return ModelRunnerOutput()
-        return self._sample(self.model.compute_logits(rows), sample_requests)
+        output = self._sample(self.model.compute_logits(rows[:num_sampled]), sample_requests) \
+            if sample_requests else ModelRunnerOutput()
+        if prompt_spans:
+            output.prompt_logprobs = compute_prompt_logprobs(self.model.compute_logits, rows[num_sampled:],
+                                                             prompt_spans)
+        return output
 
     @torch.inference_mode()
     def run_step(self, step: ExecuteModel, on_layer_done=None) -> torch.Tensor | None:
@@ -385,7 +393,7 @@ class ModelRunner:
             return self._verify(logits, requests)
         rows = [
             SamplingRow(r.sampling_params, r.num_output_tokens, self._banned(r), output_token_ids=r.output_token_ids,
-                        sample_index=r.sample_index)
+                        sample_index=r.sample_index, prompt_token_ids=r.prompt_token_ids)
             for r in requests
         ]
         out = self.sampler(logits, rows)
@@ -403,7 +411,7 @@ class ModelRunner:
                 n_out = r.num_output_tokens + j
                 rows.append(SamplingRow(r.sampling_params, n_out, self._banned(r, n_out),
                                         output_token_ids=[*r.output_token_ids, *r.spec_token_ids[:j]],
-                                        sample_index=r.sample_index))
+                                        sample_index=r.sample_index, prompt_token_ids=r.prompt_token_ids))
         verified = self.rejection_sampler(logits, rows, groups)
         out = ModelRunnerOutput()
         for r, v in zip(requests, verified):

@@ -37,6 +37,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # request_id -> entries of the prompt tokens whose logits this step computed (prompt_logprobs set)
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
 
 
 @dataclass
@@ -55,3 +57,5 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None
     finished: RequestStatus | None = None
+    # With a request's first token (choice 0) when it asked for prompt_logprobs: prompt tokens 1..N-1
+    prompt_logprobs: list[TokenLogprob] | None = None

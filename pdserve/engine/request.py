@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from pdserve.common.protocol import FinishReason, SamplingParams
+from pdserve.common.protocol import FinishReason, SamplingParams, TokenLogprob
 
 
 class RequestStatus(enum.IntEnum):
@@ -77,6 +77,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs = None
         self.num_draft_computed_tokens = 0
+        # sampling_params.prompt_logprobs: entries of prompt tokens 1.. so far (pdserve.engine.prompt_logprobs)
+        self.prompt_logprobs: list[TokenLogprob] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -4,8 +4,11 @@ Order of operations on one row of logits (vLLM's order):
 
     raw logits --> logprobs (log-softmax, for rows that ask; "raw" logprobs)
         |
-        +--> banned tokens (-inf) --> frequency/presence penalties
+        +--> banned tokens (-inf) --> bad words (-inf) --> logit_bias --> repetition_penalty
+             --> frequency/presence penalties
              --> greedy argmax, or temperature --> top-k/top-p --> draw
+
+(bad words, logit_bias and repetition_penalty: ``pdserve.engine.logits_processors``)
 
 Sampling uses the exponential-race form of the Gumbel-max trick: with
 ``q ~ Exponential(1)`` per vocabulary entry, ``argmax(p / q)`` is a draw from
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.protocol import SamplingParams, TokenLogprob
+from pdserve.engine.logits_processors import apply_logits_processors
 
 _GREEDY_EPS = 1e-5
 _MASK64 = 2**64 - 1
@@ -41,6 +45,7 @@ class SamplingRow:
     banned_token_ids: tuple[int, ...] = ()  # e.g. EOS while min_tokens is not reached
     output_token_ids: Sequence[int] = ()  # tokens generated so far (not the prompt), for penalties
     sample_index: int = 0  # which of the request's n choices this row samples
+    prompt_token_ids: Sequence[int] = ()  # the prompt, for repetition_penalty
 
 
 @dataclass
@@ -108,7 +113,8 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Every logits processor of the rows, in order (banned tokens, penalties).
+        """Every logits processor of the rows, in order (banned tokens, bad words, logit_bias,
+        repetition_penalty, frequency/presence penalties).
 
         Args:
             logits: [num_rows, vocab_size] float32; not modified (a copy is made where edited).
@@ -117,6 +123,7 @@ class Sampler:
             [num_rows, vocab_size] processed logits, before temperature and top-k/top-p.
         """
         logits = _apply_banned(logits, rows)
+        logits = apply_logits_processors(logits, rows)
         return _apply_penalties(logits, rows)
 
     @staticmethod

@@ -70,6 +70,7 @@ class _Transfer:
     started: float
     first_token: int | None = None
     first_logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
     sums: dict[tuple[int, int], KVPieceSum] = field(default_factory=dict)
     error: str | None = None
 
@@ -175,7 +176,7 @@ class PrefillWorker(WorkerBase):
         self.mailbox.put(origin.decode_addr, RemotePrefillDone(
             request_id=request_id, prefill_worker_id=self.worker_id, first_token_id=transfer.first_token,
             num_tokens=len(origin.prompt_token_ids), num_bytes=num_bytes, checksum=checksum,
-            first_logprob=transfer.first_logprob, pieces=sums))
+            first_logprob=transfer.first_logprob, pieces=sums, prompt_logprobs=transfer.prompt_logprobs))
 
     def _fail(self, origin: RemotePrefillRequest, error: str) -> None:
         self.mailbox.put(origin.decode_addr, RemotePrefillDone(request_id=origin.request_id,
@@ -226,6 +227,7 @@ class PrefillWorker(WorkerBase):
                 continue
             transfer.first_token = runner_output.sampled_token_ids[plan.request_id]
             transfer.first_logprob = runner_output.logprobs.get(plan.request_id)
+            transfer.prompt_logprobs = self.core.prompt_logprobs_of(plan.request_id)
             if len(transfer.sums) == len(transfer.pieces):  # every piece reported during the step
                 self._finish(plan.request_id, transfer)
         self.core.update(scheduler_output, runner_output)  # max_tokens=1: finished, blocks freed

@@ -22,7 +22,7 @@ from typing import Sequence
 
 from pdserve.common.protocol import TokenLogprob
 from pdserve.router.openai_protocol import (ChatLogprobs, ChatLogprobToken, ChatTopLogprob,
-                                            CompletionLogprobs)
+                                            CompletionLogprobs, PromptLogprob)
 
 _MIN_LOGPROB = -9999.0
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -141,3 +141,61 @@ def chat_logprobs(entries: Sequence[TokenEntry], num_top: int, texts: TokenTexts
         content.append(ChatLogprobToken(token=sampled.token, logprob=sampled.logprob,
                                         bytes=sampled.bytes, top_logprobs=top))
     return ChatLogprobs(content=content)
+
+
+def prompt_logprobs_json(entries: Sequence[TokenLogprob], texts: TokenTexts) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then one dict per prompt token,
+    ``{token_id: {logprob, rank, decoded_token}}``, the prompt token first, then the top alternatives
+    (ranks 1..k; an alternative that is the prompt token itself appears once).
+
+    Args:
+        entries: the worker's entries of prompt tokens 1..N-1 (``TokenLogprob.rank`` set).
+    """
+    out: list[dict | None] = [None]
+    for entry in entries:
+        step = {entry.token_id: PromptLogprob(logprob=_finite(entry.logprob), rank=entry.rank,
+                                              decoded_token=texts.text(entry.token_id))}
+        for rank, (token_id, value) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1):
+            if token_id not in step:
+                step[token_id] = PromptLogprob(logprob=_finite(value), rank=rank, decoded_token=texts.text(token_id))
+        out.append(step)
+    return out
+
+
+def echo_completion_logprobs(prompt_ids: Sequence[int], entries: Sequence[TokenLogprob], num_top: int,
+                             texts: TokenTexts, output: CompletionLogprobs | None,
+                             output_offset: int) -> CompletionLogprobs:
+    """The legacy shape with ``echo``: the prompt's tokens, then the output's (as vLLM gives them).
+
+    The first prompt token has null ``token_logprobs`` and ``top_logprobs``; each other prompt token
+    has its logprob and a ``{text: logprob}`` dict of the top ``num_top`` and itself. Prompt
+    ``text_offset``s add up the tokens' own texts from 0; the output's are shifted by ``output_offset``.
+
+    Args:
+        prompt_ids: [num_prompt_tokens].
+        entries: entries of prompt tokens 1..N-1 (may be empty when the worker sent none).
+    """
+    out = CompletionLogprobs()
+    offset = 0
+    for i, token_id in enumerate(prompt_ids):
+        text = texts.text(token_id)
+        entry = entries[i - 1] if 0 < i <= len(entries) else None
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        top: dict[str, float] = {}
+        for top_id, value in list(zip(entry.top_token_ids, entry.top_logprobs))[:num_top]:
+            top.setdefault(texts.text(top_id), _finite(value))
+        top.setdefault(text, _finite(entry.logprob))
+        out.token_logprobs.append(_finite(entry.logprob))
+        out.top_logprobs.append(top)
+    if output is not None:
+        out.tokens += output.tokens
+        out.token_logprobs += output.token_logprobs
+        out.top_logprobs += output.top_logprobs
+        out.text_offset += [output_offset + o for o in output.text_offset]
+    return out

@@ -1,10 +1,11 @@
 """OpenAI-compatible request and response bodies (pydantic 2).
 
 Requests ignore unknown fields (as vLLM does). Fields we parse but cannot honour
-yet (``echo``, ``best_of`` other than ``n``, ``logit_bias``, tools, ...) are
+yet (``best_of`` other than ``n``, ``suffix``, tools, ...) are
 rejected with 400 by ``preprocess.check_*_supported`` rather than silently
 ignored. Extension fields beyond OpenAI's (``top_k``, ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``) follow vLLM's names.
+``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``, ``repetition_penalty``,
+``bad_words``, ``prompt_logprobs``) follow vLLM's names.
 
 Log-probabilities come in OpenAI's two shapes: the legacy completions one
 (``CompletionLogprobs``: parallel lists, ``top_logprobs`` as one
@@ -73,6 +74,8 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool = True
     repetition_penalty: float | None = None
     priority: int = 0  # vLLM: with --scheduling-policy priority, lower runs sooner
+    bad_words: list[str] | None = None  # never generated (tokenized by the router, as vLLM does)
+    prompt_logprobs: int | None = None  # logprobs of each prompt token and this many alternatives
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -133,12 +136,13 @@ class CompletionLogprobs(_Response):
     """Legacy (completions) log-probabilities of a choice's tokens, one entry per token.
 
     ``text_offset[i]`` is where token i's text starts in the choice's text;
-    ``top_logprobs[i]`` holds the top alternatives and the sampled token.
+    ``top_logprobs[i]`` holds the top alternatives and the sampled token. With ``echo``
+    the prompt's tokens come first, the very first with null logprob and top_logprobs.
     """
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -158,11 +162,32 @@ class ChatLogprobs(_Response):
     content: list[ChatLogprobToken] | None = None
 
 
+class PromptLogprob(_Response):
+    """vLLM's ``Logprob``: one token's entry at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1 + how many ids the model ranks above this one
+    decoded_token: str | None = None  # the token decoded on its own
+
+
+# vLLM's ``prompt_logprobs``: None for the first prompt token, then {token_id: PromptLogprob}
+# (the prompt token itself and the top alternatives); token ids become JSON object keys.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(_Response):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # only in the JSON when the request asked
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked_prompt_logprobs(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if self.prompt_logprobs is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class CompletionResponse(_Response):
@@ -193,6 +218,14 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension; only in the JSON when asked
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked_prompt_logprobs(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if self.prompt_logprobs is None:
+            data.pop("prompt_logprobs", None)
+        return data
 
 
 class DeltaMessage(_Response):

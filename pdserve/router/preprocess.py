@@ -10,11 +10,14 @@ before any worker is involved.
 
 from __future__ import annotations
 
+import msgspec
+
 from pdserve.common.protocol import SamplingParams
-from pdserve.common.validation import ValidationError, check_sampling_params
+from pdserve.common.validation import LOGIT_BIAS_RANGE, ValidationError, check_sampling_params
 from pdserve.router.errors import bad_request, model_not_found, not_supported
 from pdserve.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                             SamplingRequest)
+from pdserve.tokenizer.bad_words import bad_words_token_ids
 from pdserve.tokenizer.chat import render_chat_prompt
 
 
@@ -23,25 +26,14 @@ def check_model(req: SamplingRequest, served_model_name: str) -> None:
         raise model_not_found(req.model)
 
 
-def _check_sampling_supported(req: SamplingRequest) -> None:
-    if req.repetition_penalty not in (None, 1):
-        raise not_supported("repetition_penalty", "`repetition_penalty` other than 1")
-    if req.logit_bias:
-        raise not_supported("logit_bias")
-
-
 def check_completion_supported(req: CompletionRequest) -> None:
-    _check_sampling_supported(req)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise not_supported("best_of", "`best_of` other than `n`")
-    if req.echo:
-        raise not_supported("echo")
     if req.suffix:
         raise not_supported("suffix")
 
 
 def check_chat_supported(req: ChatCompletionRequest) -> None:
-    _check_sampling_supported(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     if req.tools or req.functions:
@@ -105,22 +97,72 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
     return ids
 
 
+def echo_only(req: SamplingRequest) -> bool:
+    """Completions ``echo`` with ``max_tokens`` 0: the response is the prompt alone (vLLM's rule;
+    the engine still samples one token, which is dropped)."""
+    return bool(getattr(req, "echo", False)) and req.max_tokens == 0
+
+
 def requested_max_tokens(req: SamplingRequest) -> int | None:
-    """The client's max_tokens (chat: max_completion_tokens wins), or None for the context limit."""
+    """The client's max_tokens (chat: max_completion_tokens wins), or None for the context limit.
+
+    0 is allowed only with completions ``echo`` (``echo_only``), and then means 1 for the engine.
+    """
     value = getattr(req, "max_completion_tokens", None)
     param = "max_completion_tokens"
     if value is None:
         value, param = req.max_tokens, "max_tokens"
+    if echo_only(req):
+        return 1
     if value is not None and value < 1:
         raise bad_request(f"{param} must be at least 1, got {value}", param)
     return value
 
 
-def build_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+def requested_prompt_logprobs(req: SamplingRequest) -> int | None:
+    """``prompt_logprobs``; completions with ``echo`` and ``logprobs`` default it to ``logprobs`` (vLLM)."""
+    if req.prompt_logprobs is None and getattr(req, "echo", False):
+        return getattr(req, "logprobs", None)
+    return req.prompt_logprobs
+
+
+def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token-id strings -> bias) as ids; biases clamped to [-100, 100] (vLLM).
+
+    Raises:
+        APIError: 400 (param ``logit_bias``) for a key that is not an integer or a value that is not finite.
+    """
+    if not logit_bias:
+        return None
+    out = {}
+    for key, bias in logit_bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if bias != bias or bias in (float("inf"), float("-inf")):
+            raise bad_request(f"logit_bias values must be finite, got {bias} for token {key}", "logit_bias")
+        out[token_id] = max(-LOGIT_BIAS_RANGE, min(LOGIT_BIAS_RANGE, float(bias)))
+    return out
+
+
+def logits_params_fields(req: SamplingRequest, tokenizer=None) -> dict:
+    """The ``SamplingParams`` fields of ``repetition_penalty``, ``logit_bias``, ``bad_words`` (tokenized
+    with ``tokenizer``, as vLLM does) and ``prompt_logprobs``."""
+    fields = {"repetition_penalty": 1.0 if req.repetition_penalty is None else req.repetition_penalty,
+              "logit_bias": parse_logit_bias(req.logit_bias),
+              "prompt_logprobs": requested_prompt_logprobs(req)}
+    if req.bad_words and tokenizer is not None:
+        fields["bad_words_token_ids"] = bad_words_token_ids(tokenizer, req.bad_words)
+    return fields
+
+
+def build_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int | None = None,
+                          tokenizer=None) -> SamplingParams:
     """Pack the OpenAI sampling fields into the wire ``SamplingParams`` and check their ranges.
 
     ``max_tokens`` is the resolved completion length. Range errors name the OpenAI
-    field (chat's ``top_logprobs`` for the logprob count).
+    field (chat's ``top_logprobs`` for the logprob count). ``tokenizer`` tokenizes ``bad_words``.
 
     Raises:
         APIError: 400 for a value out of range.
@@ -137,6 +179,7 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, n=1 if req.n is None else req.n,
         logprobs=requested_logprobs(req), frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0, priority=req.priority)
+    params = msgspec.structs.replace(params, **logits_params_fields(req, tokenizer))
     try:
         check_sampling_params(params, vocab_size)
     except ValidationError as e:

@@ -37,7 +37,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from pdserve.common.protocol import FinishReason, RequestDelta, SamplingParams, WorkerRole
+from pdserve.common.protocol import FinishReason, RequestDelta, SamplingParams, TokenLogprob, WorkerRole
 from pdserve.common.validation import (EngineLimits, ValidationError, check_context_length, check_prompt_ids,
                                        check_request, prefill_sampling_params)
 from pdserve.router import preprocess
@@ -45,7 +45,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.engine import RequestFailed, RequestHandle, RouterEngine
 from pdserve.router.errors import APIError, bad_request
 from pdserve.router.registry import WorkerInfo
-from pdserve.router.logprobs import TokenEntry, TokenTexts, chat_logprobs, completion_logprobs
+from pdserve.router.logprobs import (TokenEntry, TokenTexts, chat_logprobs, completion_logprobs,
+                                     echo_completion_logprobs, prompt_logprobs_json)
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import (ChatCompletionChoice, ChatCompletionChunk,
                                             ChatCompletionRequest, ChatCompletionResponse,
@@ -88,6 +89,8 @@ class _Run:
     first_token_at: float | None = None
     last_delta_at: dict[int, float] = dataclasses.field(default_factory=dict)  # per choice
     failure: str | None = None  # finish reason of choices cut short: "abort" / "error"
+    wants_prompt_logprobs: bool = False  # sampling_params.prompt_logprobs is set
+    prompt_logprobs: list[TokenLogprob] | None = None  # entries of prompt tokens 1..N-1, from the first delta
 
     @property
     def request_id(self) -> str:
@@ -139,20 +142,56 @@ class OpenAIServing:
             return CompletionResponse(id=run.response_id, created=run.created, model=self.model_name,
                                       choices=choices, usage=usage)
 
+        started: set[int] = set()  # choices whose first chunk went out (stream)
+
         def chunk(out: ChoiceDelta) -> CompletionResponse:
-            return response([CompletionChoice(index=out.index, text=out.text,
-                                              logprobs=logprobs(out.tokens),
-                                              finish_reason=out.finish_reason)])
+            first = out.index not in started
+            started.add(out.index)
+            return response([self._completion_choice(req, run, prompt_ids, out.index, out.text,
+                                                     logprobs(out.tokens, always=first and req.echo),
+                                                     out.finish_reason, first)])
 
         if req.stream:
             usage_chunk = (lambda: response([], run.usage())) if req.include_usage() else None
             return self._stream(run, [], chunk, usage_chunk)
         if not await self._collect(run, raw):
             return Response(status_code=499)
-        body = response([CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
-                                          logprobs=logprobs(c.entries, always=True))
+        body = response([self._completion_choice(req, run, prompt_ids, c.index, c.text,
+                                                 logprobs(c.entries, always=True), c.finish_reason, True)
                          for c in run.choices], run.usage())
         return JSONResponse(body.model_dump())
+
+    def _completion_choice(self, req: CompletionRequest, run: _Run, prompt_ids: list[int], index: int, text: str,
+                           logprobs: CompletionLogprobs | None, finish_reason: str | None,
+                           first: bool) -> CompletionChoice:
+        """A completion choice (or a stream chunk of one), with ``echo`` and ``prompt_logprobs`` as vLLM
+        gives them.
+
+        With ``echo`` the choice's ``first`` piece starts with the prompt's text (and, with ``logprobs``,
+        the prompt's tokens); later pieces' text offsets count the prompt too. Echo with ``max_tokens``
+        0 answers the prompt alone. ``prompt_logprobs`` go out with the ``first`` piece.
+        """
+        if req.echo:
+            prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 and \
+                isinstance(req.prompt[0], (str, list)) else req.prompt
+            prompt_text = prompt if isinstance(prompt, str) else \
+                self.tokenizer.decode(prompt_ids, skip_special_tokens=req.skip_special_tokens)
+            echo_only = preprocess.echo_only(req)
+            if echo_only:
+                text, logprobs = "", None
+            elif logprobs is not None:
+                logprobs = logprobs.model_copy(update={"text_offset": [o + len(prompt_text)
+                                                                       for o in logprobs.text_offset]})
+            if first:
+                text = prompt_text + text
+                if run.num_logprobs is not None:
+                    logprobs = echo_completion_logprobs(prompt_ids, run.prompt_logprobs or [], run.num_logprobs,
+                                                        self.token_texts, logprobs, 0)
+        prompt_logprobs = None
+        if run.wants_prompt_logprobs and first:
+            prompt_logprobs = prompt_logprobs_json(run.prompt_logprobs or [], self.token_texts)
+        return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
@@ -190,7 +229,9 @@ class OpenAIServing:
             choices=[ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                                           logprobs=logprobs(c.entries, always=True),
                                           finish_reason=c.finish_reason)
-                     for c in run.choices])
+                     for c in run.choices],
+            prompt_logprobs=prompt_logprobs_json(run.prompt_logprobs or [], self.token_texts)
+            if run.wants_prompt_logprobs else None)
         return JSONResponse(body.model_dump())
 
     # --- shared steps ---------------------------------------------------------------------
@@ -223,7 +264,7 @@ class OpenAIServing:
         logger.debug("request %s: %d prompt tokens, n=%d, max_tokens=%d -> decode worker %s",
                      request_id, len(prompt_ids), params.n, params.max_tokens, handle.decode_worker_id)
         return _Run(f"{id_prefix}-{request_id}", handle, choices, len(prompt_ids), params.logprobs,
-                    arrival)
+                    arrival, wants_prompt_logprobs=params.prompt_logprobs is not None)
 
     def _admit(self, num_prompt_tokens: int) -> None:
         """Bounded admission: 503 with ``Retry-After`` at once when the waiting queue is full.
@@ -275,7 +316,7 @@ class OpenAIServing:
             check_prompt_ids(prompt_ids, self.vocab_size)
             check_context_length(num_prompt_tokens, requested, self.config.max_model_len)
             max_tokens = self.config.max_model_len - num_prompt_tokens if requested is None else requested
-            params = preprocess.build_sampling_params(req, max_tokens, self.vocab_size)
+            params = preprocess.build_sampling_params(req, max_tokens, self.vocab_size, self.tokenizer)
             decode_workers = registry.live(WorkerRole.DECODE)
             if not decode_workers:
                 raise NoDecodeWorker()
@@ -330,6 +371,8 @@ class OpenAIServing:
                 run.failure = "abort" if item.finish_reason == FinishReason.ABORT else "error"
                 status = item.error_kind.http_status if item.error_kind is not None else 500
                 raise self._worker_error(run, item.error or "aborted", status)
+            if item.prompt_logprobs is not None and run.prompt_logprobs is None:
+                run.prompt_logprobs = item.prompt_logprobs
             choice = run.choices[item.index]  # the engine checked the index
             if choice.finished:
                 continue  # stopped by a stop string; the worker goes on until all choices end
