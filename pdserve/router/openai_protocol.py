@@ -72,6 +72,10 @@ class SamplingRequest(_Request):
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     repetition_penalty: float | None = None
+    # beam search (vLLM's names; early_stopping as transformers': true, false or "never")
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
