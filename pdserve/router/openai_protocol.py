@@ -75,7 +75,7 @@ class SamplingRequest(_Request):
     # beam search (vLLM's names; early_stopping as transformers': true, false or "never")
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    early_stopping: bool | Literal["never"] = False
+    early_stopping: bool | str = False  # checked with use_beam_search (400 naming the field)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
