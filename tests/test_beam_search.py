@@ -128,12 +128,17 @@ class _ToyProcessor:
         return out
 
 
+@pytest.fixture(scope="module")
+def tiny_hf(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
 @pytest.mark.parametrize("length_penalty", [1.0, 2.0, 0.0, -1.0])
-def test_rules_match_transformers_on_a_toy_distribution(model_dir, length_penalty):
+def test_rules_match_transformers_on_a_toy_distribution(tiny_hf, length_penalty):
     """Same toy distribution in both: every finishing / stopping rule must give transformers' result."""
     from transformers import LogitsProcessorList
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = tiny_hf
     steps = {}
     for mode in (True, False, "never"):
         search = BeamSearch([3], BeamSearchParams(beam_width=2, max_tokens=8, length_penalty=length_penalty,
