@@ -214,7 +214,7 @@ class LLM:
 
         Args:
             prompts: strings, token-id lists, or vLLM-style dicts (``{"prompt": ...}`` /
-                ``{"prompt_token_ids": [...]}``).
+                ``{"prompt_token_ids": [...]}``), or one of these.
             params: ``BeamSearchParams`` (beam_width, max_tokens, ignore_eos, temperature,
                 length_penalty, early_stopping).
 
@@ -228,6 +228,8 @@ class LLM:
         """
         eos = self.core.runner.eos_token_ids
         check_beam_search_params(params, len(eos))
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
         searches = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, dict):
