@@ -250,7 +250,9 @@ def _post(cluster, path: str, body: dict) -> httpx.Response:
 
 def test_router_beam_search_matches_transformers(cluster, eos_hf):
     from tests.test_cluster import wait_all_blocks_free, workers
+    from tests.test_cluster_engine import metric_totals, wait_metric_increase
 
+    before = metric_totals(cluster)
     for (width, max_tokens, length_penalty, early_stopping), prompt in zip(CASES[:4], PROMPTS + PROMPTS):
         resp = _post(cluster, "completions", dict(prompt=prompt, n=width, max_tokens=max_tokens,
                                                   use_beam_search=True, length_penalty=length_penalty,
@@ -266,6 +268,10 @@ def test_router_beam_search_matches_transformers(cluster, eos_hf):
         assert [c["finish_reason"] for c in body["choices"]] == [
             "stop" if e[-1] in eos_hf.eos else "length" for e in expected]
         assert body["usage"]["completion_tokens"] == sum(map(len, expected))
+    # Step 1 of each search went through the prefill worker (its KV sent to the decode worker);
+    # later steps found their beams' full blocks in the decode worker's prefix cache.
+    assert wait_metric_increase(cluster, "pdserve:kv_transfers_total", before, 4) >= 4
+    assert wait_metric_increase(cluster, "vllm:prefix_cache_hits_total", before, 10) >= 10
 
     messages = [{"role": "user", "content": "hello there"}]
     resp = _post(cluster, "chat/completions", dict(messages=messages, n=3, max_tokens=8, use_beam_search=True))

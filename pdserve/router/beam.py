@@ -98,6 +98,7 @@ async def serve_beam_search(serving, req: SamplingRequest, prompt_ids: list[int]
     # Route as a one-choice request: the same checks (lengths, KV capacity) and worker choice.
     eos = read_eos_token_ids(serving.config.model)
     check_beam_request(req, 1, len(eos))  # a 400 comes before any wait for a worker
+    serving._admit(len(prompt_ids))  # the waiting-queue bound, as for any request
     plain = req.model_copy(update={"n": 1, "use_beam_search": False})
     deadline = time.monotonic() + serving.config.worker_wait_s
     while True:
