@@ -86,7 +86,7 @@ class BeamSearchSequence:
     """One returned hypothesis (vLLM's ``BeamSearchSequence``).
 
     ``tokens`` holds the prompt and then the generated tokens (a final EOS included);
-    ``text`` is the generated text only (special tokens skipped); ``cum_logprob`` the sum
+    ``text`` is the generated text only, from ``text_token_ids`` (no final EOS); ``cum_logprob`` the sum
     of the generated tokens' logprobs (nats); ``score`` the length-penalized score it was
     ranked by; ``finish_reason`` is "stop" (EOS) or "length".
     """
@@ -102,6 +102,12 @@ class BeamSearchSequence:
     def output_token_ids(self) -> list[int]:
         """The generated tokens, a final EOS included."""
         return self.tokens[self.num_prompt_tokens:]
+
+    @property
+    def text_token_ids(self) -> list[int]:
+        """The generated tokens that make ``text``: a final EOS left out (as vLLM does)."""
+        ids = self.output_token_ids
+        return ids[:-1] if self.finish_reason == "stop" else ids
 
 
 @dataclass

@@ -245,7 +245,7 @@ class LLM:
         outputs = [s.output() for s in searches]
         for output in outputs:
             for sequence in output.sequences:
-                sequence.text = self.tokenizer.decode(sequence.output_token_ids, skip_special_tokens=True)
+                sequence.text = self.tokenizer.decode(sequence.text_token_ids, skip_special_tokens=True)
         return outputs
 
     # ---- internals ----------------------------------------------------------------

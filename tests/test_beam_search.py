@@ -194,7 +194,8 @@ def test_llm_beam_search_matches_transformers(eos_llm, eos_hf, width, max_tokens
         for s in output.sequences:
             assert s.tokens[:len(ids)] == ids
             assert s.finish_reason == ("stop" if s.output_token_ids[-1] in eos_hf.eos else "length")
-            assert s.text == eos_llm.tokenizer.decode(s.output_token_ids, skip_special_tokens=True)
+            ending = s.output_token_ids[:-1] if s.finish_reason == "stop" else s.output_token_ids
+            assert s.text == eos_llm.tokenizer.decode(ending, skip_special_tokens=True)
     assert eos_llm.scheduler.stats.prefix_cache_hits > hits_before  # beams reuse their prefixes' blocks
     assert_blocks_back(eos_llm)
 

@@ -29,8 +29,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.beam_search import (BeamSearch, BeamSearchParams, BeamSearchSequence, beam_step_params,
-                                 check_beam_search_params)
+from pdserve.beam_search import BeamSearch, BeamSearchParams, beam_step_params, check_beam_search_params
 from pdserve.common.protocol import FinishReason, TokenLogprob
 from pdserve.common.validation import ValidationError
 from pdserve.router.engine import RequestFailed
@@ -132,7 +131,8 @@ async def serve_beam_search(serving, req: SamplingRequest, prompt_ids: list[int]
         for request_id in request_ids:
             serving.engine.abort(request_id)  # no-op for the finished ones
     sequences = search.output().sequences
-    texts = [_text(serving.tokenizer, s, eos, req.skip_special_tokens) for s in sequences]
+    texts = [serving.tokenizer.decode(s.text_token_ids, skip_special_tokens=req.skip_special_tokens)
+             for s in sequences]
     num_output_tokens = sum(len(s.output_token_ids) for s in sequences)
     serving.metrics.observe_request(decode_worker.worker_id, time.monotonic() - arrival, len(prompt_ids),
                                     num_output_tokens, [s.finish_reason for s in sequences])
@@ -192,11 +192,3 @@ async def _watch_disconnect(raw: Request, gone: asyncio.Event) -> None:
         if message["type"] == "http.disconnect":
             gone.set()
             return
-
-
-def _text(tokenizer, sequence: BeamSearchSequence, eos: frozenset[int], skip_special_tokens: bool) -> str:
-    """The generated text, a final EOS left out (as vLLM does)."""
-    ids = sequence.output_token_ids
-    if sequence.finish_reason == "stop" and ids and ids[-1] in eos:
-        ids = ids[:-1]
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
