@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import time
 
 import httpx
 import pytest
@@ -304,3 +305,19 @@ def test_router_rejects_bad_beam_requests(cluster, path, body, param):
     assert set(error) == {"message", "type", "param", "code"}
     assert error["type"] == "invalid_request_error" and error["code"] == 400
     assert error["param"] == param
+
+
+def test_router_client_disconnect_mid_search_frees_blocks(cluster):
+    from tests.test_cluster import wait_all_blocks_free
+    from tests.test_cluster_engine import metric_totals
+
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up; the router must stop the search
+        httpx.post(f"{cluster.url}/v1/completions", timeout=httpx.Timeout(10, read=1.5),
+                   json={"model": "tiny-eos", "prompt": "a long search", "n": 4, "max_tokens": 400,
+                         "ignore_eos": True, "use_beam_search": True})
+    wait_all_blocks_free(cluster)
+    before = metric_totals(cluster)["vllm:generation_tokens_total"]
+    time.sleep(2.5)  # > 2 heartbeats: a search still running would have sampled more tokens
+    assert metric_totals(cluster)["vllm:generation_tokens_total"] == before
+    ok = _post(cluster, "completions", dict(prompt="still alive", n=2, max_tokens=3, use_beam_search=True))
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
