@@ -32,9 +32,11 @@ import msgspec
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
+from pdserve.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, check_beam_search_params,
+                                 engine_step_runner, run_beam_search)
 from pdserve.common.protocol import SamplingParams, TokenLogprob
 from pdserve.common.utils import parse_size
-from pdserve.common.validation import ValidationError, check_request
+from pdserve.common.validation import ValidationError, check_context_length, check_prompt_ids, check_request
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.outputs import EngineCoreOutput
@@ -42,7 +44,8 @@ from pdserve.engine.request import RequestStatus
 from pdserve.tokenizer.chat import render_chat_prompt
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams", "BeamSearchParams",
+           "BeamSearchOutput"]
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -253,6 +256,49 @@ class LLM:
         encoded = [render_chat_prompt(self.tokenizer, conversation, add_generation_prompt)
                    for conversation in conversations]
         return self._generate(encoded, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Sequence[Prompt | dict], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam-search every prompt (vLLM's ``LLM.beam_search``; rules: ``pdserve.beam_search``).
+
+        Each step runs every running beam of every prompt as one batch of one-token requests;
+        the beams' common prefixes come from the prefix cache. Hypotheses stop at
+        ``params.max_tokens`` or where ``max_model_len`` leaves no room.
+
+        Args:
+            prompts: strings, token-id lists, or vLLM-style dicts (``{"prompt": ...}`` /
+                ``{"prompt_token_ids": [...]}``), or one of these.
+            params: ``BeamSearchParams`` (beam_width, max_tokens, ignore_eos, temperature,
+                length_penalty, early_stopping).
+
+        Returns:
+            One ``BeamSearchOutput`` per prompt, in input order: ``beam_width`` sequences, best
+            score first, ``tokens`` = prompt + generated, ``text`` = the generated text.
+
+        Raises:
+            ValueError: bad params, an empty or out-of-vocabulary prompt, or one with no room
+                left under max_model_len; raised before any work.
+        """
+        eos = self.core.runner.eos_token_ids
+        check_beam_search_params(params, len(eos))
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        searches = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, dict):
+                prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            try:
+                check_prompt_ids(ids, self.vocab_size)
+                check_context_length(len(ids), None, self.max_model_len)
+            except ValidationError as e:
+                raise ValidationError(f"prompt {i}: {e.message}", e.param) from None
+            searches.append(BeamSearch(ids, params, eos, min(params.max_tokens, self.max_model_len - len(ids))))
+        run_beam_search(searches, engine_step_runner(self.core, lambda: f"beam-{next(self._ids)}"))
+        outputs = [s.output() for s in searches]
+        for output in outputs:
+            for sequence in output.sequences:
+                sequence.text = self.tokenizer.decode(sequence.text_token_ids, skip_special_tokens=True)
+        return outputs
 
     # ---- internals ----------------------------------------------------------------
 

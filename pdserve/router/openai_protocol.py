@@ -76,6 +76,10 @@ class SamplingRequest(_Request):
     priority: int = 0  # vLLM: with --scheduling-policy priority, lower runs sooner
     bad_words: list[str] | None = None  # never generated (tokenized by the router, as vLLM does)
     prompt_logprobs: int | None = None  # logprobs of each prompt token and this many alternatives
+    # beam search (vLLM's names; early_stopping as transformers': true, false or "never")
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False  # checked with use_beam_search (400 naming the field)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

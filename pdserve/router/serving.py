@@ -41,6 +41,7 @@ from pdserve.common.protocol import FinishReason, RequestDelta, SamplingParams, 
 from pdserve.common.validation import (EngineLimits, ValidationError, check_context_length, check_prompt_ids,
                                        check_request, prefill_sampling_params)
 from pdserve.router import preprocess
+from pdserve.router.beam import serve_beam_search
 from pdserve.router.config import RouterConfig
 from pdserve.router.engine import RequestFailed, RequestHandle, RouterEngine
 from pdserve.router.errors import APIError, bad_request
@@ -131,6 +132,8 @@ class OpenAIServing:
         preprocess.check_model(req, self.model_name)
         preprocess.check_completion_supported(req)
         prompt_ids = preprocess.completion_prompt_ids(req, self.tokenizer)
+        if req.use_beam_search:
+            return await serve_beam_search(self, req, prompt_ids, "cmpl", arrival, raw)
         run = await self._submit(req, prompt_ids, "cmpl", arrival)
 
         def logprobs(tokens: list[TokenEntry], always: bool = False) -> CompletionLogprobs | None:
@@ -198,6 +201,8 @@ class OpenAIServing:
         preprocess.check_model(req, self.model_name)
         preprocess.check_chat_supported(req)
         prompt_ids = preprocess.chat_prompt_ids(req, self.tokenizer)
+        if req.use_beam_search:
+            return await serve_beam_search(self, req, prompt_ids, "chatcmpl", arrival, raw)
         run = await self._submit(req, prompt_ids, "chatcmpl", arrival)
 
         def logprobs(tokens: list[TokenEntry], always: bool = False) -> ChatLogprobs | None:
