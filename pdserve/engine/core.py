@@ -39,6 +39,7 @@ from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.engine.ranks import start_ranks, stop_processes
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class EngineCore:
             self.block_manager)
         self.limits = EngineLimits(max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
                                    num_blocks=self.runner.num_blocks, block_size=self.runner.block_size)
+        # Structured outputs: grammars compiled against the model's tokenizer (loaded on first use).
+        self.structured_output = StructuredOutputManager(config.model, self.runner.eos_token_ids)
         self.num_steps = 0
         self.max_step_batch_size = 0
         self.num_generation_tokens = 0
@@ -103,7 +106,8 @@ class EngineCore:
                 ``output_token_ids`` (recomputed here, counted as output). Prefilled locally.
 
         Raises:
-            ValidationError: the request breaks a rule (``pdserve.common.validation``).
+            ValidationError: the request breaks a rule (``pdserve.common.validation``), or its
+                structured outputs grammar is invalid (``pdserve.engine.structured_output``).
             ValueError: a duplicate request_id.
         """
         check_request(prompt_token_ids, params, self.limits, stop_at_max_model_len)
@@ -111,6 +115,8 @@ class EngineCore:
             return self._resume(request_id, prompt_token_ids, params, resume)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.runner.eos_token_ids,
                           max_model_len=self.runner.max_model_len, group_id=request_id)
+        if params.structured_outputs is not None:  # structured outputs: compiled (or cached) now
+            request.structured_output = self.structured_output.new_request(params.structured_outputs)
         self.scheduler.add_request(request, remote_prefill=remote_prefill)
         return request
 
@@ -127,8 +133,14 @@ class EngineCore:
                               max_model_len=self.runner.max_model_len, group_id=request_id, sample_index=choice.index)
             request.output_token_ids = list(choice.output_token_ids)
             request.forked = True  # its siblings come with the resume list, or finished already
-            self.scheduler.add_request(request)
+            if params.structured_outputs is not None:  # structured outputs: replay the tokens so far
+                request.structured_output = self.structured_output.new_request(params.structured_outputs)
+                if not request.structured_output.accept_tokens(request.output_token_ids):
+                    raise ValidationError(f"resumed choice {choice.index} does not match its structured outputs "
+                                          f"grammar: {request.structured_output.error}", "resume")
             requests.append(request)
+        for request in requests:  # all checked first: a bad choice leaves nothing queued
+            self.scheduler.add_request(request)
         return requests[0]
 
     def abort(self, group_id: str) -> list[Request]:

@@ -32,6 +32,7 @@ from pdserve.engine.outputs import ModelRunnerOutput
 from pdserve.engine.parallel import RankGroup
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.structured_output import build_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -382,7 +383,8 @@ class ModelRunner:
                         sample_index=r.sample_index)
             for r in requests
         ]
-        out = self.sampler(logits, rows)
+        token_bitmask = build_token_bitmask([r.structured_output for r in requests], self.vocab_size)
+        out = self.sampler(logits, rows, token_bitmask=token_bitmask)
         return ModelRunnerOutput(
             sampled_token_ids={r.request_id: t for r, t in zip(requests, out.token_ids)},
             logprobs={r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None})

@@ -71,6 +71,8 @@ class Request:
         self.block_hashes: list[bytes] = []  # prefix-cache hash of each full, computed block
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.forked = sample_index > 0  # sample 0 forks samples 1..n-1 after its prompt is computed
+        # Structured outputs: this sample's grammar state (pdserve.engine.structured_output), or None.
+        self.structured_output = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -91,6 +93,8 @@ class Request:
     def append_token(self, token_id: int) -> RequestStatus | None:
         """Record a sampled token; return the finished status if it ends the request."""
         self.output_token_ids.append(token_id)
+        if self.structured_output is not None and (status := self._advance_grammar(token_id)) is not None:
+            return status
         params = self.sampling_params
         n_out = len(self.output_token_ids)
         if n_out >= params.min_tokens:
@@ -103,6 +107,13 @@ class Request:
         if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _advance_grammar(self, token_id: int) -> RequestStatus | None:
+        """Structured outputs: feed the token to the grammar; a complete grammar ends the request ("stop")."""
+        if not self.structured_output.accept_tokens([token_id]):
+            self.error = f"token {token_id} breaks the structured output grammar: {self.structured_output.error}"
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if self.structured_output.is_terminated() else None
 
     def __repr__(self) -> str:
         return (

@@ -274,6 +274,8 @@ class Scheduler:
             child = Request(f"{parent.group_id}#{index}", parent.prompt_token_ids, parent.sampling_params,
                             eos_token_ids=parent.eos_token_ids, max_model_len=parent.max_model_len,
                             group_id=parent.group_id, sample_index=index)
+            if parent.structured_output is not None:  # structured outputs: its own grammar state, from the start
+                child.structured_output = parent.structured_output.fresh()
             self.kv.fork(parent, child, num_prompt)
             child.num_computed_tokens = num_prompt - 1  # recompute the last prompt token: own first sample
             child.status = RequestStatus.RUNNING

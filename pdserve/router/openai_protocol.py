@@ -72,6 +72,12 @@ class SamplingRequest(_Request):
     stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool = True
     repetition_penalty: float | None = None
+    # structured outputs (pdserve.router.structured_outputs): vLLM's field and its older guided_* fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -89,6 +95,7 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
     echo: bool = False
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # structured outputs, as chat's (vLLM accepts it here too)
 
 
 class TextPart(_Request):

@@ -15,6 +15,7 @@ from pdserve.common.validation import ValidationError, check_sampling_params
 from pdserve.router.errors import bad_request, model_not_found, not_supported
 from pdserve.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                             SamplingRequest)
+from pdserve.router.structured_outputs import structured_outputs_of
 from pdserve.tokenizer.chat import render_chat_prompt
 
 
@@ -48,8 +49,6 @@ def check_chat_supported(req: ChatCompletionRequest) -> None:
         raise not_supported("tools", "tool calling")
     if req.tool_choice not in (None, "none", "auto"):
         raise not_supported("tool_choice", "tool calling")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise not_supported("response_format", "`response_format` other than text")
     for i, message in enumerate(req.messages):
         if isinstance(message.content, list):
             for part in message.content:
@@ -136,7 +135,8 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int
         stop=[s for s in req.stop_list() if s], stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, n=1 if req.n is None else req.n,
         logprobs=requested_logprobs(req), frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0)
+        presence_penalty=req.presence_penalty or 0.0,
+        structured_outputs=structured_outputs_of(req))  # response_format, structured_outputs, guided_*
     try:
         check_sampling_params(params, vocab_size)
     except ValidationError as e:
