@@ -9,13 +9,14 @@ The offline API is exported lazily, so ``import pdserve`` stays light (no torch)
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 _LAZY = {  # name -> module that defines it, imported on first access
     "LLM": "pdserve.llm",
     "RequestOutput": "pdserve.llm",
     "CompletionOutput": "pdserve.llm",
     "SamplingParams": "pdserve.common.protocol",
+    "StructuredOutputsParams": "pdserve.common.protocol",
 }
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.common.protocol import StructuredOutputsParams as SO
+from pdserve import StructuredOutputsParams as SO
 from pdserve.common.validation import ValidationError
 from pdserve.engine.sampler import Sampler, SamplingRow, apply_token_bitmask
 from pdserve.engine.structured_output import (StructuredOutputManager, build_token_bitmask,
@@ -131,6 +131,41 @@ def test_draft_token_helpers(model_dir):
     fresh = state.fresh()
     assert fresh.validate_tokens(good) == len(good) and manager.num_compiles == 1  # compiled once, copied
     assert not state.accept_tokens(bad) and state.error
+
+
+def test_router_maps_every_spelling_to_one_constraint():
+    from pdserve.router.errors import APIError
+    from pdserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+    from pdserve.router.structured_outputs import structured_outputs_of
+
+    def chat(**kw):
+        return structured_outputs_of(ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}],
+                                                           **kw))
+
+    def completion(**kw):
+        return structured_outputs_of(CompletionRequest(model="m", prompt="x", **kw))
+
+    assert chat() is None and chat(response_format={"type": "text"}) is None
+    assert chat(response_format={"type": "json_object"}) == SO(json_object=True)
+    got = chat(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+    assert json.loads(got.json) == SCHEMA
+    assert json.loads(completion(structured_outputs={"json": json.dumps(SCHEMA)}).json) == SCHEMA
+    assert completion(structured_outputs={"choice": CHOICES}) == SO(choice=CHOICES)
+    assert completion(structured_outputs={"json_object": True, "disable_any_whitespace": True}) == \
+        SO(json_object=True, disable_any_whitespace=True)
+    assert completion(guided_regex=REGEX) == SO(regex=REGEX)
+    assert completion(guided_grammar=LARK) == SO(grammar=LARK)
+    assert json.loads(completion(guided_json=SCHEMA).json) == SCHEMA
+    for kw, param in [(dict(guided_regex="a", structured_outputs={"regex": "b"}), "guided_regex"),
+                      (dict(response_format={"type": "json_object"}, guided_choice=["a"]), "guided_choice"),
+                      (dict(structured_outputs={"json": "{nope"}), "structured_outputs"),
+                      (dict(structured_outputs={"choice": "abc"}), "structured_outputs"),
+                      (dict(guided_regex="(("), "guided_regex"),
+                      (dict(response_format={"type": "json_schema", "json_schema": {"name": "r"}}),
+                       "response_format")]:
+        with pytest.raises(APIError) as info:
+            completion(**kw)
+        assert info.value.status_code == 400 and info.value.param == param, (kw, info.value.message)
 
 
 # ---- the offline LLM -----------------------------------------------------------------------------

@@ -383,8 +383,10 @@ class ModelRunner:
                         sample_index=r.sample_index)
             for r in requests
         ]
+        # Structured outputs: the batch's allowed-token bitmask (None when no row has a grammar).
         token_bitmask = build_token_bitmask([r.structured_output for r in requests], self.vocab_size)
-        out = self.sampler(logits, rows, token_bitmask=token_bitmask)
+        out = self.sampler(logits, rows) if token_bitmask is None else \
+            self.sampler(logits, rows, token_bitmask=token_bitmask)
         return ModelRunnerOutput(
             sampled_token_ids={r.request_id: t for r, t in zip(requests, out.token_ids)},
             logprobs={r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None})

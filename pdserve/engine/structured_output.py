@@ -38,7 +38,6 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from pdserve.common.protocol import StructuredOutputsParams
@@ -194,6 +193,8 @@ class StructuredOutputRequest:
                 bit ``t % 32`` of word ``t // 32`` set = token ``t`` allowed. Words and bits past the
                 tokenizer's vocabulary are cleared (ids the tokenizer lacks are never allowed).
         """
+        import llguidance.torch  # imported on first use: it sets up torch.compile (a second at start-up)
+
         num_words = self.manager.num_bitmask_words
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask[:, :num_words], row)
         bitmask[row, num_words:] = 0
@@ -285,6 +286,8 @@ def build_token_bitmask(states: list[StructuredOutputRequest | None], vocab_size
     constrained = [(i, s) for i, s in enumerate(states) if s is not None]
     if not constrained:
         return None
+    import llguidance.torch
+
     num_words = max((vocab_size + 31) // 32, constrained[0][1].manager.num_bitmask_words)
     bitmask = llguidance.torch.allocate_token_bitmask(len(states), num_words * 32)  # all bits set
     for row, state in constrained:
