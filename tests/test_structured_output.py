@@ -101,6 +101,8 @@ def test_bitmask_masks_only_constrained_rows_and_ids_past_the_tokenizer(model_di
     allowed = torch.isfinite(masked[1]).nonzero().flatten().tolist()
     assert allowed and all(t < tok_vocab for t in allowed)
     assert all(state.validate_tokens([t]) == 1 for t in allowed)  # exactly the tokens the grammar accepts
+    assert 1 not in allowed  # EOS only where the grammar may end
+    assert state.accept_tokens(manager.tokenizer.tokenize_str("no")) and state.is_terminated()
     assert build_token_bitmask([None, None], vocab_size) is None
 
 
