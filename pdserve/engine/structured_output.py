@@ -4,7 +4,7 @@ vLLM's design (its ``guidance`` backend), on llguidance (Moskal et al., guidance
 an Earley parser over a lexer, which computes the set of tokens that may come next as a
 bitmask, one bit per tokenizer token.
 
-    SamplingParams.structured_outputs ──grammar_spec──▶ (kind, spec, compact) ──llguidance──▶ grammar text
+    SamplingParams.structured_outputs ──grammar_spec──▶ (kind, spec, compact) ──llguidance──▶ grammar
         EngineCore.add_request: StructuredOutputManager.new_request ──▶ a pristine LLMatcher (cached,
             LRU by that key), deep-copied into the request's StructuredOutputRequest
         each step: ModelRunner builds the batch's token bitmask (build_token_bitmask); the sampler
@@ -14,9 +14,9 @@ bitmask, one bit per tokenizer token.
 
 Compiling happens at ``add_request``, synchronously: building an ``LLMatcher`` takes about a
 millisecond for a nested schema against a 16k-token vocabulary (llguidance builds its lexer
-lazily, during the first masks), and a repeated grammar is a cache hit plus a ``deep_copy``. vLLM compiles in a thread pool and parks
-the request in ``WAITING_FOR_FSM`` instead; here an invalid grammar is then simply a
-``ValidationError`` at admission, which every caller already turns into HTTP 400
+lazily, during the first masks), and a repeated grammar is a cache hit plus a ``deep_copy``.
+vLLM compiles in a thread pool and parks the request in ``WAITING_FOR_FSM`` instead; here an
+invalid grammar is then simply a ``ValidationError`` at admission, which every caller already turns into HTTP 400
 (``ErrorKind.INVALID_REQUEST``) or ``ValueError`` before any KV block is taken.
 
 Each of a request's ``n`` samples has its own matcher; samples 1..n-1 start where sample 0
@@ -32,7 +32,6 @@ never allowed under a grammar. Rows without a grammar are left untouched.
 from __future__ import annotations
 
 import json
-import logging
 import threading
 from collections import OrderedDict
 
@@ -43,7 +42,6 @@ import torch
 from pdserve.common.protocol import StructuredOutputsParams
 from pdserve.common.validation import ValidationError
 
-logger = logging.getLogger(__name__)
 
 GRAMMAR_CACHE_SIZE = 128  # grammars kept per cache (texts per process, compiled matchers per engine)
 _JSON_OBJECT_SCHEMA = '{"type": "object"}'
