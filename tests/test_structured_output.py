@@ -47,9 +47,10 @@ SCHEMA = {
 }
 REGEX = r"[a-z]{2,5}-[0-9]{3}"
 CHOICES = ["yes", "no", 'say "maybe"', "a|b\\c"]
-# Sums of one to three-digit numbers in parentheses, e.g. "(12+7)".
-LARK = 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]{1,3}/'
-LARK_RE = re.compile(r"\(\d{1,3}(\+\d{1,3})*\)")
+# Sums of one to four numbers of one to three digits in parentheses, e.g. "(12+7)": bounded, so a
+# random model cannot run past max_tokens.
+LARK = 'start: "(" NUM ("+" NUM) ~ 0..3 ")"\nNUM: /[0-9]{1,3}/'
+LARK_RE = re.compile(r"\(\d{1,3}(\+\d{1,3}){0,3}\)")
 
 
 def json_params(**kwargs) -> SamplingParams:
@@ -315,9 +316,12 @@ def test_cluster_structured_outputs_over_http(cluster):
                                       temperature=0, response_format={"type": "json_object"})
     assert obj.choices[0].message.content.startswith("{")
     deadline = time.monotonic() + 10
-    while kv_transfers(cluster) - before < 10 and time.monotonic() < deadline:
+    # The six completion prompts are shorter than a block, so never prefix-cache hits: their first tokens
+    # came from the prefill worker (chat prompts share the template's first block and may be prefilled
+    # on the decode worker once it is cached: conditional disaggregation).
+    while kv_transfers(cluster) - before < 6 and time.monotonic() < deadline:
         time.sleep(0.3)
-    assert kv_transfers(cluster) - before >= 10  # the first tokens came from the prefill worker
+    assert kv_transfers(cluster) - before >= 6
 
 
 @pytest.mark.cluster
