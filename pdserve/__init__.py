@@ -9,7 +9,8 @@ The offline API is exported lazily, so ``import pdserve`` stays light (no torch)
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "BeamSearchParams", "BeamSearchOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "BeamSearchParams", "BeamSearchOutput"]
 
 _LAZY = {  # name -> module that defines it, imported on first access
     "LLM": "pdserve.llm",
@@ -18,6 +19,7 @@ _LAZY = {  # name -> module that defines it, imported on first access
     "SamplingParams": "pdserve.common.protocol",
     "BeamSearchParams": "pdserve.beam_search",
     "BeamSearchOutput": "pdserve.beam_search",
+    "StructuredOutputsParams": "pdserve.common.protocol",
 }
 
 

@@ -40,6 +40,7 @@ from pdserve.common.validation import ValidationError, check_context_length, che
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.structured_output import check_structured_outputs
 from pdserve.engine.request import RequestStatus
 from pdserve.tokenizer.chat import render_chat_prompt
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -316,6 +317,7 @@ class LLM:
         for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list)):
             try:
                 check_request(ids, params, self.core.limits, stop_at_max_model_len=True)
+                check_structured_outputs(params.structured_outputs)  # an invalid grammar: before any work
             except ValidationError as e:  # checked before any work: nothing to undo
                 raise ValidationError(f"prompt {i}: {e.message}", e.param) from None
             choices = [_Choice(k, IncrementalDetokenizer(self.tokenizer, ids, params.stop,

@@ -238,3 +238,32 @@ def test_disaggregated_cluster_speculates_token_exactly_with_priorities(model_di
             metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
         assert total("vllm:spec_decode_num_drafts") > 0
         assert 0 < total("vllm:spec_decode_num_accepted_tokens") <= total("vllm:spec_decode_num_draft_tokens")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_under_a_grammar_stays_valid_and_greedy_exact(model_dir, method):
+    """Drafts are cut to what the grammar allows and each verified row is masked by the grammar
+    state after the drafts before it: output parses, and greedy equals non-speculative greedy."""
+    import jsonschema
+
+    from pdserve.common.protocol import StructuredOutputsParams
+    from pdserve.llm import LLM
+    from tests.test_structured_output import SCHEMA
+
+    so = StructuredOutputsParams(json=json.dumps(SCHEMA), disable_any_whitespace=True)
+    greedy = SamplingParams(max_tokens=160, temperature=0, structured_outputs=so)
+    sampled = SamplingParams(max_tokens=160, temperature=1.0, n=4, seed=1, structured_outputs=so)
+    prompts = REPETITIVE[:2]
+    with LLM(model_dir, kv_cache_memory="16MiB") as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    cfg = NGRAM if method == "ngram" else json.dumps(
+        {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3})
+    with LLM(model_dir, kv_cache_memory="16MiB", speculative_config=cfg) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == reference
+        outs = llm.generate(prompts, sampled, use_tqdm=False)
+        assert llm.scheduler.stats.spec_decode_num_accepted_tokens > 0
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+    for out in outs:
+        for choice in out.outputs:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.text), SCHEMA)

@@ -82,7 +82,8 @@ class StructuredOutputsParams(_Msg):
 
     ``json`` is a JSON schema serialized as text; ``json_object`` any JSON object;
     ``regex`` a regular expression; ``choice`` one of these strings; ``grammar`` a
-    Lark-style context-free grammar.
+    Lark-style context-free grammar. ``disable_any_whitespace`` makes JSON compact
+    (by default any JSON whitespace may appear between tokens, as in vLLM).
     """
 
     json: str | None = None
@@ -90,6 +91,7 @@ class StructuredOutputsParams(_Msg):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool = False  # JSON: no whitespace between tokens (vLLM's option)
 
 
 class SamplingParams(_Msg):

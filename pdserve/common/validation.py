@@ -195,7 +195,8 @@ def check_kv_capacity(num_prompt_tokens: int, max_tokens: int, limits: EngineLim
 
 def prefill_sampling_params(params: SamplingParams) -> SamplingParams:
     """The params a prefill worker samples a request's first token with (``n`` and the
-    output length are the decode worker's business)."""
+    output length are the decode worker's business; ``structured_outputs`` stays, so the
+    first token obeys the grammar the decode worker then replays it into)."""
     return msgspec.structs.replace(params, max_tokens=1, n=1, min_tokens=min(params.min_tokens, 1))
 
 

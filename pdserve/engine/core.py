@@ -39,6 +39,7 @@ from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.engine.ranks import start_ranks, stop_processes
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class EngineCore:
             self.scheduler.proposer = self.proposer
         self.limits = EngineLimits(max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
                                    num_blocks=self.runner.num_blocks, block_size=self.runner.block_size)
+        # Structured outputs: grammars compiled against the model's tokenizer (loaded on first use).
+        self.structured_output = StructuredOutputManager(config.model, self.runner.eos_token_ids)
         self.num_steps = 0
         self.max_step_batch_size = 0
         self.num_generation_tokens = 0
@@ -126,7 +129,8 @@ class EngineCore:
                 ``output_token_ids`` (recomputed here, counted as output). Prefilled locally.
 
         Raises:
-            ValidationError: the request breaks a rule (``pdserve.common.validation``).
+            ValidationError: the request breaks a rule (``pdserve.common.validation``), or its
+                structured outputs grammar is invalid (``pdserve.engine.structured_output``).
             ValueError: a duplicate request_id.
         """
         check_request(prompt_token_ids, params, self.limits, stop_at_max_model_len)
@@ -137,6 +141,8 @@ class EngineCore:
             return self._resume(request_id, prompt_token_ids, params, resume)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.runner.eos_token_ids,
                           max_model_len=self.runner.max_model_len, group_id=request_id)
+        if params.structured_outputs is not None:  # structured outputs: compiled (or cached) now
+            request.structured_output = self.structured_output.new_request(params.structured_outputs)
         self.scheduler.add_request(request, remote_prefill=remote_prefill)
         return request
 
@@ -153,8 +159,14 @@ class EngineCore:
                               max_model_len=self.runner.max_model_len, group_id=request_id, sample_index=choice.index)
             request.output_token_ids = list(choice.output_token_ids)
             request.forked = True  # its siblings come with the resume list, or finished already
-            self.scheduler.add_request(request)
+            if params.structured_outputs is not None:  # structured outputs: replay the tokens so far
+                request.structured_output = self.structured_output.new_request(params.structured_outputs)
+                if not request.structured_output.accept_tokens(request.output_token_ids):
+                    raise ValidationError(f"resumed choice {choice.index} does not match its structured outputs "
+                                          f"grammar: {request.structured_output.error}", "resume")
             requests.append(request)
+        for request in requests:  # all checked first: a bad choice leaves nothing queued
+            self.scheduler.add_request(request)
         return requests[0]
 
     def abort(self, group_id: str) -> list[Request]:
@@ -184,6 +196,7 @@ class EngineCore:
         faults.check_forward(scheduler_output.scheduled)
         if self.proposer is not None and self.proposer.drafts_at_execute:  # a draft model drafts now
             self.proposer.propose(scheduler_output.scheduled, scheduler_output.block_copies)
+            _cut_drafts_to_grammar(scheduler_output)
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
                                      block_copies=scheduler_output.block_copies, kv_ops=kv_ops)
         _collect_prompt_logprobs(scheduler_output, output)
@@ -298,3 +311,17 @@ def _attach_prompt_logprobs(output: EngineCoreOutput) -> None:
     if (request.sampling_params.prompt_logprobs is not None and request.sample_index == 0
             and request.num_output_tokens == len(output.new_token_ids)):
         output.prompt_logprobs = list(request.prompt_logprobs)
+
+
+def _cut_drafts_to_grammar(scheduler_output: SchedulerOutput) -> None:
+    """Structured outputs: keep only the drafts a request's grammar allows (their leading run),
+    and schedule one target row per kept draft."""
+    scheduled = scheduler_output.scheduled
+    for i, (request, num_new) in enumerate(scheduled):
+        if request.structured_output is not None and request.spec_token_ids:
+            valid = request.structured_output.validate_tokens(request.spec_token_ids)
+            if valid < len(request.spec_token_ids):
+                request.spec_token_ids = request.spec_token_ids[:valid]
+                if request.spec_draft_probs is not None:
+                    request.spec_draft_probs = request.spec_draft_probs[:valid]
+                scheduled[i] = (request, 1 + valid)

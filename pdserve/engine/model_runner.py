@@ -34,6 +34,7 @@ from pdserve.engine.prompt_logprobs import add_prompt_logprob_rows, compute_prom
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.spec_decode.rejection_sampler import DraftGroup, RejectionSampler
+from pdserve.engine.structured_output import allocate_token_bitmask, build_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -396,7 +397,10 @@ class ModelRunner:
                         sample_index=r.sample_index, prompt_token_ids=r.prompt_token_ids)
             for r in requests
         ]
-        out = self.sampler(logits, rows)
+        # Structured outputs: the batch's allowed-token bitmask (None when no row has a grammar).
+        token_bitmask = build_token_bitmask([r.structured_output for r in requests], self.vocab_size)
+        out = self.sampler(logits, rows) if token_bitmask is None else \
+            self.sampler(logits, rows, token_bitmask=token_bitmask)
         return ModelRunnerOutput(
             sampled_token_ids={r.request_id: t for r, t in zip(requests, out.token_ids)},
             logprobs={r.request_id: lp for r, lp in zip(requests, out.logprobs) if lp is not None})
@@ -412,7 +416,7 @@ class ModelRunner:
                 rows.append(SamplingRow(r.sampling_params, n_out, self._banned(r, n_out),
                                         output_token_ids=[*r.output_token_ids, *r.spec_token_ids[:j]],
                                         sample_index=r.sample_index, prompt_token_ids=r.prompt_token_ids))
-        verified = self.rejection_sampler(logits, rows, groups)
+        verified = self.rejection_sampler(logits, rows, groups, self._draft_bitmask(requests, len(rows)))
         out = ModelRunnerOutput()
         for r, v in zip(requests, verified):
             out.sampled_token_ids[r.request_id] = v.token_id
@@ -421,6 +425,26 @@ class ModelRunner:
             if v.logprobs is not None:
                 out.spec_logprobs[r.request_id] = v.logprobs
         return out
+
+    def _draft_bitmask(self, requests: list[Request], num_rows: int) -> torch.Tensor | None:
+        """Structured outputs under speculation: row j of a constrained request allows what its
+        grammar allows after its first j drafts (the matcher steps through them, then rolls back)."""
+        constrained = [r.structured_output for r in requests if r.structured_output is not None]
+        if not constrained:
+            return None
+        bitmask = allocate_token_bitmask(num_rows, self.vocab_size, constrained[0].manager)
+        row = 0
+        for r in requests:
+            state, drafts = r.structured_output, r.spec_token_ids
+            if state is not None:
+                for j in range(len(drafts) + 1):
+                    state.fill_bitmask(bitmask, row + j)
+                    if j < len(drafts):
+                        state.accept_tokens([drafts[j]])  # drafts were cut to the grammar's valid prefix
+                if drafts:
+                    state.rollback(len(drafts))
+            row += len(drafts) + 1
+        return bitmask
 
     def _banned(self, request: Request, num_output_tokens: int | None = None) -> tuple[int, ...]:
         """Tokens the request may not draw as output token number ``num_output_tokens`` (default: its next)."""

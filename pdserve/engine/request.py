@@ -79,6 +79,8 @@ class Request:
         self.num_draft_computed_tokens = 0
         # sampling_params.prompt_logprobs: entries of prompt tokens 1.. so far (pdserve.engine.prompt_logprobs)
         self.prompt_logprobs: list[TokenLogprob] = []
+        # Structured outputs: this sample's grammar state (pdserve.engine.structured_output), or None.
+        self.structured_output = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -99,6 +101,8 @@ class Request:
     def append_token(self, token_id: int) -> RequestStatus | None:
         """Record a sampled token; return the finished status if it ends the request."""
         self.output_token_ids.append(token_id)
+        if self.structured_output is not None and (status := self._advance_grammar(token_id)) is not None:
+            return status
         params = self.sampling_params
         n_out = len(self.output_token_ids)
         if n_out >= params.min_tokens:
@@ -111,6 +115,13 @@ class Request:
         if self.max_model_len is not None and self.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _advance_grammar(self, token_id: int) -> RequestStatus | None:
+        """Structured outputs: feed the token to the grammar; a complete grammar ends the request ("stop")."""
+        if not self.structured_output.accept_tokens([token_id]):
+            self.error = f"token {token_id} breaks the structured output grammar: {self.structured_output.error}"
+            return RequestStatus.FINISHED_ERROR
+        return RequestStatus.FINISHED_STOPPED if self.structured_output.is_terminated() else None
 
     def __repr__(self) -> str:
         return (

@@ -4,6 +4,7 @@ Order of operations on one row of logits (vLLM's order):
 
     raw logits --> logprobs (log-softmax, for rows that ask; "raw" logprobs)
         |
+        +--> grammar bitmask (-inf; structured outputs, pdserve.engine.structured_output)
         +--> banned tokens (-inf) --> bad words (-inf) --> logit_bias --> repetition_penalty
              --> frequency/presence penalties
              --> greedy argmax, or temperature --> top-k/top-p --> draw
@@ -77,16 +78,21 @@ class Sampler:
         return self._generator
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
             logits: [num_rows, vocab_size]; not modified.
             rows: one entry per logits row.
+            token_bitmask: structured outputs: [num_rows, num_words] int32, ``num_words * 32 >= vocab_size``;
+                bit ``t % 32`` of word ``t // 32`` clear = token ``t`` disallowed in that row
+                (``structured_output.build_token_bitmask``). None: every token allowed.
         """
         assert logits.shape[0] == len(rows), (logits.shape, len(rows))
         logits = logits.float()
         raw_logprobs, asked = self.raw_logprobs(logits, rows)
+        logits = apply_token_bitmask(logits, token_bitmask)  # structured outputs
         logits = self.process_logits(logits, rows)
         token_ids = self._sample(logits, rows)  # (R,)
         return SamplerOutput(token_ids.tolist(), self.gather_logprobs(raw_logprobs, asked, token_ids, rows))
@@ -204,6 +210,26 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> torch.Tensor:
+    """Set the logits of tokens a row's grammar disallows to -inf (structured outputs), on a copy.
+
+    The eager form of ``llguidance.torch.apply_token_bitmask_inplace``, whose ``torch.compile``
+    costs seconds on a CPU worker's first constrained step.
+
+    Args:
+        logits: [num_rows, vocab_size]; returned unchanged (same tensor) when ``bitmask`` is None.
+        bitmask: [num_rows, num_words] int32, ``num_words * 32 >= vocab_size``; bit ``t % 32`` of
+            word ``t // 32`` set = token ``t`` allowed.
+    """
+    if bitmask is None:
+        return logits
+    num_rows, vocab_size = logits.shape
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    words = bitmask.to(logits.device, non_blocking=True).unsqueeze(-1)  # (R, W, 1)
+    allowed = ((words >> bits) & 1).reshape(num_rows, -1)[:, :vocab_size].bool()  # (R, V)
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _apply_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -212,6 +212,9 @@ class Scheduler:
         if max_k < 1:
             return 0
         k = self.proposer.num_lookahead(request, max_k)
+        if k and request.structured_output is not None and not self.proposer.drafts_at_execute:
+            k = request.structured_output.validate_tokens(request.spec_token_ids)  # drafts the grammar allows
+            request.spec_token_ids = request.spec_token_ids[:k]
         if k and not self.kv.allocate_slots(request, request.num_tokens + k, out.block_copies):
             k = 0  # drafts never preempt anyone
         if not k:
@@ -345,6 +348,8 @@ class Scheduler:
             child = Request(f"{parent.group_id}#{index}", parent.prompt_token_ids, parent.sampling_params,
                             eos_token_ids=parent.eos_token_ids, max_model_len=parent.max_model_len,
                             group_id=parent.group_id, sample_index=index)
+            if parent.structured_output is not None:  # structured outputs: its own grammar state, from the start
+                child.structured_output = parent.structured_output.fresh()
             self.kv.fork(parent, child, num_prompt)
             child.num_computed_tokens = num_prompt - 1  # recompute the last prompt token: own first sample
             child.status = RequestStatus.RUNNING

@@ -80,6 +80,12 @@ class SamplingRequest(_Request):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # checked with use_beam_search (400 naming the field)
+    # structured outputs (pdserve.router.structured_outputs): vLLM's field and its older guided_* fields
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -97,6 +103,7 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
     echo: bool = False
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # structured outputs, as chat's (vLLM accepts it here too)
 
 
 class TextPart(_Request):

@@ -18,6 +18,7 @@ from pdserve.router.errors import bad_request, model_not_found, not_supported
 from pdserve.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
                                             SamplingRequest)
 from pdserve.tokenizer.bad_words import bad_words_token_ids
+from pdserve.router.structured_outputs import structured_outputs_of
 from pdserve.tokenizer.chat import render_chat_prompt
 
 
@@ -40,8 +41,6 @@ def check_chat_supported(req: ChatCompletionRequest) -> None:
         raise not_supported("tools", "tool calling")
     if req.tool_choice not in (None, "none", "auto"):
         raise not_supported("tool_choice", "tool calling")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise not_supported("response_format", "`response_format` other than text")
     for i, message in enumerate(req.messages):
         if isinstance(message.content, list):
             for part in message.content:
@@ -178,7 +177,8 @@ def build_sampling_params(req: SamplingRequest, max_tokens: int, vocab_size: int
         stop=[s for s in req.stop_list() if s], stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, n=1 if req.n is None else req.n,
         logprobs=requested_logprobs(req), frequency_penalty=req.frequency_penalty or 0.0,
-        presence_penalty=req.presence_penalty or 0.0, priority=req.priority)
+        presence_penalty=req.presence_penalty or 0.0, priority=req.priority,
+        structured_outputs=structured_outputs_of(req))  # response_format, structured_outputs, guided_*
     params = msgspec.structs.replace(params, **logits_params_fields(req, tokenizer))
     try:
         check_sampling_params(params, vocab_size)

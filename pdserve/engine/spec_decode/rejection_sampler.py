@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.protocol import TokenLogprob
-from pdserve.engine.sampler import Sampler, SamplingRow, is_greedy
+from pdserve.engine.sampler import Sampler, SamplingRow, apply_token_bitmask, is_greedy
 
 
 @dataclass
@@ -67,14 +67,16 @@ class RejectionSampler:
         self.sampler = sampler
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 groups: list[DraftGroup]) -> list[VerifiedTokens]:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], groups: list[DraftGroup],
+                 token_bitmask: torch.Tensor | None = None) -> list[VerifiedTokens]:
         """Verify every group's drafts.
 
         Args:
             logits: [num_rows, vocab_size] target logits, ``sum(k + 1)`` rows; not modified.
             rows: one per logits row.
             groups: one per request, in row order.
+            token_bitmask: structured outputs: [num_rows, num_words] allowed tokens per row (see
+                ``Sampler.__call__``); applied before every other processor, as in plain sampling.
 
         Returns:
             One ``VerifiedTokens`` per group.
@@ -82,7 +84,7 @@ class RejectionSampler:
         sampler = self.sampler
         logits = logits.float()
         raw_logprobs, asked = sampler.raw_logprobs(logits, rows)
-        processed = sampler.process_logits(logits, rows)
+        processed = sampler.process_logits(apply_token_bitmask(logits, token_bitmask), rows)
         argmax = processed.argmax(dim=-1).tolist()  # (R,)
         sampled_rows = [i for i, r in enumerate(rows) if not is_greedy(r.params)]
         probs = sampler.probs(processed, rows) if sampled_rows else None  # (R, V)
