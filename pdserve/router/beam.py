@@ -34,6 +34,7 @@ from pdserve.common.protocol import FinishReason, TokenLogprob
 from pdserve.common.validation import ValidationError
 from pdserve.router.engine import RequestFailed
 from pdserve.router.errors import APIError, bad_request, not_supported
+from pdserve.router.structured_outputs import structured_outputs_of
 from pdserve.router.openai_protocol import (ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                                             ChatResponseMessage, CompletionChoice, CompletionResponse,
                                             SamplingRequest, UsageInfo)
@@ -72,7 +73,8 @@ def check_beam_request(req: SamplingRequest, max_tokens: int, num_eos_token_ids:
                    # Beams are ranked by raw logprobs: logits processors and constraints would not apply.
                    "repetition_penalty": req.repetition_penalty not in (None, 1),
                    "logit_bias": bool(req.logit_bias), "bad_words": bool(req.bad_words),
-                   "prompt_logprobs": req.prompt_logprobs is not None, "echo": bool(getattr(req, "echo", False))}
+                   "prompt_logprobs": req.prompt_logprobs is not None, "echo": bool(getattr(req, "echo", False)),
+                   "structured_outputs": structured_outputs_of(req) is not None}
     for param, present in unsupported.items():
         if present:
             raise not_supported(param, f"`{param}` with `use_beam_search`")
