@@ -73,7 +73,8 @@ def run_policy(policy: str, args, model_dir: str, block_bytes: int, workload: li
                        worker_args=["--kv-cache-memory", str(args.num_kv_blocks * block_bytes),
                                     "--max-num-seqs", str(args.max_concurrency), "--enforce-eager"],
                        router_args=["--routing-policy", policy, "--routing-prefix-blocks",
-                                    str(args.routing_prefix_blocks)])
+                                    str(args.routing_prefix_blocks), "--routing-balance-factor",
+                                    str(args.routing_balance_factor)])
     name = os.path.basename(model_dir.rstrip("/"))
     with LocalCluster(spec, log_dir=os.environ.get("PDSERVE_BENCH_LOGS")) as cluster:
         before = metric_totals(cluster.url)
@@ -108,6 +109,7 @@ def main() -> int:
     ap.add_argument("--max-concurrency", type=int, default=16)
     ap.add_argument("--num-kv-blocks", type=int, default=256, help="KV cache blocks per decode worker")
     ap.add_argument("--routing-prefix-blocks", type=int, default=4)
+    ap.add_argument("--routing-balance-factor", type=float, default=1.25)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
