@@ -67,14 +67,15 @@ def metric_totals(url: str) -> dict[str, float]:
     return totals
 
 
-def run_policy(policy: str, args, model_dir: str, block_bytes: int, workload: list[BenchRequest]) -> dict:
+def run_policy(policy: str, balance_factor: float, args, model_dir: str, block_bytes: int,
+               workload: list[BenchRequest]) -> dict:
     spec = ClusterSpec(model=model_dir, num_prefill=0, num_decode=args.num_decode, port=free_port(),
                        threads_per_worker=1,
                        worker_args=["--kv-cache-memory", str(args.num_kv_blocks * block_bytes),
                                     "--max-num-seqs", str(args.max_concurrency), "--enforce-eager"],
                        router_args=["--routing-policy", policy, "--routing-prefix-blocks",
                                     str(args.routing_prefix_blocks), "--routing-balance-factor",
-                                    str(args.routing_balance_factor)])
+                                    str(balance_factor)])
     name = os.path.basename(model_dir.rstrip("/"))
     with LocalCluster(spec, log_dir=os.environ.get("PDSERVE_BENCH_LOGS")) as cluster:
         before = metric_totals(cluster.url)
@@ -88,7 +89,7 @@ def run_policy(policy: str, args, model_dir: str, block_bytes: int, workload: li
     hits, queries = delta.get("vllm:prefix_cache_hits_total", 0.0), delta.get("vllm:prefix_cache_queries_total", 0.0)
     decisions = {k.split(":", 3)[-1]: int(v) for k, v in delta.items()
                  if k.startswith("pdserve:routing_decisions_total:decode:") and v}
-    return {"policy": policy, "hit_rate": hits / max(queries, 1.0), "hits": hits, "queries": queries,
+    return {"policy": policy, "balance_factor": balance_factor, "hit_rate": hits / max(queries, 1.0), "hits": hits, "queries": queries,
             "output_throughput": m["output_throughput"], "request_throughput": m["request_throughput"],
             "p50_ttft_ms": m["p50_ttft_ms"], "p90_ttft_ms": m["p90_ttft_ms"], "duration_s": m["duration"],
             "failed": m["failed"], "preemptions": delta.get("vllm:num_preemptions_total", 0.0),
@@ -109,7 +110,8 @@ def main() -> int:
     ap.add_argument("--max-concurrency", type=int, default=16)
     ap.add_argument("--num-kv-blocks", type=int, default=256, help="KV cache blocks per decode worker")
     ap.add_argument("--routing-prefix-blocks", type=int, default=4)
-    ap.add_argument("--routing-balance-factor", type=float, default=1.25)
+    ap.add_argument("--routing-balance-factor", type=float, nargs="+", default=[1.5],
+                    help="prefix_aware's bounded-load factor; several: one prefix_aware run per value")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -126,10 +128,12 @@ def main() -> int:
           f"{args.requests_per_group}, suffix {args.min_suffix}-{args.max_suffix}, output {args.output_len}, "
           f"concurrency {args.max_concurrency}", flush=True)
     results = []
-    for policy in args.policies:
-        r = run_policy(policy, args, model_dir, block_bytes, workload)
+    runs = [(p, f) for p in args.policies for f in (args.routing_balance_factor if p == "prefix_aware" else [None])]
+    for policy, factor in runs:
+        r = run_policy(policy, factor or 1.5, args, model_dir, block_bytes, workload)
         results.append(r)
-        print(f"{policy:13s} prefix-cache hits {r['hit_rate']:6.1%} ({r['hits']:.0f}/{r['queries']:.0f} tokens)  "
+        label = f"{policy} c={factor:g}" if factor else policy
+        print(f"{label:18s} prefix-cache hits {r['hit_rate']:6.1%} ({r['hits']:.0f}/{r['queries']:.0f} tokens)  "
               f"output {r['output_throughput']:7.1f} tok/s  {r['request_throughput']:5.2f} req/s  "
               f"TTFT p50 {r['p50_ttft_ms']:7.1f} ms  failed {r['failed']}  preemptions {r['preemptions']:.0f}  "
               f"routed per worker {r['routed_per_worker']}  decisions {r['decisions']}", flush=True)

@@ -241,7 +241,7 @@ def test_a_lost_workers_requests_migrate_to_the_rings_next_worker():
 def test_config_and_cli_flags():
     parser = RouterConfig.add_cli_args(argparse.ArgumentParser())
     args = parser.parse_args(["--model", "x", "--routing-policy", "least_loaded", "--routing-prefix-blocks", "8"])
-    assert (args.routing_policy, args.routing_prefix_blocks, args.routing_balance_factor) == ("least_loaded", 8, 1.25)
+    assert (args.routing_policy, args.routing_prefix_blocks, args.routing_balance_factor) == ("least_loaded", 8, 1.5)
     assert routing_args(args)[:2] == ["--routing-policy", "least_loaded"]
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "x", "--routing-policy", "random"])

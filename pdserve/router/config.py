@@ -89,7 +89,7 @@ class RouterConfig:
     cluster_secret: str | None = None
     routing_policy: str = "prefix_aware"
     routing_prefix_blocks: int = 4
-    routing_balance_factor: float = 1.25
+    routing_balance_factor: float = 1.5
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model):

@@ -204,7 +204,7 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     name = "prefix_aware"
 
-    def __init__(self, prefix_blocks: int = 4, balance_factor: float = 1.25, num_vnodes: int = 128):
+    def __init__(self, prefix_blocks: int = 4, balance_factor: float = 1.5, num_vnodes: int = 128):
         if prefix_blocks < 1:
             raise ValueError(f"prefix_blocks must be >= 1, got {prefix_blocks}")
         if not balance_factor >= 1.0:
@@ -248,7 +248,7 @@ def pick_bounded(ring: HashRing, key: int, nodes: dict[str, WorkerInfo], load: C
     raise AssertionError("bounded loads: no node below capacity")  # capacity > average: unreachable
 
 
-def make_policy(name: str, prefix_blocks: int = 4, balance_factor: float = 1.25) -> RoutingPolicy:
+def make_policy(name: str, prefix_blocks: int = 4, balance_factor: float = 1.5) -> RoutingPolicy:
     """The policy ``--routing-policy`` names.
 
     Raises:
