@@ -32,6 +32,7 @@ import sys
 import time
 
 import httpx
+import psutil
 
 from pdserve.bench import BenchRequest, DatasetConfig, ServeConfig, build_requests, run_benchmark_sync
 from pdserve.common.utils import free_port
@@ -67,6 +68,12 @@ def metric_totals(url: str) -> dict[str, float]:
     return totals
 
 
+def worker_cpu_s(procs: list[psutil.Process]) -> float:
+    """CPU seconds (user + system) the worker processes have used: the work done, whatever else
+    shares the machine (wall-clock throughput on a shared machine is not)."""
+    return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
+
+
 def run_policy(policy: str, balance_factor: float, args, model_dir: str, block_bytes: int,
                workload: list[BenchRequest]) -> dict:
     spec = ClusterSpec(model=model_dir, num_prefill=0, num_decode=args.num_decode, port=free_port(),
@@ -78,9 +85,12 @@ def run_policy(policy: str, balance_factor: float, args, model_dir: str, block_b
                                     str(balance_factor)])
     name = os.path.basename(model_dir.rstrip("/"))
     with LocalCluster(spec, log_dir=os.environ.get("PDSERVE_BENCH_LOGS")) as cluster:
+        workers = [psutil.Process(proc.pid) for name_, proc in cluster.procs if name_ != "router"]
         before = metric_totals(cluster.url)
+        cpu_before = worker_cpu_s(workers)
         res = run_benchmark_sync(ServeConfig(url=cluster.url, model=name, max_concurrency=args.max_concurrency,
                                              disable_tqdm=True), workload)
+        cpu_s = worker_cpu_s(workers) - cpu_before
         time.sleep(2.5)  # a heartbeat or two, so the workers' counters are current
         after = metric_totals(cluster.url)
         routed = sorted(w["num_routed"] for w in httpx.get(f"{cluster.url}/workers", timeout=10).json())
@@ -93,7 +103,7 @@ def run_policy(policy: str, balance_factor: float, args, model_dir: str, block_b
             "output_throughput": m["output_throughput"], "request_throughput": m["request_throughput"],
             "p50_ttft_ms": m["p50_ttft_ms"], "p90_ttft_ms": m["p90_ttft_ms"], "duration_s": m["duration"],
             "failed": m["failed"], "preemptions": delta.get("vllm:num_preemptions_total", 0.0),
-            "routed_per_worker": routed, "decisions": decisions}
+            "routed_per_worker": routed, "decisions": decisions, "worker_cpu_s": cpu_s}
 
 
 def main() -> int:
@@ -135,7 +145,8 @@ def main() -> int:
         label = f"{policy} c={factor:g}" if factor else policy
         print(f"{label:18s} prefix-cache hits {r['hit_rate']:6.1%} ({r['hits']:.0f}/{r['queries']:.0f} tokens)  "
               f"output {r['output_throughput']:7.1f} tok/s  {r['request_throughput']:5.2f} req/s  "
-              f"TTFT p50 {r['p50_ttft_ms']:7.1f} ms  failed {r['failed']}  preemptions {r['preemptions']:.0f}  "
+              f"TTFT p50 {r['p50_ttft_ms']:7.1f} ms  worker CPU {r['worker_cpu_s']:5.1f} s  failed {r['failed']}  "
+              f"preemptions {r['preemptions']:.0f}  "
               f"routed per worker {r['routed_per_worker']}  decisions {r['decisions']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
