@@ -74,15 +74,15 @@ def worker_cpu_s(procs: list[psutil.Process]) -> float:
     return sum(p.cpu_times().user + p.cpu_times().system for p in procs)
 
 
-def run_policy(policy: str, balance_factor: float, args, model_dir: str, block_bytes: int,
+def run_policy(policy: str, balance_factor: float | None, args, model_dir: str, block_bytes: int,
                workload: list[BenchRequest]) -> dict:
     spec = ClusterSpec(model=model_dir, num_prefill=0, num_decode=args.num_decode, port=free_port(),
                        threads_per_worker=1,
                        worker_args=["--kv-cache-memory", str(args.num_kv_blocks * block_bytes),
                                     "--max-num-seqs", str(args.max_concurrency), "--enforce-eager"],
                        router_args=["--routing-policy", policy, "--routing-prefix-blocks",
-                                    str(args.routing_prefix_blocks), "--routing-balance-factor",
-                                    str(balance_factor)])
+                                    str(args.routing_prefix_blocks),
+                                    *(["--routing-balance-factor", str(balance_factor)] if balance_factor else [])])
     name = os.path.basename(model_dir.rstrip("/"))
     with LocalCluster(spec, log_dir=os.environ.get("PDSERVE_BENCH_LOGS")) as cluster:
         workers = [psutil.Process(proc.pid) for name_, proc in cluster.procs if name_ != "router"]
@@ -99,7 +99,8 @@ def run_policy(policy: str, balance_factor: float, args, model_dir: str, block_b
     hits, queries = delta.get("vllm:prefix_cache_hits_total", 0.0), delta.get("vllm:prefix_cache_queries_total", 0.0)
     decisions = {k.split(":", 3)[-1]: int(v) for k, v in delta.items()
                  if k.startswith("pdserve:routing_decisions_total:decode:") and v}
-    return {"policy": policy, "balance_factor": balance_factor, "hit_rate": hits / max(queries, 1.0), "hits": hits, "queries": queries,
+    return {"policy": policy, "balance_factor": balance_factor, "hit_rate": hits / max(queries, 1.0),
+            "hits": hits, "queries": queries,
             "output_throughput": m["output_throughput"], "request_throughput": m["request_throughput"],
             "p50_ttft_ms": m["p50_ttft_ms"], "p90_ttft_ms": m["p90_ttft_ms"], "duration_s": m["duration"],
             "failed": m["failed"], "preemptions": delta.get("vllm:num_preemptions_total", 0.0),
@@ -140,7 +141,7 @@ def main() -> int:
     results = []
     runs = [(p, f) for p in args.policies for f in (args.routing_balance_factor if p == "prefix_aware" else [None])]
     for policy, factor in runs:
-        r = run_policy(policy, factor or 1.5, args, model_dir, block_bytes, workload)
+        r = run_policy(policy, factor, args, model_dir, block_bytes, workload)
         results.append(r)
         label = f"{policy} c={factor:g}" if factor else policy
         print(f"{label:18s} prefix-cache hits {r['hit_rate']:6.1%} ({r['hits']:.0f}/{r['queries']:.0f} tokens)  "
