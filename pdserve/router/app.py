@@ -45,6 +45,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                             ModelList)
 from pdserve.router.registry import WorkerRegistry
+from pdserve.router.routing import make_policy
 from pdserve.router.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,10 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     registry = WorkerRegistry(config.worker_timeout_s, config.step_timeout_s)
     metrics = RouterMetrics(config.served_model_name, registry, config.max_model_len)
     engine = RouterEngine(config.host, config.zmq_port, registry, metrics.workers, config.cluster_secret,
-                          worker_wait_s=config.worker_wait_s, on_migration=metrics.observe_migration)
+                          worker_wait_s=config.worker_wait_s, on_migration=metrics.observe_migration,
+                          policy=make_policy(config.routing_policy, config.routing_prefix_blocks,
+                                             config.routing_balance_factor),
+                          on_route=metrics.observe_route)
     serving = OpenAIServing(config, tokenizer, engine, metrics)
 
     @contextlib.asynccontextmanager
@@ -185,7 +189,8 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     async def info():
         return {"model": config.model, "served_model_name": config.served_model_name,
                 "max_model_len": serving.max_model_len(), "zmq_address": engine.address,
-                "worker_timeout_s": config.worker_timeout_s, "num_inflight": engine.num_inflight}
+                "worker_timeout_s": config.worker_timeout_s, "num_inflight": engine.num_inflight,
+                "routing_policy": config.routing_policy}
 
     install_openapi(app, api_key_required=config.api_key is not None)
     return app

@@ -8,6 +8,7 @@ import json
 import os
 
 from pdserve.common.auth import API_KEY_ENV, CLUSTER_SECRET_ENV, from_env
+from pdserve.router.routing import ROUTING_POLICIES
 
 # config.json keys that name the context length, in order of preference.
 _CONTEXT_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -59,6 +60,14 @@ class RouterConfig:
             default ``$PDSERVE_API_KEY``.
         cluster_secret: workers must prove they know it to register (None: any worker may);
             default ``$PDSERVE_CLUSTER_SECRET``. See ``pdserve.common.auth``.
+        routing_policy: how a request's workers are picked, one of ``round_robin``,
+            ``least_loaded``, ``prefix_aware`` (``pdserve/router/routing.py``). Default
+            ``prefix_aware``: with prefix caching on the workers, requests sharing a prefix land
+            where it is cached, bounded loads keep every worker within ``routing_balance_factor``
+            of the average, and prompts under one block are routed least loaded.
+        routing_prefix_blocks: prefix_aware: full KV blocks at the start of a prompt that make its key.
+        routing_balance_factor: prefix_aware: a worker holding more than this times the average
+            requests in flight (rounded up) is skipped for the next one on the ring; >= 1.
     """
 
     model: str
@@ -78,6 +87,9 @@ class RouterConfig:
     log_level: str = "info"
     api_key: str | None = None
     cluster_secret: str | None = None
+    routing_policy: str = "prefix_aware"
+    routing_prefix_blocks: int = 4
+    routing_balance_factor: float = 1.5
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model):
@@ -108,6 +120,13 @@ class RouterConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(ROUTING_POLICIES)}, "
+                             f"got {self.routing_policy!r}")
+        if self.routing_prefix_blocks < 1:
+            raise ValueError(f"routing_prefix_blocks must be >= 1, got {self.routing_prefix_blocks}")
+        if not self.routing_balance_factor >= 1.0:
+            raise ValueError(f"routing_balance_factor must be >= 1, got {self.routing_balance_factor}")
         self.log_level = self.log_level.lower()
         self.api_key = from_env(self.api_key, API_KEY_ENV)
         self.cluster_secret = from_env(self.cluster_secret, CLUSTER_SECRET_ENV)
@@ -148,9 +167,31 @@ class RouterConfig:
                        help="require Authorization: Bearer KEY on /v1/* and /admin/* (default: $PDSERVE_API_KEY)")
         g.add_argument("--cluster-secret", default=None,
                        help="admit only workers that know this secret (default: $PDSERVE_CLUSTER_SECRET)")
+        add_routing_cli_args(parser)
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "RouterConfig":
         names = [f.name for f in dataclasses.fields(cls)]
         return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+def add_routing_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The router's routing flags (``pdserve router`` and ``pdserve up`` share them)."""
+    g = parser.add_argument_group("routing")
+    g.add_argument("--routing-policy", choices=ROUTING_POLICIES, default=RouterConfig.routing_policy,
+                   help="how requests are spread over the workers: round_robin (registration order), "
+                        "least_loaded (fewest requests, then KV cache usage), prefix_aware (the worker that "
+                        "likely caches the prompt's first blocks: consistent hashing with bounded loads; "
+                        "default)")
+    g.add_argument("--routing-prefix-blocks", type=int, default=RouterConfig.routing_prefix_blocks,
+                   help="prefix_aware: KV blocks at the start of the prompt that key its worker")
+    g.add_argument("--routing-balance-factor", type=float, default=RouterConfig.routing_balance_factor,
+                   help="prefix_aware: skip a worker holding more than this times the average requests "
+                        "in flight (>= 1)")
+
+
+def routing_args(args: argparse.Namespace) -> list[str]:
+    """``add_routing_cli_args``'s parsed flags as router command-line arguments (for launchers)."""
+    return ["--routing-policy", args.routing_policy, "--routing-prefix-blocks", str(args.routing_prefix_blocks),
+            "--routing-balance-factor", str(args.routing_balance_factor)]

@@ -62,6 +62,7 @@ from pdserve.common.auth import token_matches
 from pdserve.common.transport import ProtocolError, decode
 from pdserve.router.metrics import WorkerStatsCollector
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
+from pdserve.router.routing import RoundRobinPolicy, RoutingPolicy
 from pdserve.router.sockets import WorkerSockets
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class RouterEngine:
         worker_wait_s: how long a request that lost its decode worker waits for another.
         max_migrations: a request is migrated at most this many times, then fails.
         on_migration: called with (lost worker id, reason) for each request migrated (metrics).
+        policy: picks the workers of new and migrated requests (``routing.py``; default round robin).
+        on_route: called with (policy name, role, decision) for each worker picked (metrics).
     """
 
     _DRAIN_RESEND_S = 5.0  # a drained worker that has not left gets DrainWorker again this often
@@ -122,8 +125,11 @@ class RouterEngine:
     def __init__(self, host: str, zmq_port: int, registry: WorkerRegistry,
                  worker_stats: WorkerStatsCollector | None = None, cluster_secret: str | None = None,
                  worker_wait_s: float = 10.0, max_migrations: int = 3,
-                 on_migration: Callable[[str, str], None] | None = None):
+                 on_migration: Callable[[str, str], None] | None = None, policy: RoutingPolicy | None = None,
+                 on_route: Callable[[str, WorkerRole, str], None] | None = None):
         self.host = host
+        self.policy = policy or RoundRobinPolicy()
+        self.on_route = on_route
         self.worker_wait_s = worker_wait_s
         self.max_migrations = max_migrations
         self.on_migration = on_migration
@@ -189,6 +195,18 @@ class RouterEngine:
         """(requests, their prompt tokens) sent to a worker that have not had a token back yet."""
         waiting = [h for h in self._requests.values() if not h.output_token_ids]
         return len(waiting), sum(len(h.prompt_token_ids) for h in waiting)
+
+    def route(self, role: WorkerRole, prompt_token_ids: list[int],
+              accepts: Callable[[WorkerInfo], bool] | None = None) -> WorkerInfo | None:
+        """The worker of ``role`` the routing policy picks for a prompt, among the live ones that
+        ``accepts`` (if given); None if there is none."""
+        candidates = self.registry.candidates(role, accepts)
+        if not candidates:
+            return None
+        worker, decision = self.policy.pick(role, candidates, prompt_token_ids)
+        if self.on_route is not None:
+            self.on_route(self.policy.name, role, decision)
+        return worker
 
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                decode_worker: WorkerInfo, prefill_worker: WorkerInfo | None) -> RequestHandle:
@@ -342,7 +360,8 @@ class RouterEngine:
             return
         params = handle.sampling_params
         needed = len(handle.prompt_token_ids) + params.max_tokens
-        target = self.registry.pick(WorkerRole.DECODE, lambda w: w.max_model_len <= 0 or w.max_model_len >= needed)
+        target = self.route(WorkerRole.DECODE, handle.prompt_token_ids,
+                            lambda w: w.max_model_len <= 0 or w.max_model_len >= needed)
         if target is None:
             if handle.stranded_at is None:
                 handle.stranded_at, handle.lost_reason = time.monotonic(), reason

@@ -25,6 +25,9 @@ decode worker, ``role="decode"``):
 
     counter    vllm:request_success{finished_reason=stop|length|abort|error}, one per choice
     counter    pdserve:requests_rejected: refused at admission (``--max-num-waiting-*``)
+    counter    pdserve:routing_decisions{policy, role, decision}: workers picked (new and migrated
+               requests), by the routing policy and its reason (round_robin, least_loaded,
+               prefix_home, prefix_spill, short_prompt; ``routing.py``)
     counter    pdserve:request_migrations{worker=<the decode worker it left>}: requests moved to
                another decode worker because theirs was lost
     histograms vllm:time_to_first_token_seconds (arrival -> first token of any choice),
@@ -221,6 +224,9 @@ class RouterMetrics:
         self.num_rejected = Counter(
             "pdserve:requests_rejected", "Requests refused at admission (503 + Retry-After): too many waiting.",
             ["model_name"], registry=reg)
+        self.routing_decisions = Counter(
+            "pdserve:routing_decisions", "Workers picked for requests, by routing policy, role and decision.",
+            ["model_name", "policy", "role", "decision"], registry=reg)
         token_buckets = _one_two_five_buckets(max_model_len)
         self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
                                        _WORKER_LABELS, buckets=token_buckets, registry=reg)
@@ -230,6 +236,10 @@ class RouterMetrics:
 
     def observe_migration(self, lost_worker_id: str, reason: str) -> None:
         self.migrations.labels(self.model_name, lost_worker_id).inc()
+
+    def observe_route(self, policy: str, role: WorkerRole, decision: str) -> None:
+        """The routing policy picked a worker of ``role`` (``decision``: why)."""
+        self.routing_decisions.labels(self.model_name, policy, _role(role), decision).inc()
 
     def _labels(self, decode_worker_id: str) -> tuple[str, str, str]:
         return self.model_name, decode_worker_id, "decode"

@@ -15,8 +15,9 @@ the worker's step loop has gone without finishing an iteration
 *stalled*: nothing is routed to it, and ``expire`` returns it once so its
 requests fail; it serves again when its loop moves.
 
-Routing: round-robin per role over the live, unstalled, undrained workers in
-registration order that accept the request (``accepts``, e.g. its limits).
+Routing: ``live`` lists the workers that take new requests (not stalled, not
+draining) in registration order; the router's policy (``routing.py``) picks
+among those that accept a request. ``pick`` is round-robin over them.
 
 Pools: ``desired`` holds each pool's target size once someone scaled it
 (``pdserve scale``, ``POST /admin/scale``); launchers start workers up to it,
@@ -33,6 +34,7 @@ from collections.abc import Callable
 
 from pdserve.common.protocol import Heartbeat, KVLayout, RegisterWorker, WorkerRole
 from pdserve.common.validation import EngineLimits
+from pdserve.router.routing import RoundRobinPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +128,7 @@ class WorkerRegistry:
         self.step_timeout_s = step_timeout_s
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}  # insertion order = registration order
-        self._next: dict[WorkerRole, int] = {WorkerRole.PREFILL: 0, WorkerRole.DECODE: 0}
+        self._round_robin = RoundRobinPolicy()
         self.desired: dict[WorkerRole, int | None] = {WorkerRole.PREFILL: None, WorkerRole.DECODE: None}
 
     def _now(self, now: float | None) -> float:
@@ -248,12 +250,12 @@ class WorkerRegistry:
 
     def pick(self, role: WorkerRole, accepts: Callable[[WorkerInfo], bool] | None = None) -> WorkerInfo | None:
         """Round-robin over live workers of ``role`` for which ``accepts`` (if given) is true."""
-        candidates = [w for w in self.live(role) if accepts is None or accepts(w)]
-        if not candidates:
-            return None
-        i = self._next[role] % len(candidates)
-        self._next[role] = i + 1
-        return candidates[i]
+        candidates = self.candidates(role, accepts)
+        return self._round_robin.pick(role, candidates)[0] if candidates else None
+
+    def candidates(self, role: WorkerRole, accepts: Callable[[WorkerInfo], bool] | None = None) -> list[WorkerInfo]:
+        """Live workers of ``role`` for which ``accepts`` (if given) is true, in registration order."""
+        return [w for w in self.live(role) if accepts is None or accepts(w)]
 
     def snapshot(self, now: float | None = None) -> list[dict]:
         now = self._now(now)

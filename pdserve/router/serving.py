@@ -335,7 +335,7 @@ class OpenAIServing:
             def accepts(worker: WorkerInfo) -> bool:
                 return _accepts(prompt_ids, params, limits[worker.worker_id])
 
-            decode_worker = registry.pick(WorkerRole.DECODE, accepts)
+            decode_worker = self.engine.route(WorkerRole.DECODE, prompt_ids, accepts)
             if decode_worker is None:
                 check_request(prompt_ids, params, best)  # raises the most capable worker's reason
                 raise ValidationError("No live decode worker can hold this request; please reduce the "
@@ -343,8 +343,8 @@ class OpenAIServing:
         except ValidationError as e:
             raise bad_request(e.message, e.param) from None
         first_token = prefill_sampling_params(params)
-        prefill_worker = registry.pick(
-            WorkerRole.PREFILL, lambda w: _accepts(prompt_ids, first_token, self.worker_limits(w)))
+        prefill_worker = self.engine.route(
+            WorkerRole.PREFILL, prompt_ids, lambda w: _accepts(prompt_ids, first_token, self.worker_limits(w)))
         return params, decode_worker, prefill_worker
 
     async def _outputs(self, run: _Run) -> AsyncIterator[ChoiceDelta]:

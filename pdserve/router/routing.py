@@ -1,0 +1,263 @@
+"""Routing policies: which decode worker (and which prefill worker) gets a request.
+
+Pure Python, no sockets, no torch. The router's engine hands a policy the live
+workers of one role that accept the request (``candidates``, in registration
+order: not stalled, not draining, able to hold the request) and the prompt's
+token ids; the policy returns one of them and a short label of why
+(``decision``, counted in ``pdserve:routing_decisions``). Requests that lost
+their decode worker (migration) are routed by the same policy with their
+original prompt, so they land where the policy would have sent them had the
+lost worker never existed.
+
+``--routing-policy``:
+
+* ``round_robin``: the next worker in registration order, a counter per role.
+  Blind to load and to prompts; pdserve's only policy before issue 12.
+* ``least_loaded``: the worker with the fewest requests, by ``load_key``: the
+  larger of the router's own count of requests in flight there (current, but
+  blind to what the worker holds that the router does not count) and the
+  latest heartbeat's ``num_running + num_waiting`` (the worker's view, up to one
+  heartbeat interval old); then the heartbeat's KV cache usage
+  (``1 - num_free_blocks / num_blocks``); then the fewest requests ever routed
+  there; then registration order. So ties go deterministically to the worker
+  that has had the least.
+* ``prefix_aware``: the worker most likely to hold the prompt's prefix in its
+  prefix cache. The prompt's key is ``prefix_key``: a hash of its first
+  ``min(prefix_blocks, num_full_blocks)`` full KV blocks (``block_size`` tokens
+  each, the smallest ``block_size`` the candidates advertised). Keys map onto
+  workers by consistent hashing (Karger et al., "Consistent Hashing and Random
+  Trees", STOC 1997) on a ring with ``HashRing.num_vnodes`` virtual nodes per
+  worker, with bounded loads (Mirrokni, Thorup, Zadimoghaddam, "Consistent
+  Hashing with Bounded Loads", SODA 2018): walking clockwise from the key, the
+  first worker whose in-flight count is below ``ceil(balance_factor *
+  (total in flight + 1) / num_candidates)`` gets the request. So requests with
+  the same first blocks go to the same worker while it is not overloaded; a
+  worker joining or leaving moves only about 1/N of the keys (the others keep
+  their cache hits); no worker holds more than ``balance_factor`` times the
+  average (plus one). A prompt shorter than one block has nothing a prefix
+  cache could reuse: it falls back to ``least_loaded``. Prefill workers are
+  picked the same way on their own ring (their prefix cache saves prefill
+  compute for blocks the decode worker lacks), with their pending prefills as
+  the load.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from pdserve.common.protocol import WorkerRole
+
+if TYPE_CHECKING:
+    from pdserve.router.registry import WorkerInfo
+
+ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+DEFAULT_BLOCK_SIZE = 16  # when no candidate advertised a block_size
+
+
+def _hash64(data: bytes) -> int:
+    """A 64-bit hash that is the same in every process (Python's ``hash`` of str is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def prefix_key(prompt_token_ids: Sequence[int], block_size: int, max_blocks: int) -> int | None:
+    """The routing key of a prompt: a 64-bit hash of its first ``min(max_blocks, num_full_blocks)`` blocks.
+
+    ``num_full_blocks = len(prompt_token_ids) // block_size``. Two prompts get the same key
+    exactly when they have the same number of keyed blocks and equal tokens in them (up to
+    hash collisions, 2**-64). None when the prompt is shorter than one block.
+
+    Raises:
+        ValueError: ``block_size`` or ``max_blocks`` below 1.
+    """
+    if block_size < 1 or max_blocks < 1:
+        raise ValueError(f"block_size and max_blocks must be >= 1, got {block_size} and {max_blocks}")
+    num_blocks = min(max_blocks, len(prompt_token_ids) // block_size)
+    if num_blocks == 0:
+        return None
+    return _hash64(array("q", prompt_token_ids[:num_blocks * block_size]).tobytes())
+
+
+class HashRing:
+    """A consistent-hashing ring (Karger et al., STOC 1997) of node ids, ``num_vnodes`` points per node.
+
+    A node's points are the 64-bit hashes of ``"{node_id}#{i}"``, so they depend on its id only:
+    adding or removing a node moves only the keys between its points and their predecessors
+    (about 1/N of all keys), and every router builds the same ring from the same ids.
+    """
+
+    def __init__(self, node_ids: Iterable[str], num_vnodes: int = 128):
+        if num_vnodes < 1:
+            raise ValueError(f"num_vnodes must be >= 1, got {num_vnodes}")
+        self.node_ids = tuple(node_ids)
+        self.num_vnodes = num_vnodes
+        points = sorted((_hash64(f"{node}#{i}".encode()), node) for node in self.node_ids for i in range(num_vnodes))
+        self._positions = [p for p, _ in points]
+        self._nodes = [n for _, n in points]
+
+    def walk(self, key: int) -> Iterator[str]:
+        """Each node once, clockwise from ``key``: the first is the key's owner, then its successors."""
+        if not self._nodes:
+            return
+        start = bisect.bisect_right(self._positions, key)
+        seen: set[str] = set()
+        for i in range(len(self._nodes)):
+            node = self._nodes[(start + i) % len(self._nodes)]
+            if node not in seen:
+                seen.add(node)
+                yield node
+                if len(seen) == len(self.node_ids):
+                    return
+
+    def owner(self, key: int) -> str | None:
+        """The node a key maps to without load bounds (None on an empty ring)."""
+        return next(self.walk(key), None)
+
+
+def bounded_load_capacity(total_load: int, num_nodes: int, balance_factor: float) -> int:
+    """The most requests a node may hold after taking one more: ``ceil(balance_factor * (total_load + 1) / num_nodes)``.
+
+    Mirrokni, Thorup, Zadimoghaddam (SODA 2018), with ``balance_factor`` = their ``1 + eps``;
+    ``total_load`` counts requests already placed, the ``+ 1`` the one being placed. Always
+    above the average, so some node is below it.
+    """
+    return math.ceil(balance_factor * (total_load + 1) / num_nodes - 1e-9)
+
+
+def kv_usage(worker: WorkerInfo) -> float:
+    """The worker's KV cache usage from its latest heartbeat, in [0, 1] (0 before any heartbeat)."""
+    hb = worker.heartbeat
+    num_blocks = (hb.num_blocks if hb else 0) or worker.num_blocks
+    if hb is None or num_blocks <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - hb.num_free_blocks / num_blocks))
+
+
+def num_requests(worker: WorkerInfo) -> int:
+    """Requests on the worker: the router's in-flight count or the latest heartbeat's, whichever is larger.
+
+    The router's count (decode: routed and unfinished; prefill: waiting for its KV) is
+    current; the heartbeat's (``num_running + num_waiting``) lags by up to one heartbeat but
+    includes what the router does not count (``n`` sequences of one request, aborted
+    requests not yet freed).
+    """
+    hb = worker.heartbeat
+    return max(worker.num_outstanding, hb.num_running + hb.num_waiting if hb else 0)
+
+
+def load_key(worker: WorkerInfo, order: int) -> tuple:
+    """``least_loaded``'s sort key: requests, KV cache usage, requests ever routed, registration order."""
+    return num_requests(worker), kv_usage(worker), worker.num_routed, order
+
+
+class RoutingPolicy:
+    """Picks one of ``candidates`` for a request; subclasses implement ``pick``. ``name`` is the CLI name."""
+
+    name = ""
+
+    def pick(self, role: WorkerRole, candidates: Sequence[WorkerInfo],
+             prompt_token_ids: Sequence[int]) -> tuple[WorkerInfo, str]:
+        """(The chosen worker, the decision's label). ``candidates`` is non-empty, in registration order."""
+        raise NotImplementedError
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """The next candidate in registration order, one counter per role (the prompt is not read)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = {role: 0 for role in WorkerRole}
+
+    def pick(self, role, candidates, prompt_token_ids=()):
+        i = self._next[role] % len(candidates)
+        self._next[role] = i + 1
+        return candidates[i], "round_robin"
+
+
+class LeastLoadedPolicy(RoutingPolicy):
+    """The candidate with the smallest ``load_key`` (the prompt is not read)."""
+
+    name = "least_loaded"
+
+    def pick(self, role, candidates, prompt_token_ids=()):
+        i = min(range(len(candidates)), key=lambda j: load_key(candidates[j], j))
+        return candidates[i], "least_loaded"
+
+
+class PrefixAwarePolicy(RoutingPolicy):
+    """Consistent hashing with bounded loads on the prompt's ``prefix_key``; ``least_loaded`` below one block.
+
+    Args:
+        prefix_blocks: full blocks of the prompt the key covers, at most (``--routing-prefix-blocks``).
+        balance_factor: ``1 + eps`` of the bounded loads, >= 1 (``--routing-balance-factor``);
+            1 balances perfectly and moves many keys under load, larger keeps more locality.
+        num_vnodes: ring points per worker.
+
+    Decisions: ``prefix_home`` (the key's first worker on the ring), ``prefix_spill`` (it was
+    full, a successor took it), ``short_prompt`` (under one block: least loaded).
+    """
+
+    name = "prefix_aware"
+
+    def __init__(self, prefix_blocks: int = 4, balance_factor: float = 1.5, num_vnodes: int = 128):
+        if prefix_blocks < 1:
+            raise ValueError(f"prefix_blocks must be >= 1, got {prefix_blocks}")
+        if not balance_factor >= 1.0:
+            raise ValueError(f"balance_factor must be >= 1, got {balance_factor}")
+        self.prefix_blocks = prefix_blocks
+        self.balance_factor = balance_factor
+        self.num_vnodes = num_vnodes
+        self._rings: dict[WorkerRole, HashRing] = {}
+        self._least_loaded = LeastLoadedPolicy()
+
+    def ring(self, role: WorkerRole, node_ids: Iterable[str]) -> HashRing:
+        """The ring over ``node_ids`` (rebuilt only when the set of ids changes)."""
+        ids = tuple(sorted(node_ids))
+        ring = self._rings.get(role)
+        if ring is None or ring.node_ids != ids:
+            ring = self._rings[role] = HashRing(ids, self.num_vnodes)
+        return ring
+
+    def pick(self, role, candidates, prompt_token_ids=()):
+        block_size = min((w.block_size for w in candidates if w.block_size > 0), default=DEFAULT_BLOCK_SIZE)
+        key = prefix_key(prompt_token_ids, block_size, self.prefix_blocks)
+        if key is None:
+            return self._least_loaded.pick(role, candidates)[0], "short_prompt"
+        by_id = {w.worker_id: w for w in candidates}
+        worker, spilled = pick_bounded(self.ring(role, by_id), key, by_id, lambda w: w.num_outstanding,
+                                       self.balance_factor)
+        return worker, "prefix_spill" if spilled else "prefix_home"
+
+
+def pick_bounded(ring: HashRing, key: int, nodes: dict[str, WorkerInfo], load: Callable[[WorkerInfo], int],
+                 balance_factor: float) -> tuple[WorkerInfo, bool]:
+    """Consistent hashing with bounded loads: the first node clockwise from ``key`` below capacity.
+
+    Returns (the node, whether it is not the key's owner). ``nodes`` are the ring's nodes
+    with their loads (``load``, requests in flight); see ``bounded_load_capacity``.
+    """
+    capacity = bounded_load_capacity(sum(load(w) for w in nodes.values()), len(nodes), balance_factor)
+    for i, node_id in enumerate(ring.walk(key)):
+        if load(nodes[node_id]) < capacity:
+            return nodes[node_id], i > 0
+    raise AssertionError("bounded loads: no node below capacity")  # capacity > average: unreachable
+
+
+def make_policy(name: str, prefix_blocks: int = 4, balance_factor: float = 1.5) -> RoutingPolicy:
+    """The policy ``--routing-policy`` names.
+
+    Raises:
+        ValueError: an unknown name (one of ``ROUTING_POLICIES`` is needed), or bad prefix_aware settings.
+    """
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
+    if name == "prefix_aware":
+        return PrefixAwarePolicy(prefix_blocks, balance_factor)
+    raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, got {name!r}")
