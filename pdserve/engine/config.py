@@ -42,6 +42,10 @@ class EngineConfig:
         attention_backend: ``auto`` | ``paged`` (native CPU kernel) | ``reference`` (plain torch);
             see ``pdserve.engine.attention.select_backend``.
         cpu_cores: the CPU cores this worker's threads run on (``"0-3"``, ``"0,2"``); None: all.
+        batch_invariant: a request's logits and tokens are bit-identical whatever else is in the
+            batch and however its prefill is chunked (He & Thinking Machines Lab, "Defeating
+            Nondeterminism in LLM Inference", 2025): padded matmuls, every query through the paged
+            kernel, no compiled decode step. Needs the paged backend and TP <= 2 (ValueError else).
     """
 
     model: str
@@ -66,6 +70,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     cpu_cores: str | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -76,6 +81,12 @@ class EngineConfig:
             parse_cpu_list(self.cpu_cores)  # a bad list fails here, before any rank starts
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.batch_invariant and self.attention_backend == "reference":
+            raise ValueError("batch_invariant needs the paged attention kernel (attention_backend auto or paged): "
+                             "the reference backend's padded SDPA reduces differently with the batch")
+        if self.batch_invariant and self.tensor_parallel_size > 2:
+            raise ValueError("batch_invariant supports tensor_parallel_size <= 2: an all-reduce over more ranks "
+                             "may add the partial sums in an order that changes with the batch")
         world_size = self.parallel.world_size  # validates the sizes
         if not 0 <= self.rank < world_size:
             raise ValueError(f"rank {self.rank} is outside the worker's {world_size} ranks")
@@ -126,6 +137,10 @@ class EngineConfig:
         g.add_argument("--attention-backend", default="auto", choices=["auto", "paged", "reference"],
                        help="paged: native CPU kernel reading K/V through block tables; reference: gather + "
                             "SDPA in plain torch (any device); auto: paged where it runs")
+        g.add_argument("--batch-invariant", action="store_true",
+                       help="bit-identical results for a request whatever else is batched with it and however "
+                            "its prefill is chunked (padded matmuls, all attention through the paged kernel, "
+                            "eager decode); costs speed, needs the paged backend")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -142,7 +157,7 @@ class EngineConfig:
                    rank=rank, master_addr=args.master_addr or os.environ.get("MASTER_ADDR"), master_port=master_port,
                    rank_timeout_s=args.rank_timeout_s, attention_backend=args.attention_backend,
                    kv_cache_dtype=args.kv_cache_dtype, cpu_cores=args.cpu_cores,
-                   enforce_eager=args.enforce_eager)
+                   enforce_eager=args.enforce_eager, batch_invariant=args.batch_invariant)
 
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""
@@ -164,4 +179,6 @@ class EngineConfig:
             args.append("--enforce-eager")
         if not self.enable_prefix_caching:
             args.append("--no-prefix-caching")
+        if self.batch_invariant:
+            args.append("--batch-invariant")
         return args
