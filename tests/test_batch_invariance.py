@@ -119,13 +119,13 @@ def _runs(llm: LLM, num_runs: int, seed: int) -> list[tuple]:
 
 
 def test_one_request_is_bit_identical_among_any_traffic(model_dir):
-    """30 runs with different neighbours and chunkings, plus the request alone (unchunked, then
+    """40 runs with different neighbours and chunkings, plus the request alone (unchunked, then
     a prefix-cache hit): one completion, one set of logprobs, bit for bit (floats compare
     exactly here)."""
-    with LLM(model_dir, batch_invariant=True, enable_prefix_caching=False, seed=0) as llm:
+    with LLM(model_dir, batch_invariant=True, enable_prefix_caching=False, seed=0, num_threads=1) as llm:
         assert llm.core.runner.model.batch_invariant
-        results = _runs(llm, 30, seed=3)
-    with LLM(model_dir, batch_invariant=True, seed=0) as alone:
+        results = _runs(llm, 40, seed=3)
+    with LLM(model_dir, batch_invariant=True, seed=0, num_threads=1) as alone:
         prompt = _target_prompt(alone.vocab_size)
         for _ in range(2):  # a fresh prefill in one step, then from the prefix cache
             choice = alone.generate([prompt], _TARGET, use_tqdm=False)[0].outputs[0]
@@ -138,6 +138,6 @@ def test_one_request_is_bit_identical_among_any_traffic(model_dir):
 
 def test_without_the_flag_the_same_traffic_changes_the_bits(model_dir):
     """The control: the harness above does see batching's effect when the flag is off."""
-    with LLM(model_dir, enable_prefix_caching=False, seed=0) as llm:
+    with LLM(model_dir, enable_prefix_caching=False, seed=0, num_threads=1) as llm:
         results = _runs(llm, 5, seed=3)
     assert len({logprobs for _, logprobs in results}) > 1
