@@ -78,6 +78,15 @@ def test_config_refuses_what_cannot_be_invariant(model_dir):
         EngineConfig(model=model_dir, batch_invariant=True, tensor_parallel_size=4)
 
 
+def test_engine_refuses_the_flag_without_the_kernel(model_dir, monkeypatch):
+    """Where the kernel cannot run (CUDA, no compiler, $PDSERVE_DISABLE_KERNELS) auto picks reference."""
+    import pdserve.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "select_backend", lambda *args, **kwargs: "reference")
+    with pytest.raises(ValueError, match="--batch-invariant needs the paged attention kernel"):
+        LLM(model_dir, batch_invariant=True, num_threads=1)
+
+
 def test_flag_reaches_the_config_and_the_other_ranks(model_dir):
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
