@@ -139,9 +139,10 @@ class ModelRunner:
                                                 self.head_dim)
         logger.info("attention backend: %s", self.attention_backend)
         if config.batch_invariant and self.attention_backend != "paged":
-            raise ValueError("--batch-invariant needs the paged attention kernel, which cannot run here "
-                             f"({self.device.type}, KV {self.kv_cache.dtype}, head_dim {self.head_dim}, no C++ "
-                             "compiler, or $PDSERVE_DISABLE_KERNELS set)")
+            raise ValueError("--batch-invariant needs the paged attention kernel, which cannot run here (here: "
+                             f"{self.device.type}, KV {self.kv_cache.dtype}, head_dim {self.head_dim}; it needs a "
+                             "CPU, a float32/bfloat16 KV cache, head_dim a multiple of 8, a C++ compiler and "
+                             "$PDSERVE_DISABLE_KERNELS unset)")
         self._compiled_decode = None  # the decode step's forward under torch.compile (see compile_decode_step)
         if config.batch_invariant:  # inductor fuses and reorders reductions by batch size: not shown invariant
             logger.info("decode step runs eagerly: --batch-invariant (a compiled step is not shown invariant)")
