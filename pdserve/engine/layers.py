@@ -54,7 +54,7 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     each with its own summation order, so one token's projection changes with what else is in
     the batch (He & Thinking Machines Lab, "Defeating Nondeterminism in LLM Inference", 2025).
     Padding the rows to a multiple of ``INVARIANT_ROW_MULTIPLE`` (at least that many) sends
-    every row through the same full-width micro-kernel. Measured on MKL 2024.2 / AVX2, float32:
+    every row through the same full-width micro-kernel. Measured on MKL 2024.2, AVX2 (AMD EPYC), float32:
     a row's bits are identical for every M in 1..69 and up to 4100, at any position
     (tests/test_batch_invariance.py checks it on the machine that runs the tests). The bias
     is added after the matmul, elementwise, so it cannot change the order either.
