@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pdserve.common.protocol import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.layers import INVARIANT_ROW_MULTIPLE, RMSNorm, RotaryEmbedding, SiluAndMul, \
-    batch_invariant_linear
+    batch_invariant_linear, pad_rows
 from pdserve.llm import LLM
 
 # (M, position of the probe row) pairs: every M in 1..40 and a few prefill-sized ones.
@@ -46,10 +46,14 @@ def test_invariant_linear_gives_a_row_the_same_bits_at_any_batch_size(in_feature
 
 
 def test_padding_rounds_rows_up():
-    x = torch.randn(1, 8)
-    weight = torch.randn(3, 8)
-    assert INVARIANT_ROW_MULTIPLE >= 2
-    assert batch_invariant_linear(x, weight).shape == (1, 3)
+    m = INVARIANT_ROW_MULTIPLE
+    for num_rows, padded in ((1, m), (m - 1, m), (m + 1, 2 * m), (3 * m, 3 * m)):
+        x = torch.randn(num_rows, 8)
+        out = pad_rows(x)
+        assert out.shape == (padded, 8)
+        assert torch.equal(out[:num_rows], x) and not out[num_rows:].any()
+    x = torch.randn(2 * m, 8)
+    assert pad_rows(x) is x  # no copy when nothing is padded
 
 
 def test_per_token_ops_are_already_invariant():
