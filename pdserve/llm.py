@@ -173,7 +173,8 @@ class LLM:
             kv_cache_memory (bytes, or a size such as ``"1GiB"``), max_num_seqs,
             max_num_batched_tokens (tokens per step), max_model_len (tokens), seed,
             enable_prefix_caching, num_threads, tensor_parallel_size, pipeline_parallel_size
-            (the other ranks run as local processes; ``close()`` or exit stops them).
+            (the other ranks run as local processes; ``close()`` or exit stops them),
+            batch_invariant (bit-identical results whatever the batch; see ``EngineConfig``).
 
     Attributes:
         core: the ``EngineCore`` (``core.runner``, ``core.scheduler``, ``core.block_manager``).

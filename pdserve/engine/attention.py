@@ -49,6 +49,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     backend: str = "reference"  # "paged" (native CPU kernel) or "reference" (gather + SDPA); see select_backend
+    # paged: every query row through the kernel, fresh prefills too (never SDPA), so a row's result
+    # depends only on its sequence's cached K/V, not on the batch or the chunking (--batch-invariant).
+    batch_invariant: bool = False
     # Derived once per forward by paged_attention and shared by all layers (see _plan, _native_plan).
     _groups: list["_Group"] | None = field(default=None, init=False, repr=False, compare=False)
     _native: "_NativePlan | None" = field(default=None, init=False, repr=False, compare=False)
@@ -242,7 +245,15 @@ class _NativePlan:
 
 
 def _native_plan(metadata: AttentionMetadata, sliding_window: int | None) -> _NativePlan:
-    if metadata.max_query_len <= 1 or sliding_window is not None:  # decode only: the kernel takes every row
+    """Which sequences skip the kernel for SDPA: fresh prefills, unless the batch must be invariant.
+
+    Under ``batch_invariant`` the kernel takes every row: per query row it reduces over that
+    sequence's keys front to back in a fixed order (scores, softmax, then the weighted V sum,
+    block by block), and OpenMP only hands whole (sequence, KV-head group) items to threads,
+    so a row's result depends on its position and its sequence's K/V alone. SDPA over a fresh
+    prompt reduces in another order than the kernel over the same prompt in chunks."""
+    if metadata.max_query_len <= 1 or sliding_window is not None or metadata.batch_invariant:
+        # decode only, a window, or batch-invariant: the kernel takes every row
         return _NativePlan([], None)
     if metadata._native is not None:
         return metadata._native

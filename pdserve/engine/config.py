@@ -48,6 +48,10 @@ class EngineConfig:
             "num_speculative_tokens": 4, "prompt_lookup_max": 4}`` or ``{"method": "draft_model",
             "model": DIR, "num_speculative_tokens": 4}``); None: off. Decoding engines only (a
             prefill worker ignores it). See ``pdserve.engine.spec_decode``.
+        batch_invariant: a request's logits and tokens are bit-identical whatever else is in the
+            batch and however its prefill is chunked (He & Thinking Machines Lab, "Defeating
+            Nondeterminism in LLM Inference", 2025): padded matmuls, every query through the paged
+            kernel, no compiled decode step. Needs the paged backend and TP <= 2 (ValueError else).
     """
 
     model: str
@@ -74,6 +78,7 @@ class EngineConfig:
     cpu_cores: str | None = None
     scheduling_policy: str = "fcfs"
     speculative_config: str | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -88,6 +93,12 @@ class EngineConfig:
             self.speculative  # noqa: B018  a bad config fails here, before any rank starts
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.batch_invariant and self.attention_backend == "reference":
+            raise ValueError("batch_invariant needs the paged attention kernel (attention_backend auto or paged): "
+                             "the reference backend's padded SDPA reduces differently with the batch")
+        if self.batch_invariant and self.tensor_parallel_size > 2:
+            raise ValueError("batch_invariant supports tensor_parallel_size <= 2: an all-reduce over more ranks "
+                             "may add the partial sums in an order that changes with the batch")
         world_size = self.parallel.world_size  # validates the sizes
         if not 0 <= self.rank < world_size:
             raise ValueError(f"rank {self.rank} is outside the worker's {world_size} ranks")
@@ -154,6 +165,10 @@ class EngineConfig:
                        help='speculative decoding (vLLM\'s JSON): \'{"method": "ngram", "num_speculative_tokens": '
                             '4, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DIR, '
                             '"num_speculative_tokens": 4}\'; decode side only')
+        g.add_argument("--batch-invariant", action="store_true",
+                       help="bit-identical results for a request whatever else is batched with it and however "
+                            "its prefill is chunked (padded matmuls, all attention through the paged kernel, "
+                            "eager decode); costs speed, needs the paged backend")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -171,7 +186,7 @@ class EngineConfig:
                    rank_timeout_s=args.rank_timeout_s, attention_backend=args.attention_backend,
                    kv_cache_dtype=args.kv_cache_dtype, cpu_cores=args.cpu_cores,
                    enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
-                   speculative_config=args.speculative_config)
+                   speculative_config=args.speculative_config, batch_invariant=args.batch_invariant)
 
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""
@@ -193,4 +208,6 @@ class EngineConfig:
             args.append("--enforce-eager")
         if not self.enable_prefix_caching:
             args.append("--no-prefix-caching")
+        if self.batch_invariant:
+            args.append("--batch-invariant")
         return args

@@ -31,6 +31,42 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+# Rows of every batch-invariant matmul are padded to a multiple of this (see batch_invariant_linear).
+INVARIANT_ROW_MULTIPLE = 4
+
+
+def pad_rows(x: torch.Tensor, multiple: int = INVARIANT_ROW_MULTIPLE) -> torch.Tensor:
+    """x [num_rows, d] -> [max(multiple, num_rows rounded up to ``multiple``), d]: zero rows appended
+    (x itself when no padding is needed)."""
+    num_rows = x.shape[0]
+    padded = max(multiple, -(-num_rows // multiple) * multiple)
+    return x if padded == num_rows else F.pad(x, (0, 0, 0, padded - num_rows))
+
+
+def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b where each row of y has the same bits whatever the number of rows of x.
+
+    x: [..., in_features]; weight: [out_features, in_features]; bias: [out_features] or None.
+    Returns [..., out_features].
+
+    Why: on CPU, MKL's sgemm computes one row differently depending on M (the number of rows):
+    M = 1 is a GEMV, and the last M mod 4 rows of a GEMM go through a narrower micro-kernel,
+    each with its own summation order, so one token's projection changes with what else is in
+    the batch (He & Thinking Machines Lab, "Defeating Nondeterminism in LLM Inference", 2025).
+    Padding the rows to a multiple of ``INVARIANT_ROW_MULTIPLE`` (at least that many) sends
+    every row through the same full-width micro-kernel. Measured on MKL 2024.2, AVX2 (AMD EPYC), float32:
+    a row's bits are identical for every M in 1..69 and up to 4100, at any position
+    (tests/test_batch_invariance.py checks it on the machine that runs the tests). The bias
+    is added after the matmul, elementwise, so it cannot change the order either.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # (M, in)
+    y = F.linear(pad_rows(x2), weight)[: x2.shape[0]]  # (M, out)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, weight.shape[0])
+
+
 def _empty_param(*shape: int, dtype: torch.dtype, device: str | torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -122,7 +158,12 @@ class ColumnParallelLinear(nn.Module):
     ranks; rank r then holds piece ``r * num_shards[i] // tp_size``, so pieces are
     replicated over ``tp_size // num_shards[i]`` ranks. Grouped-query attention with fewer
     KV heads than ranks uses this: each rank holds (a copy of) one KV head, as in vLLM.
+
+    ``batch_invariant`` (set by ``LlamaForCausalLM.set_batch_invariant``): compute through
+    ``batch_invariant_linear``, so a row's output does not depend on the other rows.
     """
+
+    batch_invariant: bool = False
 
     def __init__(
         self,
@@ -169,6 +210,8 @@ class ColumnParallelLinear(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return batch_invariant_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -177,8 +220,11 @@ class RowParallelLinear(nn.Module):
 
     x: [..., input_size // tp_size] (this rank's slice, e.g. the output of a
     ColumnParallelLinear) -> [..., output_size], identical on every rank. The bias is
-    added once, after the reduction.
+    added once, after the reduction. ``batch_invariant``: as ``ColumnParallelLinear``'s (a
+    sum of two ranks' partials is commutative, so TP 2 keeps it; EngineConfig refuses TP > 2).
     """
+
+    batch_invariant: bool = False
 
     def __init__(
         self,
@@ -211,7 +257,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = batch_invariant_linear(x, self.weight) if self.batch_invariant else F.linear(x, self.weight)
         if self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         if self.bias is not None:

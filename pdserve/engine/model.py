@@ -26,6 +26,7 @@ from pdserve.engine.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     SiluAndMul,
+    pad_rows,
     tp_rank_and_size,
 )
 
@@ -193,7 +194,12 @@ class LlamaForCausalLM(nn.Module):
     Attributes num_layers (this rank's), num_kv_heads (per TP rank) and head_dim size the
     KV cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``;
     ``layer_range`` says which global layers those are.
+
+    ``batch_invariant`` (``set_batch_invariant``): every matmul, the LM head's included, gives
+    each row the same bits whatever else is in the batch (see ``batch_invariant_linear``).
     """
+
+    batch_invariant: bool = False
 
     def __init__(self, config, tp_group: Any | None = None, dtype: torch.dtype = torch.float32, device="cpu",
                  layer_range: tuple[int, int] | None = None, has_embedding: bool = True, has_lm_head: bool = True):
@@ -224,6 +230,17 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads: int = first_attn.num_kv_heads
         self.head_dim: int = first_attn.head_dim
         self.vocab_size: int = config.vocab_size
+
+    def set_batch_invariant(self, enabled: bool = True) -> None:
+        """Route every linear layer and the LM head through the batch-invariant matmul (or back).
+
+        The other per-token ops (RMSNorm, RoPE, SiLU, residual adds, the embedding) already give
+        a row the same bits at any batch size on CPU (checked in tests/test_batch_invariance.py);
+        attention is made invariant by the metadata's ``batch_invariant`` (attention.py)."""
+        self.batch_invariant = enabled
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.batch_invariant = enabled
 
     def holds(self, hf_name: str) -> bool:
         """Whether the checkpoint tensor ``hf_name`` has a place on this rank."""
@@ -277,6 +294,10 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.model.norm(hidden_states)
         weight = self.lm_head.weight
+        if self.batch_invariant:  # padded rows, always the same vocabulary slices
+            padded = pad_rows(x)  # (n rounded up, hidden)
+            parts = [F.linear(padded, weight[i:i + LOGITS_CHUNK]) for i in range(0, weight.shape[0], LOGITS_CHUNK)]
+            return torch.cat(parts, dim=1)[: x.shape[0]].float()
         if x.device.type == "cpu" and x.shape[0] >= 4 and weight.shape[0] > 2 * LOGITS_CHUNK:
             parts = [F.linear(x, weight[i:i + LOGITS_CHUNK]) for i in range(0, weight.shape[0], LOGITS_CHUNK)]
             return torch.cat(parts, dim=1).float()

@@ -117,6 +117,8 @@ class ModelRunner:
                                 tp_group=ranks.tp_group if ranks is not None else None, layer_range=layer_range,
                                 has_embedding=ranks is None or ranks.is_first_stage,
                                 has_lm_head=ranks is None or ranks.is_driver)
+        if config.batch_invariant:
+            self.model.set_batch_invariant(True)
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         self.vocab_size = int(hf_config.vocab_size)
         self.hidden_size = int(hf_config.hidden_size)
@@ -139,8 +141,15 @@ class ModelRunner:
         self.attention_backend = select_backend(config.attention_backend, self.device, self.kv_cache.dtype,
                                                 self.head_dim)
         logger.info("attention backend: %s", self.attention_backend)
+        if config.batch_invariant and self.attention_backend != "paged":
+            raise ValueError("--batch-invariant needs the paged attention kernel, which cannot run here (here: "
+                             f"{self.device.type}, KV {self.kv_cache.dtype}, head_dim {self.head_dim}; it needs a "
+                             "CPU, a float32/bfloat16 KV cache, head_dim a multiple of 8, a C++ compiler and "
+                             "$PDSERVE_DISABLE_KERNELS unset)")
         self._compiled_decode = None  # the decode step's forward under torch.compile (see compile_decode_step)
-        if not config.enforce_eager:
+        if config.batch_invariant:  # inductor fuses and reorders reductions by batch size: not shown invariant
+            logger.info("decode step runs eagerly: --batch-invariant (a compiled step is not shown invariant)")
+        elif not config.enforce_eager:
             self.compile_decode_step()
         self.sampler = Sampler(config.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
@@ -197,6 +206,7 @@ class ModelRunner:
             max_query_len=step.max_query_len,
             max_seq_len=step.max_seq_len,
             backend=self.attention_backend,
+            batch_invariant=self.config.batch_invariant,
         )
         return ModelInput(as_tensor(step.input_ids), as_tensor(step.positions), metadata,
                           as_tensor(step.sample_indices))
