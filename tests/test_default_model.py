@@ -90,7 +90,7 @@ def test_heldout_perplexity_far_below_random(hf, model_dir):
     tok, model = hf
     stream = _heldout_stream(tok)[:40_000]
     loss = evaluate_loss(model, stream, seq_len=256, num_windows=16)
-    assert math.exp(loss) < len(tok) / 16, f"held-out perplexity {math.exp(loss):.1f}"
+    assert math.exp(loss) < len(tok) / 32, f"held-out perplexity {math.exp(loss):.1f}"
     untrained = AutoModelForCausalLM.from_config(model.config).eval()
     assert evaluate_loss(untrained, stream, seq_len=256, num_windows=8) > math.log(len(tok) / 2)
 

@@ -87,7 +87,7 @@ class TrainConfig:
     intermediate_size: int = 384
     seq_len: int = 256
     max_position_embeddings: int = 1024
-    steps: int = 600
+    steps: int = 1500
     batch_size: int = 8
     lr: float = 3e-3
     warmup_steps: int = 30
