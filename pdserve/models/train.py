@@ -41,7 +41,7 @@ import time
 import zlib
 from typing import TYPE_CHECKING, Callable
 
-from pdserve.models.corpus import CHAT_TEMPLATE, EOS_TOKEN, SPECIAL_TOKENS, train_bpe_on_texts  # noqa: F401
+from pdserve.models.corpus import EOS_TOKEN, SPECIAL_TOKENS, train_bpe_on_texts
 from pdserve.models.tiny_model import ModelPreset, save_checkpoint
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ def chat_examples(texts: list[str], max_lines: int = 40) -> list[str]:
     """ChatML conversations from functions with docstrings: user = the docstring's first
     paragraph, assistant = the function's source (dedented, at most ``max_lines`` lines).
 
-    Each conversation is rendered with :data:`CHAT_TEMPLATE`'s layout
+    Each conversation is rendered with the layout of ``corpus.CHAT_TEMPLATE``
     (``<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n...<|im_end|>\\n``), in
     file order then source order. Files that do not parse are skipped.
     """
