@@ -30,14 +30,15 @@ def _setup_logging(level: str) -> None:
 
 def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     from pdserve.common.auth import API_KEY_ENV, from_env
-    from pdserve.models.tiny_model import ensure_default_model
     from pdserve.launcher import ClusterSpec, run_cluster
     from pdserve.router.config import routing_args
+    from pdserve.models.train import shipped_model_dir
 
     model = args.model
     if model is None:
-        model = str(ensure_default_model("tiny"))
-        print(f"pdserve: no --model given; using the built-in tiny model at {model}", flush=True)
+        model = str(shipped_model_dir())
+        print(f"pdserve: no --model given; using the built-in default model (a small Llama trained on "
+              f"Python's standard library) at {model}", flush=True)
     num_prefill = 1 if args.num_prefill is None else args.num_prefill
     if args.colocated:
         if num_prefill and args.num_prefill is not None:
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start a local cluster (router + workers as processes)",
                         description="Any other flag (e.g. --kv-cache-memory 1GiB) is passed to every worker.")
-    up.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny model)")
+    up.add_argument("--model", default=None,
+                    help="checkpoint directory (default: the built-in model trained on Python's standard library)")
     up.add_argument("--num-prefill", type=int, default=None, help="prefill workers (default 1)")
     up.add_argument("--num-decode", type=int, default=1)
     up.add_argument("--colocated", action="store_true",

@@ -167,7 +167,9 @@ class LLM:
     """A whole engine in this process, for batch generation from Python.
 
     Args:
-        model: Hugging Face checkpoint directory (weights, config and tokenizer).
+        model: Hugging Face checkpoint directory (weights, config and tokenizer); None uses
+            the built-in default model (``pdserve.models.train.shipped_model_dir()``, a small
+            Llama trained on Python's standard library).
         tokenizer: tokenizer directory; None uses ``model``.
         **engine_kwargs: ``EngineConfig`` fields: dtype, device, block_size (tokens),
             kv_cache_memory (bytes, or a size such as ``"1GiB"``), max_num_seqs,
@@ -181,7 +183,11 @@ class LLM:
         tokenizer: the Hugging Face tokenizer.
     """
 
-    def __init__(self, model: str, tokenizer: str | None = None, **engine_kwargs):
+    def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_kwargs):
+        if model is None:
+            from pdserve.models.train import shipped_model_dir
+
+            model = str(shipped_model_dir())
         if "kv_cache_memory" in engine_kwargs:
             engine_kwargs["kv_cache_memory"] = parse_size(engine_kwargs["kv_cache_memory"])
         # Every prefill is local here: no threshold for handing prompts to a prefill worker.

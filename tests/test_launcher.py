@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from pdserve.common.utils import free_port
+from pdserve.models.train import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.cluster
 
@@ -35,9 +36,10 @@ def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path, mode):
         assert f"http://127.0.0.1:{port}/v1" in line
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) == (2 if extra else 3)  # router, [prefill,] decode
-        assert (tmp_path / "cache" / "tiny-llama-v1" / "config.json").exists()
+        assert not (tmp_path / "cache").exists()  # the default model ships in the package: nothing is written
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                          json={"model": "tiny-llama-v1", "prompt": "hello", "max_tokens": 5, "temperature": 0})
+                          json={"model": DEFAULT_MODEL_NAME, "prompt": "def ", "max_tokens": 5, "temperature": 0,
+                                "ignore_eos": True})
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 5
         health = httpx.get(f"http://127.0.0.1:{port}/health").json()
         assert health["num_prefill"] == (0 if extra else 1) and health["num_decode"] == 1

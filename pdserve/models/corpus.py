@@ -24,7 +24,7 @@ import random
 __all__ = [
     "FUNCTION_WORDS", "NON_ASCII_WORDS", "make_lexicon", "generate_corpus", "sample_prompt",
     "BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN", "IM_START", "IM_END", "SPECIAL_TOKENS", "CHAT_TEMPLATE",
-    "train_bpe_tokenizer", "tokenizer_config_files",
+    "train_bpe_tokenizer", "train_bpe_on_texts", "tokenizer_config_files",
 ]
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
@@ -186,6 +186,21 @@ def train_bpe_tokenizer(vocab_size: int, n_lines: int = 4000, lexicon_size: int 
     """Train a byte-level BPE ``tokenizers.Tokenizer`` of exactly ``vocab_size`` tokens on
     :func:`generate_corpus` text. Deterministic (also across processes); raises if the corpus is
     too small to reach ``vocab_size``."""
+    lines = generate_corpus(seed=seed, n_lines=n_lines, lexicon_size=lexicon_size)
+    return train_bpe_on_texts(lines, vocab_size)
+
+
+def train_bpe_on_texts(texts: list[str], vocab_size: int):
+    """Train a byte-level BPE ``tokenizers.Tokenizer`` of exactly ``vocab_size`` tokens on ``texts``.
+
+    Same conventions as every pdserve tokenizer: :data:`SPECIAL_TOKENS` take ids 0..4, all 256 byte
+    symbols are in the vocabulary, no normalizer and no prefix space (``decode(encode(t)) == t``).
+    Deterministic for the same texts (also across processes).
+
+    Raises:
+        RuntimeError: the texts are too small to reach ``vocab_size``, or a special token did not
+            get its id.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -196,8 +211,7 @@ def train_bpe_tokenizer(vocab_size: int, n_lines: int = 4000, lexicon_size: int 
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    lines = generate_corpus(seed=seed, n_lines=n_lines, lexicon_size=lexicon_size)
-    tok.train_from_iterator(lines, trainer, length=len(lines))
+    tok.train_from_iterator(texts, trainer, length=len(texts))
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"BPE reached {tok.get_vocab_size()} tokens, wanted {vocab_size}; "
                            "use more corpus lines / a larger lexicon")

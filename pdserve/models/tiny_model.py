@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # torch is imported lazily so building only a tokenizer stays
 __all__ = [
     "ModelPreset", "PRESETS", "SPECIAL_TOKENS", "BOS_TOKEN", "EOS_TOKEN", "PAD_TOKEN",
     "IM_START", "IM_END", "CHAT_TEMPLATE", "MODEL_DIR_VERSION", "num_parameters",
-    "hf_config_dict", "build_tokenizer", "init_weights", "write_tiny_model",
+    "hf_config_dict", "build_tokenizer", "init_weights", "write_tiny_model", "save_checkpoint",
     "default_model_dir", "ensure_default_model",
 ]
 
@@ -220,17 +220,34 @@ def write_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int
     special_tokens_map.json. Same ``preset`` + ``seed`` => byte-identical files.
     Returns the directory path.
     """
+    p = _preset(preset)
+    return save_checkpoint(out_dir, p, build_tokenizer(p), init_weights(p, seed))
+
+
+def save_checkpoint(out_dir: str | os.PathLike, preset: ModelPreset, tokenizer,
+                    weights: dict[str, torch.Tensor]) -> pathlib.Path:
+    """Write a Hugging Face Llama checkpoint directory with pdserve's tokenizer conventions.
+
+    Args:
+        out_dir: created if needed.
+        preset: the model's shape (``config.json`` comes from :func:`hf_config_dict`).
+        tokenizer: a ``tokenizers.Tokenizer`` whose special tokens are :data:`SPECIAL_TOKENS`.
+        weights: HF parameter name -> tensor, saved as given (contiguous) to ``model.safetensors``.
+
+    Writes tokenizer.json, tokenizer_config.json (with the chat template),
+    special_tokens_map.json, config.json, generation_config.json (stops on ``</s>`` and
+    ``<|im_end|>``) and model.safetensors; the same inputs give byte-identical files.
+    Returns the directory path.
+    """
     from safetensors.torch import save_file
 
-    p = _preset(preset)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(p)
-    tok.save(str(out / "tokenizer.json"), pretty=True)
-    tok_cfg, special_map = tokenizer_config_files(p.max_position_embeddings)
+    tokenizer.save(str(out / "tokenizer.json"), pretty=True)
+    tok_cfg, special_map = tokenizer_config_files(preset.max_position_embeddings)
     _dump_json(out / "tokenizer_config.json", tok_cfg)
     _dump_json(out / "special_tokens_map.json", special_map)
-    _dump_json(out / "config.json", hf_config_dict(p))
+    _dump_json(out / "config.json", hf_config_dict(preset))
     _dump_json(out / "generation_config.json", {
         "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
         "eos_token_id": [SPECIAL_TOKENS.index(EOS_TOKEN), SPECIAL_TOKENS.index(IM_END)],
@@ -239,7 +256,8 @@ def write_tiny_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int
     })
     # One metadata key only: safetensors serialises metadata from a Rust HashMap, whose
     # iteration order is random, so several keys would make the header bytes vary.
-    save_file(init_weights(p, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     os.chmod(out / "model.safetensors", 0o644)  # safetensors creates it 0600
     return out
 
