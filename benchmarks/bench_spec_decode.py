@@ -25,7 +25,7 @@ import time
 
 from pdserve.common.protocol import SamplingParams
 from pdserve.llm import LLM
-from pdserve.models.tiny_model import ensure_default_model
+from pdserve.models.train import shipped_model_dir
 
 
 def code_editing_prompts(num_prompts: int, num_lines: int, seed_lines: int = 3) -> list[str]:
@@ -47,10 +47,11 @@ def code_editing_prompts(num_prompts: int, num_lines: int, seed_lines: int = 3) 
 
 def run(model: str, prompts: list[str], max_tokens: int, spec: str | None, args) -> dict:
     llm = LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.batch, speculative_config=spec,
-              cpu_cores=args.cores, num_threads=args.threads)
+              cpu_cores=args.cores, num_threads=args.threads, enforce_eager=args.enforce_eager)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     try:
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
+        # Warm-up over the whole batch: any recompilation of the compiled decode step happens here.
+        llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
         stats = llm.scheduler.stats
         before = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
                   stats.spec_decode_num_accepted_tokens)
@@ -81,9 +82,11 @@ def main() -> None:
     parser.add_argument("--cores", default="0", help="CPU cores to pin the engine to")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="no compiled decode step (verification steps always run eagerly)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
-    model = args.model or str(ensure_default_model())
+    model = args.model or str(shipped_model_dir())
     prompts = code_editing_prompts(args.num_prompts, args.num_lines)
     configs: list[str | None] = [None]
     for k in (int(x) for x in args.k.split(",")):
