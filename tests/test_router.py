@@ -24,6 +24,7 @@ from pdserve.common.transport import bind_pull, decode, encode
 from pdserve.common.validation import num_blocks_needed
 from pdserve.router import RouterConfig, build_app
 from pdserve.router.registry import WorkerRegistry
+from pdserve.router.routing import RoundRobinPolicy
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 MULTIBYTE = "naïve café: 日本語 🙂 € ok"
@@ -118,19 +119,31 @@ def reg_msg(worker_id, role=WorkerRole.DECODE, num_blocks=0, block_size=16, addr
                           model_name="tiny", num_blocks=num_blocks, block_size=block_size)
 
 
+def picker(reg):
+    """``pick(role, accepts=None)``: round robin over ``reg``'s candidates, as the router's default policy."""
+    round_robin = RoundRobinPolicy()
+
+    def pick(role, accepts=None):
+        candidates = reg.candidates(role, accepts)
+        return round_robin.pick(role, candidates)[0] if candidates else None
+    return pick
+
+
 def test_registry_round_robin_and_roles():
     reg = WorkerRegistry(worker_timeout_s=5)
+    pick = picker(reg)
     for w in ("d0", "d1", "d2"):
         reg.register(reg_msg(w), now=0)
     reg.register(reg_msg("p0", role=WorkerRole.PREFILL), now=0)
-    picks = [reg.pick(WorkerRole.DECODE).worker_id for _ in range(6)]
+    picks = [pick(WorkerRole.DECODE).worker_id for _ in range(6)]
     assert picks == ["d0", "d1", "d2", "d0", "d1", "d2"]
-    assert reg.pick(WorkerRole.PREFILL).worker_id == "p0"
+    assert pick(WorkerRole.PREFILL).worker_id == "p0"
     assert reg.num_live(WorkerRole.DECODE) == 3 and reg.num_live(WorkerRole.PREFILL) == 1
 
 
 def test_registry_timeout_expiry_and_heartbeats():
     reg = WorkerRegistry(worker_timeout_s=5)
+    pick = picker(reg)
     reg.register(reg_msg("d0"), now=0)
     reg.register(reg_msg("d1"), now=0)
     assert reg.heartbeat(Heartbeat(worker_id="d0", role=WorkerRole.DECODE, max_step_batch_size=7), now=4)
@@ -142,11 +155,12 @@ def test_registry_timeout_expiry_and_heartbeats():
     assert [w["id"] for w in reg.snapshot(now=6.5)] == ["d0"]
     assert reg.snapshot(now=6.5)[0]["max_step_batch_size"] == 7
     assert [w.worker_id for w, _ in reg.expire(now=9.5)] == ["d0"]
-    assert reg.pick(WorkerRole.DECODE) is None
+    assert pick(WorkerRole.DECODE) is None
 
 
 def test_registry_stalled_step_loop_is_not_routed_and_reported_once():
     reg = WorkerRegistry(worker_timeout_s=5, step_timeout_s=30)
+    pick = picker(reg)
     reg.register(reg_msg("d0"), now=0)
     reg.register(reg_msg("d1"), now=0)
     reg.heartbeat(Heartbeat(worker_id="d0", role=WorkerRole.DECODE, loop_stall_s=29.0), now=1)
@@ -155,14 +169,15 @@ def test_registry_stalled_step_loop_is_not_routed_and_reported_once():
     [(stuck, reason)] = reg.expire(now=2)
     assert stuck.worker_id == "d0" and "step loop" in reason
     assert reg.expire(now=3) == []  # reported once per stall; still registered (heartbeats arrive)
-    assert {reg.pick(WorkerRole.DECODE).worker_id for _ in range(4)} == {"d1"}
+    assert {pick(WorkerRole.DECODE).worker_id for _ in range(4)} == {"d1"}
     assert reg.snapshot(now=3)[0]["stalled"] is True
     reg.heartbeat(Heartbeat(worker_id="d0", role=WorkerRole.DECODE, loop_stall_s=0.01), now=4)
-    assert {reg.pick(WorkerRole.DECODE).worker_id for _ in range(4)} == {"d0", "d1"}  # moving again
+    assert {pick(WorkerRole.DECODE).worker_id for _ in range(4)} == {"d0", "d1"}  # moving again
 
 
 def test_registry_routes_by_advertised_limits_and_restart():
     reg = WorkerRegistry(worker_timeout_s=5)
+    pick = picker(reg)
     reg.register(reg_msg("d0", num_blocks=4), now=0)  # 64 tokens
     reg.register(reg_msg("d1", num_blocks=10), now=0)  # 160 tokens
     limits = {w.worker_id: w.limits(fallback_vocab_size=100) for w in reg.live()}
@@ -171,8 +186,8 @@ def test_registry_routes_by_advertised_limits_and_restart():
     def fits(num_tokens):
         return lambda w: num_blocks_needed(num_tokens, 16) <= limits[w.worker_id].num_blocks
 
-    assert {reg.pick(WorkerRole.DECODE, fits(100)).worker_id for _ in range(3)} == {"d1"}
-    assert reg.pick(WorkerRole.DECODE, fits(161)) is None
+    assert {pick(WorkerRole.DECODE, fits(100)).worker_id for _ in range(3)} == {"d1"}
+    assert pick(WorkerRole.DECODE, fits(161)) is None
     old = reg.register(reg_msg("d0", num_blocks=4, addr="tcp://127.0.0.1:9999"), now=1)
     assert old is not None and old.input_addr != reg.get("d0").input_addr
 

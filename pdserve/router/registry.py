@@ -34,7 +34,6 @@ from collections.abc import Callable
 
 from pdserve.common.protocol import Heartbeat, KVLayout, RegisterWorker, WorkerRole
 from pdserve.common.validation import EngineLimits
-from pdserve.router.routing import RoundRobinPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +127,6 @@ class WorkerRegistry:
         self.step_timeout_s = step_timeout_s
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}  # insertion order = registration order
-        self._round_robin = RoundRobinPolicy()
         self.desired: dict[WorkerRole, int | None] = {WorkerRole.PREFILL: None, WorkerRole.DECODE: None}
 
     def _now(self, now: float | None) -> float:
@@ -247,11 +245,6 @@ class WorkerRegistry:
 
     def num_live(self, role: WorkerRole) -> int:
         return len(self.live(role))
-
-    def pick(self, role: WorkerRole, accepts: Callable[[WorkerInfo], bool] | None = None) -> WorkerInfo | None:
-        """Round-robin over live workers of ``role`` for which ``accepts`` (if given) is true."""
-        candidates = self.candidates(role, accepts)
-        return self._round_robin.pick(role, candidates)[0] if candidates else None
 
     def candidates(self, role: WorkerRole, accepts: Callable[[WorkerInfo], bool] | None = None) -> list[WorkerInfo]:
         """Live workers of ``role`` for which ``accepts`` (if given) is true, in registration order."""
