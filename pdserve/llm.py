@@ -22,6 +22,7 @@ Life of one ``generate`` call::
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import time
 import weakref
@@ -357,6 +358,9 @@ class LLM:
     def _step(self, groups: dict[str, _Group]) -> tuple[int, list[_Group]]:
         """One engine step; return (tokens sampled, groups that finished)."""
         scheduler_output, outputs = self.core.step()
+        if scheduler_output.is_empty() and (pending := self.core.pending_grammars()):
+            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            return 0, []
         if scheduler_output.is_empty():
             raise RuntimeError(f"the scheduler made no progress with {self.core.scheduler.num_waiting} "
                                f"requests waiting")

@@ -381,3 +381,31 @@ def test_decode_worker_fails_a_bad_grammar_with_400_kind_and_serves_a_good_one(m
         worker.close()
         router.close()
 
+
+
+def test_a_request_waits_for_its_grammar_off_the_loop_while_others_run():
+    """vLLM's WAITING_FOR_FSM: a request whose grammar is still compiling is passed over at admission
+    (the requests behind it run), admitted once compiled; a failed compile ends it as an error."""
+    from concurrent.futures import Future
+
+    from pdserve.engine.block_manager import BlockManager
+    from pdserve.engine.request import Request, RequestStatus
+    from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+    from pdserve.engine.structured_output import FailedGrammar
+    from tests.test_scheduler import fake_step
+
+    sched = Scheduler(SchedulerConfig(8, 64, 256), BlockManager(32, 4))
+    waiting = Request("waits", [1, 2, 3], SamplingParams(max_tokens=4))
+    waiting.grammar_future = Future()
+    other = Request("other", [4, 5, 6], SamplingParams(max_tokens=4))
+    sched.add_request(waiting)
+    sched.add_request(other)
+    out, _ = fake_step(sched)
+    assert [r.request_id for r, _ in out.scheduled] == ["other"]
+    out, _ = fake_step(sched)
+    assert [r.request_id for r, _ in out.scheduled] == ["other"]
+    waiting.grammar_future.set_result(FailedGrammar(None, "resource limit"))
+    out, results = fake_step(sched)
+    assert "waits" in [r.request_id for r, _ in out.scheduled] and waiting.grammar_future is None
+    [failed] = [o for o in results if o.request is waiting]
+    assert failed.finished == RequestStatus.FINISHED_ERROR and "resource limit" in waiting.error

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import msgspec
 
@@ -141,8 +142,12 @@ class EngineCore:
             return self._resume(request_id, prompt_token_ids, params, resume)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.runner.eos_token_ids,
                           max_model_len=self.runner.max_model_len, group_id=request_id)
-        if params.structured_outputs is not None:  # structured outputs: compiled (or cached) now
-            request.structured_output = self.structured_output.new_request(params.structured_outputs)
+        if params.structured_outputs is not None:  # structured outputs: checked now, compiled off the loop
+            state = self.structured_output.submit(params.structured_outputs)
+            if isinstance(state, Future):
+                request.grammar_future = state  # the scheduler admits it once compiled
+            else:
+                request.structured_output = state
         self.scheduler.add_request(request, remote_prefill=remote_prefill)
         return request
 
@@ -179,6 +184,10 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def pending_grammars(self) -> list[Future]:
+        """Structured outputs: the compiles that waiting requests wait for (none: nothing to wait on)."""
+        return [r.grammar_future for r in self.scheduler.waiting if r.grammar_future is not None]
 
     # ---- the step -------------------------------------------------------------------
 

@@ -81,6 +81,7 @@ class Request:
         self.prompt_logprobs: list[TokenLogprob] = []
         # Structured outputs: this sample's grammar state (pdserve.engine.structured_output), or None.
         self.structured_output = None
+        self.grammar_future = None  # its grammar still compiling (a Future of the state): not yet admitted
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -223,7 +223,9 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and self.num_running < self.config.max_num_seqs:
-            request = self.waiting.peek()
+            request = self._next_ready()
+            if request is None:
+                return
             hit = self.kv.find_prefix(request)
             num_cached = hit.num_blocks * self.kv.block_size
             if request.remote_prefill and self._prefill_locally(request, hit):
@@ -246,12 +248,25 @@ class Scheduler:
                 self.running.append(request)
                 out.scheduled.append((request, num_new))
                 budget -= num_new
-            self.waiting.pop()
+            self.waiting.remove(request)
             request.num_cached_tokens = num_cached
             if request.num_preemptions == 0 and request.sample_index == 0:
                 self.stats.prefix_cache_queries += request.num_prompt_tokens
                 self.stats.prefix_cache_hits += num_cached
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
+
+    def _next_ready(self) -> Request | None:
+        """The first waiting request (in the policy's order) not waiting for its grammar to compile
+        (structured outputs; vLLM's WAITING_FOR_FSM), or None."""
+        for request in self.waiting:
+            future = request.grammar_future
+            if future is None:
+                return request
+            if future.done():
+                request.structured_output = future.result()  # the compile job never raises
+                request.grammar_future = None
+                return request
+        return None
 
     def _prefill_locally(self, request: Request, hit) -> bool:
         """Conditional disaggregation: is a round trip to a prefill worker not worth it?"""
