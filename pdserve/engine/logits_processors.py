@@ -69,16 +69,20 @@ def bad_word_bans(bad_words_token_ids: Sequence[Sequence[int]], output_token_ids
     return banned
 
 
-def apply_bad_words(logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
-    """Set each row's banned bad-word tokens (``bad_word_bans``) to -inf."""
-    pairs = [(i, t) for i, r in enumerate(rows) if r.params.bad_words_token_ids
-             for t in bad_word_bans(r.params.bad_words_token_ids, r.output_token_ids)]
+def ban_tokens(logits: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Set ``logits[row, token]`` to -inf for each (row, token) pair, on a copy (none made without pairs)."""
     if not pairs:
         return logits
     row_idx, token_idx = zip(*pairs)
     logits = logits.clone()
     logits[list(row_idx), list(token_idx)] = float("-inf")
     return logits
+
+
+def apply_bad_words(logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
+    """Set each row's banned bad-word tokens (``bad_word_bans``) to -inf."""
+    return ban_tokens(logits, [(i, t) for i, r in enumerate(rows) if r.params.bad_words_token_ids
+                               for t in bad_word_bans(r.params.bad_words_token_ids, r.output_token_ids)])
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:

@@ -82,6 +82,25 @@ def _checkpoint_dtype(model_dir: str) -> str | None:
     return cfg.get("torch_dtype") or cfg.get("dtype")
 
 
+def flatten_step(spans: list[tuple[Request, int, int]], block_size: int) -> ExecuteModel:
+    """One forward's flattened inputs for ``(request, start, end)`` spans: each computes the tokens at
+    positions [start, end) (prompt, output, then drafts) into its ``block_table``'s slots and attends
+    over positions [0, end). ``sample_indices`` is left empty for the caller."""
+    step = ExecuteModel(query_start_loc=[0])
+    for request, start, end in spans:
+        table = request.block_table
+        step.input_ids.extend(request.token_ids_between(start, end))
+        step.positions.extend(range(start, end))
+        step.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        step.seq_lens.append(end)
+        step.query_start_loc.append(step.query_start_loc[-1] + end - start)
+    width = max((len(r.block_table) for r, _, _ in spans), default=0)
+    step.block_tables = [r.block_table + [0] * (width - len(r.block_table)) for r, _, _ in spans]
+    step.max_query_len = max((end - start for _, start, end in spans), default=0)
+    step.max_seq_len = max(step.seq_lens, default=0)
+    return step
+
+
 class ModelRunner:
     """This rank's model share and KV cache; builds step inputs and runs the forward.
 
@@ -163,35 +182,15 @@ class ModelRunner:
                        block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:
         """The flattened step for ``(request, num_new_tokens)`` pairs, and the requests it samples
         (in ``sample_indices`` order; a request with ``k`` drafts owns ``k + 1`` rows)."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        seq_lens: list[int] = []
-        query_start_loc = [0]
-        sample_indices: list[int] = []
+        spans = [(r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
+        step = flatten_step(spans, self.block_size)
+        step.block_copies = list(block_copies)
         sample_requests: list[Request] = []
-        for request, num_new in scheduled:
-            start = request.num_computed_tokens
-            end = start + num_new
-            tokens = request.all_token_ids + request.spec_token_ids  # drafts: scored after the last token
-            input_ids.extend(tokens[start:end])
-            positions.extend(range(start, end))
-            table = request.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + num_new)
-            if end == len(tokens):  # caught up: this step samples its next token (and verifies drafts)
-                num_drafts = len(request.spec_token_ids)
-                sample_indices.extend(range(query_start_loc[-1] - 1 - num_drafts, query_start_loc[-1]))
+        for (request, _, end), last_row in zip(spans, step.query_start_loc[1:]):
+            num_drafts = len(request.spec_token_ids)  # drafts: scored after the last token
+            if end == request.num_tokens + num_drafts:  # caught up: it samples its next token (verifies drafts)
+                step.sample_indices.extend(range(last_row - 1 - num_drafts, last_row))
                 sample_requests.append(request)
-        max_blocks = max((len(r.block_table) for r, _ in scheduled), default=0)
-        block_tables = [r.block_table + [0] * (max_blocks - len(r.block_table)) for r, _ in scheduled]
-        step = ExecuteModel(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                            block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
-                            max_query_len=max((n for _, n in scheduled), default=0),
-                            max_seq_len=max(seq_lens, default=0), sample_indices=sample_indices,
-                            block_copies=list(block_copies))
         return step, sample_requests
 
     def _tensors(self, step: ExecuteModel) -> ModelInput:

@@ -95,6 +95,17 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output + this step's drafts, copying only those."""
+        num_prompt = len(self.prompt_token_ids)
+        num_known = num_prompt + len(self.output_token_ids)
+        tokens = self.prompt_token_ids[start:min(end, num_prompt)] if start < num_prompt else []
+        if end > num_prompt and start < num_known:
+            tokens += self.output_token_ids[max(start - num_prompt, 0):min(end, num_known) - num_prompt]
+        if end > num_known:
+            tokens += self.spec_token_ids[max(start - num_known, 0):end - num_known]
+        return tokens
+
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)

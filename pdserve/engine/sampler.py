@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.common.protocol import SamplingParams, TokenLogprob
-from pdserve.engine.logits_processors import apply_logits_processors
+from pdserve.engine.logits_processors import apply_logits_processors, ban_tokens
 
 _GREEDY_EPS = 1e-5
 _MASK64 = 2**64 - 1
@@ -234,13 +234,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None) -> t
 
 def _apply_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Set banned tokens to -inf, on a copy (only made when some row bans a token)."""
-    pairs = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
-    if not pairs:
-        return logits
-    row_idx, token_idx = zip(*pairs)
-    logits = logits.clone()
-    logits[list(row_idx), list(token_idx)] = float("-inf")
-    return logits
+    return ban_tokens(logits, [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids])
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -186,12 +186,9 @@ class PromptLogprob(_Response):
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
-class CompletionChoice(_Response):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # only in the JSON when the request asked
+class _OmitsUnaskedPromptLogprobs(_Response):
+    """A response with vLLM's ``prompt_logprobs`` field (declared by the subclass, where it sits in
+    the JSON): the key is in the JSON only when the request asked."""
 
     @model_serializer(mode="wrap")
     def _drop_unasked_prompt_logprobs(self, handler) -> dict[str, Any]:
@@ -199,6 +196,14 @@ class CompletionChoice(_Response):
         if self.prompt_logprobs is None:
             data.pop("prompt_logprobs", None)
         return data
+
+
+class CompletionChoice(_OmitsUnaskedPromptLogprobs):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # only in the JSON when the request asked
 
 
 class CompletionResponse(_Response):
@@ -222,7 +227,7 @@ class ChatCompletionChoice(_Response):
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class ChatCompletionResponse(_Response):
+class ChatCompletionResponse(_OmitsUnaskedPromptLogprobs):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -230,13 +235,6 @@ class ChatCompletionResponse(_Response):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension; only in the JSON when asked
-
-    @model_serializer(mode="wrap")
-    def _drop_unasked_prompt_logprobs(self, handler) -> dict[str, Any]:
-        data = handler(self)
-        if self.prompt_logprobs is None:
-            data.pop("prompt_logprobs", None)
-        return data
 
 
 class DeltaMessage(_Response):

@@ -24,8 +24,8 @@ import logging
 import torch
 from transformers import AutoConfig
 
-from pdserve.common.protocol import ExecuteModel
 from pdserve.engine.kv_cache import copy_blocks, kv_cache_block_bytes
+from pdserve.engine.model_runner import ModelRunner, flatten_step
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import is_greedy
 
@@ -48,8 +48,6 @@ class DraftModelProposer:
     drafts_at_execute = True  # the scheduler reserves slots; ``propose`` fills them in at execute
 
     def __init__(self, model: str, num_speculative_tokens: int, target_runner):
-        from pdserve.engine.model_runner import ModelRunner
-
         self.num_speculative_tokens = num_speculative_tokens
         target = target_runner
         hf = AutoConfig.from_pretrained(model)
@@ -102,23 +100,12 @@ class DraftModelProposer:
 
     def _forward(self, active: list[tuple[Request, int]], first: bool) -> torch.Tensor:
         """One draft forward; [len(active), vocab_size] logits at each request's newest position."""
-        bs = self.runner.block_size
-        step = ExecuteModel()
-        step.query_start_loc = [0]
+        spans = []
         for r, _ in active:
-            tokens = r.all_token_ids + r.spec_token_ids
-            end = len(tokens)  # through the newest draft (first step: through the last sampled token)
-            start = r.num_draft_computed_tokens if first else end - 1
-            step.input_ids.extend(tokens[start:end])
-            step.positions.extend(range(start, end))
-            step.slot_mapping.extend(r.block_table[p // bs] * bs + p % bs for p in range(start, end))
-            step.seq_lens.append(end)
-            step.query_start_loc.append(step.query_start_loc[-1] + end - start)
-            step.sample_indices.append(step.query_start_loc[-1] - 1)
-        width = max(len(r.block_table) for r, _ in active)
-        step.block_tables = [r.block_table + [0] * (width - len(r.block_table)) for r, _ in active]
-        step.max_query_len = max(b - a for a, b in zip(step.query_start_loc, step.query_start_loc[1:]))
-        step.max_seq_len = max(step.seq_lens)
+            end = r.num_tokens + len(r.spec_token_ids)  # through the newest draft (first: the last sampled token)
+            spans.append((r, r.num_draft_computed_tokens if first else end - 1, end))
+        step = flatten_step(spans, self.runner.block_size)
+        step.sample_indices = [last_row - 1 for last_row in step.query_start_loc[1:]]
         hidden = self.runner.run_step(step)
         return self.runner.model.compute_logits(hidden)
 
