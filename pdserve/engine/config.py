@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.utils import parse_cpu_list, parse_size
 from pdserve.engine.parallel import ParallelConfig
+from pdserve.engine.quantization import QUANTIZATION_METHODS, check_quantization_name
 
 
 @dataclass
@@ -52,6 +53,10 @@ class EngineConfig:
             batch and however its prefill is chunked (He & Thinking Machines Lab, "Defeating
             Nondeterminism in LLM Inference", 2025): padded matmuls, every query through the paged
             kernel, no compiled decode step. Needs the paged backend and TP <= 2 (ValueError else).
+        quantization: None (weights as loaded) or ``int8``: the decoder's linear weights quantized
+            at load time, weight-only, per output channel, with torchao (embedding and LM head
+            kept); see ``pdserve.engine.quantization``. ValueError for another name; the model
+            runner raises ValueError where it cannot run (CPU with float32/bfloat16 only).
     """
 
     model: str
@@ -79,6 +84,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     speculative_config: str | None = None
     batch_invariant: bool = False
+    quantization: str | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -99,6 +105,7 @@ class EngineConfig:
         if self.batch_invariant and self.tensor_parallel_size > 2:
             raise ValueError("batch_invariant supports tensor_parallel_size <= 2: an all-reduce over more ranks "
                              "may add the partial sums in an order that changes with the batch")
+        check_quantization_name(self.quantization)
         world_size = self.parallel.world_size  # validates the sizes
         if not 0 <= self.rank < world_size:
             raise ValueError(f"rank {self.rank} is outside the worker's {world_size} ranks")
@@ -169,6 +176,9 @@ class EngineConfig:
                        help="bit-identical results for a request whatever else is batched with it and however "
                             "its prefill is chunked (padded matmuls, all attention through the paged kernel, "
                             "eager decode); costs speed, needs the paged backend")
+        g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                       help="int8: quantize the linear weights at load time (weight-only, per output channel, "
+                            "torchao; embedding and LM head kept); CPU, float32/bfloat16")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -186,7 +196,8 @@ class EngineConfig:
                    rank_timeout_s=args.rank_timeout_s, attention_backend=args.attention_backend,
                    kv_cache_dtype=args.kv_cache_dtype, cpu_cores=args.cpu_cores,
                    enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
-                   speculative_config=args.speculative_config, batch_invariant=args.batch_invariant)
+                   speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
+                   quantization=args.quantization)
 
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""
@@ -210,4 +221,6 @@ class EngineConfig:
             args.append("--no-prefix-caching")
         if self.batch_invariant:
             args.append("--batch-invariant")
+        if self.quantization is not None:
+            args += ["--quantization", self.quantization]
         return args

@@ -1,0 +1,95 @@
+"""Weight-only quantization of the decoder's linear layers, applied at load time (``--quantization``).
+
+``int8``: every ``ColumnParallelLinear`` / ``RowParallelLinear`` weight [out_features, in_features]
+becomes torchao's ``Int8Tensor`` (``torchao.quantization.quantize_`` with ``Int8WeightOnlyConfig``,
+torchao 0.18): int8 values ``qdata`` [out_features, in_features] and one float32 scale per output
+row ``scale`` [out_features, 1], symmetric (no zero point), ``w ~= qdata * scale``. Activations
+stay in the model dtype: ``F.linear(x, weight)`` dispatches on the tensor subclass to
+``(x @ qdata.T.to(x.dtype)) * scale`` (torchao's weight-only path), so the layers' forward,
+the TP all-reduce and the batch-invariant padding are unchanged. This is the per-channel
+absmax ("vector-wise") weight quantization of Dettmers et al., "LLM.int8()" (NeurIPS 2022),
+without its activation outliers' int8 matmul: weight-only, as in vLLM's and torchao's W8A16.
+
+Quantized after loading, so each TP rank quantizes its own shard: a ColumnParallelLinear's
+rows (and their scales) are whole rows of the checkpoint, identical at any TP size; a
+RowParallelLinear's rows are cut along in_features, so each rank's scale is the absmax of its
+own slice (TP 2 gives slightly different, no worse, numbers than TP 1).
+
+Left in the model dtype: the embedding (a lookup of a few rows per step, not bandwidth-bound)
+and the LM head (its error lands directly on the logits, which greedy argmax and logprobs
+read; vLLM also leaves ``lm_head`` unquantized by default). With tied embeddings they are one
+tensor anyway. Norms and biases stay as they are.
+
+On this repository's CPUs, int8 weight-only saves memory (4x on the linear weights in
+float32), not time: torch has no vectorized float32 x int8 CPU matmul, so each call
+converts the weight to the activation dtype first. docs/benchmarks.md has the figures.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATION_METHODS = ("int8",)
+# (device type, model dtype) pairs --quantization int8 is tested on.
+_SUPPORTED = {("cpu", torch.float32), ("cpu", torch.bfloat16)}
+
+
+def check_quantization_name(name: str | None) -> None:
+    """Raise ValueError unless ``name`` is None or one of ``QUANTIZATION_METHODS``."""
+    if name is not None and name not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {name!r}; choose from {', '.join(QUANTIZATION_METHODS)} "
+                         "(or leave it unset for unquantized weights)")
+
+
+def check_quantization_target(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise ValueError when weights quantized with ``name`` cannot run on ``device`` in ``dtype``
+    (int8: CPU with float32 or bfloat16 activations)."""
+    check_quantization_name(name)
+    if (device.type, dtype) not in _SUPPORTED:
+        raise ValueError(f"--quantization {name} supports a CPU with --dtype float32 or bfloat16; here the model "
+                         f"runs on {device.type} in {str(dtype).removeprefix('torch.')}")
+
+
+def _is_quantizable(module: nn.Module, fqn: str = "") -> bool:
+    return isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+
+
+def quantize_model(model: nn.Module, name: str) -> None:
+    """Quantize ``model``'s tensor-parallel linear weights in place (see the module docstring).
+
+    Each quantized layer's ``weight`` becomes an ``nn.Parameter`` holding a torchao ``Int8Tensor``
+    (``qdata`` int8 [out_features, in_features], ``scale`` float32 [out_features, 1]); its
+    ``weight_loader`` is gone (load before quantizing). Raises ValueError for an unknown ``name``,
+    ImportError when torchao is not installed.
+    """
+    check_quantization_name(name)
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as e:
+        raise ImportError(f"--quantization {name} needs torchao (pip install 'torchao>=0.18')") from e
+    before = weight_bytes(model)
+    # set_inductor_config=False: torchao would otherwise change torch._inductor's global config.
+    quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=_is_quantizable)
+    logger.info("weights quantized to %s (weight-only, per output channel; embedding and LM head kept): "
+                "%.1f -> %.1f MiB", name, before / 2**20, weight_bytes(model) / 2**20)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes ``t`` holds: its storage for a plain tensor, the sum of its inner tensors for a torchao
+    tensor subclass (``Int8Tensor``: qdata + scale)."""
+    names = getattr(t, "tensor_data_names", None)
+    if names is None:
+        return t.numel() * t.element_size()
+    return sum(tensor_bytes(getattr(t, n)) for n in names if getattr(t, n, None) is not None)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters (a tied embedding / LM head counted once)."""
+    return sum(tensor_bytes(p) for p in model.parameters())
