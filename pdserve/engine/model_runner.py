@@ -173,6 +173,9 @@ class ModelRunner:
         self._compiled_decode = None  # the decode step's forward under torch.compile (see compile_decode_step)
         if config.batch_invariant:  # inductor fuses and reorders reductions by batch size: not shown invariant
             logger.info("decode step runs eagerly: --batch-invariant (a compiled step is not shown invariant)")
+        elif config.quantization is not None:
+            logger.info("decode step runs eagerly: --quantization %s (inductor's CPU code for the int8 weight's "
+                        "conversion is 3-4x slower than eager; see pdserve.engine.quantization)", config.quantization)
         elif not config.enforce_eager:
             self.compile_decode_step()
         self.sampler = Sampler(config.seed)
