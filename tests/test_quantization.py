@@ -1,10 +1,15 @@
-"""--quantization int8 (weight-only, torchao): the layer against float, the offline LLM and a
-disaggregated cluster against the unquantized model, TP 2, batch invariance, bad input."""
+"""Quantized weights: --quantization int8 (weight-only, torchao) and compressed-tensors W8A16 / W4A16
+checkpoints (written here with the compressed-tensors library). The layer against float, the
+offline LLM and a disaggregated cluster against the unquantized model, TP 2, batch invariance,
+exactness of the loaded checkpoint, bad input."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import shutil
 
 import openai
 import pytest
@@ -15,6 +20,7 @@ from transformers import AutoTokenizer
 from pdserve import LLM, SamplingParams
 from pdserve.bench.agreement import greedy_agreement, greedy_outputs, teacher_forced_logits
 from pdserve.common.utils import free_port
+from pdserve.engine.compressed_tensors import unpack_int32
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear, batch_invariant_linear
 from pdserve.engine.quantization import quantize_model, weight_bytes
@@ -24,6 +30,50 @@ from tests.test_cluster import WORDS
 torchao = pytest.importorskip("torchao")
 
 NUM_PROMPTS, MAX_TOKENS = 24, 16
+
+
+def write_compressed_checkpoint(src: str, dst: str, num_bits: int, strategy: str, group_size: int | None = None) -> str:
+    """``src`` (a float HF checkpoint) quantized by the compressed-tensors library: symmetric int
+    weights (absmax scales per channel or group), activations untouched, ``lm_head`` ignored, saved
+    in its default (pack-quantized) format with its quantization_config."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    del ct
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    weights = QuantizationArgs(num_bits=num_bits, type="int", symmetric=True, strategy=strategy, group_size=group_size)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is None:
+            continue
+        w = module.weight.detach()  # (out, in) -> (out, num_groups, group) per group
+        w = w.reshape(w.shape[0], -1, group_size or w.shape[1])
+        scale, zero_point = calculate_qparams(w.amin(dim=2), w.amax(dim=2), weights)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(dst)
+    compressor.update_config(dst)
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(os.path.join(src, name), dst)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def w8a16_dir(model_dir, tmp_path_factory):
+    return write_compressed_checkpoint(model_dir, str(tmp_path_factory.mktemp("w8a16")), 8, "channel")
+
+
+@pytest.fixture(scope="module")
+def w4a16_dir(model_dir, tmp_path_factory):
+    return write_compressed_checkpoint(model_dir, str(tmp_path_factory.mktemp("w4a16")), 4, "group", 16)
 
 
 def quantized_pair(seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -89,6 +139,12 @@ def int8_llm(model_dir):
         yield llm
 
 
+@pytest.fixture(scope="module")
+def w8a16_llm(w8a16_dir):
+    with LLM(w8a16_dir, enable_prefix_caching=False, kv_cache_memory="4MiB", num_threads=1) as llm:
+        yield llm
+
+
 def test_llm_int8_agrees_with_the_float_model(int8_llm, prompts, float_run):
     """Measured on the tiny checkpoint: ~60% of outputs identical over 16 tokens, ~85% of tokens
     identical up to the first divergence; teacher-forced argmax ~99%, max logit error ~1.5 of logits up to ~70."""
@@ -106,13 +162,65 @@ def test_llm_int8_agrees_with_the_float_model(int8_llm, prompts, float_run):
     assert top1 >= 0.95 and 0 < max_err < 3.0, (top1, max_err)
 
 
-def test_int8_with_tensor_parallel_2_and_batch_invariance(model_dir, prompts, int8_llm):
-    """TP 2: each rank quantizes its own shard (RowParallelLinear's scales per half row), the
-    all-reduce sums dequantized partials. --batch-invariant: outputs do not change with the batch."""
+def test_compressed_tensors_w8a16_holds_the_checkpoints_int8_values_exactly(w8a16_dir, w8a16_llm, int8_llm,
+                                                                            prompts, float_run):
+    """The loaded Int8Tensor is the checkpoint's int8 values and scales bit for bit. The library's
+    scheme is --quantization int8's (absmax / 127.5 per row): same scales, same int8 values but
+    for weights at exactly +-127.5 scales, which round the other way (~0.1%)."""
+    from safetensors import safe_open
+
+    assert w8a16_llm.core.runner.quantization == "compressed-tensors"
+    qkv = w8a16_llm.core.runner.model.model.layers[0].self_attn.qkv_proj.weight
+    with safe_open(os.path.join(w8a16_dir, "model.safetensors"), "pt") as f:
+        name = "model.layers.0.self_attn.{}_proj.{}"
+        values = [unpack_int32(f.get_tensor(name.format(p, "weight_packed")), 8,
+                               int(f.get_tensor(name.format(p, "weight_shape"))[1])) for p in "qkv"]
+        scales = [f.get_tensor(name.format(p, "weight_scale")) for p in "qkv"]
+    assert torch.equal(qkv.qdata, torch.cat(values)) and torch.equal(qkv.scale, torch.cat(scales).float())
+    loaded = [p for p in w8a16_llm.core.runner.model.parameters() if hasattr(p, "qdata")]
+    made = [p for p in int8_llm.core.runner.model.parameters() if hasattr(p, "qdata")]
+    assert len(loaded) == len(made) == 2 * 4  # qkv, o, gate_up, down per layer
+    num_differ = sum((a.qdata != b.qdata).sum().item() for a, b in zip(loaded, made))
+    assert all(torch.equal(a.scale, b.scale) for a, b in zip(loaded, made))
+    assert all((a.qdata.int() - b.qdata.int()).abs().max() <= 1 for a, b in zip(loaded, made))
+    assert num_differ <= 0.005 * sum(a.qdata.numel() for a in loaded)
+    agree = greedy_agreement(float_run[0], greedy_outputs(w8a16_llm, prompts, MAX_TOKENS))
+    assert agree.identical_share >= 0.35 and agree.mean_prefix_share >= 0.7, agree
+
+
+def test_compressed_tensors_w4a16_group_matches_transformers(w4a16_dir, prompts, float_run):
+    """int4, one scale per 16 inputs, held one value per int8 byte: the logits are transformers' own
+    (its compressed-tensors loader decompresses to float) within 1e-4; int4 on this 64-wide model is
+    far from the float one (measured: teacher-forced argmax ~75%, 18% of tokens before divergence)."""
+    from transformers import AutoModelForCausalLM
+
+    sequences = [p + o for p, o in zip(prompts[:6], float_run[0])]
+    hf = AutoModelForCausalLM.from_pretrained(w4a16_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [hf(torch.tensor([seq])).logits[0] for seq in sequences]
+    with LLM(w4a16_dir, enable_prefix_caching=False, kv_cache_memory="4MiB", num_threads=1) as llm:
+        down = llm.core.runner.model.model.layers[0].mlp.down_proj.weight
+        assert down.qdata.min() >= -8 and down.qdata.max() <= 7
+        assert down.scale.shape == (down.qdata.shape[0], down.qdata.shape[1] // 16)
+        got = teacher_forced_logits(llm, sequences)
+        logits = teacher_forced_logits(llm, [p + o for p, o in zip(prompts, float_run[0])])
+    assert max((w - g).abs().max().item() for w, g in zip(want, got)) < 1e-4
+    rows = sum(f.shape[0] for f in float_run[1])
+    top1 = sum((f.argmax(-1) == q.argmax(-1)).sum().item() for f, q in zip(float_run[1], logits)) / rows
+    assert 0.6 <= top1 < 0.95, top1  # lossy, but still the same model
+
+
+@pytest.mark.parametrize("checkpoint", ["int8", "w8a16"])
+def test_tensor_parallel_2_and_batch_invariance(checkpoint, request, prompts):
+    """TP 2: each rank quantizes its own shard (--quantization int8: RowParallelLinear's scales per
+    half row) or takes its slice of the checkpoint's scales; the all-reduce sums dequantized partials.
+    --batch-invariant: outputs do not change with the batch."""
     some = prompts[:8]
-    want = greedy_outputs(int8_llm, some, MAX_TOKENS)
-    with LLM(model_dir, quantization="int8", tensor_parallel_size=2, batch_invariant=True,
-             kv_cache_memory="4MiB", num_threads=1, rank_timeout_s=30) as tp2:
+    single = request.getfixturevalue("int8_llm" if checkpoint == "int8" else "w8a16_llm")
+    want = greedy_outputs(single, some, MAX_TOKENS)
+    model = request.getfixturevalue("model_dir" if checkpoint == "int8" else "w8a16_dir")
+    with LLM(model, quantization="int8" if checkpoint == "int8" else None, tensor_parallel_size=2,
+             batch_invariant=True, kv_cache_memory="4MiB", num_threads=1, rank_timeout_s=30) as tp2:
         together = greedy_outputs(tp2, some, MAX_TOKENS)
         alone = [greedy_outputs(tp2, [p], MAX_TOKENS)[0] for p in some[:3]]
     assert alone == together[:3]  # batch-invariant: one at a time == all at once, token for token
@@ -133,7 +241,7 @@ def test_int8_decode_step_runs_eagerly_and_says_why(model_dir, caplog):
     assert "decode step runs eagerly: --quantization int8" in caplog.text
 
 
-def test_bad_quantization_inputs_fail_clearly(model_dir):
+def test_bad_quantization_inputs_fail_clearly(model_dir, w8a16_dir, tmp_path):
     with pytest.raises(ValueError, match="unknown quantization 'int4'"):
         EngineConfig(model_dir, quantization="int4")
     parser = argparse.ArgumentParser()
@@ -143,25 +251,45 @@ def test_bad_quantization_inputs_fail_clearly(model_dir):
     assert EngineConfig.from_cli_args(parser.parse_args(["--model", model_dir, "-q", "int8"])).quantization == "int8"
     with pytest.raises(ValueError, match="--quantization int8 supports a CPU with --dtype float32 or bfloat16"):
         LLM(model_dir, quantization="int8", dtype="float16")
+    with pytest.raises(ValueError, match="already quantized .compressed-tensors, int8 channel.; leave out"):
+        LLM(w8a16_dir, quantization="int8")
+    with pytest.raises(ValueError, match="has no compressed-tensors quantization_config"):
+        LLM(model_dir, quantization="compressed-tensors")
+    bad = shutil.copytree(w8a16_dir, tmp_path / "asym")
+    with open(bad / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int"}
+    with open(bad / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="unsupported compressed-tensors scheme: activation quantization .*; "
+                                         "asymmetric weights"):
+        LLM(str(bad))
 
 
 @pytest.mark.cluster
-def test_disaggregated_cluster_serves_int8_end_to_end(model_dir, prompts, int8_llm, tmp_path):
-    """1 prefill + 1 decode worker, both --quantization int8: prefill's KV crosses to the decode
-    worker, and the tokens equal the offline int8 LLM's."""
+@pytest.mark.parametrize("checkpoint", ["int8", "w8a16"])
+def test_disaggregated_cluster_serves_quantized_weights_end_to_end(checkpoint, request, prompts, tmp_path):
+    """1 prefill + 1 decode worker, both quantized (--quantization int8 on the float checkpoint, or
+    the compressed-tensors checkpoint: named on the prefill worker, detected on the decode worker):
+    prefill's KV crosses to the decode worker, and the tokens equal the offline LLM's."""
     from tests.test_cluster_engine import metric_totals, wait_metric_increase
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = request.getfixturevalue("model_dir" if checkpoint == "int8" else "w8a16_dir")
+    offline = request.getfixturevalue("int8_llm" if checkpoint == "int8" else "w8a16_llm")
+    tok = AutoTokenizer.from_pretrained(model)
     long_prompts = [p for p in prompts if len(p) >= 12][:2]  # past the threshold: prefilled remotely
-    want = [greedy_outputs(int8_llm, [p], MAX_TOKENS)[0] for p in long_prompts]  # batch 1, as served below
-    spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
-                       worker_args=["--kv-cache-memory", "4MiB", "--quantization", "int8",
-                                    "--remote-prefill-threshold", "8"])
+    want = [greedy_outputs(offline, [p], MAX_TOKENS)[0] for p in long_prompts]  # batch 1, as served below
+    flag = ["--quantization", "int8" if checkpoint == "int8" else "compressed-tensors"]
+    spec = ClusterSpec(model=model, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
+                       worker_args=["--kv-cache-memory", "4MiB", "--remote-prefill-threshold", "8"],
+                       prefill_args=flag, decode_args=flag if checkpoint == "int8" else [])
     with LocalCluster(spec, log_dir=str(tmp_path)) as cluster:
         api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
         before = metric_totals(cluster)
+        served = api.models.list().data[0].id
         for prompt, out in zip(long_prompts, want):
-            choice = api.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+            choice = api.completions.create(model=served, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
                                             extra_body={"ignore_eos": True}).choices[0]
             assert choice.text == tok.decode(out, skip_special_tokens=True)
         assert wait_metric_increase(cluster, "pdserve:kv_transfers_total", before, len(long_prompts)) \

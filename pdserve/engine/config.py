@@ -53,10 +53,12 @@ class EngineConfig:
             batch and however its prefill is chunked (He & Thinking Machines Lab, "Defeating
             Nondeterminism in LLM Inference", 2025): padded matmuls, every query through the paged
             kernel, no compiled decode step. Needs the paged backend and TP <= 2 (ValueError else).
-        quantization: None (weights as loaded) or ``int8``: the decoder's linear weights quantized
-            at load time, weight-only, per output channel, with torchao (embedding and LM head
-            kept); see ``pdserve.engine.quantization``. ValueError for another name; the model
-            runner raises ValueError where it cannot run (CPU with float32/bfloat16 only).
+        quantization: None (weights as loaded; a compressed-tensors checkpoint is detected from its
+            config.json), ``int8`` (the decoder's linear weights quantized at load time, weight-only,
+            per output channel, with torchao; embedding and LM head kept) or ``compressed-tensors``
+            (insist on such a checkpoint); see ``pdserve.engine.quantization``. ValueError for
+            another name; the model runner raises ValueError where it cannot run (CPU with
+            float32/bfloat16 only) or when the name does not fit the checkpoint.
     """
 
     model: str
@@ -178,7 +180,8 @@ class EngineConfig:
                             "eager decode); costs speed, needs the paged backend")
         g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                        help="int8: quantize the linear weights at load time (weight-only, per output channel, "
-                            "torchao; embedding and LM head kept); CPU, float32/bfloat16")
+                            "torchao; embedding and LM head kept); compressed-tensors: a W8A16/W4A16 checkpoint "
+                            "(detected without the flag too); CPU, float32/bfloat16")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":

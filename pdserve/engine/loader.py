@@ -11,6 +11,11 @@ lm_head.weight                                  -> lm_head.weight (skipped when 
 
 Each tensor is handed unsharded to its parameter's ``weight_loader``, which takes this
 TP rank's shard, so the same files serve every TP size.
+
+A compressed-tensors checkpoint (W8A16 / W4A16, ``pdserve.engine.compressed_tensors``) stores a
+quantized linear as ``weight_packed`` / ``weight_scale`` / ``weight_shape``: it is dequantized and
+loaded as above, and its scale, sharded the same way, stays on the layer as
+``checkpoint_weight_scale`` for ``quantization.quantize_model``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from pdserve.engine.compressed_tensors import CHECKPOINT_SCALE, CompressedTensorsConfig
+from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
 from pdserve.engine.model import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -82,6 +89,26 @@ def _expected_keys(model: LlamaForCausalLM) -> set[tuple[str, int | None]]:
     return expected
 
 
+def _place_scale(module: ColumnParallelLinear | RowParallelLinear, scale: torch.Tensor, shard_id: int | None) -> None:
+    """Keep this rank's rows (column-parallel) or groups (row-parallel) of a compressed-tensors scale
+    [out_features, num_groups] as ``module.checkpoint_weight_scale`` for ``quantize_model``."""
+    num_groups = scale.shape[1]
+    if isinstance(module, RowParallelLinear):
+        if num_groups > 1:  # groups run along in_features, which TP splits
+            if num_groups % module.tp_size:
+                raise ValueError(f"{num_groups} quantization groups per row cannot be split over {module.tp_size} "
+                                 "TP ranks")
+            local = num_groups // module.tp_size
+            scale = scale.narrow(1, module.tp_rank * local, local)
+        setattr(module, CHECKPOINT_SCALE, scale.contiguous())
+        return
+    held = getattr(module, CHECKPOINT_SCALE, None)
+    if held is None:
+        held = torch.zeros(module.weight.shape[0], num_groups, dtype=torch.float32)
+        setattr(module, CHECKPOINT_SCALE, held)
+    module.weight_loader(held, scale, shard_id)  # the same rows the weight got
+
+
 def load_model(
     model_dir: str,
     dtype: torch.dtype,
@@ -116,26 +143,49 @@ def load_model(
     expected = _expected_keys(model)
     loaded: set[tuple[str, int | None]] = set()
     unexpected: list[str] = []
+    compressed = CompressedTensorsConfig.from_model_dir(model_dir)
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # compressed-tensors: linear's HF name -> its tensors
+
+    def load(hf_name: str, tensor: torch.Tensor, path: str) -> None:
+        name, shard_id = _map_name(hf_name)
+        param = params.get(name)
+        if param is None or (name, shard_id) not in expected:
+            unexpected.append(hf_name)
+            return
+        loader = getattr(param, "weight_loader", _default_loader)
+        try:
+            loader(param, tensor, shard_id)
+        except ValueError as e:
+            raise ValueError(f"cannot load {hf_name} from {path}: {e}") from e
+        loaded.add((name, shard_id))
+
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
                 if hf_name.endswith(_IGNORED_SUFFIXES):
                     continue
-                if hf_name == "lm_head.weight" and model.tie_word_embeddings:
+                if hf_name.startswith("lm_head.") and model.tie_word_embeddings:
                     continue  # tied: the embedding matrix is the output projection
                 if not model.holds(hf_name):
                     continue  # another pipeline stage's layer, or the driver's head
-                name, shard_id = _map_name(hf_name)
-                param = params.get(name)
-                if param is None or (name, shard_id) not in expected:
-                    unexpected.append(hf_name)
+                tensor = f.get_tensor(hf_name)
+                prefix, _, suffix = hf_name.rpartition(".")
+                if compressed is not None and (compressed.split_name(hf_name) or
+                                               (suffix == "weight" and tensor.dtype == torch.int8)):
+                    pending.setdefault(prefix, {})[suffix] = tensor
                     continue
-                loader = getattr(param, "weight_loader", _default_loader)
-                try:
-                    loader(param, f.get_tensor(hf_name), shard_id)
-                except ValueError as e:
-                    raise ValueError(f"cannot load {hf_name} from {path}: {e}") from e
-                loaded.add((name, shard_id))
+                load(hf_name, tensor, path)
+    modules = dict(model.named_modules())
+    for prefix, parts in pending.items():  # compressed-tensors: dequantized, loaded, scale kept beside
+        try:
+            weight, scale = compressed.dequantize(parts, dtype)
+        except ValueError as e:
+            raise ValueError(f"cannot load the compressed-tensors linear {prefix} from {model_dir}: {e}") from e
+        load(f"{prefix}.weight", weight, model_dir)
+        name, shard_id = _map_name(f"{prefix}.weight")
+        module = modules.get(name.rsplit(".", 1)[0])
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            _place_scale(module, scale, shard_id)
 
     missing = sorted(f"{n}" + ("" if s is None else f"[part {s}]") for n, s in expected - loaded)
     if missing or unexpected:

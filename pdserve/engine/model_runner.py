@@ -30,7 +30,7 @@ from pdserve.engine.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
 from pdserve.engine.outputs import ModelRunnerOutput
 from pdserve.engine.parallel import RankGroup
-from pdserve.engine.quantization import check_quantization_target, quantize_model
+from pdserve.engine.quantization import check_quantization_target, checkpoint_quantization, quantize_model
 from pdserve.engine.prompt_logprobs import add_prompt_logprob_rows, compute_prompt_logprobs
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow
@@ -129,8 +129,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             self.cpu_cores = pin_to_cores(config.cpu_cores, config.num_threads, config.rank, config.parallel.world_size)
             logger.info("%d torch threads on cores %s", torch.get_num_threads(), format_cpu_list(self.cpu_cores))
-        if config.quantization is not None:  # before any weight is read
-            check_quantization_target(config.quantization, self.device, self.dtype)
+        # int8: quantized here; compressed-tensors: the checkpoint says so (None on a float checkpoint)
+        self.quantization = checkpoint_quantization(config.model, config.quantization)
+        if self.quantization is not None:  # before any weight is read
+            check_quantization_target(self.quantization, self.device, self.dtype)
         layer_range = None
         if ranks is not None:
             layer_range = stage_layer_range(hf_config.num_hidden_layers, ranks.parallel.pipeline_parallel_size,
@@ -139,8 +141,8 @@ class ModelRunner:
                                 tp_group=ranks.tp_group if ranks is not None else None, layer_range=layer_range,
                                 has_embedding=ranks is None or ranks.is_first_stage,
                                 has_lm_head=ranks is None or ranks.is_driver)
-        if config.quantization is not None:  # this rank's shards, as loaded
-            quantize_model(self.model, config.quantization)
+        if self.quantization is not None:  # this rank's shards, as loaded
+            quantize_model(self.model, self.quantization)
         if config.batch_invariant:
             self.model.set_batch_invariant(True)
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -149,7 +151,7 @@ class ModelRunner:
         self.eos_token_ids = read_eos_token_ids(config.model, hf_config)
         # Salts prefix-cache hashes: KV from another model, dtype or quantization must never be a hit.
         self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{self.kv_cache_dtype}|"
-                                            f"{config.quantization}|{hf_config.to_json_string()}".encode())
+                                            f"{self.quantization}|{hf_config.to_json_string()}".encode())
         self.block_size = config.block_size
         self.num_layers = self.model.num_layers
         self.num_kv_heads = self.model.num_kv_heads
@@ -173,9 +175,9 @@ class ModelRunner:
         self._compiled_decode = None  # the decode step's forward under torch.compile (see compile_decode_step)
         if config.batch_invariant:  # inductor fuses and reorders reductions by batch size: not shown invariant
             logger.info("decode step runs eagerly: --batch-invariant (a compiled step is not shown invariant)")
-        elif config.quantization is not None:
+        elif self.quantization is not None:
             logger.info("decode step runs eagerly: --quantization %s (inductor's CPU code for the int8 weight's "
-                        "conversion is 3-4x slower than eager; see pdserve.engine.quantization)", config.quantization)
+                        "conversion is 3-4x slower than eager; see pdserve.engine.quantization)", self.quantization)
         elif not config.enforce_eager:
             self.compile_decode_step()
         self.sampler = Sampler(config.seed)

@@ -36,11 +36,12 @@ import logging
 import torch
 from torch import nn
 
+from pdserve.engine.compressed_tensors import CHECKPOINT_SCALE, QUANT_METHOD, CompressedTensorsConfig
 from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "compressed-tensors")
 # (device type, model dtype) pairs --quantization int8 is tested on.
 _SUPPORTED = {("cpu", torch.float32), ("cpu", torch.bfloat16)}
 
@@ -61,6 +62,20 @@ def check_quantization_target(name: str, device: torch.device, dtype: torch.dtyp
                          f"runs on {device.type} in {str(dtype).removeprefix('torch.')}")
 
 
+def checkpoint_quantization(model_dir: str, requested: str | None) -> str | None:
+    """The quantization a worker runs: ``compressed-tensors`` for such a checkpoint (``requested``
+    None or the same), ``requested`` for a float one. Raises ValueError for ``int8`` on an already
+    quantized checkpoint, ``compressed-tensors`` on a float one, or an unsupported scheme."""
+    scheme = CompressedTensorsConfig.from_model_dir(model_dir)
+    if scheme is not None and requested not in (None, QUANT_METHOD):
+        raise ValueError(f"{model_dir} is already quantized (compressed-tensors, int{scheme.num_bits} "
+                         f"{scheme.strategy}); leave out --quantization {requested}")
+    if scheme is None and requested == QUANT_METHOD:
+        raise ValueError(f"--quantization {QUANT_METHOD}: {model_dir} has no compressed-tensors "
+                         "quantization_config in its config.json")
+    return QUANT_METHOD if scheme is not None else requested
+
+
 def _is_quantizable(module: nn.Module, fqn: str = "") -> bool:
     return isinstance(module, (ColumnParallelLinear, RowParallelLinear))
 
@@ -69,20 +84,35 @@ def quantize_model(model: nn.Module, name: str) -> None:
     """Quantize ``model``'s tensor-parallel linear weights in place (see the module docstring).
 
     Each quantized layer's ``weight`` becomes an ``nn.Parameter`` holding a torchao ``Int8Tensor``
-    (``qdata`` int8 [out_features, in_features], ``scale`` float32 [out_features, 1]); its
-    ``weight_loader`` is gone (load before quantizing). Raises ValueError for an unknown ``name``,
+    (``qdata`` int8 [out_features, in_features], ``scale`` float32 [out_features, num_groups]); its
+    ``weight_loader`` is gone (load before quantizing). ``int8``: every such layer, scales from the
+    weights. ``compressed-tensors``: the layers the checkpoint quantized, with its scales (left by
+    the loader as ``checkpoint_weight_scale``; see ``pdserve.engine.compressed_tensors``), which
+    gives back the checkpoint's int8 values exactly. Raises ValueError for an unknown ``name``,
     ImportError when torchao is not installed.
     """
     check_quantization_name(name)
     try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import Int8Tensor, Int8WeightOnlyConfig, PerGroup, PerRow, quantize_
     except ImportError as e:
         raise ImportError(f"--quantization {name} needs torchao (pip install 'torchao>=0.18')") from e
     before = weight_bytes(model)
-    # set_inductor_config=False: torchao would otherwise change torch._inductor's global config.
-    quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=_is_quantizable)
-    logger.info("weights quantized to %s (weight-only, per output channel; embedding and LM head kept): "
-                "%.1f -> %.1f MiB", name, before / 2**20, weight_bytes(model) / 2**20)
+    if name == "int8":
+        # set_inductor_config=False: torchao would otherwise change torch._inductor's global config.
+        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=_is_quantizable)
+    else:
+        for module in model.modules():
+            scale = getattr(module, CHECKPOINT_SCALE, None)
+            if scale is None or not _is_quantizable(module):
+                continue
+            weight = module.weight.detach()  # (out, in), q * scale as loaded
+            num_groups = scale.shape[1]
+            granularity = PerRow() if num_groups == 1 else PerGroup(weight.shape[1] // num_groups)
+            module.weight = nn.Parameter(Int8Tensor.from_hp(weight, granularity, scale=scale.to(weight.device)),
+                                         requires_grad=False)
+            delattr(module, CHECKPOINT_SCALE)
+    logger.info("weights quantized (%s, weight-only; embedding and LM head kept): %.1f -> %.1f MiB",
+                name, before / 2**20, weight_bytes(model) / 2**20)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
