@@ -32,10 +32,11 @@ torchao = pytest.importorskip("torchao")
 NUM_PROMPTS, MAX_TOKENS = 24, 16
 
 
-def write_compressed_checkpoint(src: str, dst: str, num_bits: int, strategy: str, group_size: int | None = None) -> str:
+def write_compressed_checkpoint(src: str, dst: str, num_bits: int, strategy: str, group_size: int | None = None,
+                                fmt: str | None = None) -> str:
     """``src`` (a float HF checkpoint) quantized by the compressed-tensors library: symmetric int
     weights (absmax scales per channel or group), activations untouched, ``lm_head`` ignored, saved
-    in its default (pack-quantized) format with its quantization_config."""
+    in format ``fmt`` (None: the library's choice, pack-quantized) with its quantization_config."""
     ct = pytest.importorskip("compressed_tensors")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
@@ -56,7 +57,7 @@ def write_compressed_checkpoint(src: str, dst: str, num_bits: int, strategy: str
         scale, zero_point = calculate_qparams(w.amin(dim=2), w.amax(dim=2), weights)
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
         module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(dst)
     compressor.update_config(dst)
@@ -186,6 +187,17 @@ def test_compressed_tensors_w8a16_holds_the_checkpoints_int8_values_exactly(w8a1
     assert num_differ <= 0.005 * sum(a.qdata.numel() for a in loaded)
     agree = greedy_agreement(float_run[0], greedy_outputs(w8a16_llm, prompts, MAX_TOKENS))
     assert agree.identical_share >= 0.35 and agree.mean_prefix_share >= 0.7, agree
+
+
+def test_compressed_tensors_int_quantized_format_loads_the_same_weights(model_dir, w8a16_llm, tmp_path):
+    """int-quantized stores int8 ``weight`` tensors instead of packed int32 words: same model."""
+    path = write_compressed_checkpoint(model_dir, str(tmp_path / "intq"), 8, "channel", fmt="int-quantized")
+    with LLM(path, kv_cache_memory="1MiB", num_threads=1) as llm:
+        got = [p for p in llm.core.runner.model.parameters() if hasattr(p, "qdata")]
+        want = [p for p in w8a16_llm.core.runner.model.parameters() if hasattr(p, "qdata")]
+        assert len(got) == len(want) == 8
+        assert all(torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale) for a, b in zip(got, want))
+        assert not hasattr(llm.core.runner.model.lm_head.weight, "qdata")  # ignored: loaded as float
 
 
 def test_compressed_tensors_w4a16_group_matches_transformers(w4a16_dir, prompts, float_run):

@@ -88,13 +88,12 @@ class CompressedTensorsConfig:
             raise ValueError(f"{model_dir}: unsupported compressed-tensors scheme: {'; '.join(problems)}")
         return cls(int(w["num_bits"]), w["strategy"], w.get("group_size"), fmt, tuple(qc.get("ignore") or ()))
 
-    def split_name(self, hf_name: str) -> tuple[str, str] | None:
-        """``"a.b.q_proj.weight_scale"`` -> ``("a.b.q_proj", "weight_scale")`` for a quantized linear's
-        tensors (``weight`` counts only for int-quantized int8 ones), else None."""
-        prefix, _, suffix = hf_name.rpartition(".")
-        if suffix in _SUFFIXES or (suffix == "weight" and self.format == "int-quantized"):
-            return prefix, suffix
-        return None
+    def is_quantized_tensor(self, hf_name: str, tensor: torch.Tensor) -> bool:
+        """Whether ``hf_name`` is part of a quantized linear: its ``weight_packed`` / ``weight_scale`` /
+        ``weight_shape`` / ``weight_zero_point``, or an int8 ``weight`` (int-quantized); a float
+        ``weight`` belongs to a layer the checkpoint left unquantized (``ignore``)."""
+        suffix = hf_name.rpartition(".")[2]
+        return suffix in _SUFFIXES or (suffix == "weight" and tensor.dtype == torch.int8)
 
     def dequantize(self, parts: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """One linear's checkpoint tensors -> (weight [out, in] in ``dtype``, scale [out, num_groups]

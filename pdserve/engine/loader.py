@@ -169,9 +169,8 @@ def load_model(
                 if not model.holds(hf_name):
                     continue  # another pipeline stage's layer, or the driver's head
                 tensor = f.get_tensor(hf_name)
-                prefix, _, suffix = hf_name.rpartition(".")
-                if compressed is not None and (compressed.split_name(hf_name) or
-                                               (suffix == "weight" and tensor.dtype == torch.int8)):
+                if compressed is not None and compressed.is_quantized_tensor(hf_name, tensor):
+                    prefix, _, suffix = hf_name.rpartition(".")
                     pending.setdefault(prefix, {})[suffix] = tensor
                     continue
                 load(hf_name, tensor, path)
