@@ -52,6 +52,10 @@ class EngineConfig:
             batch and however its prefill is chunked (He & Thinking Machines Lab, "Defeating
             Nondeterminism in LLM Inference", 2025): padded matmuls, every query through the paged
             kernel, no compiled decode step. Needs the paged backend and TP <= 2 (ValueError else).
+        enable_lora: serve LoRA adapters (Hu et al., "LoRA", 2021) next to the base model, batched
+            together (``pdserve.lora``); max_loras: adapters one step may hold (its LoRA slots);
+            max_lora_rank: the largest adapter rank accepted; max_cpu_loras: adapters kept read
+            in host memory (default: max_loras), as vLLM's flags.
     """
 
     model: str
@@ -79,6 +83,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     speculative_config: str | None = None
     batch_invariant: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -99,6 +107,13 @@ class EngineConfig:
         if self.batch_invariant and self.tensor_parallel_size > 2:
             raise ValueError("batch_invariant supports tensor_parallel_size <= 2: an all-reduce over more ranks "
                              "may add the partial sums in an order that changes with the batch")
+        if self.max_loras < 1 or self.max_lora_rank < 1 or (self.max_cpu_loras is not None
+                                                             and self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_loras ({self.max_loras}) and max_lora_rank ({self.max_lora_rank}) must be >= 1, "
+                             f"and max_cpu_loras ({self.max_cpu_loras}) >= max_loras")
+        if self.enable_lora and self.batch_invariant:
+            raise ValueError("enable_lora and batch_invariant cannot be combined: the LoRA matmuls are not padded "
+                             "to a batch-independent shape")
         world_size = self.parallel.world_size  # validates the sizes
         if not 0 <= self.rank < world_size:
             raise ValueError(f"rank {self.rank} is outside the worker's {world_size} ranks")
@@ -169,6 +184,12 @@ class EngineConfig:
                        help="bit-identical results for a request whatever else is batched with it and however "
                             "its prefill is chunked (padded matmuls, all attention through the paged kernel, "
                             "eager decode); costs speed, needs the paged backend")
+        g.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (the request's adapter is applied in a batch mixing adapters)")
+        g.add_argument("--max-loras", type=int, default=1, help="LoRA adapters one step may hold")
+        g.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="LoRA adapters kept read in host memory (default: --max-loras)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -186,7 +207,9 @@ class EngineConfig:
                    rank_timeout_s=args.rank_timeout_s, attention_backend=args.attention_backend,
                    kv_cache_dtype=args.kv_cache_dtype, cpu_cores=args.cpu_cores,
                    enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
-                   speculative_config=args.speculative_config, batch_invariant=args.batch_invariant)
+                   speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
+                   enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                   max_cpu_loras=args.max_cpu_loras)
 
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""
@@ -210,4 +233,8 @@ class EngineConfig:
             args.append("--no-prefix-caching")
         if self.batch_invariant:
             args.append("--batch-invariant")
+        if self.enable_lora:
+            args += ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
+            if self.max_cpu_loras is not None:
+                args += ["--max-cpu-loras", str(self.max_cpu_loras)]
         return args

@@ -41,7 +41,7 @@ _FUSED = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _map_name(hf_name: str) -> tuple[str, int | None]:
+def map_hf_name(hf_name: str) -> tuple[str, int | None]:
     """HF parameter name -> (our parameter name, shard_id or None)."""
     parts = hf_name.split(".")
     if len(parts) >= 2 and parts[-2] in _FUSED:
@@ -125,7 +125,7 @@ def load_model(
                     continue  # tied: the embedding matrix is the output projection
                 if not model.holds(hf_name):
                     continue  # another pipeline stage's layer, or the driver's head
-                name, shard_id = _map_name(hf_name)
+                name, shard_id = map_hf_name(hf_name)
                 param = params.get(name)
                 if param is None or (name, shard_id) not in expected:
                     unexpected.append(hf_name)
