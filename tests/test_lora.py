@@ -185,3 +185,16 @@ def test_disaggregated_cluster_serves_mixed_adapters(model_dir, adapter_dirs, re
         missing = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "gamma"}, headers=auth, timeout=10)
         assert missing.status_code == 404
         assert "gamma" not in [m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth, timeout=10).json()["data"]]
+
+
+def test_tensor_parallel_adapters_match_peft(model_dir, adapter_dirs, reference):
+    """TP 2: each rank holds its shard of every slot (A whole and B's rows in column-parallel
+    layers, A's columns in row-parallel ones, whose term joins the all-reduce)."""
+    loras = [None, *(LoRARequest(lora_name=name, lora_int_id=i + 1, lora_path=path)
+                     for i, (name, path) in enumerate(adapter_dirs.items()))]
+    with LLM(model_dir, enable_lora=True, max_loras=3, tensor_parallel_size=2, kv_cache_memory="2MiB") as llm:
+        outputs = llm.generate([PROMPTS[1]] * 4, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True),
+                               lora_request=loras, use_tqdm=False)
+    for lora, output in zip(loras, outputs):
+        name = lora.lora_name if lora is not None else None
+        assert output.outputs[0].token_ids == reference[(name, 1)], name
