@@ -177,6 +177,10 @@ def test_disaggregated_cluster_serves_mixed_adapters(model_dir, adapter_dirs, re
         for key_ in keys:
             assert texts[key_] == tokenizer.decode(reference[key_], skip_special_tokens=True), key_
 
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        info = [line for line in metrics.splitlines() if line.startswith("vllm:lora_requests_info{")]
+        assert len(info) == 2 and all('max_lora="2"' in line for line in info), info  # prefill and decode
+
         r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "gamma"}, headers=auth, timeout=10)
         assert r.status_code == 200, r.text
         gone = httpx.post(f"{url}/v1/completions", headers=auth, timeout=30,

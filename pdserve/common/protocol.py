@@ -209,6 +209,9 @@ class Heartbeat(_Msg):
     # thread, so a long step never silences them; this says whether the loop is progressing.
     loop_stall_s: float = 0.0
     draining: bool = False  # the worker is leaving: route nothing new to it
+    max_lora: int = 0  # LoRA slots (--max-loras) with --enable-lora, else 0
+    running_lora_adapters: list[str] = []  # adapters of the running requests (names)
+    waiting_lora_adapters: list[str] = []  # adapters of the waiting requests
 
 
 class DrainWorker(_Msg):
