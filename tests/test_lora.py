@@ -14,6 +14,7 @@ import os
 import shutil
 
 import httpx
+import peft
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -25,8 +26,6 @@ from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.llm import LLM
 from pdserve.lora.adapter import LoRAAdapterError, load_adapter
 from pdserve.engine.request import Request
-
-peft = pytest.importorskip("peft")
 
 ADAPTERS = {  # name -> LoraConfig arguments
     "alpha": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
