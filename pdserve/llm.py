@@ -275,7 +275,8 @@ class LLM:
                    for conversation in conversations]
         return self._generate(encoded, sampling_params, use_tqdm, lora_request)
 
-    def beam_search(self, prompts: Sequence[Prompt | dict], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Sequence[Prompt | dict], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """Beam-search every prompt (vLLM's ``LLM.beam_search``; rules: ``pdserve.beam_search``).
 
         Each step runs every running beam of every prompt as one batch of one-token requests;
@@ -287,6 +288,7 @@ class LLM:
                 ``{"prompt_token_ids": [...]}``), or one of these.
             params: ``BeamSearchParams`` (beam_width, max_tokens, ignore_eos, temperature,
                 length_penalty, early_stopping).
+            lora_request: a LoRA adapter for every beam (needs ``enable_lora=True``).
 
         Returns:
             One ``BeamSearchOutput`` per prompt, in input order: ``beam_width`` sequences, best
@@ -298,6 +300,8 @@ class LLM:
         """
         eos = self.core.runner.eos_token_ids
         check_beam_search_params(params, len(eos))
+        if lora_request is not None:
+            self.core.check_lora(lora_request)
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         searches = []
@@ -311,7 +315,7 @@ class LLM:
             except ValidationError as e:
                 raise ValidationError(f"prompt {i}: {e.message}", e.param) from None
             searches.append(BeamSearch(ids, params, eos, min(params.max_tokens, self.max_model_len - len(ids))))
-        run_beam_search(searches, engine_step_runner(self.core, lambda: f"beam-{next(self._ids)}"))
+        run_beam_search(searches, engine_step_runner(self.core, lambda: f"beam-{next(self._ids)}", lora_request))
         outputs = [s.output() for s in searches]
         for output in outputs:
             for sequence in output.sequences:

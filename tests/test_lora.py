@@ -201,3 +201,21 @@ def test_tensor_parallel_adapters_match_peft(model_dir, adapter_dirs, reference)
     for lora, output in zip(loras, outputs):
         name = lora.lora_name if lora is not None else None
         assert output.outputs[0].token_ids == reference[(name, 1)], name
+
+
+def test_beam_search_with_an_adapter_matches_peft(model_dir, adapter_dirs):
+    """LLM.beam_search(lora_request=...) keeps the same hypotheses as peft's beam search."""
+    from pdserve.beam_search import BeamSearchParams
+
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                           adapter_dirs["beta"]).eval()
+    prompt = PROMPTS[2]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), num_beams=3, num_return_sequences=3, max_new_tokens=6,
+                             do_sample=False, early_stopping=False, eos_token_id=None, pad_token_id=0)
+    expected = sorted(seq[len(prompt):].tolist() for seq in ref)
+    lora = LoRARequest(lora_name="beta", lora_int_id=1, lora_path=adapter_dirs["beta"])
+    with LLM(model_dir, enable_lora=True, kv_cache_memory="2MiB") as llm:
+        out = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True),
+                              lora_request=lora)
+    assert sorted(s.tokens[len(prompt):] for s in out[0].sequences) == expected
