@@ -10,7 +10,7 @@ The offline API is exported lazily, so ``import pdserve`` stays light (no torch)
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
-           "BeamSearchParams", "BeamSearchOutput"]
+           "BeamSearchParams", "BeamSearchOutput", "LoRARequest"]
 
 _LAZY = {  # name -> module that defines it, imported on first access
     "LLM": "pdserve.llm",
@@ -20,6 +20,7 @@ _LAZY = {  # name -> module that defines it, imported on first access
     "BeamSearchParams": "pdserve.beam_search",
     "BeamSearchOutput": "pdserve.beam_search",
     "StructuredOutputsParams": "pdserve.common.protocol",
+    "LoRARequest": "pdserve.common.protocol",
 }
 
 

@@ -287,9 +287,10 @@ def run_beam_search(searches: Sequence[BeamSearch],
             start += num_beams
 
 
-def engine_step_runner(core, new_request_id: Callable[[], str]
+def engine_step_runner(core, new_request_id: Callable[[], str], lora=None
                        ) -> Callable[[list[tuple[list[int], int]]], list[TokenLogprob]]:
-    """A ``run_step`` for ``run_beam_search`` over an in-process ``EngineCore`` (the offline ``LLM``).
+    """A ``run_step`` for ``run_beam_search`` over an in-process ``EngineCore`` (the offline ``LLM``),
+    every beam with LoRA adapter ``lora`` (a ``LoRARequest``; None: the base model).
 
     Each beam is queued as its own one-token request (``stop_at_max_model_len``: the offline
     rule), the engine is stepped until all have their token (continuous batching; full KV
@@ -304,7 +305,8 @@ def engine_step_runner(core, new_request_id: Callable[[], str]
         rows: dict[str, TokenLogprob] = {}
         try:
             for request_id, (token_ids, num_logprobs) in zip(request_ids, batch):
-                core.add_request(request_id, token_ids, beam_step_params(num_logprobs), stop_at_max_model_len=True)
+                core.add_request(request_id, token_ids, beam_step_params(num_logprobs), stop_at_max_model_len=True,
+                                 lora=lora)
             while core.has_unfinished():
                 scheduler_output, outputs = core.step()
                 if scheduler_output.is_empty():

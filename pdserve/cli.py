@@ -31,7 +31,7 @@ def _setup_logging(level: str) -> None:
 def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     from pdserve.common.auth import API_KEY_ENV, from_env
     from pdserve.launcher import ClusterSpec, run_cluster
-    from pdserve.router.config import routing_args
+    from pdserve.router.config import lora_args, routing_args
     from pdserve.models.train import shipped_model_dir
 
     model = args.model
@@ -45,7 +45,9 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             print("pdserve: --colocated runs no prefill workers; drop --num-prefill", file=sys.stderr)
             return 2
         num_prefill = 0
-    router_args, worker_args = routing_args(args), list(extra)
+    router_args, worker_args = routing_args(args) + lora_args(args), list(extra)
+    if args.enable_lora:  # the workers apply the adapters; --max-loras and the like reach them as extra flags
+        worker_args += ["--enable-lora", "--max-lora-rank", str(args.max_lora_rank)]
     if args.cluster_secret:
         router_args += ["--cluster-secret", args.cluster_secret]
         worker_args += ["--cluster-secret", args.cluster_secret]
@@ -145,7 +147,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.common.config import WorkerConfig
     from pdserve.engine.config import EngineConfig
-    from pdserve.router.config import RouterConfig, add_routing_cli_args
+    from pdserve.router.config import RouterConfig, add_lora_cli_args, add_routing_cli_args
 
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     parser.add_argument("--log-level", default="info")
@@ -185,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"{kind} parallel size of the {role} workers (overrides --{kind}-parallel-size)")
 
     add_routing_cli_args(up)
+    add_lora_cli_args(up)
     RouterConfig.add_cli_args(sub.add_parser("router", help="start the router alone"))
     rank = sub.add_parser("rank", help="run one non-driver rank of a tensor/pipeline-parallel engine",
                           description="Joins the driver at --master-addr:--master-port and runs the steps it "

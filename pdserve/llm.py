@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 
 from pdserve.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams, check_beam_search_params,
                                  engine_step_runner, run_beam_search)
-from pdserve.common.protocol import SamplingParams, TokenLogprob
+from pdserve.common.protocol import LoRARequest, SamplingParams, TokenLogprob
 from pdserve.common.utils import parse_size
 from pdserve.common.validation import ValidationError, check_context_length, check_prompt_ids, check_request
 from pdserve.engine.config import EngineConfig
@@ -157,6 +157,7 @@ class _Group:
     num_cached_tokens: int | None = None
     num_finished: int = 0
     prompt_logprobs: PromptLogprobs | None = None
+    lora: LoRARequest | None = None
 
     def result(self) -> RequestOutput:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
@@ -177,7 +178,8 @@ class LLM:
             max_num_batched_tokens (tokens per step), max_model_len (tokens), seed,
             enable_prefix_caching, num_threads, tensor_parallel_size, pipeline_parallel_size
             (the other ranks run as local processes; ``close()`` or exit stops them),
-            batch_invariant (bit-identical results whatever the batch; see ``EngineConfig``).
+            batch_invariant (bit-identical results whatever the batch; see ``EngineConfig``),
+            enable_lora, max_loras, max_lora_rank, max_cpu_loras (LoRA adapters; see ``generate``).
 
     Attributes:
         core: the ``EngineCore`` (``core.runner``, ``core.scheduler``, ``core.block_manager``).
@@ -228,7 +230,8 @@ class LLM:
     # ---- public API -------------------------------------------------------------
 
     def generate(self, prompts: str | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 | None = None, use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; return one ``RequestOutput`` per prompt, in input order.
 
         Args:
@@ -237,10 +240,14 @@ class LLM:
             use_tqdm: show a progress bar over finished prompts with the output rate (tokens/s).
             priority: one per prompt (vLLM's argument), with ``scheduling_policy="priority"``:
                 lower runs sooner; it sets each prompt's ``SamplingParams.priority``.
+            lora_request: a LoRA adapter for all prompts or one per prompt (None: the base model),
+                as vLLM's ``LoRARequest(lora_name, lora_int_id, lora_path)``; needs
+                ``enable_lora=True``. Prompts of different adapters run in the same batches.
 
         Raises:
-            ValueError: bad sampling values, an empty or out-of-vocabulary prompt, or a request
-                longer than max_model_len or than the whole KV cache; raised before any work.
+            ValueError: bad sampling values, an empty or out-of-vocabulary prompt, a request
+                longer than max_model_len or than the whole KV cache, or an adapter that cannot
+                serve this model; raised before any work.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -251,22 +258,25 @@ class LLM:
             base = sampling_params or SamplingParams()
             per_prompt = [base] * len(encoded) if isinstance(base, SamplingParams) else list(base)
             sampling_params = [msgspec.structs.replace(p, priority=int(v)) for p, v in zip(per_prompt, priority)]
-        return self._generate(encoded, sampling_params, use_tqdm)
+        return self._generate(encoded, sampling_params, use_tqdm, lora_request)
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them.
 
         Each conversation goes through the tokenizer's chat template, as the router's
         /v1/chat/completions does. ``RequestOutput.prompt`` is the templated text.
+        ``lora_request``: as ``generate``'s.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         encoded = [render_chat_prompt(self.tokenizer, conversation, add_generation_prompt)
                    for conversation in conversations]
-        return self._generate(encoded, sampling_params, use_tqdm)
+        return self._generate(encoded, sampling_params, use_tqdm, lora_request)
 
-    def beam_search(self, prompts: Sequence[Prompt | dict], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Sequence[Prompt | dict], params: BeamSearchParams,
+                    lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """Beam-search every prompt (vLLM's ``LLM.beam_search``; rules: ``pdserve.beam_search``).
 
         Each step runs every running beam of every prompt as one batch of one-token requests;
@@ -278,6 +288,7 @@ class LLM:
                 ``{"prompt_token_ids": [...]}``), or one of these.
             params: ``BeamSearchParams`` (beam_width, max_tokens, ignore_eos, temperature,
                 length_penalty, early_stopping).
+            lora_request: a LoRA adapter for every beam (needs ``enable_lora=True``).
 
         Returns:
             One ``BeamSearchOutput`` per prompt, in input order: ``beam_width`` sequences, best
@@ -289,6 +300,8 @@ class LLM:
         """
         eos = self.core.runner.eos_token_ids
         check_beam_search_params(params, len(eos))
+        if lora_request is not None:
+            self.core.check_lora(lora_request)
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         searches = []
@@ -302,7 +315,7 @@ class LLM:
             except ValidationError as e:
                 raise ValidationError(f"prompt {i}: {e.message}", e.param) from None
             searches.append(BeamSearch(ids, params, eos, min(params.max_tokens, self.max_model_len - len(ids))))
-        run_beam_search(searches, engine_step_runner(self.core, lambda: f"beam-{next(self._ids)}"))
+        run_beam_search(searches, engine_step_runner(self.core, lambda: f"beam-{next(self._ids)}", lora_request))
         outputs = [s.output() for s in searches]
         for output in outputs:
             for sequence in output.sequences:
@@ -311,8 +324,8 @@ class LLM:
 
     # ---- internals ----------------------------------------------------------------
 
-    def _generate(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool
-                  ) -> list[RequestOutput]:
+    def _generate(self, encoded: list[tuple[str | None, list[int]]], sampling_params, use_tqdm: bool,
+                  lora_request=None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -321,17 +334,23 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(encoded):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(encoded)} prompts")
+        loras = [lora_request] * len(encoded) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(encoded):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(encoded)} prompts")
         groups: list[_Group] = []
-        for i, ((prompt, ids), params) in enumerate(zip(encoded, params_list)):
+        for i, ((prompt, ids), params, lora) in enumerate(zip(encoded, params_list, loras)):
             try:
                 check_request(ids, params, self.core.limits, stop_at_max_model_len=True)
                 check_structured_outputs(params.structured_outputs)  # an invalid grammar: before any work
+                if lora is not None:
+                    self.core.check_lora(lora)
             except ValidationError as e:  # checked before any work: nothing to undo
                 raise ValidationError(f"prompt {i}: {e.message}", e.param) from None
             choices = [_Choice(k, IncrementalDetokenizer(self.tokenizer, ids, params.stop,
                                                          min_tokens=params.min_tokens), params.logprobs is not None)
                        for k in range(params.n)]
-            groups.append(_Group(str(next(self._ids)), prompt, ids, params, choices))
+            groups.append(_Group(str(next(self._ids)), prompt, ids, params, choices, lora=lora))
         self._run({g.request_id: g for g in groups}, use_tqdm)
         return [g.result() for g in groups]
 
@@ -342,7 +361,8 @@ class LLM:
         num_output_tokens = 0
         try:
             for g in groups.values():
-                self.core.add_request(g.request_id, g.prompt_token_ids, g.params, stop_at_max_model_len=True)
+                self.core.add_request(g.request_id, g.prompt_token_ids, g.params, stop_at_max_model_len=True,
+                                      lora=g.lora)
             while self.core.has_unfinished():
                 num_new, done = self._step(groups)
                 num_output_tokens += num_new

@@ -124,6 +124,20 @@ class SamplingParams(_Msg):
     priority: int = 0  # scheduling priority under --scheduling-policy priority: lower runs sooner
 
 
+class LoRARequest(_Msg):
+    """Which LoRA adapter serves a request (vLLM's ``LoRARequest``).
+
+    ``lora_name``: the model name clients use; ``lora_int_id``: unique per load (>= 1), so a
+    reloaded adapter under the same name never reuses the old one's weights or KV;
+    ``lora_path``: a PEFT adapter directory (``adapter_config.json`` +
+    ``adapter_model.safetensors``) every worker can read. See ``pdserve.lora``.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+
 class TokenLogprob(_Msg):
     """Log-probabilities at one output position, from the model's raw distribution
     (log-softmax of the logits before temperature, penalties, top-k/top-p)."""
@@ -195,6 +209,9 @@ class Heartbeat(_Msg):
     # thread, so a long step never silences them; this says whether the loop is progressing.
     loop_stall_s: float = 0.0
     draining: bool = False  # the worker is leaving: route nothing new to it
+    max_lora: int = 0  # LoRA slots (--max-loras) with --enable-lora, else 0
+    running_lora_adapters: list[str] = []  # adapters of the running requests (names)
+    waiting_lora_adapters: list[str] = []  # adapters of the waiting requests
 
 
 class DrainWorker(_Msg):
@@ -252,6 +269,7 @@ class GenerateRequest(_Msg):
     prefill_addr: str | None = None
     prefill_layout: KVLayout | None = None  # the prefill worker's ranks (None: one rank)
     resume: list[ResumedChoice] | None = None
+    lora: LoRARequest | None = None  # the adapter applied on both workers (None: the base model)
 
 
 class AbortRequest(_Msg):
@@ -281,6 +299,7 @@ class RemotePrefillRequest(_Msg):
     num_cached_tokens: int = 0  # the decode worker already holds these tokens' KV (prefix cache, whole blocks):
     # send only blocks from num_cached_tokens // block_size on
     decode_layout: KVLayout | None = None  # the decode worker's ranks (None: one rank)
+    lora: LoRARequest | None = None  # the adapter the KV is built with (the decode worker's too)
 
 
 class KVTransferHeader(_Msg):
@@ -478,6 +497,8 @@ class ExecuteModel(_Msg):
     shutdown: bool = False
     kv: KVStepOps | None = None  # KV transfer work, before the forward
     attach: RankAttach | None = None
+    lora_loads: list[tuple[int, LoRARequest]] = []  # (slot, adapter) to load into a LoRA slot first
+    lora_slots: list[int] = []  # [num_seqs] each sequence's LoRA slot, -1 for the base model; [] = none
 
 
 MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {

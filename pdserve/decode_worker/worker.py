@@ -107,7 +107,7 @@ class DecodeWorker(WorkerBase):
                 remote = False
         try:
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params, remote_prefill=remote,
-                                  resume=msg.resume)
+                                  resume=msg.resume, lora=msg.lora)
         except ValueError as e:  # ValidationError included: a request sent past the router's checks
             self._deltas.append(rejection_delta(msg.request_id, e))
             return
@@ -178,7 +178,8 @@ class DecodeWorker(WorkerBase):
             self._flush_ops()  # the lanes must be listening before the prefill worker connects
         self.mailbox.put(state.prefill_addr, RemotePrefillRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            sampling_params=request.sampling_params, decode_worker_id=self.worker_id, decode_addr=self.mailbox.address,
+            sampling_params=request.sampling_params, lora=request.lora, decode_worker_id=self.worker_id,
+            decode_addr=self.mailbox.address,
             transfer_host=self.pairs.store_host, transfer_port=self.pairs.store_port,
             pair_generation=state.pair_generation, dest_block_ids=request.block_table[first_block:],
             num_cached_tokens=request.num_cached_tokens, decode_layout=self.kv_layout))

@@ -153,8 +153,10 @@ class BlockManager:
 
     # ---- prefix cache ----------------------------------------------------------
 
-    def find_cached_prefix(self, token_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[bytes]]:
-        """Longest run of cached full blocks that prefixes ``token_ids[:max_tokens]``.
+    def find_cached_prefix(self, token_ids: Sequence[int], max_tokens: int,
+                           root_hash: bytes = ROOT_HASH) -> tuple[list[int], list[bytes]]:
+        """Longest run of cached full blocks that prefixes ``token_ids[:max_tokens]``, the first
+        block's hash chained from ``root_hash`` (a LoRA adapter's own root: ``Request.cache_root``).
 
         Takes no references (call ``share`` on the result to keep the blocks).
 
@@ -166,7 +168,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return hits, hashes
         bs = self.block_size
-        parent = ROOT_HASH
+        parent = root_hash
         for start in range(0, max_tokens - bs + 1, bs):
             block_tokens = tuple(token_ids[start:start + bs])
             block_hash = chain_hash(parent, block_tokens, self.salt)

@@ -59,6 +59,10 @@ class EngineConfig:
             (insist on such a checkpoint); see ``pdserve.engine.quantization``. ValueError for
             another name; the model runner raises ValueError where it cannot run (CPU with
             float32/bfloat16 only) or when the name does not fit the checkpoint.
+        enable_lora: serve LoRA adapters (Hu et al., "LoRA", 2021) next to the base model, batched
+            together (``pdserve.lora``); max_loras: adapters one step may hold (its LoRA slots);
+            max_lora_rank: the largest adapter rank accepted; max_cpu_loras: adapters kept read
+            in host memory (default: max_loras), as vLLM's flags.
     """
 
     model: str
@@ -87,6 +91,10 @@ class EngineConfig:
     speculative_config: str | None = None
     batch_invariant: bool = False
     quantization: str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -108,6 +116,13 @@ class EngineConfig:
             raise ValueError("batch_invariant supports tensor_parallel_size <= 2: an all-reduce over more ranks "
                              "may add the partial sums in an order that changes with the batch")
         check_quantization_name(self.quantization)
+        if self.max_loras < 1 or self.max_lora_rank < 1 or (self.max_cpu_loras is not None
+                                                             and self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_loras ({self.max_loras}) and max_lora_rank ({self.max_lora_rank}) must be >= 1, "
+                             f"and max_cpu_loras ({self.max_cpu_loras}) >= max_loras")
+        if self.enable_lora and self.batch_invariant:
+            raise ValueError("enable_lora and batch_invariant cannot be combined: the LoRA matmuls are not padded "
+                             "to a batch-independent shape")
         world_size = self.parallel.world_size  # validates the sizes
         if not 0 <= self.rank < world_size:
             raise ValueError(f"rank {self.rank} is outside the worker's {world_size} ranks")
@@ -182,6 +197,12 @@ class EngineConfig:
                        help="int8: quantize the linear weights at load time (weight-only, per output channel, "
                             "torchao; embedding and LM head kept); compressed-tensors: a W8A16/W4A16 checkpoint "
                             "(detected without the flag too); CPU, float32/bfloat16")
+        g.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (the request's adapter is applied in a batch mixing adapters)")
+        g.add_argument("--max-loras", type=int, default=1, help="LoRA adapters one step may hold")
+        g.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted")
+        g.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="LoRA adapters kept read in host memory (default: --max-loras)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -200,7 +221,8 @@ class EngineConfig:
                    kv_cache_dtype=args.kv_cache_dtype, cpu_cores=args.cpu_cores,
                    enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
                    speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
-                   quantization=args.quantization)
+                   enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                   max_cpu_loras=args.max_cpu_loras, quantization=args.quantization)
 
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""
@@ -226,4 +248,8 @@ class EngineConfig:
             args.append("--batch-invariant")
         if self.quantization is not None:
             args += ["--quantization", self.quantization]
+        if self.enable_lora:
+            args += ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
+            if self.max_cpu_loras is not None:
+                args += ["--max-cpu-loras", str(self.max_cpu_loras)]
         return args

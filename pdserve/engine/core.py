@@ -31,7 +31,8 @@ from concurrent.futures import Future
 import msgspec
 
 from pdserve.common import faults
-from pdserve.common.protocol import KVStepOps, ResumedChoice, SamplingParams, TokenLogprob, WorkerStats
+from pdserve.common.protocol import (KVStepOps, LoRARequest, ResumedChoice, SamplingParams, TokenLogprob,
+                                     WorkerStats)
 from pdserve.common.validation import EngineLimits, ValidationError, check_request
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
@@ -41,6 +42,7 @@ from pdserve.engine.ranks import start_ranks, stop_processes
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.structured_output import StructuredOutputManager
+from pdserve.lora.adapter import LoRAAdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +82,8 @@ class EngineCore:
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.runner.max_model_len,
                             remote_prefill_threshold=config.remote_prefill_threshold,
-                            policy=config.scheduling_policy),
+                            policy=config.scheduling_policy,
+                            max_loras=config.max_loras if config.enable_lora else 0),
             self.block_manager)
         self.proposer = None
         spec = config.speculative
@@ -116,7 +119,7 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     remote_prefill: bool = False, stop_at_max_model_len: bool = False,
-                    resume: list[ResumedChoice] | None = None) -> Request:
+                    resume: list[ResumedChoice] | None = None, lora: LoRARequest | None = None) -> Request:
         """Check a request against this engine's limits and queue it.
 
         Args:
@@ -128,6 +131,8 @@ class EngineCore:
                 there (the offline API's rule); servers reject such requests.
             resume: a migrated request: only these choices, each continuing after its
                 ``output_token_ids`` (recomputed here, counted as output). Prefilled locally.
+            lora: the LoRA adapter to apply (None: the base model); read now, so a bad adapter
+                fails here and not in a step.
 
         Raises:
             ValidationError: the request breaks a rule (``pdserve.common.validation``), or its
@@ -138,10 +143,12 @@ class EngineCore:
         if params.priority != 0 and self.config.scheduling_policy != "priority":
             raise ValidationError(f"priority {params.priority} was given, but priority scheduling is not enabled "
                                   f"(--scheduling-policy priority)", "priority")
+        if lora is not None:
+            self.check_lora(lora)
         if resume is not None:
-            return self._resume(request_id, prompt_token_ids, params, resume)
+            return self._resume(request_id, prompt_token_ids, params, resume, lora)
         request = Request(request_id, prompt_token_ids, params, eos_token_ids=self.runner.eos_token_ids,
-                          max_model_len=self.runner.max_model_len, group_id=request_id)
+                          max_model_len=self.runner.max_model_len, group_id=request_id, lora=lora)
         if params.structured_outputs is not None:  # structured outputs: checked now, compiled off the loop
             state = self.structured_output.submit(params.structured_outputs)
             if isinstance(state, Future):
@@ -151,8 +158,18 @@ class EngineCore:
         self.scheduler.add_request(request, remote_prefill=remote_prefill)
         return request
 
+    def check_lora(self, lora: LoRARequest) -> None:
+        """Raise ValidationError unless this engine serves LoRA and ``lora``'s adapter fits the model."""
+        if self.runner.lora is None:
+            raise ValidationError(f"the request names LoRA adapter {lora.lora_name!r}, but LoRA is not enabled on "
+                                  f"this engine (--enable-lora)", "model")
+        try:
+            self.runner.lora.get_adapter(lora)
+        except LoRAAdapterError as e:
+            raise ValidationError(str(e), "model") from e
+
     def _resume(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                resume: list[ResumedChoice]) -> Request:
+                resume: list[ResumedChoice], lora: LoRARequest | None = None) -> Request:
         """Queue each resumed choice as its own sample (no forking), its tokens so far already output."""
         if not resume or len({c.index for c in resume}) != len(resume) or \
                 not all(0 <= c.index < params.n and len(c.output_token_ids) < params.max_tokens for c in resume):
@@ -161,7 +178,8 @@ class EngineCore:
         for choice in resume:
             request = Request(request_id if choice.index == 0 else f"{request_id}#{choice.index}", prompt_token_ids,
                               params, eos_token_ids=self.runner.eos_token_ids,
-                              max_model_len=self.runner.max_model_len, group_id=request_id, sample_index=choice.index)
+                              max_model_len=self.runner.max_model_len, group_id=request_id, sample_index=choice.index,
+                              lora=lora)
             request.output_token_ids = list(choice.output_token_ids)
             request.forked = True  # its siblings come with the resume list, or finished already
             if params.structured_outputs is not None:  # structured outputs: replay the tokens so far

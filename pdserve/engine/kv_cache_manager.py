@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.block_manager import ROOT_HASH, BlockManager
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 
 
@@ -51,7 +51,8 @@ class KVCacheManager:
         """
         if request.sampling_params.prompt_logprobs is not None:
             return PrefixHit([], [])
-        blocks, hashes = self.block_manager.find_cached_prefix(request.all_token_ids, request.num_tokens - 1)
+        blocks, hashes = self.block_manager.find_cached_prefix(request.all_token_ids, request.num_tokens - 1,
+                                                               request.cache_root)
         return PrefixHit(blocks, hashes)
 
     def allocate_slots(self, request: Request, num_tokens: int, copies: list[tuple[int, int]],
@@ -98,7 +99,7 @@ class KVCacheManager:
         tokens = None
         for i in range(len(request.block_hashes), num_full):
             tokens = tokens or request.all_token_ids
-            parent = request.block_hashes[-1] if request.block_hashes else ROOT_HASH
+            parent = request.block_hashes[-1] if request.block_hashes else request.cache_root
             request.block_hashes.append(
                 self.block_manager.cache_block(request.block_table[i], parent, tokens[i * bs:(i + 1) * bs]))
 

@@ -161,9 +161,13 @@ class ColumnParallelLinear(nn.Module):
 
     ``batch_invariant`` (set by ``LlamaForCausalLM.set_batch_invariant``): compute through
     ``batch_invariant_linear``, so a row's output does not depend on the other rows.
+
+    ``lora`` (``pdserve.lora.layers.LoRASlots``, set by the LoRA manager): adds each token's
+    adapter term to the output.
     """
 
     batch_invariant: bool = False
+    lora = None
 
     def __init__(
         self,
@@ -211,8 +215,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.batch_invariant:
-            return batch_invariant_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            y = batch_invariant_linear(x, self.weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add_to(x, y)
 
 
 class RowParallelLinear(nn.Module):
@@ -222,9 +228,12 @@ class RowParallelLinear(nn.Module):
     ColumnParallelLinear) -> [..., output_size], identical on every rank. The bias is
     added once, after the reduction. ``batch_invariant``: as ``ColumnParallelLinear``'s (a
     sum of two ranks' partials is commutative, so TP 2 keeps it; EngineConfig refuses TP > 2).
+    ``lora``: as ``ColumnParallelLinear``'s; the term of this rank's input slice is added before
+    the all-reduce.
     """
 
     batch_invariant: bool = False
+    lora = None
 
     def __init__(
         self,
@@ -258,6 +267,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = batch_invariant_linear(x, self.weight) if self.batch_invariant else F.linear(x, self.weight)
+        if self.lora is not None:
+            y = self.lora.add_to(x, y)
         if self.tp_size > 1:
             dist.all_reduce(y, group=self.tp_group)
         if self.bias is not None:

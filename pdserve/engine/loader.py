@@ -48,7 +48,7 @@ _FUSED = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _map_name(hf_name: str) -> tuple[str, int | None]:
+def map_hf_name(hf_name: str) -> tuple[str, int | None]:
     """HF parameter name -> (our parameter name, shard_id or None)."""
     parts = hf_name.split(".")
     if len(parts) >= 2 and parts[-2] in _FUSED:
@@ -147,7 +147,7 @@ def load_model(
     pending: dict[str, dict[str, torch.Tensor]] = {}  # compressed-tensors: linear's HF name -> its tensors
 
     def load(hf_name: str, tensor: torch.Tensor, path: str) -> None:
-        name, shard_id = _map_name(hf_name)
+        name, shard_id = map_hf_name(hf_name)
         param = params.get(name)
         if param is None or (name, shard_id) not in expected:
             unexpected.append(hf_name)
@@ -181,7 +181,7 @@ def load_model(
         except ValueError as e:
             raise ValueError(f"cannot load the compressed-tensors linear {prefix} from {model_dir}: {e}") from e
         load(f"{prefix}.weight", weight, model_dir)
-        name, shard_id = _map_name(f"{prefix}.weight")
+        name, shard_id = map_hf_name(f"{prefix}.weight")
         module = modules.get(name.rsplit(".", 1)[0])
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             _place_scale(module, scale, shard_id)

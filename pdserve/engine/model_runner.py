@@ -172,6 +172,11 @@ class ModelRunner:
                              f"{self.device.type}, KV {self.kv_cache.dtype}, head_dim {self.head_dim}; it needs a "
                              "CPU, a float32/bfloat16 KV cache, head_dim a multiple of 8, a C++ compiler and "
                              "$PDSERVE_DISABLE_KERNELS unset)")
+        self.lora = None  # LoRAManager with --enable-lora (pdserve.lora): adapters in slots, mixed per step
+        if config.enable_lora:
+            from pdserve.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         self._compiled_decode = None  # the decode step's forward under torch.compile (see compile_decode_step)
         if config.batch_invariant:  # inductor fuses and reorders reductions by batch size: not shown invariant
             logger.info("decode step runs eagerly: --batch-invariant (a compiled step is not shown invariant)")
@@ -195,6 +200,8 @@ class ModelRunner:
         spans = [(r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
         step = flatten_step(spans, self.block_size)
         step.block_copies = list(block_copies)
+        if self.lora is not None:
+            step.lora_loads, step.lora_slots = self.lora.plan([r.lora for r, _ in scheduled])
         sample_requests: list[Request] = []
         for (request, _, end), last_row in zip(spans, step.query_start_loc[1:]):
             num_drafts = len(request.spec_token_ids)  # drafts: scored after the last token
@@ -266,8 +273,21 @@ class ModelRunner:
             agent.apply(step.kv, step.block_tables)
         if step.block_copies:
             copy_blocks(self.kv_cache, step.block_copies)
+        if step.lora_loads:
+            self.lora.load(step.lora_loads)
         if not step.input_ids:
             return None
+        if step.lora_slots:  # some sequence has an adapter: every linear layer adds its term this step
+            self.lora.activate(step.lora_slots, step.query_start_loc, self.device)
+            try:
+                return self._run_forward(step, on_layer_done)
+            finally:
+                self.lora.deactivate()
+        return self._run_forward(step, on_layer_done)
+
+    def _run_forward(self, step: ExecuteModel, on_layer_done=None) -> torch.Tensor | None:
+        """``run_step``'s forward and pipeline hand-offs (the KV, block-copy and LoRA work done)."""
+        agent = self.kv_agent
         inp = self._tensors(step)
         ranks = self.ranks
         hidden_in = None
@@ -277,7 +297,8 @@ class ModelRunner:
             on_layer_done = agent.on_layer_done
         try:
             md = inp.attn_metadata
-            if self._compiled_decode is not None and md.max_query_len == 1 and on_layer_done is None:
+            compiled = self._compiled_decode is not None and not step.lora_slots  # adapters: eager
+            if compiled and md.max_query_len == 1 and on_layer_done is None:
                 tables = md.block_tables
                 if tables.shape[1] < 2:  # at least two wide, as compiled (the kernel reads only seq_lens' worth)
                     tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 
-from pdserve.common.protocol import FinishReason, SamplingParams, TokenLogprob
+from pdserve.common.protocol import FinishReason, LoRARequest, SamplingParams, TokenLogprob
+from pdserve.engine.block_manager import ROOT_HASH
 
 
 class RequestStatus(enum.IntEnum):
@@ -50,6 +52,7 @@ class Request:
         max_model_len: int | None = None,
         group_id: str | None = None,
         sample_index: int = 0,
+        lora: LoRARequest | None = None,
     ):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
@@ -82,6 +85,10 @@ class Request:
         # Structured outputs: this sample's grammar state (pdserve.engine.structured_output), or None.
         self.structured_output = None
         self.grammar_future = None  # its grammar still compiling (a Future of the state): not yet admitted
+        # The LoRA adapter applied to it (pdserve.lora), or None. Its KV differs from the base model's,
+        # so its prefix-cache hash chain starts from the adapter's own root.
+        self.lora = lora
+        self.cache_root = ROOT_HASH if lora is None else lora_cache_root(lora)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -140,3 +147,9 @@ class Request:
             f"Request({self.request_id}, {self.status.name}, prompt={self.num_prompt_tokens}, "
             f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
         )
+
+
+def lora_cache_root(lora: LoRARequest) -> bytes:
+    """The prefix-cache "previous block" of a request's first block under adapter ``lora``: KV built
+    with one adapter (or the base model, ``ROOT_HASH``) is never a hit for another."""
+    return hashlib.sha256(f"lora|{lora.lora_int_id}|{lora.lora_name}|{lora.lora_path}".encode()).digest()

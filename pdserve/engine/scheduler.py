@@ -60,6 +60,8 @@ class SchedulerConfig:
         max_model_len: longest sequence (prompt + output) in tokens.
         remote_prefill_threshold: prompts with fewer uncached tokens are prefilled locally.
         policy: ``fcfs`` or ``priority`` (the waiting order and the preemption victim).
+        max_loras: most distinct LoRA adapters among the requests in flight (each step's batch
+            must fit the model runner's LoRA slots); 0: no LoRA.
     """
 
     max_num_seqs: int = 64
@@ -67,6 +69,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     remote_prefill_threshold: int = 0
     policy: str = "fcfs"
+    max_loras: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -257,8 +260,19 @@ class Scheduler:
 
     def _next_ready(self) -> Request | None:
         """The first waiting request (in the policy's order) not waiting for its grammar to compile
-        (structured outputs; vLLM's WAITING_FOR_FSM), or None."""
+        (structured outputs; vLLM's WAITING_FOR_FSM) and whose LoRA adapter fits the slots, or None.
+
+        LoRA: the requests in flight may use at most ``max_loras`` distinct adapters (every one
+        of them is in each step's batch); a request for another adapter waits, and later
+        requests for adapters already in flight (or for the base model) go before it, as in vLLM."""
+        in_flight = None
+        if self.config.max_loras:
+            in_flight = {r.lora.lora_int_id for r in (*self.running, *self.waiting_for_remote_kvs.values())
+                         if r.lora is not None}
         for request in self.waiting:
+            if in_flight is not None and request.lora is not None and request.lora.lora_int_id not in in_flight \
+                    and len(in_flight) >= self.config.max_loras:
+                continue
             future = request.grammar_future
             if future is None:
                 return request
@@ -362,7 +376,7 @@ class Scheduler:
         for index in range(1, parent.sampling_params.n):
             child = Request(f"{parent.group_id}#{index}", parent.prompt_token_ids, parent.sampling_params,
                             eos_token_ids=parent.eos_token_ids, max_model_len=parent.max_model_len,
-                            group_id=parent.group_id, sample_index=index)
+                            group_id=parent.group_id, sample_index=index, lora=parent.lora)
             if parent.structured_output is not None:  # structured outputs: its own grammar state, from the start
                 child.structured_output = parent.structured_output.fresh()
             self.kv.fork(parent, child, num_prompt)

@@ -212,7 +212,8 @@ class WorkerBase:
                          num_waiting=scheduler.num_waiting, num_free_blocks=core.block_manager.num_free_blocks,
                          num_blocks=core.block_manager.num_blocks, max_step_batch_size=core.max_step_batch_size,
                          num_steps=core.num_steps, stats=core.stats(self.stats),
-                         loop_stall_s=max(0.0, time.monotonic() - self._loop_tick), draining=self.draining)
+                         loop_stall_s=max(0.0, time.monotonic() - self._loop_tick), draining=self.draining,
+                         **lora_heartbeat_fields(core))
 
     # ---- loop -------------------------------------------------------------------
 
@@ -281,3 +282,15 @@ def rejection_delta(request_id: str, error: ValueError) -> RequestDelta:
     """An ``error_delta`` for a request the engine refused at ``add_request``."""
     kind = ErrorKind.INVALID_REQUEST if isinstance(error, ValidationError) else ErrorKind.INTERNAL
     return error_delta(request_id, str(error), kind)
+
+
+def lora_heartbeat_fields(core) -> dict:
+    """Heartbeat fields of vLLM's ``vllm:lora_requests_info``: slots and the adapters in use (none
+    without --enable-lora)."""
+    if core.runner.lora is None:
+        return {}
+    scheduler = core.scheduler
+    running = [*scheduler.running, *scheduler.waiting_for_remote_kvs.values()]
+    return {"max_lora": core.config.max_loras,
+            "running_lora_adapters": sorted({r.lora.lora_name for r in running if r.lora is not None}),
+            "waiting_lora_adapters": sorted({r.lora.lora_name for r in scheduler.waiting if r.lora is not None})}

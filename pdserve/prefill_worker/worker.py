@@ -194,7 +194,7 @@ class PrefillWorker(WorkerBase):
                 continue
             try:  # only the first token is sampled here; the decode worker produces the rest
                 self.core.add_request(request_id, origin.prompt_token_ids,
-                                      prefill_sampling_params(origin.sampling_params))
+                                      prefill_sampling_params(origin.sampling_params), lora=origin.lora)
             except ValueError as e:  # ValidationError included: D then recomputes or fails it
                 self._fail(origin, str(e))
                 continue

@@ -3,6 +3,8 @@
 Endpoints:
     POST /v1/completions, POST /v1/chat/completions   OpenAI-compatible, stream or not
     GET  /v1/models                                   the served model (with the live workers' max_model_len)
+                                                      and its LoRA adapters (``parent``: the base model)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at runtime (with --enable-lora)
     GET  /health                                      {"status": "ok", "num_prefill", "num_decode"}
     GET  /workers                                     live workers and their latest heartbeat figures
     GET  /info                                        model, limits, and the bound ZMQ address
@@ -30,7 +32,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from transformers import AutoTokenizer
 
@@ -38,12 +40,12 @@ from pdserve.common.auth import bearer_matches
 from pdserve.common.protocol import WorkerRole
 from pdserve.router.admin import add_admin_routes
 from pdserve.router.openapi import install_openapi
-from pdserve.router.config import RouterConfig
+from pdserve.router.config import RouterConfig, parse_lora_modules
 from pdserve.router.engine import RouterEngine
 from pdserve.router.errors import APIError
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.openai_protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                            ModelList)
+from pdserve.router.openai_protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
+                                            ModelCard, ModelList, UnloadLoRAAdapterRequest)
 from pdserve.router.registry import WorkerRegistry
 from pdserve.router.routing import make_policy
 from pdserve.router.serving import OpenAIServing
@@ -161,9 +163,28 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(id=config.served_model_name, root=config.model,
-                         max_model_len=serving.max_model_len())
-        return ModelList(data=[card]).model_dump()
+        """The base model, then each LoRA adapter (``parent``: the base model)."""
+        max_model_len = serving.max_model_len()
+        cards = [ModelCard(id=config.served_model_name, root=config.model, max_model_len=max_model_len)]
+        if serving.loras is not None:
+            cards += serving.loras.cards(max_model_len)
+        return ModelList(data=cards).model_dump()
+
+    if serving.loras is not None:
+        for name, path in parse_lora_modules(config.lora_modules):
+            serving.loras.load(name, path)  # a bad adapter stops the router here, with the reason
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+            """vLLM's runtime load: serve the PEFT adapter at ``lora_path`` as model ``lora_name``."""
+            serving.loras.load(body.lora_name, body.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+            """vLLM's runtime unload: stop serving ``lora_name`` (running requests finish with it)."""
+            serving.loras.unload(body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/health")
     async def health():

@@ -105,6 +105,7 @@ async def serve_beam_search(serving, req: SamplingRequest, prompt_ids: list[int]
     check_beam_request(req, 1, len(eos))  # a 400 comes before any wait for a worker
     serving._admit(len(prompt_ids))  # the waiting-queue bound, as for any request
     plain = req.model_copy(update={"n": 1, "use_beam_search": False})
+    lora = serving.resolve_model(req.model)  # a LoRA adapter's beams run with it
     deadline = time.monotonic() + serving.config.worker_wait_s
     while True:
         try:
@@ -125,7 +126,8 @@ async def serve_beam_search(serving, req: SamplingRequest, prompt_ids: list[int]
         while not search.done:
             beams = search.beam_token_ids()
             handles = [serving.engine.submit(uuid.uuid4().hex, ids, beam_step_params(search.num_logprobs),
-                                             decode_worker, prefill_worker if search.num_generated == 0 else None)
+                                             decode_worker, prefill_worker if search.num_generated == 0 else None,
+                                             lora=lora)
                        for ids in beams]
             request_ids = [h.request_id for h in handles]
             rows = await _gather_step(handles, step_deadline, gone)

@@ -68,6 +68,10 @@ class RouterConfig:
         routing_prefix_blocks: prefix_aware: full KV blocks at the start of a prompt that make its key.
         routing_balance_factor: prefix_aware: a worker holding more than this times the average
             requests in flight (rounded up) is skipped for the next one on the ring; >= 1.
+        enable_lora: serve LoRA adapters as models of their own (``pdserve.router.lora``), with
+            ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; the workers need
+            ``--enable-lora`` too. lora_modules: ``name=PATH`` adapters served from the start.
+            max_lora_rank: adapters of a larger rank are refused (the workers' limit).
     """
 
     model: str
@@ -90,6 +94,9 @@ class RouterConfig:
     routing_policy: str = "prefix_aware"
     routing_prefix_blocks: int = 4
     routing_balance_factor: float = 1.5
+    enable_lora: bool = False
+    lora_modules: list[str] = dataclasses.field(default_factory=list)
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model):
@@ -127,6 +134,12 @@ class RouterConfig:
             raise ValueError(f"routing_prefix_blocks must be >= 1, got {self.routing_prefix_blocks}")
         if not self.routing_balance_factor >= 1.0:
             raise ValueError(f"routing_balance_factor must be >= 1, got {self.routing_balance_factor}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        self.lora_modules = list(self.lora_modules or [])
+        parse_lora_modules(self.lora_modules)  # a malformed entry fails here
         self.log_level = self.log_level.lower()
         self.api_key = from_env(self.api_key, API_KEY_ENV)
         self.cluster_secret = from_env(self.cluster_secret, CLUSTER_SECRET_ENV)
@@ -168,6 +181,7 @@ class RouterConfig:
         g.add_argument("--cluster-secret", default=None,
                        help="admit only workers that know this secret (default: $PDSERVE_CLUSTER_SECRET)")
         add_routing_cli_args(parser)
+        add_lora_cli_args(parser)
         return parser
 
     @classmethod
@@ -189,6 +203,44 @@ def add_routing_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-balance-factor", type=float, default=RouterConfig.routing_balance_factor,
                    help="prefix_aware: skip a worker holding more than this times the average requests "
                         "in flight (>= 1)")
+
+
+def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
+    """``["name=PATH", ...]`` (``--lora-modules``) -> [(name, path)].
+
+    Raises:
+        ValueError: an entry without ``=``, an empty name or path, or a name given twice.
+    """
+    modules: list[tuple[str, str]] = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--lora-modules entries are name=PATH, got {spec!r}")
+        modules.append((name.strip(), path.strip()))
+    names = [n for n, _ in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules names a LoRA adapter twice: {names}")
+    return modules
+
+
+def add_lora_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The router's LoRA flags (``pdserve router`` and ``pdserve up``, which also hands the workers
+    ``--enable-lora`` and ``--max-lora-rank``)."""
+    g = parser.add_argument_group("LoRA")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters, each under its own model name (workers need --enable-lora too)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) to serve from the start")
+    g.add_argument("--max-lora-rank", type=int, default=RouterConfig.max_lora_rank,
+                   help="largest LoRA rank accepted")
+
+
+def lora_args(args: argparse.Namespace) -> list[str]:
+    """``add_lora_cli_args``'s parsed flags as router command-line arguments (for launchers)."""
+    if not args.enable_lora:
+        return []
+    out = ["--enable-lora", "--max-lora-rank", str(args.max_lora_rank)]
+    return out + (["--lora-modules", *args.lora_modules] if args.lora_modules else [])
 
 
 def routing_args(args: argparse.Namespace) -> list[str]:

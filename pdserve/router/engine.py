@@ -55,8 +55,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.common.protocol import (AbortRequest, DrainWorker, GenerateRequest, Heartbeat, RegisterWorker,
-                                     RequestDelta, RequestOutputs, ResumedChoice, SamplingParams, WorkerDraining,
+from pdserve.common.protocol import (AbortRequest, DrainWorker, GenerateRequest, Heartbeat, LoRARequest,
+                                     RegisterWorker, RequestDelta, RequestOutputs, ResumedChoice, SamplingParams, WorkerDraining,
                                      WorkerExiting, WorkerRole)
 from pdserve.common.auth import token_matches
 from pdserve.common.transport import ProtocolError, decode
@@ -96,6 +96,7 @@ class RequestHandle:
     stranded_at: float | None = None  # lost its worker and found no other yet (time.monotonic())
     lost_reason: str = ""  # why it last lost its decode worker
     lost_worker_id: str | None = None  # the decode worker it last lost
+    lora: LoRARequest | None = None  # its LoRA adapter (kept for a migration)
 
     @property
     def worker_label(self) -> str:
@@ -209,8 +210,10 @@ class RouterEngine:
         return worker
 
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-               decode_worker: WorkerInfo, prefill_worker: WorkerInfo | None) -> RequestHandle:
-        """Send a request to ``decode_worker``, naming ``prefill_worker`` (None: D prefills locally).
+               decode_worker: WorkerInfo, prefill_worker: WorkerInfo | None,
+               lora: LoRARequest | None = None) -> RequestHandle:
+        """Send a request to ``decode_worker``, naming ``prefill_worker`` (None: D prefills locally),
+        with LoRA adapter ``lora`` applied on both (None: the base model).
 
         The caller picked both from the registry among the workers that accept the request.
         """
@@ -219,7 +222,7 @@ class RouterEngine:
                                num_choices=sampling_params.n,
                                prefill_addr=prefill_worker.input_addr if prefill_worker else None,
                                prefill_pending=prefill_worker is not None, prompt_token_ids=prompt_token_ids,
-                               sampling_params=sampling_params)
+                               sampling_params=sampling_params, lora=lora)
         self._requests[request_id] = handle
         decode_worker.num_inflight += 1
         decode_worker.num_routed += 1
@@ -231,7 +234,7 @@ class RouterEngine:
             sampling_params=sampling_params,
             prefill_worker_id=prefill_worker.worker_id if prefill_worker else None,
             prefill_addr=prefill_worker.input_addr if prefill_worker else None,
-            prefill_layout=prefill_worker.kv_layout if prefill_worker else None))
+            prefill_layout=prefill_worker.kv_layout if prefill_worker else None, lora=lora))
         return handle
 
     def finish(self, request_id: str) -> None:
@@ -377,7 +380,7 @@ class RouterEngine:
                   for i in range(handle.num_choices) if i not in handle.finished_choices]
         self._send(target.input_addr, GenerateRequest(request_id=handle.request_id,
                                                       prompt_token_ids=handle.prompt_token_ids,
-                                                      sampling_params=params, resume=resume))
+                                                      sampling_params=params, resume=resume, lora=handle.lora))
         self.num_migrations += 1
         if self.on_migration is not None:
             self.on_migration(lost_worker or "", reason)

@@ -12,7 +12,9 @@ From heartbeats, computed at scrape time by ``WorkerStatsCollector``:
     gauges    vllm:num_requests_running, vllm:num_requests_waiting,
               vllm:kv_cache_usage_perc (1 - num_free_blocks / num_blocks)
               -- latest heartbeat of each live worker;
-              pdserve:num_workers{role} -- live workers per role
+              pdserve:num_workers{role} -- live workers per role;
+              vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}
+              -- with --enable-lora, the adapters in use (comma-separated names; value: read time)
     counters  vllm:prefix_cache_queries, vllm:prefix_cache_hits, vllm:num_preemptions,
               vllm:prompt_tokens, vllm:generation_tokens, vllm:spec_decode_num_drafts,
               vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens, pdserve:kv_transfers,
@@ -41,6 +43,7 @@ client sees, give or take the event loop.
 
 from __future__ import annotations
 
+import time
 from typing import Iterable
 
 import msgspec
@@ -170,9 +173,16 @@ class WorkerStatsCollector(Collector):
             num_blocks = hb.num_blocks or w.num_blocks
             usage = 1.0 - hb.num_free_blocks / num_blocks if num_blocks > 0 else 0.0
             kv_usage.add_metric(labels, min(1.0, max(0.0, usage)))
+        lora_info = families[-1]
+        for w in self.registry.all():
+            hb = w.heartbeat
+            if hb is not None and hb.max_lora:  # vLLM's: the value is when it was read (max by time = newest)
+                lora_info.add_metric([self.model_name, w.worker_id, _role(w.role), str(hb.max_lora),
+                                      ",".join(hb.running_lora_adapters), ",".join(hb.waiting_lora_adapters)],
+                                     time.time())
         for role in WorkerRole:
             num_workers.add_metric([self.model_name, _role(role)], self.registry.num_live(role))
-        for family, (_, field, _) in zip(families[4:], _WORKER_COUNTERS):
+        for family, (_, field, _) in zip(families[4:-1], _WORKER_COUNTERS):
             for (worker_id, role), totals in self._totals.items():
                 family.add_metric([self.model_name, worker_id, role], totals.total(field))
         return families
@@ -190,6 +200,10 @@ class WorkerStatsCollector(Collector):
                               labels=["model_name", "role"]),
             *(CounterMetricFamily(name, doc, labels=_WORKER_LABELS)
               for name, _, doc in _WORKER_COUNTERS),
+            GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the worker's running and waiting "
+                              "requests and its slots (latest heartbeat); the value is the time it was read.",
+                              labels=[*_WORKER_LABELS, "max_lora", "running_lora_adapters",
+                                      "waiting_lora_adapters"]),
         ]
 
 

@@ -274,9 +274,26 @@ class ModelCard(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pdserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter: the base model it adapts (vLLM's field)
     max_model_len: int
 
 
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted and ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

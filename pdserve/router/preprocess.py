@@ -22,9 +22,10 @@ from pdserve.router.structured_outputs import structured_outputs_of
 from pdserve.tokenizer.chat import render_chat_prompt
 
 
-def check_model(req: SamplingRequest, served_model_name: str) -> None:
-    if req.model != served_model_name:
-        raise model_not_found(req.model)
+def check_model(model: str, served_model_name: str) -> None:
+    """404 unless ``model`` is the served model's name (LoRA adapters: ``pdserve.router.lora``)."""
+    if model != served_model_name:
+        raise model_not_found(model)
 
 
 def check_completion_supported(req: CompletionRequest) -> None:

@@ -37,7 +37,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from pdserve.common.protocol import FinishReason, RequestDelta, SamplingParams, TokenLogprob, WorkerRole
+from pdserve.common.protocol import (FinishReason, LoRARequest, RequestDelta, SamplingParams, TokenLogprob,
+                                     WorkerRole)
 from pdserve.common.validation import (EngineLimits, ValidationError, check_context_length, check_prompt_ids,
                                        check_request, prefill_sampling_params)
 from pdserve.router import preprocess
@@ -46,6 +47,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.engine import RequestFailed, RequestHandle, RouterEngine
 from pdserve.router.errors import APIError, bad_request
 from pdserve.router.registry import WorkerInfo
+from pdserve.router.lora import LoRARegistry
 from pdserve.router.logprobs import (TokenEntry, TokenTexts, chat_logprobs, completion_logprobs,
                                      echo_completion_logprobs, prompt_logprobs_json)
 from pdserve.router.metrics import RouterMetrics
@@ -124,12 +126,25 @@ class OpenAIServing:
         self.metrics = metrics
         self.token_texts = TokenTexts(tokenizer)
         self.draining = False  # SIGTERM: refuse new requests, let in-flight ones finish
+        self.loras = LoRARegistry(config.model, config.served_model_name, config.max_lora_rank) \
+            if config.enable_lora else None  # served LoRA adapters (--enable-lora)
+
+    def resolve_model(self, model: str) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, None for the base model.
+
+        Raises:
+            APIError: 404 for a model this router does not serve.
+        """
+        if self.loras is not None:
+            return self.loras.resolve(model)
+        preprocess.check_model(model, self.model_name)
+        return None
 
     # --- endpoints ------------------------------------------------------------------------
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
-        preprocess.check_model(req, self.model_name)
+        self.resolve_model(req.model)  # 404 before any work
         preprocess.check_completion_supported(req)
         prompt_ids = preprocess.completion_prompt_ids(req, self.tokenizer)
         if req.use_beam_search:
@@ -198,7 +213,7 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
-        preprocess.check_model(req, self.model_name)
+        self.resolve_model(req.model)  # 404 before any work
         preprocess.check_chat_supported(req)
         prompt_ids = preprocess.chat_prompt_ids(req, self.tokenizer)
         if req.use_beam_search:
@@ -261,7 +276,8 @@ class OpenAIServing:
                     raise
                 await asyncio.sleep(_WORKER_POLL_S)
         request_id = uuid.uuid4().hex
-        handle = self.engine.submit(request_id, prompt_ids, params, decode_worker, prefill_worker)
+        handle = self.engine.submit(request_id, prompt_ids, params, decode_worker, prefill_worker,
+                                    lora=self.resolve_model(req.model))
         choices = [ChoiceOutput(i, IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop, skip_special_tokens=req.skip_special_tokens,
             min_tokens=params.min_tokens), logprobs=params.logprobs is not None)
