@@ -306,3 +306,39 @@ def test_disaggregated_cluster_serves_quantized_weights_end_to_end(checkpoint, r
             assert choice.text == tok.decode(out, skip_special_tokens=True)
         assert wait_metric_increase(cluster, "pdserve:kv_transfers_total", before, len(long_prompts)) \
             >= len(long_prompts), "the prompts were not prefilled by the prefill worker"
+
+
+def test_lora_adapter_on_int8_weights_matches_peft_on_the_dequantized_model(model_dir, tmp_path):
+    """--enable-lora over int8 base weights (QLoRA-style serving): the adapter's delta is added to the
+    int8 layer's output; the tokens equal peft's on transformers loaded with the dequantized weights."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from pdserve.common.protocol import LoRARequest
+
+    torch.manual_seed(1)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora_config = peft.LoraConfig(init_lora_weights=False, r=8, lora_alpha=16, target_modules="all-linear")
+    peft.get_peft_model(base, lora_config).save_pretrained(str(tmp_path / "adapter"))
+    prompts = [[3 + (7 * i + 5 * j) % 1900 for j in range(20 + 2 * i)] for i in range(4)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    lora = LoRARequest(lora_name="a", lora_int_id=1, lora_path=str(tmp_path / "adapter"))
+    with LLM(model_dir, quantization="int8", enable_lora=True, kv_cache_memory="4MiB", num_threads=1) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=lora, use_tqdm=False)]
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        dequantized = {n: p.qdata.float() * p.scale for n, p in llm.core.runner.model.named_parameters()
+                       if hasattr(p, "qdata")}  # our name -> [out, in]
+    assert got != plain  # the adapter mattered
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = hf.state_dict()
+    for name, weight in dequantized.items():  # our fused layers back into HF's q/k/v and gate/up
+        prefix, fused = name.rsplit(".", 2)[0], name.rsplit(".", 2)[1]
+        parts = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}.get(fused)
+        targets = [state[f"{prefix}.{p}.weight"] for p in parts] if parts else [state[name]]
+        for target, piece in zip(targets, weight.split([t.shape[0] for t in targets])):
+            target.copy_(piece)
+    reference = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        want = [reference.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert got == want
