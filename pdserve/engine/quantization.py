@@ -10,6 +10,11 @@ the TP all-reduce and the batch-invariant padding are unchanged. This is the per
 absmax ("vector-wise") weight quantization of Dettmers et al., "LLM.int8()" (NeurIPS 2022),
 without its activation outliers' int8 matmul: weight-only, as in vLLM's and torchao's W8A16.
 
+``compressed-tensors``: a checkpoint already quantized in that format (``pdserve.engine.
+compressed_tensors``; W8A16 / W4A16, per channel or per group): the loader dequantizes it and keeps
+each layer's scales; ``quantize_model`` rebuilds the same ``Int8Tensor`` from them (scale
+[out_features, num_groups]), holding the checkpoint's int values exactly.
+
 Quantized after loading, so each TP rank quantizes its own shard: a ColumnParallelLinear's
 rows (and their scales) are whole rows of the checkpoint, identical at any TP size; a
 RowParallelLinear's rows are cut along in_features, so each rank's scale is the absmax of its
@@ -42,7 +47,7 @@ from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
 logger = logging.getLogger(__name__)
 
 QUANTIZATION_METHODS = ("int8", "compressed-tensors")
-# (device type, model dtype) pairs --quantization int8 is tested on.
+# (device type, model dtype) pairs quantized weights are tested on.
 _SUPPORTED = {("cpu", torch.float32), ("cpu", torch.bfloat16)}
 
 
