@@ -118,6 +118,14 @@ def test_batch_invariant_rows_keep_their_bits_with_int8_weights():
             assert torch.equal(batch_invariant_linear(x[:m], mod.col.weight)[:1], alone)
 
 
+def test_greedy_agreement_counts_tokens_up_to_the_first_divergence():
+    agree = greedy_agreement([[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]], [[1, 2, 0, 4], [5, 6, 7, 8], [0, 9]])
+    assert (agree.num_prompts, agree.num_identical) == (3, 1)
+    assert agree.mean_prefix_share == pytest.approx((2 / 4 + 1 + 0) / 3)
+    with pytest.raises(ValueError):
+        greedy_agreement([[1]], [])
+
+
 @pytest.fixture(scope="module")
 def prompts(model_dir) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model_dir)
