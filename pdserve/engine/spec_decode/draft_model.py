@@ -63,7 +63,8 @@ class DraftModelProposer:
             target.config, model=model, dtype=dtype, kv_cache_dtype=str(target.kv_cache_dtype).removeprefix("torch."),
             kv_cache_memory=target.num_blocks * block_bytes, max_model_len=target.max_model_len, enforce_eager=True,
             tensor_parallel_size=1, pipeline_parallel_size=1, rank=0, speculative_config=None,
-            enable_lora=False)  # the draft model proposes without adapters; the target verifies with them
+            enable_lora=False,  # the draft model proposes without adapters; the target verifies with them
+            quantization=None)  # the draft's own checkpoint says whether it is quantized (compressed-tensors)
         self.runner = ModelRunner(config)
         assert self.runner.num_blocks == target.num_blocks, (self.runner.num_blocks, target.num_blocks)
         logger.info("draft model %s: %d layers, KV cache %.1f MiB", model, self.runner.num_layers,
