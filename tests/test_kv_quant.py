@@ -336,3 +336,4 @@ def test_the_router_pairs_only_equal_kv_dtypes_and_says_so_at_registration(caplo
     assert p_int8.kv_compatible(d) and not p_f32.kv_compatible(d)
     assert registry.candidates(WorkerRole.PREFILL, lambda w: w.kv_compatible(d)) == [p_int8]
     assert p_f32.to_json(0.0)["kv_cache_dtype"] == "float32"
+
