@@ -337,3 +337,21 @@ def test_the_router_pairs_only_equal_kv_dtypes_and_says_so_at_registration(caplo
     assert registry.candidates(WorkerRole.PREFILL, lambda w: w.kv_compatible(d)) == [p_int8]
     assert p_f32.to_json(0.0)["kv_cache_dtype"] == "float32"
 
+
+
+def test_draft_model_speculation_over_an_int8_cache(model_dir):
+    """The draft model's cache takes the target's KV dtype; greedy speculation stays token-identical."""
+    import json
+
+    prompts = [[5, 17, 300, 41, 9, 77, 5, 17, 300, 41], list(range(100, 130))]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    spec = json.dumps({"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3})
+    with LLM(model_dir, kv_cache_dtype="int8", kv_cache_memory="4MiB") as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(model_dir, kv_cache_dtype="int8", kv_cache_memory="4MiB", speculative_config=spec) as llm:
+        draft = llm.core.proposer.runner
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.scheduler.stats
+    assert got == want
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert draft.kv_cache_format.name == "int8" and draft.kv_cache.dtype == torch.uint8
