@@ -6,8 +6,9 @@ fp8_e4m3, fp8_e5m2) this prints:
 * **greedy agreement** with the float32 cache on the shipped default model
   (``pdserve/models/weights/stdlib-llama-v1``): ``--num-prompts`` (200) prompts cut from the
   standard-library files the model was *not* trained on (64-192 tokens each), ``--max-tokens``
-  (32) greedy tokens each; the share of prompts whose output is identical, and the share of
-  output tokens identical up to each prompt's first divergence;
+  (32) greedy tokens each (eager decode steps, so every dtype runs the same code); the share of
+  prompts whose output is identical, and the share of output tokens identical up to each
+  prompt's first divergence;
 * **logit error**: every prompt extended by the float32 cache's greedy output and scored
   teacher-forced (so every dtype sees the same tokens), the max and mean |logit - float32
   logit| over all those positions, and the share of positions with the same argmax. Scored
@@ -18,6 +19,7 @@ fp8_e4m3, fp8_e5m2) this prints:
   (K and V, every layer and KV head, a quantized row's float32 scale included), for the
   default model and the bench preset, and measured through a real transfer between an
   in-process prefill and decode worker (KV over a gloo pair) on the default model;
+* **decode attention time** of the native kernel alone, one layer at bench-preset shapes;
 * **decode tok/s** on the bench preset (12 layers, 4 KV heads of 64): ``--batch`` (32)
   sequences of 256-512 prompt tokens, eager decode steps (``--compile`` for the compiled
   step), median over ``--steps`` steps.
@@ -89,7 +91,7 @@ def teacher_forced_logits(llm: LLM, sequences: list[list[int]]) -> list[torch.Te
 
 def accuracy(model: str, num_prompts: int, max_tokens: int, dtypes: list[str]) -> dict[str, dict]:
     results: dict[str, dict] = {}
-    base_llm = LLM(model, kv_cache_dtype="float32", kv_cache_memory="256MiB")
+    base_llm = LLM(model, kv_cache_dtype="float32", kv_cache_memory="256MiB", enforce_eager=True)
     prompts = heldout_prompts(base_llm.tokenizer, num_prompts)
     base = greedy(base_llm, prompts, max_tokens)
     base_llm.close()
@@ -99,7 +101,7 @@ def accuracy(model: str, num_prompts: int, max_tokens: int, dtypes: list[str]) -
     ref_llm.close()
     for name in dtypes:
         t0 = time.perf_counter()
-        llm = LLM(model, kv_cache_dtype=name, kv_cache_memory="256MiB")
+        llm = LLM(model, kv_cache_dtype=name, kv_cache_memory="256MiB", enforce_eager=True)
         outs = greedy(llm, prompts, max_tokens)
         llm.close()
         agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(base, outs)]
@@ -176,33 +178,70 @@ def measured_transfer(model: str, name: str, prompt: list[int]) -> tuple[int, in
         ctx.destroy(linger=0)
 
 
-def decode_speed(model: str, name: str, batch: int, steps: int, compile_step: bool) -> float:
-    """Decode tokens/s of ``batch`` sequences (prompts of 256-512 tokens), median step."""
+def decode_speeds(model: str, names: list[str], batch: int, steps: int, compile_step: bool) -> dict[str, float]:
+    """Decode tokens/s per KV dtype: ``batch`` sequences (the same prompts of 256-512 tokens) in one
+    engine per dtype, all built and prefilled first; then their decode steps are timed in turn (one
+    step of each engine per round), so a busy machine's drift hits every dtype alike. Median step."""
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.core import EngineCore
 
-    config = EngineConfig(model=model, kv_cache_memory=2 * 2**30, kv_cache_dtype=name, max_num_seqs=batch,
-                          max_num_batched_tokens=4096, enable_prefix_caching=False, enforce_eager=not compile_step)
-    core = EngineCore(config)
+    cores = {}
     try:
-        rng = random.Random(0)
-        params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
-        vocab = core.runner.vocab_size
-        for i in range(batch):
-            core.add_request(f"r{i}", [rng.randrange(10, vocab) for _ in range(rng.randint(256, 512))], params)
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) \
-                or core.scheduler.waiting:
-            core.step()
-        for _ in range(2):  # warm-up
-            core.step()
-        times = []
+        for name in names:
+            config = EngineConfig(model=model, kv_cache_memory=512 * 2**20, kv_cache_dtype=name, max_num_seqs=batch,
+                                  max_num_batched_tokens=4096, enable_prefix_caching=False,
+                                  enforce_eager=not compile_step)
+            core = cores[name] = EngineCore(config)
+            rng = random.Random(0)
+            params = SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True)
+            vocab = core.runner.vocab_size
+            for i in range(batch):
+                core.add_request(f"r{i}", [rng.randrange(10, vocab) for _ in range(rng.randint(256, 512))], params)
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) \
+                    or core.scheduler.waiting:
+                core.step()
+            for _ in range(2):  # warm-up
+                core.step()
+        times: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(steps):
-            t0 = time.perf_counter()
-            core.step()
-            times.append(time.perf_counter() - t0)
-        return batch / statistics.median(times)
+            for name, core in cores.items():
+                t0 = time.perf_counter()
+                core.step()
+                times[name].append(time.perf_counter() - t0)
+        return {name: batch / statistics.median(t) for name, t in times.items()}
     finally:
-        core.close()
+        for core in cores.values():
+            core.close()
+
+
+def attention_speed(name: str, batch: int, context: int, repeats: int = 20) -> float:
+    """Microseconds of one decode attention call of the native kernel (bench preset shapes: 12 query
+    heads, 4 KV heads of 64; ``batch`` sequences of ``context`` tokens in shuffled blocks of 16), median."""
+    from pdserve.engine.attention import AttentionMetadata, paged_attention
+    from pdserve.engine.kv_cache import allocate_kv_cache
+    from pdserve.engine.kv_quant import kv_cache_format, quantize_rows
+
+    num_heads, num_kv_heads, head_dim, block_size = 12, 4, 64, 16
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = batch * blocks_per_seq + 1
+    fmt = kv_cache_format(name)
+    cache = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim, name, "cpu")[0]
+    values = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache.copy_(quantize_rows(values, fmt) if fmt.quantized else values.to(fmt.storage_dtype))
+    order = list(range(1, num_blocks))
+    random.Random(0).shuffle(order)
+    tables = [order[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]
+    md = AttentionMetadata.build(tables, [context - 1] * batch, [1] * batch, block_size, backend="paged",
+                                 kv_cache_dtype=name)
+    q = torch.randn(batch, num_heads, head_dim)
+    k, v = torch.randn(2, batch, num_kv_heads, head_dim)
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 3):
+            t0 = time.perf_counter()
+            paged_attention(q, k, v, cache, md, head_dim ** -0.5)
+            times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times[3:])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,6 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true", help="time the compiled decode step (default: eager)")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-bytes", action="store_true")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
     model = args.model or str(shipped_model_dir())
@@ -231,11 +271,12 @@ def main(argv: list[str] | None = None) -> None:
     bench = str(ensure_default_model("bench"))
     bcfg = AutoConfig.from_pretrained(bench)
     bshape = (bcfg.num_hidden_layers, bcfg.num_key_value_heads, bcfg.hidden_size // bcfg.num_attention_heads)
-    print(f"bytes per prompt token moved by the KV transfer (default model {shape}, bench preset {bshape}):")
     from transformers import AutoTokenizer
     prompt = heldout_prompts(AutoTokenizer.from_pretrained(model), 1, seed=7)[0] * 2  # 2 windows
     figures["bytes_per_token"] = {}
-    for name in args.dtypes:
+    if not args.skip_bytes:
+        print(f"bytes per prompt token moved by the KV transfer (default model {shape}, bench preset {bshape}):")
+    for name in [] if args.skip_bytes else args.dtypes:
         moved, num_tokens = measured_transfer(model, name, prompt)
         row = {"default_model": bytes_per_token(*shape, name), "bench_preset": bytes_per_token(*bshape, name),
                "measured_default_model": moved / num_tokens}
@@ -250,12 +291,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"accuracy against the float32 cache: {args.num_prompts} prompts, {args.max_tokens} greedy tokens")
         figures["accuracy"] = accuracy(model, args.num_prompts, args.max_tokens, args.dtypes)
     if not args.skip_speed:
-        print(f"decode tok/s on the bench preset, batch {args.batch}, prompts 256-512 tokens "
-              f"({'compiled' if args.compile else 'eager'}), median of {args.steps} steps:")
-        figures["decode_tok_s"] = {}
+        print(f"decode attention alone (native kernel, one layer, batch {args.batch}, 512 tokens of context, bench "
+              f"preset heads), median:")
+        figures["attention_us"] = {}
         for name in args.dtypes:
-            tok_s = decode_speed(bench, name, args.batch, args.steps, args.compile)
-            figures["decode_tok_s"][name] = tok_s
+            us = attention_speed(name, args.batch, 512)
+            figures["attention_us"][name] = us
+            print(f"  {name:9s} {us:8.0f} us", flush=True)
+        print(f"decode tok/s on the bench preset, batch {args.batch}, prompts 256-512 tokens "
+              f"({'compiled' if args.compile else 'eager'}), median of {args.steps} steps, dtypes in turn:")
+        figures["decode_tok_s"] = decode_speeds(bench, args.dtypes, args.batch, args.steps, args.compile)
+        for name, tok_s in figures["decode_tok_s"].items():
             print(f"  {name:9s} {tok_s:6.1f} tok/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:

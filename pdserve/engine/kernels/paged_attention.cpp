@@ -42,6 +42,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -63,20 +66,36 @@ template <typename T> struct Packed { static constexpr bool value = false; };
 template <> struct Packed<QInt8> { static constexpr bool value = true; };
 template <> struct Packed<QE4M3> { static constexpr bool value = true; };
 template <> struct Packed<QE5M2> { static constexpr bool value = true; };
-typedef int8_t v8i8 __attribute__((vector_size(8)));
-typedef uint8_t v8u8 __attribute__((vector_size(8)));
-
-inline v8 load8(const QInt8* p) {  // 8 int8 -> 8 float32 (unscaled)
-  v8i8 b; std::memcpy(&b, p, sizeof(b));
-  return __builtin_convertvector(b, v8);
+// Widening 8 bytes to 8 lanes: GCC's __builtin_convertvector from an 8-byte vector goes through
+// scalar registers, 2.5x slower than the float32 kernel in all; AVX2 has one instruction for it.
+inline v8 widen_i8_to_float(const void* p) {
+#ifdef __AVX2__
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
+  v8 v; std::memcpy(&v, &f, sizeof(v)); return v;
+#else
+  int8_t b[8]; std::memcpy(b, p, sizeof(b));
+  v8 v; for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(b[i]);
+  return v;
+#endif
 }
+inline v8u32 widen_u8(const void* p) {
+#ifdef __AVX2__
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
+  v8u32 v; std::memcpy(&v, &w, sizeof(v)); return v;
+#else
+  uint8_t b[8]; std::memcpy(b, p, sizeof(b));
+  v8u32 v; for (int i = 0; i < 8; ++i) v[i] = b[i];
+  return v;
+#endif
+}
+
+inline v8 load8(const QInt8* p) { return widen_i8_to_float(p); }  // 8 int8 -> 8 float32 (unscaled)
 // 8 fp8 values with `mant` mantissa bits and exponent bias `bias` -> 8 float32: |x|'s bits shifted so
 // its exponent and mantissa fields line up with float32's, then times 2^(127 - bias), which moves the
 // exponent from fp8's bias to float32's (fp8 subnormals land on float32 subnormals and come out right).
 template <int mant, int bias>
 inline v8 fp8_to_float(const uint8_t* p) {
-  v8u8 b; std::memcpy(&b, p, sizeof(b));
-  const v8u32 w = __builtin_convertvector(b, v8u32);
+  const v8u32 w = widen_u8(p);
   const v8u32 bits = ((w & 0x7fu) << (23 - mant)) | ((w & 0x80u) << 24);
   v8 v; std::memcpy(&v, &bits, sizeof(v));
   return v * __builtin_ldexpf(1.0f, 127 - bias);
