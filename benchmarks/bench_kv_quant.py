@@ -19,7 +19,8 @@ fp8_e4m3, fp8_e5m2) this prints:
   (K and V, every layer and KV head, a quantized row's float32 scale included), for the
   default model and the bench preset, and measured through a real transfer between an
   in-process prefill and decode worker (KV over a gloo pair) on the default model;
-* **decode attention time** of the native kernel alone, one layer at bench-preset shapes;
+* **decode attention time** of the native kernel alone, one thread, one layer at bench-preset
+  shapes, 256 and 1024 tokens of context;
 * **decode tok/s** on the bench preset (12 layers, 4 KV heads of 64): ``--batch`` (32)
   sequences of 256-512 prompt tokens, eager decode steps (``--compile`` for the compiled
   step), median over ``--steps`` steps.
@@ -214,9 +215,11 @@ def decode_speeds(model: str, names: list[str], batch: int, steps: int, compile_
             core.close()
 
 
-def attention_speed(name: str, batch: int, context: int, repeats: int = 20) -> float:
-    """Microseconds of one decode attention call of the native kernel (bench preset shapes: 12 query
-    heads, 4 KV heads of 64; ``batch`` sequences of ``context`` tokens in shuffled blocks of 16), median."""
+def attention_speeds(names: list[str], batch: int, context: int, repeats: int = 20) -> dict[str, float]:
+    """Microseconds of one decode attention call of the native kernel per KV dtype, on one thread
+    (bench preset shapes: 12 query heads, 4 KV heads of 64; ``batch`` sequences of ``context`` tokens
+    in shuffled blocks of 16; the new tokens' K/V written, quantized, first). The dtypes take turns
+    call by call, so a busy machine's drift hits all alike; median."""
     from pdserve.engine.attention import AttentionMetadata, paged_attention
     from pdserve.engine.kv_cache import allocate_kv_cache
     from pdserve.engine.kv_quant import kv_cache_format, quantize_rows
@@ -224,24 +227,34 @@ def attention_speed(name: str, batch: int, context: int, repeats: int = 20) -> f
     num_heads, num_kv_heads, head_dim, block_size = 12, 4, 64, 16
     blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 1
-    fmt = kv_cache_format(name)
-    cache = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim, name, "cpu")[0]
-    values = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
-    cache.copy_(quantize_rows(values, fmt) if fmt.quantized else values.to(fmt.storage_dtype))
     order = list(range(1, num_blocks))
     random.Random(0).shuffle(order)
     tables = [order[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]
-    md = AttentionMetadata.build(tables, [context - 1] * batch, [1] * batch, block_size, backend="paged",
-                                 kv_cache_dtype=name)
+    values = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
     q = torch.randn(batch, num_heads, head_dim)
     k, v = torch.randn(2, batch, num_kv_heads, head_dim)
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats + 3):
-            t0 = time.perf_counter()
-            paged_attention(q, k, v, cache, md, head_dim ** -0.5)
-            times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times[3:])
+    runs = {}
+    for name in names:
+        fmt = kv_cache_format(name)
+        cache = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim, name, "cpu")[0]
+        cache.copy_(quantize_rows(values, fmt) if fmt.quantized else values.to(fmt.storage_dtype))
+        md = AttentionMetadata.build(tables, [context - 1] * batch, [1] * batch, block_size, backend="paged",
+                                     kv_cache_dtype=name)
+        runs[name] = (cache, md)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            for i in range(repeats + 3):
+                for name, (cache, md) in runs.items():
+                    t0 = time.perf_counter()
+                    paged_attention(q, k, v, cache, md, head_dim ** -0.5)
+                    if i >= 3:
+                        times[name].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return {name: 1e6 * statistics.median(t) for name, t in times.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -258,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true", help="time the compiled decode step (default: eager)")
     ap.add_argument("--skip-accuracy", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-decode", action="store_true", help="no decode tok/s (the kernel timing still runs)")
     ap.add_argument("--skip-bytes", action="store_true")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args(argv)
@@ -291,13 +305,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"accuracy against the float32 cache: {args.num_prompts} prompts, {args.max_tokens} greedy tokens")
         figures["accuracy"] = accuracy(model, args.num_prompts, args.max_tokens, args.dtypes)
     if not args.skip_speed:
-        print(f"decode attention alone (native kernel, one layer, batch {args.batch}, 512 tokens of context, bench "
-              f"preset heads), median:")
         figures["attention_us"] = {}
-        for name in args.dtypes:
-            us = attention_speed(name, args.batch, 512)
-            figures["attention_us"][name] = us
-            print(f"  {name:9s} {us:8.0f} us", flush=True)
+        for context in (256, 1024):
+            print(f"decode attention alone (native kernel, one thread, one layer, batch {args.batch}, {context} "
+                  f"tokens of context, bench preset heads), median, dtypes in turn:")
+            figures["attention_us"][context] = attention_speeds(args.dtypes, args.batch, context)
+            for name, us in figures["attention_us"][context].items():
+                print(f"  {name:9s} {us:8.0f} us", flush=True)
+    if not args.skip_speed and not args.skip_decode:
         print(f"decode tok/s on the bench preset, batch {args.batch}, prompts 256-512 tokens "
               f"({'compiled' if args.compile else 'eager'}), median of {args.steps} steps, dtypes in turn:")
         figures["decode_tok_s"] = decode_speeds(bench, args.dtypes, args.batch, args.steps, args.compile)
