@@ -37,3 +37,21 @@ def test_compiled_logprobs_match_eager(model_dir, compiled, prompts):  # noqa: F
             assert lg.top_token_ids == lw.top_token_ids
             assert abs(lg.logprob - lw.logprob) < 1e-4
             assert all(abs(a - b) < 1e-4 for a, b in zip(lg.top_logprobs, lw.top_logprobs))
+
+
+def test_compiled_decode_step_over_an_int8_cache_matches_eager(model_dir):
+    """torch.compile'd decode step: the opaque decode op takes the uint8 cache and the KV dtype name."""
+    prompts = [[5, 17, 300, 41, 9, 77], list(range(100, 137))]
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
+    outputs = {}
+    for eager in (True, False):
+        llm = LLM(model_dir, kv_cache_dtype="int8", kv_cache_memory="1MiB", enforce_eager=eager)
+        try:
+            assert (llm.core.runner._compiled_decode is None) == eager
+            outputs[eager] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.close()
+    for want, got in zip(outputs[True], outputs[False]):
+        assert got.token_ids == want.token_ids
+        for lw, lg in zip(want.logprobs, got.logprobs):
+            assert abs(lg.logprob - lw.logprob) < 1e-4

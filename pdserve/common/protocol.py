@@ -174,6 +174,9 @@ class KVLayout(_Msg):
     pipeline_parallel_size: int = 1
     num_layers: int = 0  # the model's, in total
     num_kv_heads: int = 0  # the model's, in total
+    # The KV cache dtype name (float32, bfloat16, float16, int8, fp8_e4m3, fp8_e5m2; see engine.kv_quant);
+    # a prefill and a decode worker pair only when theirs are equal. None: not said (an older worker).
+    kv_cache_dtype: str | None = None
 
 
 class RegisterWorker(_Msg):
@@ -307,7 +310,10 @@ class KVTransferHeader(_Msg):
 
     The tensors follow on the pair's process group, one per layer, in layer
     order, each of shape ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-    and dtype ``dtype`` (a torch dtype name such as ``"float32"``).
+    and dtype ``dtype``: the KV cache dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``,
+    or a quantized ``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, whose tensors are uint8 with a last
+    axis of ``head_dim + 4`` bytes: the quantized row, then its float32 scale). ``head_dim`` is
+    always the model's (``pdserve.kvtransfer.wire``).
     """
 
     request_id: str

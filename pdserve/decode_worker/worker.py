@@ -38,7 +38,7 @@ from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.common.sharding import KVPiece
 from pdserve.engine.worker_base import WorkerBase, error_delta, rejection_delta
-from pdserve.kvtransfer.agent import layout_spec, pieces_for
+from pdserve.kvtransfer.agent import check_kv_dtype, layout_spec, pieces_for
 from pdserve.kvtransfer.wire import dtype_name
 
 logger = logging.getLogger(__name__)
@@ -101,8 +101,9 @@ class DecodeWorker(WorkerBase):
         if remote:
             try:
                 spec = self.kv_layout_spec
+                check_kv_dtype(msg.prefill_worker_id, msg.prefill_layout, self.runner.kv_cache_format.name)
                 pieces = pieces_for(layout_spec(msg.prefill_layout, spec.num_layers, spec.num_kv_heads), spec)
-            except ValueError as e:  # the prefill worker runs another model: prefill here
+            except ValueError as e:  # the prefill worker runs another model or KV dtype: prefill here
                 logger.warning("request %s: %s; prefilling locally", msg.request_id, e)
                 remote = False
         try:
@@ -154,7 +155,7 @@ class DecodeWorker(WorkerBase):
         num_blocks = len(request.block_table) - request.num_cached_tokens // self.runner.block_size
         want = None if piece is None else (piece.slice.layer_start, piece.slice.num_layers, piece.slice.head_start,
                                            piece.slice.num_heads, num_blocks, self.runner.block_size,
-                                           self.runner.head_dim, dtype_name(self.runner.kv_cache_dtype))
+                                           self.runner.head_dim, dtype_name(self.runner.kv_cache_format.name))
         got = (header.first_layer, header.num_layers, header.first_kv_head, header.num_kv_heads, header.num_blocks,
                header.block_size, header.head_dim, header.dtype)
         if got != want:

@@ -8,6 +8,15 @@ and one layer's slice is ``kv_cache_layer: [2, num_blocks, block_size, num_kv_he
 A token's K/V lives at slot ``s = block_id * block_size + offset``. A sequence's
 ``block_table`` lists the block ids that hold its tokens, in order.
 
+A quantized cache (``AttentionMetadata.kv_cache_dtype`` ``int8`` / ``fp8_e4m3`` / ``fp8_e5m2``)
+is uint8 with rows of ``head_dim + 4`` bytes, each the quantized K or V row and its float32
+scale (``pdserve.engine.kv_quant``). ``write_kv_cache`` quantizes as it writes and both
+backends dequantize as they read (the native kernel folds a K row's scale into its score and
+a V row's into its softmax weight). Every query row attends over what the cache holds, the
+dequantized K/V, fresh prefills included (as vLLM's fp8 cache does): so a prefill worker's
+first token, the decode worker that receives its KV, and a colocated worker all see the same
+keys and values, and the accuracy measured is the quantized cache's.
+
 The algorithm is PagedAttention (Kwon et al., "Efficient Memory Management for
 Large Language Model Serving with PagedAttention", SOSP'23; the vLLM project).
 Two backends compute the same thing:
@@ -31,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.kernels import KV_DTYPE_CODES, load_paged_attention
+from pdserve.engine.kv_quant import dequantize_rows, kv_cache_format, quantize_rows
 
 
 @dataclass
@@ -52,6 +62,9 @@ class AttentionMetadata:
     # paged: every query row through the kernel, fresh prefills too (never SDPA), so a row's result
     # depends only on its sequence's cached K/V, not on the batch or the chunking (--batch-invariant).
     batch_invariant: bool = False
+    # The cache's KV dtype name when it is quantized (int8, fp8_e4m3, fp8_e5m2; see kv_quant); None: the
+    # cache tensor's own dtype (a plain float cache).
+    kv_cache_dtype: str | None = None
     # Derived once per forward by paged_attention and shared by all layers (see _plan, _native_plan).
     _groups: list["_Group"] | None = field(default=None, init=False, repr=False, compare=False)
     _native: "_NativePlan | None" = field(default=None, init=False, repr=False, compare=False)
@@ -65,11 +78,13 @@ class AttentionMetadata:
         block_size: int,
         device: str | torch.device = "cpu",
         backend: str = "reference",
+        kv_cache_dtype: str | None = None,
     ) -> "AttentionMetadata":
         """Build metadata from per-sequence Python lists (a convenience for tests and runners).
 
         block_tables[i]: block ids of sequence i (must cover all its num_computed + num_new tokens);
-        num_computed_tokens[i]: tokens already in the cache; num_new_tokens[i]: tokens in this step.
+        num_computed_tokens[i]: tokens already in the cache; num_new_tokens[i]: tokens in this step;
+        kv_cache_dtype: a quantized KV dtype name, or None for a plain cache.
         """
         slots: list[int] = []
         for table, start, n in zip(block_tables, num_computed_tokens, num_new_tokens):
@@ -93,7 +108,15 @@ class AttentionMetadata:
             max_query_len=max(num_new_tokens, default=0),
             max_seq_len=max(seq_lens, default=0),
             backend=backend,
+            kv_cache_dtype=_quantized_name(kv_cache_dtype),
         )
+
+
+def _quantized_name(kv_cache_dtype: str | None) -> str | None:
+    """``kv_cache_dtype`` if it names a quantized format, else None (ValueError if unknown)."""
+    if kv_cache_dtype is None or not kv_cache_format(kv_cache_dtype).quantized:
+        return None
+    return kv_cache_dtype
 
 
 def write_kv_cache(
@@ -101,15 +124,25 @@ def write_kv_cache(
     value: torch.Tensor,
     kv_cache_layer: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_cache_dtype: str | None = None,
 ) -> None:
-    """Scatter new K/V into the paged cache in place.
+    """Scatter new K/V into the paged cache in place (quantizing them for a quantized cache).
 
     key, value: [num_tokens, num_kv_heads, head_dim];
-    kv_cache_layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (contiguous);
+    kv_cache_layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (contiguous), or for a
+    quantized ``kv_cache_dtype`` uint8 [2, num_blocks, block_size, num_kv_heads, head_dim + 4];
     slot_mapping: [num_tokens] int64, every entry a valid slot.
     """
-    _, _, _, num_kv_heads, head_dim = kv_cache_layer.shape
-    flat = kv_cache_layer.view(2, -1, num_kv_heads, head_dim)  # (2, num_slots, H_kv, D)
+    _, _, _, num_kv_heads, row_len = kv_cache_layer.shape
+    flat = kv_cache_layer.view(2, -1, num_kv_heads, row_len)  # (2, num_slots, H_kv, D or D + 4)
+    if kv_cache_dtype is not None:
+        fmt = kv_cache_format(kv_cache_dtype)
+        if fmt.quantized:
+            # K and V rows in one quantize call: (2, N, H_kv, D) -> (2, N, H_kv, D + 4) uint8
+            packed = quantize_rows(torch.stack((key, value)), fmt)
+            flat[0].index_copy_(0, slot_mapping, packed[0])
+            flat[1].index_copy_(0, slot_mapping, packed[1])
+            return
     flat[0].index_copy_(0, slot_mapping, key.to(flat.dtype))
     flat[1].index_copy_(0, slot_mapping, value.to(flat.dtype))
 
@@ -190,31 +223,34 @@ def paged_attention(
         kv_cache, index = (kv_cache_layer, layer) if layer is not None else (kv_cache_layer[None], 0)
         return torch.ops.pdserve.paged_decode_attention(query, key, value, kv_cache, index, metadata.slot_mapping,
                                                         metadata.block_tables, metadata.seq_lens,
-                                                        metadata.query_start_loc, scale, sliding_window or 0)
+                                                        metadata.query_start_loc, scale, sliding_window or 0,
+                                                        metadata.kv_cache_dtype or "")
     if layer is not None:
         kv_cache_layer = kv_cache_layer[layer]
-    write_kv_cache(key, value, kv_cache_layer, metadata.slot_mapping)
+    write_kv_cache(key, value, kv_cache_layer, metadata.slot_mapping, metadata.kv_cache_dtype)
     if metadata.backend == "paged":
         return _attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window)
     groups = _plan(metadata)
+    kv_dtype = metadata.kv_cache_dtype
     if len(groups) == 1:
         g = groups[0]
         return _attend_padded(query, kv_cache_layer, metadata.block_tables, metadata.seq_lens,
-                              g.query_start_loc, g.max_query_len, g.max_seq_len, scale, sliding_window)
+                              g.query_start_loc, g.max_query_len, g.max_seq_len, scale, sliding_window, kv_dtype)
     out = torch.empty_like(query)  # (N, H, D)
     for g in groups:
         part = _attend_padded(query[g.token_ids], kv_cache_layer, metadata.block_tables[g.seq_ids],
                               metadata.seq_lens[g.seq_ids], g.query_start_loc, g.max_query_len,
-                              g.max_seq_len, scale, sliding_window)
+                              g.max_seq_len, scale, sliding_window, kv_dtype)
         out.index_copy_(0, g.token_ids, part)
     return out
 
 
-def select_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype, head_dim: int = 64) -> str:
+def select_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | str, head_dim: int = 64) -> str:
     """The attention backend for ``name`` (``auto`` | ``paged`` | ``reference``) on this device.
 
     ``auto`` is ``paged`` on CPU when the native kernel builds and supports the KV dtype
-    (float32, bfloat16) and head_dim (a multiple of 8), else ``reference``.
+    (a torch dtype or KV dtype name: float32, bfloat16, int8, fp8_e4m3, fp8_e5m2) and
+    head_dim (a multiple of 8), else ``reference``.
 
     Raises:
         ValueError: an unknown name, or ``paged`` where it cannot run.
@@ -223,7 +259,8 @@ def select_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype,
         raise ValueError(f"unknown attention backend {name!r}; choose from auto, paged, reference")
     if name == "reference":
         return name
-    usable = device.type == "cpu" and kv_cache_dtype in KV_DTYPE_CODES and head_dim % 8 == 0
+    kv_name = str(kv_cache_dtype).removeprefix("torch.")
+    usable = device.type == "cpu" and kv_name in KV_DTYPE_CODES and head_dim % 8 == 0
     if usable and load_paged_attention() is None:
         usable = False
     if name == "paged" and not usable:
@@ -253,7 +290,8 @@ def _native_plan(metadata: AttentionMetadata, sliding_window: int | None) -> _Na
     so a row's result depends on its position and its sequence's K/V alone. SDPA over a fresh
     prompt reduces in another order than the kernel over the same prompt in chunks."""
     if metadata.max_query_len <= 1 or sliding_window is not None or metadata.batch_invariant:
-        # decode only, a window, or batch-invariant: the kernel takes every row
+        # decode only, a window, or batch-invariant: the kernel takes every row. (A quantized cache's
+        # fresh prefills do go to SDPA, over their K/V as the cache holds them: see _attend_native.)
         return _NativePlan([], None)
     if metadata._native is not None:
         return metadata._native
@@ -274,32 +312,38 @@ def _native_plan(metadata: AttentionMetadata, sliding_window: int | None) -> _Na
 @torch.library.custom_op("pdserve::paged_decode_attention", mutates_args=("kv_cache",))
 def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           query_start_loc: torch.Tensor, scale: float, sliding_window: int) -> torch.Tensor:
+                           query_start_loc: torch.Tensor, scale: float, sliding_window: int,
+                           kv_cache_dtype: str = "") -> torch.Tensor:
     """Decode-only paged attention as one torch op (``torch.ops.pdserve.paged_decode_attention``):
     writes the new K/V into layer ``layer`` of ``kv_cache`` and attends through the native kernel.
 
-    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; other shapes as
-    ``paged_attention`` with one query token per sequence; sliding_window 0 = none. An op of
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (for a quantized
+    ``kv_cache_dtype``, uint8 with head_dim + 4 bytes per row); other shapes as ``paged_attention``
+    with one query token per sequence; sliding_window 0 = none; kv_cache_dtype "" = a plain cache. An op of
     its own so that a compiled step (torch.compile) treats it as one opaque call that mutates
     the cache in place, never a copy of it. It takes the whole cache and an index because
     inductor (torch 2.13) loses the storage offset of a view passed to a mutating custom op.
     """
     kv_cache_layer = kv_cache[layer]
-    write_kv_cache(key, value, kv_cache_layer, slot_mapping)
+    kv_dtype = kv_cache_dtype or None
+    write_kv_cache(key, value, kv_cache_layer, slot_mapping, kv_dtype)
     metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=1,
-                                 max_seq_len=0, backend="paged")
+                                 max_seq_len=0, backend="paged", kv_cache_dtype=kv_dtype)
     return _attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window or None)
 
 
 @paged_decode_attention.register_fake
 def _(query, key, value, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-      sliding_window):
+      sliding_window, kv_cache_dtype=""):
     return query.new_empty(query.shape)  # contiguous, as the real op's output (whatever query's strides)
 
 
 def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
                    metadata: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """The ``paged`` backend (CPU): shapes as ``paged_attention``; K/V are already in the cache."""
+    """The ``paged`` backend (CPU): shapes as ``paged_attention``; K/V are already in the cache.
+
+    A fresh prefill's SDPA takes its K/V as the cache holds them: for a quantized cache, its
+    rows read back and dequantized (so it sees what the kernel, and a decode worker, would)."""
     num_tokens, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache_layer.shape
     if not (kv_cache_layer.is_contiguous() and metadata.block_tables.is_contiguous()
@@ -313,7 +357,7 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         tables, seq_lens, qsl = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
         with torch.profiler.record_function("pdserve::paged_attention"):
             rc = load_paged_attention().pdserve_paged_attention(
-                out.data_ptr(), q.data_ptr(), kv_cache_layer.data_ptr(), KV_DTYPE_CODES[kv_cache_layer.dtype],
+                out.data_ptr(), q.data_ptr(), kv_cache_layer.data_ptr(), _kernel_dtype_code(kv_cache_layer, metadata),
                 tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(),
                 plan.skip.data_ptr() if plan.skip is not None else None, num_seqs, num_heads, num_kv_heads,
                 head_dim, block_size, num_blocks, scale, sliding_window or 0, torch.get_num_threads())
@@ -321,6 +365,11 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             raise ValueError(f"paged attention kernel rejected its inputs (code {rc}): {num_heads} heads, "
                              f"{num_kv_heads} KV heads")
     num_rep = num_heads // num_kv_heads
+    if plan.fresh and metadata.kv_cache_dtype is not None:  # the new K/V as the cache holds them
+        fmt = kv_cache_format(metadata.kv_cache_dtype)
+        flat = kv_cache_layer.view(2, -1, num_kv_heads, kv_cache_layer.shape[-1])  # (2, num_slots, H_kv, D + 4)
+        kv_new = dequantize_rows(flat[:, metadata.slot_mapping], fmt, query.dtype)  # (2, N, H_kv, D)
+        key, value = kv_new[0], kv_new[1]
     for begin, end in plan.fresh:  # causal attention over the sequence's own new K/V
         # 4-D inputs with the KV heads repeated: that is what reaches torch's flash kernel on CPU
         # (3-D inputs or enable_gqa fall back to the math path, 3-4x slower on a 512-token prompt).
@@ -330,6 +379,14 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale)  # (1, H, L, D)
         out[begin:end] = o_s[0].transpose(0, 1)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def _kernel_dtype_code(kv_cache_layer: torch.Tensor, metadata: AttentionMetadata) -> int:
+    """The native kernel's code for the cache's element type (ValueError if it has none)."""
+    name = metadata.kv_cache_dtype or str(kv_cache_layer.dtype).removeprefix("torch.")
+    if name not in KV_DTYPE_CODES:
+        raise ValueError(f"the paged attention kernel does not read a {name} KV cache")
+    return KV_DTYPE_CODES[name]
 
 
 def _attend_padded(
@@ -342,10 +399,12 @@ def _attend_padded(
     max_seq_len: int,
     scale: float,
     sliding_window: int | None,
+    kv_cache_dtype: str | None = None,
 ) -> torch.Tensor:
     """Attention for num_seqs sequences whose K/V are already in the cache.
 
     query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+    A quantized ``kv_cache_dtype``'s gathered rows are dequantized to the query's dtype.
     Queries are padded to (num_seqs, max_query_len), each sequence's context is gathered
     through its block table (one gather for the whole batch), and a boolean mask allows key
     position k for query position p iff k <= p (and p - k < sliding_window when set).
@@ -382,6 +441,8 @@ def _attend_padded(
     num_blocks_used = -(-max_seq_len // block_size)
     tables = block_tables[:, :num_blocks_used]  # (S, B)
     kv = kv_cache_layer[:, tables]  # (2, S, B, block_size, H_kv, D): a fresh contiguous copy
+    if kv_cache_dtype is not None:  # (2, S, B, block_size, H_kv, D + 4) uint8 -> (..., D) query dtype
+        kv = dequantize_rows(kv, kv_cache_format(kv_cache_dtype), query.dtype)
     max_k = num_blocks_used * block_size
     kv = kv.view(2, num_seqs, max_k, num_kv_heads, head_dim)  # (2, S, Tk, H_kv, D)
     # Slots past a sequence's length (tail of its last block, padded table entries) hold stale

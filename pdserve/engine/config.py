@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from pdserve.common.utils import parse_cpu_list, parse_size
+from pdserve.engine.kv_quant import KV_CACHE_DTYPE_CHOICES
 from pdserve.engine.parallel import ParallelConfig
 from pdserve.engine.quantization import QUANTIZATION_METHODS, check_quantization_name
 
@@ -19,8 +20,9 @@ class EngineConfig:
         model: Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer).
         dtype: ``auto`` (the checkpoint's torch_dtype, float32 on a CPU without native bf16;
             see ``pdserve.common.utils.resolve_dtype``), ``float32``, ``bfloat16``, ``float16``.
-        kv_cache_dtype: ``auto`` (the model dtype) or a dtype name; what the KV cache (and the
-            KV transfer) holds.
+        kv_cache_dtype: ``auto`` (the model dtype), ``float32``, ``bfloat16``, ``float16``, or a
+            quantized format, ``int8``, ``fp8_e4m3``, ``fp8_e5m2`` (per-token-head scales; see
+            ``pdserve.engine.kv_quant``); what the KV cache (and the KV transfer) holds.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
         block_size: token slots per KV block.
         kv_cache_memory: KV cache budget in bytes (``--kv-cache-memory 2GiB``).
@@ -107,6 +109,9 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.speculative_config is not None:
             self.speculative  # noqa: B018  a bad config fails here, before any rank starts
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose from "
+                             f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if self.batch_invariant and self.attention_backend == "reference":
@@ -147,8 +152,10 @@ class EngineConfig:
         g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="model dtype; auto: the checkpoint's torch_dtype, float32 on a CPU without native "
                             "bf16 (AVX-512 BF16 / AMX)")
-        g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                       help="KV cache dtype (auto: the model's); the KV transfer carries it in its header")
+        g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPE_CHOICES),
+                       help="KV cache dtype (auto: the model's); int8 / fp8_e4m3 / fp8_e5m2 store quantized rows "
+                            "with per-token-head scales (about 4x fewer bytes than float32); the KV transfer "
+                            "ships the cache's bytes as they are and says the dtype in its header")
         g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--kv-cache-memory", type=parse_size, default="512MiB", help="KV cache budget, e.g. 2GiB")

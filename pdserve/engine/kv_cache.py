@@ -5,7 +5,9 @@ Layout (one tensor per worker rank)::
     kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
                index 1 of dim 1: 0 = K, 1 = V
 
-Token slot ``s = block_id * block_size + offset`` addresses
+A quantized cache (``--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2``) is ``torch.uint8`` with
+rows of ``head_dim + 4`` bytes: the quantized values, then the row's float32 scale
+(``pdserve.engine.kv_quant``). Token slot ``s = block_id * block_size + offset`` addresses
 ``kv_cache[layer, :, block_id, offset]``; see ``pdserve.engine.attention``.
 """
 
@@ -13,11 +15,17 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.kv_quant import kv_cache_format
 
-def kv_cache_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return num_layers * 2 * block_size * num_kv_heads * head_dim * elem
+
+def kv_cache_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype | str) -> int:
+    """Bytes one block takes across all layers (K and V), scales included.
+
+    dtype: a torch dtype or a KV cache dtype name (``int8``, ``fp8_e4m3``, ...).
+    Raises ValueError for an unknown name.
+    """
+    return num_layers * 2 * block_size * num_kv_heads * kv_cache_format(dtype).bytes_per_row(head_dim)
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
@@ -41,17 +49,24 @@ def allocate_kv_cache(
     block_size: int,
     num_kv_heads: int,
     head_dim: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     device: torch.device | str,
 ) -> torch.Tensor:
-    """Preallocate the zeroed cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
-    return torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    """Preallocate the zeroed cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    dtype: a torch dtype or a KV cache dtype name; a quantized one gives
+    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim + 4]`` uint8 (zero rows, scale 0).
+    """
+    fmt = kv_cache_format(dtype)
+    return torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, fmt.row_len(head_dim)),
+                       dtype=fmt.storage_dtype, device=device)
 
 
 def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
     """Copy whole blocks (all layers, K and V): ``kv_cache[:, :, dst] = kv_cache[:, :, src]``.
 
-    Used for copy-on-write before a request writes into a block it shares.
+    Used for copy-on-write before a request writes into a block it shares. Quantized rows
+    carry their scales, so a copy moves both.
     """
     src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=kv_cache.device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=kv_cache.device)

@@ -26,6 +26,7 @@ from pdserve.common.utils import format_cpu_list, pin_to_cores, resolve_device, 
 from pdserve.engine.attention import AttentionMetadata, select_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
+from pdserve.engine.kv_quant import resolve_kv_cache_format
 from pdserve.engine.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
 from pdserve.engine.outputs import ModelRunnerOutput
@@ -112,7 +113,11 @@ class ModelRunner:
 
     Attributes:
         kv_cache: this rank's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-            (its pipeline stage's layers, its TP rank's KV heads).
+            (its pipeline stage's layers, its TP rank's KV heads); with a quantized
+            ``--kv-cache-dtype``, uint8 rows of head_dim + 4 bytes (``pdserve.engine.kv_quant``).
+        kv_cache_format: the cache's ``KVCacheFormat``; ``kv_cache_format.name`` is the KV dtype
+            name peers see (transfer headers, ``KVLayout``).
+        kv_cache_dtype: the cache tensor's torch dtype (torch.uint8 for a quantized cache).
         num_blocks (the same on every rank), block_size, max_model_len, vocab_size, eos_token_ids.
     """
 
@@ -122,10 +127,10 @@ class ModelRunner:
         self.device = ranks.device if ranks is not None else resolve_device(config.device)
         hf_config = AutoConfig.from_pretrained(config.model)
         self.dtype, why = resolve_dtype(config.dtype, self.device, _checkpoint_dtype(config.model))
-        self.kv_cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else \
-            resolve_dtype(config.kv_cache_dtype, self.device)[0]
-        logger.info("dtype %s (%s); KV cache %s", str(self.dtype).removeprefix("torch."), why,
-                    str(self.kv_cache_dtype).removeprefix("torch."))
+        self.kv_cache_format = resolve_kv_cache_format(config.kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype = self.kv_cache_format.storage_dtype
+        kv_name = self.kv_cache_format.name
+        logger.info("dtype %s (%s); KV cache %s", str(self.dtype).removeprefix("torch."), why, kv_name)
         if self.device.type == "cpu":
             self.cpu_cores = pin_to_cores(config.cpu_cores, config.num_threads, config.rank, config.parallel.world_size)
             logger.info("%d torch threads on cores %s", torch.get_num_threads(), format_cpu_list(self.cpu_cores))
@@ -150,27 +155,29 @@ class ModelRunner:
         self.hidden_size = int(hf_config.hidden_size)
         self.eos_token_ids = read_eos_token_ids(config.model, hf_config)
         # Salts prefix-cache hashes: KV from another model, dtype or quantization must never be a hit.
-        self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{self.kv_cache_dtype}|"
+        kv_salt = kv_name if self.kv_cache_format.quantized else self.kv_cache_dtype  # as before for plain caches
+        self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{kv_salt}|"
                                             f"{self.quantization}|{hf_config.to_json_string()}".encode())
         self.block_size = config.block_size
         self.num_layers = self.model.num_layers
         self.num_kv_heads = self.model.num_kv_heads
         self.head_dim = self.model.head_dim
         block_bytes = kv_cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                                           self.kv_cache_dtype)
+                                           kv_name)  # real bytes: a quantized row's scale included
         self.num_blocks = num_blocks_for_budget(config.kv_cache_memory, block_bytes)
         if ranks is not None:  # block ids are the driver's: every rank must have every block
             self.num_blocks = ranks.min_over_ranks(self.num_blocks)
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
-                                          self.head_dim, self.kv_cache_dtype, self.device)
+                                          self.head_dim, kv_name, self.device)
         self.kv_cache_bytes = self.num_blocks * block_bytes
-        self.attention_backend = select_backend(config.attention_backend, self.device, self.kv_cache.dtype,
-                                                self.head_dim)
+        # What attention needs to know of the cache's rows: a quantized format's name, else None.
+        self._attn_kv_dtype = kv_name if self.kv_cache_format.quantized else None
+        self.attention_backend = select_backend(config.attention_backend, self.device, kv_name, self.head_dim)
         logger.info("attention backend: %s", self.attention_backend)
         if config.batch_invariant and self.attention_backend != "paged":
             raise ValueError("--batch-invariant needs the paged attention kernel, which cannot run here (here: "
-                             f"{self.device.type}, KV {self.kv_cache.dtype}, head_dim {self.head_dim}; it needs a "
-                             "CPU, a float32/bfloat16 KV cache, head_dim a multiple of 8, a C++ compiler and "
+                             f"{self.device.type}, KV {kv_name}, head_dim {self.head_dim}; it needs a CPU, a "
+                             "float32/bfloat16/int8/fp8 KV cache, head_dim a multiple of 8, a C++ compiler and "
                              "$PDSERVE_DISABLE_KERNELS unset)")
         self.lora = None  # LoRAManager with --enable-lora (pdserve.lora): adapters in slots, mixed per step
         if config.enable_lora:
@@ -191,7 +198,7 @@ class ModelRunner:
         self.kv_agent = None  # KVRankAgent once a worker attaches one (pdserve.kvtransfer.agent)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s, %d layers, %d KV heads)",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20,
-                    self.kv_cache_dtype, self.device, self.num_layers, self.num_kv_heads)
+                    kv_name, self.device, self.num_layers, self.num_kv_heads)
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
                        block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:
@@ -223,6 +230,7 @@ class ModelRunner:
             max_seq_len=step.max_seq_len,
             backend=self.attention_backend,
             batch_invariant=self.config.batch_invariant,
+            kv_cache_dtype=self._attn_kv_dtype,
         )
         return ModelInput(as_tensor(step.input_ids), as_tensor(step.positions), metadata,
                           as_tensor(step.sample_indices))
@@ -326,7 +334,8 @@ class ModelRunner:
                         query_start_loc: torch.Tensor) -> torch.Tensor:
         """The model forward of a decode-only step (one new token per sequence), from plain tensors."""
         metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=1,
-                                     max_seq_len=0, backend=self.attention_backend)
+                                     max_seq_len=0, backend=self.attention_backend,
+                                     kv_cache_dtype=self._attn_kv_dtype)
         model = self.model
         hidden = model.model.embed_tokens(input_ids)
         start, end = model.layer_range
@@ -386,7 +395,8 @@ class ModelRunner:
             report = PushSocket(attach.driver_addr).send
         layout = KVLayoutSpec(self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
                               self.model.config.num_hidden_layers, self.total_kv_heads)
-        self.kv_agent = KVRankAgent(attach, rank, layout, self.kv_cache, report, attach.transfer_timeout_s)
+        self.kv_agent = KVRankAgent(attach, rank, layout, self.kv_cache, report, attach.transfer_timeout_s,
+                                    kv_cache_dtype=self.kv_cache_format.name)
         if self.ranks is not None and self.ranks.is_driver:
             if attach.role == WorkerRole.DECODE:  # the other ranks' lanes rendezvous in the driver's store
                 pairs = self.kv_agent.decode_pairs
@@ -397,7 +407,8 @@ class ModelRunner:
         """This worker's KV layout, as advertised to peers."""
         return KVLayout(tensor_parallel_size=self.config.tensor_parallel_size,
                         pipeline_parallel_size=self.config.pipeline_parallel_size,
-                        num_layers=self.model.config.num_hidden_layers, num_kv_heads=self.total_kv_heads)
+                        num_layers=self.model.config.num_hidden_layers, num_kv_heads=self.total_kv_heads,
+                        kv_cache_dtype=self.kv_cache_format.name)
 
     def serve_rank(self) -> None:
         """A non-driver rank's whole life: run each step the driver broadcasts until ``shutdown``."""

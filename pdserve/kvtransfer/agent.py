@@ -50,6 +50,23 @@ def layout_spec(layout: KVLayout | None, num_layers: int, num_kv_heads: int) -> 
                         layout.num_kv_heads)
 
 
+def check_kv_dtype(prefill_worker_id: str, prefill_layout: KVLayout | None, kv_cache_dtype: str) -> None:
+    """Refuse to pair with a prefill worker whose KV cache dtype differs from ours (``kv_cache_dtype``).
+
+    KV moves between workers as the cache holds it (quantized rows included), never converted, so
+    both caches must hold the same dtype. A layout that does not say (None) is not refused here;
+    the transfer header's dtype is still checked per request.
+
+    Raises:
+        ValueError: the dtypes differ (the message names both).
+    """
+    theirs = prefill_layout.kv_cache_dtype if prefill_layout is not None else None
+    if theirs is not None and theirs != kv_cache_dtype:
+        raise ValueError(f"prefill worker {prefill_worker_id} holds a {theirs} KV cache and this decode worker a "
+                         f"{kv_cache_dtype} one: KV is shipped as the cache holds it, so the pair is refused (start "
+                         f"both with the same --kv-cache-dtype)")
+
+
 def pieces_for(prefill: KVLayoutSpec, decode: KVLayoutSpec) -> list[KVPiece]:
     """``transfer_pieces``, cached (the same few layouts meet again and again)."""
     key = (prefill, decode)
@@ -78,10 +95,12 @@ class KVRankAgent:
         kv_cache: this rank's cache [num_local_layers, 2, num_blocks, block_size, local_kv_heads, head_dim].
         report: where ``RankReport``s go (the driver's mailbox, or in-process on the driver).
         timeout_s: every pair wait.
+        kv_cache_dtype: the cache's KV dtype name (a quantized cache is uint8: its name says which
+            format), for the streams' meta; None takes the cache tensor's torch dtype.
     """
 
     def __init__(self, attach: RankAttach, rank: int, layout: KVLayoutSpec, kv_cache: torch.Tensor,
-                 report: Callable[[RankReport], None], timeout_s: float):
+                 report: Callable[[RankReport], None], timeout_s: float, kv_cache_dtype: str | None = None):
         self.attach = attach
         self.worker_id = attach.worker_id
         self.role = attach.role
@@ -89,6 +108,7 @@ class KVRankAgent:
         self.layout = layout
         self.slice = rank_slice(layout, rank)
         self.kv_cache = kv_cache
+        self.kv_cache_dtype = kv_cache_dtype
         self.device = kv_cache.device
         self.report = report
         self.endpoint = endpoint(self.worker_id, rank)
@@ -198,14 +218,15 @@ class KVRankAgent:
                                        request_id=request_id, error=f"no KV pair {self.endpoint}->{peer} "
                                                                     f"g{generation}"))
                 continue
-            self._outgoing.append(_Outgoing(OutgoingKV(pair, request_id, piece.slice.num_layers), piece, block_ids))
+            self._outgoing.append(_Outgoing(OutgoingKV(pair, request_id, piece.slice.num_layers,
+                                                            self.kv_cache_dtype), piece, block_ids))
 
     def on_layer_done(self, local_layer: int) -> None:
         """Send this layer's part of every piece in flight (called by the model after each layer)."""
         if not self._outgoing:
             return
         layer = self.slice.layer_start + local_layer
-        kv_layer = self.kv_cache[local_layer]  # [2, num_blocks, block_size, local_heads, head_dim]
+        kv_layer = self.kv_cache[local_layer]  # [2, num_blocks, block_size, local_heads, head_dim (+ 4 quantized)]
         for out in self._outgoing:
             s = out.piece.slice
             if s.layer_start <= layer < s.layer_end:

@@ -227,7 +227,8 @@ class DecodePairs:
                 raise KVTransferError(f"request {rid}: header and KV stream from prefill worker "
                                       f"{header.prefill_worker_id} disagree ({diff})")
             kv = torch.empty((header.num_layers, 2, header.num_blocks, header.block_size, header.num_kv_heads,
-                              header.head_dim), dtype=wire.dtype_from_name(header.dtype), device=self.device)
+                              wire.row_len(header.dtype, header.head_dim)),  # + 4 scale bytes when quantized
+                             dtype=wire.dtype_from_name(header.dtype), device=self.device)
             # Every layer's receive is posted at once; each layer is checksummed as soon as it is in,
             # while the next ones are still arriving.
             what = [f"request {rid}: layer {i}/{header.num_layers}" for i in range(header.num_layers)]

@@ -37,15 +37,17 @@ class OutgoingKV:
 
     Requests sharing a pair must be created in the order their
     ``KVTransferHeader``s were sent: that order is the stream order D expects.
-    Layers must be sent in order 0 .. num_layers - 1.
+    Layers must be sent in order 0 .. num_layers - 1. ``kv_dtype`` names the cache's KV dtype
+    for the stream's meta (needed for a quantized cache, whose layers are uint8 packed rows).
     """
 
-    def __init__(self, pair: KVPair, request_id: str, num_layers: int):
+    def __init__(self, pair: KVPair, request_id: str, num_layers: int, kv_dtype: str | None = None):
         if num_layers < 1:
             raise KVTransferError(f"request {request_id}: num_layers must be >= 1, got {num_layers}")
         self.pair = pair
         self.request_id = request_id
         self.num_layers = num_layers
+        self.kv_dtype = kv_dtype  # the KV dtype name for the meta (None: the layers' torch dtype)
         self.num_bytes = 0  # KV bytes handed to the pair so far
         self._next_layer = 0
         self._index: torch.Tensor | None = None  # [num_blocks] int64 block ids, on the cache's device
@@ -86,7 +88,7 @@ class OutgoingKV:
         tensors = [blocks]
         if self._layer_spec is None:
             self._layer_spec = (blocks.shape, blocks.dtype)
-            tensors.insert(0, wire.make_meta(self.request_id, self.num_layers, blocks))
+            tensors.insert(0, wire.make_meta(self.request_id, self.num_layers, blocks, self.kv_dtype))
         elif (blocks.shape, blocks.dtype) != self._layer_spec:
             raise KVTransferError(f"request {self.request_id}: layer {layer_idx} is {list(blocks.shape)} "
                                   f"{blocks.dtype}, layer 0 was {list(self._layer_spec[0])} {self._layer_spec[1]}")
@@ -105,7 +107,7 @@ class OutgoingKV:
             time.sleep(float(fault.get("delay_s", 5.0)))
         elif mode == "corrupt":  # the checksum stays that of the true layer (self._sent)
             wrong = tensors[-1].clone()
-            wrong.view(-1)[0] += 1.0
+            wrong.view(-1)[0] += 1  # an int: a quantized cache's layers are uint8
             tensors[-1] = wrong
         elif mode == "truncate":  # half a layer: the receiver's buffer keeps stale bytes past the cut
             flat = tensors[-1].reshape(-1)

@@ -6,7 +6,14 @@ A pair's group carries one ordered stream (a single tag), rank 0 -> rank 1:
     then per request, in the order the KVTransferHeaders were sent:
     meta    int64[8]  [MAGIC, crc32(request_id), num_layers, num_blocks,
                        block_size, num_kv_heads, head_dim, dtype_code]
-    layer i           [2, num_blocks, block_size, num_kv_heads, head_dim], i = 0..num_layers-1
+    layer i           [2, num_blocks, block_size, num_kv_heads, row_len], i = 0..num_layers-1
+
+``dtype_code`` names the KV cache dtype (``_DTYPE_CODES``), and ``head_dim`` is
+always the model's head_dim. For a plain cache (float32, bfloat16, float16) a
+layer's elements are that dtype and ``row_len = head_dim``. For a quantized
+cache (int8, fp8_e4m3, fp8_e5m2; ``pdserve.engine.kv_quant``) a layer is uint8
+and ``row_len = head_dim + 4``: each (token, KV head) row is its head_dim
+quantized bytes followed by its float32 scale, shipped as the cache holds them.
 
 The receiver checks ``meta`` against the ZMQ header before posting any layer
 receive, so a disagreement is reported instead of corrupting memory (gloo
@@ -21,19 +28,22 @@ import zlib
 import torch
 
 from pdserve.common.protocol import KVTransferHeader
+from pdserve.engine.kv_quant import KV_CACHE_FORMATS
 
 MAGIC = 0x4B565846  # "KVXF"
 TAG = 0
 
+# KV dtype name -> meta code. 1-4: plain elements of that torch dtype; 5, 9, 10: quantized rows with
+# their scale (int8, fp8 e4m3, fp8 e5m2). 6-8 (uint8, float8_e4m3fn, float8_e5m2 as plain elements)
+# are retired: no KV cache holds those, and a code is never reused for another meaning.
 _DTYPE_CODES: dict[str, int] = {
     "float32": 1,
     "float16": 2,
     "bfloat16": 3,
     "float64": 4,
     "int8": 5,
-    "uint8": 6,
-    "float8_e4m3fn": 7,
-    "float8_e5m2": 8,
+    "fp8_e4m3": 9,
+    "fp8_e5m2": 10,
 }
 _META_FIELDS = ("magic", "request", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype")
 
@@ -46,8 +56,11 @@ def crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: the spelling used in ``KVTransferHeader.dtype``."""
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the spelling used in ``KVTransferHeader.dtype``.
+
+    A KV dtype name (``"int8"``, ``"fp8_e4m3"``, ...) is returned as it is; KVTransferError for a
+    dtype no transfer carries (``torch.uint8`` too: a quantized cache's name must be given)."""
     name = str(dtype).removeprefix("torch.")
     if name not in _DTYPE_CODES:
         raise KVTransferError(f"KV dtype {dtype} cannot be transferred")
@@ -55,23 +68,39 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of ``dtype_name``; KVTransferError for an unknown name."""
-    dtype = getattr(torch, name, None) if name in _DTYPE_CODES else None
+    """The torch dtype of a layer on the wire for KV dtype ``name`` (torch.uint8 for a quantized one);
+    KVTransferError for an unknown name."""
+    fmt = KV_CACHE_FORMATS.get(name)
+    dtype = fmt.storage_dtype if fmt is not None else getattr(torch, name, None) if name in _DTYPE_CODES else None
     if not isinstance(dtype, torch.dtype):
         raise KVTransferError(f"unknown KV dtype {name!r}")
     return dtype
 
 
-def make_meta(request_id: str, num_layers: int, layer: torch.Tensor) -> torch.Tensor:
-    """The ``meta`` message for ``layer`` [2, num_blocks, block_size, H, D], on its device."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = layer.shape
+def row_len(name: str, head_dim: int) -> int:
+    """A wire layer's last axis for KV dtype ``name``: head_dim, or head_dim + 4 bytes quantized."""
+    fmt = KV_CACHE_FORMATS.get(name)
+    return fmt.row_len(head_dim) if fmt is not None else head_dim
+
+
+def make_meta(request_id: str, num_layers: int, layer: torch.Tensor, kv_dtype: str | None = None) -> torch.Tensor:
+    """The ``meta`` message for ``layer`` [2, num_blocks, block_size, H, row_len], on its device.
+
+    kv_dtype: the KV dtype name; None takes the layer's torch dtype (a plain cache). The meta's
+    head_dim is the model's (row_len less a quantized row's 4 scale bytes)."""
+    name = dtype_name(kv_dtype if kv_dtype is not None else layer.dtype)
+    if layer.dtype != dtype_from_name(name):
+        raise KVTransferError(f"a {name} KV layer must be {dtype_from_name(name)}, got {layer.dtype}")
+    _, num_blocks, block_size, num_kv_heads, last = layer.shape
+    fmt = KV_CACHE_FORMATS.get(name)
+    head_dim = fmt.head_dim_of(last) if fmt is not None else last
     values = [MAGIC, crc(request_id), num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-              _DTYPE_CODES[dtype_name(layer.dtype)]]
+              _DTYPE_CODES[name]]
     return torch.tensor(values, dtype=torch.int64, device=layer.device)
 
 
 def expected_meta(header: KVTransferHeader, device: torch.device) -> torch.Tensor:
-    """The ``meta`` a sender of ``header`` must put on the wire."""
+    """The ``meta`` a sender of ``header`` must put on the wire (KVTransferError for an unknown dtype)."""
     dtype_from_name(header.dtype)
     values = [MAGIC, crc(header.request_id), header.num_layers, header.num_blocks, header.block_size,
               header.num_kv_heads, header.head_dim, _DTYPE_CODES[header.dtype]]

@@ -240,7 +240,7 @@ class PrefillWorker(WorkerBase):
         """
         plans = []
         runner = self.runner
-        dtype = dtype_name(runner.kv_cache_dtype)
+        dtype = dtype_name(runner.kv_cache_format.name)  # the KV dtype (int8, fp8_e4m3, ...: quantized rows)
         for seq_index, (request, num_new) in enumerate(scheduled):
             if request.num_computed_tokens + num_new != request.num_tokens:
                 continue  # an earlier chunk: nothing to send yet

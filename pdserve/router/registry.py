@@ -81,6 +81,17 @@ class WorkerInfo:
                             block_size=self.block_size if self.block_size > 0 else 16)
 
     @property
+    def kv_cache_dtype(self) -> str | None:
+        """The KV cache dtype the worker advertised (``KVLayout.kv_cache_dtype``), or None."""
+        return self.kv_layout.kv_cache_dtype if self.kv_layout is not None else None
+
+    def kv_compatible(self, other: "WorkerInfo") -> bool:
+        """Whether KV can move between this worker and ``other``: equal KV cache dtypes (KV is
+        shipped as the cache holds it), or one of them did not say."""
+        mine, theirs = self.kv_cache_dtype, other.kv_cache_dtype
+        return mine is None or theirs is None or mine == theirs
+
+    @property
     def num_kv_tokens(self) -> int | None:
         """Tokens the KV cache holds, or None if the worker did not say."""
         if self.num_blocks <= 0 or self.block_size <= 0:
@@ -97,6 +108,7 @@ class WorkerInfo:
             "num_blocks": hb.num_blocks if hb and hb.num_blocks else self.num_blocks,
             "block_size": self.block_size,
             "max_model_len": self.max_model_len,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "last_seen_s_ago": round(now - self.last_seen, 3),
             "num_inflight": self.num_inflight,
             "num_routed": self.num_routed,
@@ -155,7 +167,20 @@ class WorkerRegistry:
             kv_layout=msg.kv_layout)
         logger.info("worker %s registered: %s at %s (num_blocks=%d, block_size=%d)", msg.worker_id,
                     WorkerRole(msg.role).name.lower(), msg.input_addr, msg.num_blocks, msg.block_size)
+        self._warn_kv_mismatch(self._workers[msg.worker_id])
         return old
+
+    def _warn_kv_mismatch(self, info: WorkerInfo) -> None:
+        """Say, at registration, which workers of the other role this one will never pair with."""
+        other = WorkerRole.DECODE if info.role == WorkerRole.PREFILL else WorkerRole.PREFILL
+        clash = [w for w in self._workers.values() if w.role == other and not info.kv_compatible(w)]
+        if clash:
+            logger.warning("worker %s (%s) holds a %s KV cache, but %s worker(s) %s hold %s: KV moves as the cache "
+                           "holds it, so these pairs are refused and such requests prefill on the decode worker "
+                           "(start every worker with the same --kv-cache-dtype)", info.worker_id,
+                           info.role.name.lower(), info.kv_cache_dtype, other.name.lower(),
+                           ", ".join(w.worker_id for w in clash),
+                           ", ".join(sorted({str(w.kv_cache_dtype) for w in clash})))
 
     def heartbeat(self, msg: Heartbeat, now: float | None = None) -> bool:
         """Record a heartbeat; False (and ignored) if the worker is not registered."""

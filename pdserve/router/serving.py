@@ -359,8 +359,9 @@ class OpenAIServing:
         except ValidationError as e:
             raise bad_request(e.message, e.param) from None
         first_token = prefill_sampling_params(params)
-        prefill_worker = self.engine.route(
-            WorkerRole.PREFILL, prompt_ids, lambda w: _accepts(prompt_ids, first_token, self.worker_limits(w)))
+        prefill_worker = self.engine.route(  # only a prefill worker whose KV the decode worker can take
+            WorkerRole.PREFILL, prompt_ids, lambda w: w.kv_compatible(decode_worker) and
+            _accepts(prompt_ids, first_token, self.worker_limits(w)))
         return params, decode_worker, prefill_worker
 
     async def _outputs(self, run: _Run) -> AsyncIterator[ChoiceDelta]:

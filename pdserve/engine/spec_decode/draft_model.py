@@ -56,11 +56,12 @@ class DraftModelProposer:
                              f"({target.vocab_size}); drafts must be the target's tokens")
         num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
         head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+        kv_name = target.kv_cache_format.name  # the draft's cache is the target's format (quantized or not)
         block_bytes = kv_cache_block_bytes(int(hf.num_hidden_layers), target.block_size, num_kv_heads, head_dim,
-                                           target.kv_cache_dtype)
+                                           kv_name)
         dtype = str(target.dtype).removeprefix("torch.")
         config = dataclasses.replace(
-            target.config, model=model, dtype=dtype, kv_cache_dtype=str(target.kv_cache_dtype).removeprefix("torch."),
+            target.config, model=model, dtype=dtype, kv_cache_dtype=kv_name,
             kv_cache_memory=target.num_blocks * block_bytes, max_model_len=target.max_model_len, enforce_eager=True,
             tensor_parallel_size=1, pipeline_parallel_size=1, rank=0, speculative_config=None,
             enable_lora=False,  # the draft model proposes without adapters; the target verifies with them
