@@ -37,8 +37,9 @@ def test_int8_kv_streams_end_to_end_with_a_quarter_of_the_bytes(cluster, model_d
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # streamed, not one blob
-    moved = wait_metric_increase(cluster, "pdserve:kv_transfer_bytes_total", before, 1)
     int8_block = kv_cache_block_bytes(2, 16, 2, 16, "int8")  # tiny: 2 layers, 2 KV heads, head_dim 16
+    # Both workers' heartbeats must be in (each reports its own side of the transfer).
+    moved = wait_metric_increase(cluster, "pdserve:kv_transfer_bytes_total", before, 2 * 4 * int8_block)
     assert moved == 2 * 4 * int8_block  # prefill sent + decode received, 4 blocks each
     f32_block = kv_cache_block_bytes(2, 16, 2, 16, "float32")
     assert int8_block / f32_block == pytest.approx((16 + 4) / (4 * 16))
