@@ -25,6 +25,7 @@ from pdserve.engine.kernels import load_paged_attention
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.engine.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, kv_cache_format, quantize_rows
 from pdserve.kvtransfer import wire
+from pdserve.kvtransfer.agent import check_kv_dtype
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.registry import WorkerRegistry
 from tests.test_paged_kernel import _batch
@@ -332,10 +333,28 @@ def test_the_router_pairs_only_equal_kv_dtypes_and_says_so_at_registration(caplo
         p_int8 = register("p0", WorkerRole.PREFILL, "int8")
         assert not caplog.records
         p_f32 = register("p1", WorkerRole.PREFILL, "float32")
-    assert "p1 (prefill) holds a float32 KV cache, but decode worker(s) d0 hold int8" in caplog.text
+    assert "p1 (prefill) holds a float32 KV cache (weights: None), but decode worker(s) d0 hold int8" in caplog.text
     assert p_int8.kv_compatible(d) and not p_f32.kv_compatible(d)
     assert registry.candidates(WorkerRole.PREFILL, lambda w: w.kv_compatible(d)) == [p_int8]
     assert p_f32.to_json(0.0)["kv_cache_dtype"] == "float32"
+
+
+def test_the_router_pairs_only_equal_weight_quantizations():
+    registry = WorkerRegistry(worker_timeout_s=60)
+
+    def register(worker_id, role, quantization):
+        layout = KVLayout(kv_cache_dtype="float32", quantization=quantization)
+        registry.register(RegisterWorker(worker_id=worker_id, role=role, input_addr=f"tcp://{worker_id}",
+                                         model_name="m", kv_layout=layout), now=0.0)
+        return registry.get(worker_id)
+
+    d = register("d0", WorkerRole.DECODE, "int8")
+    p_int8, p_float, p_old = (register("p0", WorkerRole.PREFILL, "int8"), register("p1", WorkerRole.PREFILL, "none"),
+                              register("p2", WorkerRole.PREFILL, None))
+    assert p_int8.kv_compatible(d) and not p_float.kv_compatible(d) and p_old.kv_compatible(d)
+    assert p_float.to_json(0.0)["quantization"] == "none"
+    with pytest.raises(ValueError, match="runs none weights and this decode worker int8 ones"):
+        check_kv_dtype("p1", KVLayout(kv_cache_dtype="float32", quantization="none"), "float32", "int8")
 
 
 

@@ -177,6 +177,9 @@ class KVLayout(_Msg):
     # The KV cache dtype name (float32, bfloat16, float16, int8, fp8_e4m3, fp8_e5m2; see engine.kv_quant);
     # a prefill and a decode worker pair only when theirs are equal. None: not said (an older worker).
     kv_cache_dtype: str | None = None
+    # The weights' quantization ("none", "int8", "compressed-tensors"): KV built by a differently
+    # quantized model differs, so a pair needs equal ones too. None: not said (an older worker).
+    quantization: str | None = None
 
 
 class RegisterWorker(_Msg):

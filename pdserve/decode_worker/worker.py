@@ -101,7 +101,8 @@ class DecodeWorker(WorkerBase):
         if remote:
             try:
                 spec = self.kv_layout_spec
-                check_kv_dtype(msg.prefill_worker_id, msg.prefill_layout, self.runner.kv_cache_format.name)
+                check_kv_dtype(msg.prefill_worker_id, msg.prefill_layout, self.runner.kv_cache_format.name,
+                               self.runner.quantization or "none")
                 pieces = pieces_for(layout_spec(msg.prefill_layout, spec.num_layers, spec.num_kv_heads), spec)
             except ValueError as e:  # the prefill worker runs another model or KV dtype: prefill here
                 logger.warning("request %s: %s; prefilling locally", msg.request_id, e)

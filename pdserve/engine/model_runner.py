@@ -408,7 +408,7 @@ class ModelRunner:
         return KVLayout(tensor_parallel_size=self.config.tensor_parallel_size,
                         pipeline_parallel_size=self.config.pipeline_parallel_size,
                         num_layers=self.model.config.num_hidden_layers, num_kv_heads=self.total_kv_heads,
-                        kv_cache_dtype=self.kv_cache_format.name)
+                        kv_cache_dtype=self.kv_cache_format.name, quantization=self.quantization or "none")
 
     def serve_rank(self) -> None:
         """A non-driver rank's whole life: run each step the driver broadcasts until ``shutdown``."""

@@ -50,21 +50,29 @@ def layout_spec(layout: KVLayout | None, num_layers: int, num_kv_heads: int) -> 
                         layout.num_kv_heads)
 
 
-def check_kv_dtype(prefill_worker_id: str, prefill_layout: KVLayout | None, kv_cache_dtype: str) -> None:
-    """Refuse to pair with a prefill worker whose KV cache dtype differs from ours (``kv_cache_dtype``).
+def check_kv_dtype(prefill_worker_id: str, prefill_layout: KVLayout | None, kv_cache_dtype: str,
+                   quantization: str | None = None) -> None:
+    """Refuse to pair with a prefill worker whose KV cache dtype differs from ours (``kv_cache_dtype``),
+    or whose weights are quantized otherwise (``quantization``: ours, "none" for float weights).
 
     KV moves between workers as the cache holds it (quantized rows included), never converted, so
-    both caches must hold the same dtype. A layout that does not say (None) is not refused here;
-    the transfer header's dtype is still checked per request.
+    both caches must hold the same dtype; and KV built by an int8 model is not the KV a float model
+    would build. A layout that does not say (None) is not refused here; the transfer header's
+    dtype is still checked per request.
 
     Raises:
-        ValueError: the dtypes differ (the message names both).
+        ValueError: the dtypes or the quantizations differ (the message names both).
     """
     theirs = prefill_layout.kv_cache_dtype if prefill_layout is not None else None
     if theirs is not None and theirs != kv_cache_dtype:
         raise ValueError(f"prefill worker {prefill_worker_id} holds a {theirs} KV cache and this decode worker a "
                          f"{kv_cache_dtype} one: KV is shipped as the cache holds it, so the pair is refused (start "
                          f"both with the same --kv-cache-dtype)")
+    theirs = prefill_layout.quantization if prefill_layout is not None else None
+    if theirs is not None and quantization is not None and theirs != quantization:
+        raise ValueError(f"prefill worker {prefill_worker_id} runs {theirs} weights and this decode worker "
+                         f"{quantization} ones: their KV differs, so the pair is refused (start both with the same "
+                         f"--quantization)")
 
 
 def pieces_for(prefill: KVLayoutSpec, decode: KVLayoutSpec) -> list[KVPiece]:

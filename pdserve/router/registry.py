@@ -85,11 +85,18 @@ class WorkerInfo:
         """The KV cache dtype the worker advertised (``KVLayout.kv_cache_dtype``), or None."""
         return self.kv_layout.kv_cache_dtype if self.kv_layout is not None else None
 
+    @property
+    def quantization(self) -> str | None:
+        """The weights' quantization the worker advertised (``KVLayout.quantization``), or None."""
+        return self.kv_layout.quantization if self.kv_layout is not None else None
+
     def kv_compatible(self, other: "WorkerInfo") -> bool:
         """Whether KV can move between this worker and ``other``: equal KV cache dtypes (KV is
-        shipped as the cache holds it), or one of them did not say."""
-        mine, theirs = self.kv_cache_dtype, other.kv_cache_dtype
-        return mine is None or theirs is None or mine == theirs
+        shipped as the cache holds it) and equal weight quantizations (KV of an int8 model is not a
+        float model's), each unless one of them did not say."""
+        return all(mine is None or theirs is None or mine == theirs
+                   for mine, theirs in ((self.kv_cache_dtype, other.kv_cache_dtype),
+                                        (self.quantization, other.quantization)))
 
     @property
     def num_kv_tokens(self) -> int | None:
@@ -109,6 +116,7 @@ class WorkerInfo:
             "block_size": self.block_size,
             "max_model_len": self.max_model_len,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "quantization": self.quantization,
             "last_seen_s_ago": round(now - self.last_seen, 3),
             "num_inflight": self.num_inflight,
             "num_routed": self.num_routed,
@@ -175,12 +183,12 @@ class WorkerRegistry:
         other = WorkerRole.DECODE if info.role == WorkerRole.PREFILL else WorkerRole.PREFILL
         clash = [w for w in self._workers.values() if w.role == other and not info.kv_compatible(w)]
         if clash:
-            logger.warning("worker %s (%s) holds a %s KV cache, but %s worker(s) %s hold %s: KV moves as the cache "
-                           "holds it, so these pairs are refused and such requests prefill on the decode worker "
-                           "(start every worker with the same --kv-cache-dtype)", info.worker_id,
-                           info.role.name.lower(), info.kv_cache_dtype, other.name.lower(),
-                           ", ".join(w.worker_id for w in clash),
-                           ", ".join(sorted({str(w.kv_cache_dtype) for w in clash})))
+            logger.warning("worker %s (%s) holds a %s KV cache (weights: %s), but %s worker(s) %s hold %s: KV moves "
+                           "as the cache holds it, so these pairs are refused and such requests prefill on the "
+                           "decode worker (start every worker with the same --kv-cache-dtype and --quantization)",
+                           info.worker_id, info.role.name.lower(), info.kv_cache_dtype, info.quantization,
+                           other.name.lower(), ", ".join(w.worker_id for w in clash),
+                           ", ".join(sorted({f"{w.kv_cache_dtype} (weights: {w.quantization})" for w in clash})))
 
     def heartbeat(self, msg: Heartbeat, now: float | None = None) -> bool:
         """Record a heartbeat; False (and ignored) if the worker is not registered."""
