@@ -219,3 +219,17 @@ def test_beam_search_with_an_adapter_matches_peft(model_dir, adapter_dirs):
         out = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True),
                               lora_request=lora)
     assert sorted(s.tokens[len(prompt):] for s in out[0].sequences) == expected
+
+
+def test_prefix_aware_routing_keys_each_adapter_apart():
+    """An adapter's prompts key the prefix-aware ring on their own (their KV is cached apart), so the
+    same prompt under different adapters spreads over the workers instead of piling on one."""
+    from pdserve.engine.request import lora_cache_root
+    from pdserve.router.routing import prefix_key
+
+    prompt = list(range(100, 164))
+    roots = [b""] + [lora_cache_root(LoRARequest(lora_name=f"a{i}", lora_int_id=i, lora_path=f"/a{i}"))
+                     for i in range(1, 9)]
+    keys = {prefix_key(prompt, 16, 4, root) for root in roots}
+    assert len(keys) == len(roots)
+    assert prefix_key(prompt, 16, 4, roots[1]) == prefix_key(prompt + [7], 16, 4, roots[1])  # still a prefix key

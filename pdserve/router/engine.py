@@ -56,10 +56,11 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.protocol import (AbortRequest, DrainWorker, GenerateRequest, Heartbeat, LoRARequest,
-                                     RegisterWorker, RequestDelta, RequestOutputs, ResumedChoice, SamplingParams, WorkerDraining,
-                                     WorkerExiting, WorkerRole)
+                                     RegisterWorker, RequestDelta, RequestOutputs, ResumedChoice, SamplingParams,
+                                     WorkerDraining, WorkerExiting, WorkerRole)
 from pdserve.common.auth import token_matches
 from pdserve.common.transport import ProtocolError, decode
+from pdserve.engine.request import lora_cache_root
 from pdserve.router.metrics import WorkerStatsCollector
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
 from pdserve.router.routing import RoundRobinPolicy, RoutingPolicy
@@ -198,13 +199,15 @@ class RouterEngine:
         return len(waiting), sum(len(h.prompt_token_ids) for h in waiting)
 
     def route(self, role: WorkerRole, prompt_token_ids: list[int],
-              accepts: Callable[[WorkerInfo], bool] | None = None) -> WorkerInfo | None:
-        """The worker of ``role`` the routing policy picks for a prompt, among the live ones that
-        ``accepts`` (if given); None if there is none."""
+              accepts: Callable[[WorkerInfo], bool] | None = None,
+              lora: LoRARequest | None = None) -> WorkerInfo | None:
+        """The worker of ``role`` the routing policy picks for a prompt under LoRA adapter ``lora``
+        (None: the base model), among the live ones that ``accepts`` (if given); None if there is none."""
         candidates = self.registry.candidates(role, accepts)
         if not candidates:
             return None
-        worker, decision = self.policy.pick(role, candidates, prompt_token_ids)
+        salt = lora_cache_root(lora) if lora is not None else b""
+        worker, decision = self.policy.pick(role, candidates, prompt_token_ids, salt)
         if self.on_route is not None:
             self.on_route(self.policy.name, role, decision)
         return worker
@@ -364,7 +367,7 @@ class RouterEngine:
         params = handle.sampling_params
         needed = len(handle.prompt_token_ids) + params.max_tokens
         target = self.route(WorkerRole.DECODE, handle.prompt_token_ids,
-                            lambda w: w.max_model_len <= 0 or w.max_model_len >= needed)
+                            lambda w: w.max_model_len <= 0 or w.max_model_len >= needed, handle.lora)
         if target is None:
             if handle.stranded_at is None:
                 handle.stranded_at, handle.lost_reason = time.monotonic(), reason

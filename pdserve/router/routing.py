@@ -64,8 +64,9 @@ def _hash64(data: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-def prefix_key(prompt_token_ids: Sequence[int], block_size: int, max_blocks: int) -> int | None:
-    """The routing key of a prompt: a 64-bit hash of its first ``min(max_blocks, num_full_blocks)`` blocks.
+def prefix_key(prompt_token_ids: Sequence[int], block_size: int, max_blocks: int, salt: bytes = b"") -> int | None:
+    """The routing key of a prompt: a 64-bit hash of its first ``min(max_blocks, num_full_blocks)`` blocks,
+    after ``salt`` (a LoRA adapter's cache root: its KV is cached apart, so its prompts key apart too).
 
     ``num_full_blocks = len(prompt_token_ids) // block_size``. Two prompts get the same key
     exactly when they have the same number of keyed blocks and equal tokens in them (up to
@@ -79,7 +80,7 @@ def prefix_key(prompt_token_ids: Sequence[int], block_size: int, max_blocks: int
     num_blocks = min(max_blocks, len(prompt_token_ids) // block_size)
     if num_blocks == 0:
         return None
-    return _hash64(array("q", prompt_token_ids[:num_blocks * block_size]).tobytes())
+    return _hash64(salt + array("q", prompt_token_ids[:num_blocks * block_size]).tobytes())
 
 
 class HashRing:
@@ -160,8 +161,9 @@ class RoutingPolicy:
     name = ""
 
     def pick(self, role: WorkerRole, candidates: Sequence[WorkerInfo],
-             prompt_token_ids: Sequence[int]) -> tuple[WorkerInfo, str]:
-        """(The chosen worker, the decision's label). ``candidates`` is non-empty, in registration order."""
+             prompt_token_ids: Sequence[int], cache_salt: bytes = b"") -> tuple[WorkerInfo, str]:
+        """(The chosen worker, the decision's label). ``candidates`` is non-empty, in registration order.
+        ``cache_salt``: what keys the request's prefix cache besides its tokens (a LoRA adapter)."""
         raise NotImplementedError
 
 
@@ -173,7 +175,7 @@ class RoundRobinPolicy(RoutingPolicy):
     def __init__(self) -> None:
         self._next = {role: 0 for role in WorkerRole}
 
-    def pick(self, role, candidates, prompt_token_ids=()):
+    def pick(self, role, candidates, prompt_token_ids=(), cache_salt=b""):
         i = self._next[role] % len(candidates)
         self._next[role] = i + 1
         return candidates[i], "round_robin"
@@ -184,7 +186,7 @@ class LeastLoadedPolicy(RoutingPolicy):
 
     name = "least_loaded"
 
-    def pick(self, role, candidates, prompt_token_ids=()):
+    def pick(self, role, candidates, prompt_token_ids=(), cache_salt=b""):
         i = min(range(len(candidates)), key=lambda j: load_key(candidates[j], j))
         return candidates[i], "least_loaded"
 
@@ -223,9 +225,9 @@ class PrefixAwarePolicy(RoutingPolicy):
             ring = self._rings[role] = HashRing(ids, self.num_vnodes)
         return ring
 
-    def pick(self, role, candidates, prompt_token_ids=()):
+    def pick(self, role, candidates, prompt_token_ids=(), cache_salt=b""):
         block_size = min((w.block_size for w in candidates if w.block_size > 0), default=DEFAULT_BLOCK_SIZE)
-        key = prefix_key(prompt_token_ids, block_size, self.prefix_blocks)
+        key = prefix_key(prompt_token_ids, block_size, self.prefix_blocks, cache_salt)
         if key is None:
             return self._least_loaded.pick(role, candidates)[0], "short_prompt"
         by_id = {w.worker_id: w for w in candidates}

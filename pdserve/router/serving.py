@@ -351,7 +351,8 @@ class OpenAIServing:
             def accepts(worker: WorkerInfo) -> bool:
                 return _accepts(prompt_ids, params, limits[worker.worker_id])
 
-            decode_worker = self.engine.route(WorkerRole.DECODE, prompt_ids, accepts)
+            lora = self.resolve_model(req.model)
+            decode_worker = self.engine.route(WorkerRole.DECODE, prompt_ids, accepts, lora)
             if decode_worker is None:
                 check_request(prompt_ids, params, best)  # raises the most capable worker's reason
                 raise ValidationError("No live decode worker can hold this request; please reduce the "
@@ -361,7 +362,7 @@ class OpenAIServing:
         first_token = prefill_sampling_params(params)
         prefill_worker = self.engine.route(  # only a prefill worker whose KV the decode worker can take
             WorkerRole.PREFILL, prompt_ids, lambda w: w.kv_compatible(decode_worker) and
-            _accepts(prompt_ids, first_token, self.worker_limits(w)))
+            _accepts(prompt_ids, first_token, self.worker_limits(w)), lora)
         return params, decode_worker, prefill_worker
 
     async def _outputs(self, run: _Run) -> AsyncIterator[ChoiceDelta]:
