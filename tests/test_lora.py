@@ -24,7 +24,7 @@ from pdserve.common.utils import free_port
 from pdserve.engine.block_manager import BlockManager
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.llm import LLM
-from pdserve.lora.adapter import LoRAAdapterError, load_adapter
+from pdserve.engine.lora.adapter import LoRAAdapterError, load_adapter
 from pdserve.engine.request import Request
 
 ADAPTERS = {  # name -> LoraConfig arguments

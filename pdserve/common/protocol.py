@@ -130,7 +130,7 @@ class LoRARequest(_Msg):
     ``lora_name``: the model name clients use; ``lora_int_id``: unique per load (>= 1), so a
     reloaded adapter under the same name never reuses the old one's weights or KV;
     ``lora_path``: a PEFT adapter directory (``adapter_config.json`` +
-    ``adapter_model.safetensors``) every worker can read. See ``pdserve.lora``.
+    ``adapter_model.safetensors``) every worker can read. See ``pdserve.engine.lora``.
     """
 
     lora_name: str

@@ -62,7 +62,7 @@ class EngineConfig:
             another name; the model runner raises ValueError where it cannot run (CPU with
             float32/bfloat16 only) or when the name does not fit the checkpoint.
         enable_lora: serve LoRA adapters (Hu et al., "LoRA", 2021) next to the base model, batched
-            together (``pdserve.lora``); max_loras: adapters one step may hold (its LoRA slots);
+            together (``pdserve.engine.lora``); max_loras: adapters one step may hold (its LoRA slots);
             max_lora_rank: the largest adapter rank accepted; max_cpu_loras: adapters kept read
             in host memory (default: max_loras), as vLLM's flags.
     """

@@ -42,7 +42,7 @@ from pdserve.engine.ranks import start_ranks, stop_processes
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.structured_output import StructuredOutputManager
-from pdserve.lora.adapter import LoRAAdapterError
+from pdserve.engine.lora.adapter import LoRAAdapterError
 
 logger = logging.getLogger(__name__)
 

@@ -162,7 +162,7 @@ class ColumnParallelLinear(nn.Module):
     ``batch_invariant`` (set by ``LlamaForCausalLM.set_batch_invariant``): compute through
     ``batch_invariant_linear``, so a row's output does not depend on the other rows.
 
-    ``lora`` (``pdserve.lora.layers.LoRASlots``, set by the LoRA manager): adds each token's
+    ``lora`` (``pdserve.engine.lora.layers.LoRASlots``, set by the LoRA manager): adds each token's
     adapter term to the output.
     """
 

@@ -179,9 +179,9 @@ class ModelRunner:
                              f"{self.device.type}, KV {kv_name}, head_dim {self.head_dim}; it needs a CPU, a "
                              "float32/bfloat16/int8/fp8 KV cache, head_dim a multiple of 8, a C++ compiler and "
                              "$PDSERVE_DISABLE_KERNELS unset)")
-        self.lora = None  # LoRAManager with --enable-lora (pdserve.lora): adapters in slots, mixed per step
+        self.lora = None  # LoRAManager with --enable-lora (pdserve.engine.lora): adapters in slots, mixed per step
         if config.enable_lora:
-            from pdserve.lora.manager import LoRAManager
+            from pdserve.engine.lora.manager import LoRAManager
 
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         self._compiled_decode = None  # the decode step's forward under torch.compile (see compile_decode_step)

@@ -85,7 +85,7 @@ class Request:
         # Structured outputs: this sample's grammar state (pdserve.engine.structured_output), or None.
         self.structured_output = None
         self.grammar_future = None  # its grammar still compiling (a Future of the state): not yet admitted
-        # The LoRA adapter applied to it (pdserve.lora), or None. Its KV differs from the base model's,
+        # The LoRA adapter applied to it (pdserve.engine.lora), or None. Its KV differs from the base model's,
         # so its prefix-cache hash chain starts from the adapter's own root.
         self.lora = lora
         self.cache_root = ROOT_HASH if lora is None else lora_cache_root(lora)

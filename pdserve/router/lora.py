@@ -21,7 +21,7 @@ import logging
 from transformers import AutoConfig
 
 from pdserve.common.protocol import LoRARequest
-from pdserve.lora.adapter import LoRAAdapterError, load_adapter
+from pdserve.engine.lora.adapter import LoRAAdapterError, load_adapter
 from pdserve.router.errors import APIError, bad_request, model_not_found
 from pdserve.router.openai_protocol import ModelCard
 

@@ -20,8 +20,8 @@ import torch
 
 from pdserve.common.protocol import LoRARequest
 from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
-from pdserve.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
-from pdserve.lora.layers import LoRAContext, LoRASlots, LoRAStepMapping
+from pdserve.engine.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
+from pdserve.engine.lora.layers import LoRAContext, LoRASlots, LoRAStepMapping
 
 logger = logging.getLogger(__name__)
 

@@ -18,6 +18,6 @@ request to both workers: the prefill worker builds the prompt's KV with the adap
 and the decode worker continues with it.
 """
 
-from pdserve.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
+from pdserve.engine.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
 
 __all__ = ["LoRAAdapter", "LoRAAdapterError", "load_adapter"]
