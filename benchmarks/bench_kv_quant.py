@@ -222,7 +222,7 @@ def attention_speeds(names: list[str], batch: int, context: int, repeats: int = 
     call by call, so a busy machine's drift hits all alike; median."""
     from pdserve.engine.attention import AttentionMetadata, paged_attention
     from pdserve.engine.kv_cache import allocate_kv_cache
-    from pdserve.engine.kv_quant import kv_cache_format, quantize_rows
+    from pdserve.common.kv_quant import kv_cache_format, quantize_rows
 
     num_heads, num_kv_heads, head_dim, block_size = 12, 4, 64, 16
     blocks_per_seq = -(-context // block_size)

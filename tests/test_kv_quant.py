@@ -23,7 +23,7 @@ from pdserve.engine.attention import AttentionMetadata, _attend_native, paged_at
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels import load_paged_attention
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
-from pdserve.engine.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, kv_cache_format, quantize_rows
+from pdserve.common.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, kv_cache_format, quantize_rows
 from pdserve.kvtransfer import wire
 from pdserve.kvtransfer.agent import check_kv_dtype
 from pdserve.prefill_worker.worker import PrefillWorker

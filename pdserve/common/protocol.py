@@ -174,7 +174,7 @@ class KVLayout(_Msg):
     pipeline_parallel_size: int = 1
     num_layers: int = 0  # the model's, in total
     num_kv_heads: int = 0  # the model's, in total
-    # The KV cache dtype name (float32, bfloat16, float16, int8, fp8_e4m3, fp8_e5m2; see engine.kv_quant);
+    # The KV cache dtype name (float32, bfloat16, float16, int8, fp8_e4m3, fp8_e5m2; see common.kv_quant);
     # a prefill and a decode worker pair only when theirs are equal. None: not said (an older worker).
     kv_cache_dtype: str | None = None
     # The weights' quantization ("none", "int8", "compressed-tensors"): KV built by a differently

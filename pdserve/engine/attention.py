@@ -10,7 +10,7 @@ A token's K/V lives at slot ``s = block_id * block_size + offset``. A sequence's
 
 A quantized cache (``AttentionMetadata.kv_cache_dtype`` ``int8`` / ``fp8_e4m3`` / ``fp8_e5m2``)
 is uint8 with rows of ``head_dim + 4`` bytes, each the quantized K or V row and its float32
-scale (``pdserve.engine.kv_quant``). ``write_kv_cache`` quantizes as it writes and both
+scale (``pdserve.common.kv_quant``). ``write_kv_cache`` quantizes as it writes and both
 backends dequantize as they read (the native kernel folds a K row's scale into its score and
 a V row's into its softmax weight). Every query row attends over what the cache holds, the
 dequantized K/V, fresh prefills included (as vLLM's fp8 cache does): so a prefill worker's
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.kernels import KV_DTYPE_CODES, load_paged_attention
-from pdserve.engine.kv_quant import dequantize_rows, kv_cache_format, quantize_rows
+from pdserve.common.kv_quant import dequantize_rows, kv_cache_format, quantize_rows
 
 
 @dataclass

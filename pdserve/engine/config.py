@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from pdserve.common.utils import parse_cpu_list, parse_size
-from pdserve.engine.kv_quant import KV_CACHE_DTYPE_CHOICES
+from pdserve.common.kv_quant import KV_CACHE_DTYPE_CHOICES
 from pdserve.engine.parallel import ParallelConfig
 from pdserve.engine.quantization import QUANTIZATION_METHODS, check_quantization_name
 
@@ -22,7 +22,7 @@ class EngineConfig:
             see ``pdserve.common.utils.resolve_dtype``), ``float32``, ``bfloat16``, ``float16``.
         kv_cache_dtype: ``auto`` (the model dtype), ``float32``, ``bfloat16``, ``float16``, or a
             quantized format, ``int8``, ``fp8_e4m3``, ``fp8_e5m2`` (per-token-head scales; see
-            ``pdserve.engine.kv_quant``); what the KV cache (and the KV transfer) holds.
+            ``pdserve.common.kv_quant``); what the KV cache (and the KV transfer) holds.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
         block_size: token slots per KV block.
         kv_cache_memory: KV cache budget in bytes (``--kv-cache-memory 2GiB``).

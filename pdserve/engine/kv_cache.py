@@ -7,7 +7,7 @@ Layout (one tensor per worker rank)::
 
 A quantized cache (``--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2``) is ``torch.uint8`` with
 rows of ``head_dim + 4`` bytes: the quantized values, then the row's float32 scale
-(``pdserve.engine.kv_quant``). Token slot ``s = block_id * block_size + offset`` addresses
+(``pdserve.common.kv_quant``). Token slot ``s = block_id * block_size + offset`` addresses
 ``kv_cache[layer, :, block_id, offset]``; see ``pdserve.engine.attention``.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.kv_quant import kv_cache_format
+from pdserve.common.kv_quant import kv_cache_format
 
 
 def kv_cache_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

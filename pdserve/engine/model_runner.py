@@ -26,7 +26,7 @@ from pdserve.common.utils import format_cpu_list, pin_to_cores, resolve_device, 
 from pdserve.engine.attention import AttentionMetadata, select_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
-from pdserve.engine.kv_quant import resolve_kv_cache_format
+from pdserve.common.kv_quant import resolve_kv_cache_format
 from pdserve.engine.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
 from pdserve.engine.outputs import ModelRunnerOutput
@@ -114,7 +114,7 @@ class ModelRunner:
     Attributes:
         kv_cache: this rank's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
             (its pipeline stage's layers, its TP rank's KV heads); with a quantized
-            ``--kv-cache-dtype``, uint8 rows of head_dim + 4 bytes (``pdserve.engine.kv_quant``).
+            ``--kv-cache-dtype``, uint8 rows of head_dim + 4 bytes (``pdserve.common.kv_quant``).
         kv_cache_format: the cache's ``KVCacheFormat``; ``kv_cache_format.name`` is the KV dtype
             name peers see (transfer headers, ``KVLayout``).
         kv_cache_dtype: the cache tensor's torch dtype (torch.uint8 for a quantized cache).

@@ -11,7 +11,7 @@ A pair's group carries one ordered stream (a single tag), rank 0 -> rank 1:
 ``dtype_code`` names the KV cache dtype (``_DTYPE_CODES``), and ``head_dim`` is
 always the model's head_dim. For a plain cache (float32, bfloat16, float16) a
 layer's elements are that dtype and ``row_len = head_dim``. For a quantized
-cache (int8, fp8_e4m3, fp8_e5m2; ``pdserve.engine.kv_quant``) a layer is uint8
+cache (int8, fp8_e4m3, fp8_e5m2; ``pdserve.common.kv_quant``) a layer is uint8
 and ``row_len = head_dim + 4``: each (token, KV head) row is its head_dim
 quantized bytes followed by its float32 scale, shipped as the cache holds them.
 
@@ -28,7 +28,7 @@ import zlib
 import torch
 
 from pdserve.common.protocol import KVTransferHeader
-from pdserve.engine.kv_quant import KV_CACHE_FORMATS
+from pdserve.common.kv_quant import KV_CACHE_FORMATS
 
 MAGIC = 0x4B565846  # "KVXF"
 TAG = 0

@@ -32,7 +32,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fP
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
-# The kernel's kv_dtype codes, by KV cache dtype name (pdserve.engine.kv_quant): plain float32 and
+# The kernel's kv_dtype codes, by KV cache dtype name (pdserve.common.kv_quant): plain float32 and
 # bfloat16 elements, or packed rows of head_dim quantized bytes plus a float32 scale.
 KV_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "int8": 2, "fp8_e4m3": 3, "fp8_e5m2": 4}
 

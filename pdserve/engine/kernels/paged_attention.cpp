@@ -20,7 +20,7 @@
 //   kv_cache:      [2, num_blocks, block_size, num_kv_heads, row_len], element type kv_dtype
 //                  (0 = float32, 1 = bfloat16: row_len = head_dim elements; 2 = int8, 3 = fp8 e4m3,
 //                  4 = fp8 e5m2: row_len = head_dim + 4 bytes, head_dim quantized values followed by the
-//                  row's float32 scale, see pdserve/engine/kv_quant.py); index 0 is K, 1 is V
+//                  row's float32 scale, see pdserve/common/kv_quant.py); index 0 is K, 1 is V
 //   block_tables:  [num_seqs, max_blocks_per_seq] int64
 //   seq_lens:      [num_seqs] int64, context length after this step (cached + new tokens)
 //   query_start_loc: [num_seqs + 1] int64, cumulative new-token counts
