@@ -129,4 +129,6 @@ class LoRASlots:
         if mapping is None:
             return y
         shrink = (x @ self.lora_a.t()) * mapping.mask(self.num_parts)  # (N, P*S*R)
-        return y + shrink @ self.lora_b  # (N, out_local)
+        # y += shrink @ lora_b inside the GEMM (beta = 1): no second pass over the [N, out] output.
+        # y is the base layer's fresh output, owned by this forward, so writing into it is safe.
+        return y.addmm_(shrink, self.lora_b)  # (N, out_local)
