@@ -324,35 +324,18 @@ int pdserve_paged_attention(float* out, const float* query, const void* kv_cache
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
   if (head_dim % 8 != 0) return 3;
   if (num_threads < 1) num_threads = 1;
-  if (kv_dtype == 0) {
-    attend(out, query, static_cast<const float*>(kv_cache), block_tables, max_blocks_per_seq, seq_lens,
-           query_start_loc, skip, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-           sliding_window, num_threads);
+  // One instantiation of attend per element type; kv_dtype picks it.
+  auto run = [&](const auto* cache) {
+    attend(out, query, cache, block_tables, max_blocks_per_seq, seq_lens, query_start_loc, skip, num_seqs,
+           num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, sliding_window, num_threads);
     return 0;
-  }
-  if (kv_dtype == 1) {
-    attend(out, query, static_cast<const uint16_t*>(kv_cache), block_tables, max_blocks_per_seq, seq_lens,
-           query_start_loc, skip, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-           sliding_window, num_threads);
-    return 0;
-  }
-  if (kv_dtype == 2) {
-    attend(out, query, static_cast<const QInt8*>(kv_cache), block_tables, max_blocks_per_seq, seq_lens,
-           query_start_loc, skip, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-           sliding_window, num_threads);
-    return 0;
-  }
-  if (kv_dtype == 3) {
-    attend(out, query, static_cast<const QE4M3*>(kv_cache), block_tables, max_blocks_per_seq, seq_lens,
-           query_start_loc, skip, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-           sliding_window, num_threads);
-    return 0;
-  }
-  if (kv_dtype == 4) {
-    attend(out, query, static_cast<const QE5M2*>(kv_cache), block_tables, max_blocks_per_seq, seq_lens,
-           query_start_loc, skip, num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
-           sliding_window, num_threads);
-    return 0;
+  };
+  switch (kv_dtype) {
+    case 0: return run(static_cast<const float*>(kv_cache));
+    case 1: return run(static_cast<const uint16_t*>(kv_cache));
+    case 2: return run(static_cast<const QInt8*>(kv_cache));
+    case 3: return run(static_cast<const QE4M3*>(kv_cache));
+    case 4: return run(static_cast<const QE5M2*>(kv_cache));
   }
   return 1;
 }
