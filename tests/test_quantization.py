@@ -22,8 +22,10 @@ from pdserve.bench.agreement import greedy_agreement, greedy_outputs, teacher_fo
 from pdserve.common.utils import free_port
 from pdserve.engine.compressed_tensors import unpack_int32
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear, batch_invariant_linear
-from pdserve.engine.quantization import quantize_model, weight_bytes
+from pdserve.engine.int8_linear import KERNEL_MAX_ROWS, dequantize_int8, int8_linear_kernel, kernel_applies
+from pdserve.engine.kernels import load_int8_linear
+from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear, batch_invariant_linear, quantized_linear
+from pdserve.engine.quantization import quantize_model, quantized_layers, weight_bytes
 from pdserve.launcher import ClusterSpec, LocalCluster
 from tests.test_cluster import WORDS
 
@@ -92,8 +94,8 @@ def quantized_pair(seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor, torch.
 
 def test_quantized_linear_matches_float_within_the_rounding_bound():
     mod, w_col, w_row = quantized_pair()
-    assert isinstance(mod.col.weight, torchao.quantization.Int8Tensor)
-    assert mod.col.weight.qdata.dtype == torch.int8 and mod.col.weight.scale.shape == (128, 1)
+    assert mod.col.weight.dtype == torch.int8 and mod.col.weight_scale.shape == (128, 1)
+    assert mod.col.weight_scale.dtype == torch.float32
     # int8 values (1 byte) + one float32 scale per output row, instead of 4 bytes per weight
     assert weight_bytes(mod) == 128 * 96 + 128 * 4 + 96 * 128 + 96 * 4
     x = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
@@ -102,7 +104,7 @@ def test_quantized_linear_matches_float_within_the_rounding_bound():
             got, want = layer(inp), F.linear(inp, w)
             # Symmetric round-to-nearest: |w - q * s| <= s / 2 per weight, so per output
             # |err| <= s_row / 2 * sum_k |x_k| (plus float32 rounding).
-            scale = layer.weight.scale.flatten()  # (out,)
+            scale = layer.weight_scale.flatten()  # (out,)
             bound = inp.abs().sum(-1, keepdim=True) * scale / 2 * 1.01 + 1e-5  # (M, out)
             err = (got - want).abs()
             assert (err <= bound).all()
@@ -111,11 +113,15 @@ def test_quantized_linear_matches_float_within_the_rounding_bound():
 
 def test_batch_invariant_rows_keep_their_bits_with_int8_weights():
     mod, _, _ = quantized_pair()
-    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(2))
+    layer = mod.col
+    x = torch.randn(3 * KERNEL_MAX_ROWS, 96, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        alone = batch_invariant_linear(x[:1], mod.col.weight)
-        for m in range(2, 10):
-            assert torch.equal(batch_invariant_linear(x[:m], mod.col.weight)[:1], alone)
+        alone = quantized_linear(x[:1], layer.weight, layer.weight_scale, batch_invariant=True)
+        for m in (2, 3, 4, 5, 7, 9, KERNEL_MAX_ROWS + 1, 3 * KERNEL_MAX_ROWS):
+            assert torch.equal(quantized_linear(x[:m], layer.weight, layer.weight_scale, batch_invariant=True)[:1],
+                               alone)
+        dequantized = layer.weight.float() * layer.weight_scale  # the fallback (no kernel) pads rows instead
+        assert torch.equal(batch_invariant_linear(x[:9], dequantized)[:1], batch_invariant_linear(x[:1], dequantized))
 
 
 def test_greedy_agreement_counts_tokens_up_to_the_first_divergence():
@@ -160,8 +166,8 @@ def test_llm_int8_agrees_with_the_float_model(int8_llm, prompts, float_run):
     float_outputs, float_logits = float_run
     runner = int8_llm.core.runner
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv.weight, torchao.quantization.Int8Tensor)
-    assert not isinstance(runner.model.lm_head.weight, torchao.quantization.Int8Tensor)  # head kept in float
+    assert qkv.weight.dtype == torch.int8 and qkv.weight_scale is not None
+    assert runner.model.lm_head.weight.dtype == torch.float32  # head kept in float
     agree = greedy_agreement(float_outputs, greedy_outputs(int8_llm, prompts, MAX_TOKENS))
     assert agree.identical_share >= 0.35 and agree.mean_prefix_share >= 0.7, agree
     logits = teacher_forced_logits(int8_llm, [p + o for p, o in zip(prompts, float_outputs)])
@@ -173,26 +179,26 @@ def test_llm_int8_agrees_with_the_float_model(int8_llm, prompts, float_run):
 
 def test_compressed_tensors_w8a16_holds_the_checkpoints_int8_values_exactly(w8a16_dir, w8a16_llm, int8_llm,
                                                                             prompts, float_run):
-    """The loaded Int8Tensor is the checkpoint's int8 values and scales bit for bit. The library's
+    """The loaded int8 weight is the checkpoint's int8 values and scales bit for bit. The library's
     scheme is --quantization int8's (absmax / 127.5 per row): same scales, same int8 values but
     for weights at exactly +-127.5 scales, which round the other way (~0.1%)."""
     from safetensors import safe_open
 
     assert w8a16_llm.core.runner.quantization == "compressed-tensors"
-    qkv = w8a16_llm.core.runner.model.model.layers[0].self_attn.qkv_proj.weight
+    qkv = w8a16_llm.core.runner.model.model.layers[0].self_attn.qkv_proj
     with safe_open(os.path.join(w8a16_dir, "model.safetensors"), "pt") as f:
         name = "model.layers.0.self_attn.{}_proj.{}"
         values = [unpack_int32(f.get_tensor(name.format(p, "weight_packed")), 8,
                                int(f.get_tensor(name.format(p, "weight_shape"))[1])) for p in "qkv"]
         scales = [f.get_tensor(name.format(p, "weight_scale")) for p in "qkv"]
-    assert torch.equal(qkv.qdata, torch.cat(values)) and torch.equal(qkv.scale, torch.cat(scales).float())
-    loaded = [p for p in w8a16_llm.core.runner.model.parameters() if hasattr(p, "qdata")]
-    made = [p for p in int8_llm.core.runner.model.parameters() if hasattr(p, "qdata")]
+    assert torch.equal(qkv.weight, torch.cat(values)) and torch.equal(qkv.weight_scale, torch.cat(scales).float())
+    loaded = [m for _, m in quantized_layers(w8a16_llm.core.runner.model)]
+    made = [m for _, m in quantized_layers(int8_llm.core.runner.model)]
     assert len(loaded) == len(made) == 2 * 4  # qkv, o, gate_up, down per layer
-    num_differ = sum((a.qdata != b.qdata).sum().item() for a, b in zip(loaded, made))
-    assert all(torch.equal(a.scale, b.scale) for a, b in zip(loaded, made))
-    assert all((a.qdata.int() - b.qdata.int()).abs().max() <= 1 for a, b in zip(loaded, made))
-    assert num_differ <= 0.005 * sum(a.qdata.numel() for a in loaded)
+    num_differ = sum((a.weight != b.weight).sum().item() for a, b in zip(loaded, made))
+    assert all(torch.equal(a.weight_scale, b.weight_scale) for a, b in zip(loaded, made))
+    assert all((a.weight.int() - b.weight.int()).abs().max() <= 1 for a, b in zip(loaded, made))
+    assert num_differ <= 0.005 * sum(a.weight.numel() for a in loaded)
     agree = greedy_agreement(float_run[0], greedy_outputs(w8a16_llm, prompts, MAX_TOKENS))
     assert agree.identical_share >= 0.35 and agree.mean_prefix_share >= 0.7, agree
 
@@ -201,11 +207,12 @@ def test_compressed_tensors_int_quantized_format_loads_the_same_weights(model_di
     """int-quantized stores int8 ``weight`` tensors instead of packed int32 words: same model."""
     path = write_compressed_checkpoint(model_dir, str(tmp_path / "intq"), 8, "channel", fmt="int-quantized")
     with LLM(path, kv_cache_memory="1MiB", num_threads=1) as llm:
-        got = [p for p in llm.core.runner.model.parameters() if hasattr(p, "qdata")]
-        want = [p for p in w8a16_llm.core.runner.model.parameters() if hasattr(p, "qdata")]
+        got = [m for _, m in quantized_layers(llm.core.runner.model)]
+        want = [m for _, m in quantized_layers(w8a16_llm.core.runner.model)]
         assert len(got) == len(want) == 8
-        assert all(torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale) for a, b in zip(got, want))
-        assert not hasattr(llm.core.runner.model.lm_head.weight, "qdata")  # ignored: loaded as float
+        assert all(torch.equal(a.weight, b.weight) and torch.equal(a.weight_scale, b.weight_scale)
+                   for a, b in zip(got, want))
+        assert llm.core.runner.model.lm_head.weight.dtype == torch.float32  # ignored: loaded as float
 
 
 def test_compressed_tensors_w4a16_group_matches_transformers(w4a16_dir, prompts, float_run):
@@ -219,9 +226,9 @@ def test_compressed_tensors_w4a16_group_matches_transformers(w4a16_dir, prompts,
     with torch.no_grad():
         want = [hf(torch.tensor([seq])).logits[0] for seq in sequences]
     with LLM(w4a16_dir, enable_prefix_caching=False, kv_cache_memory="4MiB", num_threads=1) as llm:
-        down = llm.core.runner.model.model.layers[0].mlp.down_proj.weight
-        assert down.qdata.min() >= -8 and down.qdata.max() <= 7
-        assert down.scale.shape == (down.qdata.shape[0], down.qdata.shape[1] // 16)
+        down = llm.core.runner.model.model.layers[0].mlp.down_proj
+        assert down.weight.min() >= -8 and down.weight.max() <= 7
+        assert down.weight_scale.shape == (down.weight.shape[0], down.weight.shape[1] // 16)
         got = teacher_forced_logits(llm, sequences)
         logits = teacher_forced_logits(llm, [p + o for p, o in zip(prompts, float_run[0])])
     assert max((w - g).abs().max().item() for w, g in zip(want, got)) < 1e-4
@@ -254,11 +261,69 @@ def test_fingerprint_and_rank_args_carry_the_quantization(model_dir, int8_llm):
     assert args[args.index("--quantization") + 1] == "int8"
 
 
-def test_int8_decode_step_runs_eagerly_and_says_why(model_dir, caplog):
+def test_int8_decode_step_compiles_with_the_kernel_and_gives_the_eager_tokens(model_dir, int8_llm, prompts):
+    """The kernel is a custom op, so the compiled decode step keeps it (one opaque node per layer)."""
+    want = greedy_outputs(int8_llm, prompts[:6], MAX_TOKENS)  # the fixture runs eagerly
+    with LLM(model_dir, quantization="int8", enforce_eager=False, kv_cache_memory="4MiB", num_threads=1) as llm:
+        assert llm.core.runner._compiled_decode is not None
+        assert greedy_outputs(llm, prompts[:6], MAX_TOKENS) == want
+
+
+def test_int8_bfloat16_decode_step_runs_eagerly_and_says_why(model_dir, caplog):
+    """bfloat16 activations have no int8 kernel: the weight is dequantized per call, and inductor's
+    code for that is slower than eager's, so the step stays eager (logged)."""
     with caplog.at_level("INFO", logger="pdserve.engine.model_runner"):
-        with LLM(model_dir, quantization="int8", enforce_eager=False, kv_cache_memory="1MiB", num_threads=1) as llm:
+        with LLM(model_dir, quantization="int8", dtype="bfloat16", enforce_eager=False, kv_cache_memory="1MiB",
+                 num_threads=1) as llm:
             assert llm.core.runner._compiled_decode is None
-    assert "decode step runs eagerly: --quantization int8" in caplog.text
+            out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                               use_tqdm=False)
+            assert len(out[0].outputs[0].token_ids) == 4
+    assert "decode step runs eagerly: --quantization int8 without the int8 kernel" in caplog.text
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 11, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("out_features,in_features,group_size", [(1, 8, 8), (7, 64, 64), (96, 176, 176),
+                                                                (38, 96, 16), (130, 256, 32)])
+def test_int8_kernel_matches_the_dequantized_matmul(num_rows, out_features, in_features, group_size):
+    """Every tile shape (rows mod 4, output features mod 3), per-row and grouped scales, against
+    float64 over the dequantized weight; 2 threads give the 1-thread bits."""
+    if load_int8_linear() is None:
+        pytest.skip("no C++ compiler: int8 layers take the dequantizing path")
+    g = torch.Generator().manual_seed(num_rows * 1000 + out_features)
+    weight = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+    scale = torch.rand(out_features, in_features // group_size, generator=g) * 0.02 + 1e-3
+    x = torch.randn(num_rows, in_features, generator=g)
+    assert kernel_applies(x, weight, scale, batch_invariant=False)
+    want = x.double() @ dequantize_int8(weight, scale, torch.float64).T
+    got = int8_linear_kernel(x, weight, scale)
+    assert got.dtype == torch.float32 and got.shape == (num_rows, out_features)
+    tol = 1e-5 * (x.double().abs() @ dequantize_int8(weight, scale, torch.float64).abs().T) + 1e-6
+    assert ((got.double() - want).abs() <= tol).all()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(int8_linear_kernel(x, weight, scale), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_int8_kernel_serves_few_rows_and_refuses_what_it_cannot_compute():
+    weight, scale = torch.ones(4, 24, dtype=torch.int8), torch.ones(4, 1)
+    if load_int8_linear() is None:
+        pytest.skip("no C++ compiler: int8 layers take the dequantizing path")
+    assert kernel_applies(torch.ones(KERNEL_MAX_ROWS, 24), weight, scale, batch_invariant=False)
+    assert not kernel_applies(torch.ones(KERNEL_MAX_ROWS + 1, 24), weight, scale, batch_invariant=False)  # prefill
+    assert kernel_applies(torch.ones(KERNEL_MAX_ROWS + 1, 24), weight, scale, batch_invariant=True)
+    assert not kernel_applies(torch.ones(2, 24, dtype=torch.bfloat16), weight, scale, batch_invariant=False)
+    assert not kernel_applies(torch.ones(2, 20), torch.ones(4, 20, dtype=torch.int8), scale, batch_invariant=False)
+    assert not kernel_applies(torch.ones(2, 24), weight, torch.ones(4, 2), batch_invariant=False)  # groups of 12
+    with pytest.raises(RuntimeError, match="refused K=20"):  # the kernel checks too
+        int8_linear_kernel(torch.ones(2, 20), torch.ones(4, 20, dtype=torch.int8), scale)
+    # what the kernel does not take, quantized_linear computes over the dequantized weight
+    x = torch.randn(3, 20)
+    w20 = torch.randint(-5, 6, (4, 20), dtype=torch.int8)
+    torch.testing.assert_close(quantized_linear(x, w20, torch.full((4, 1), 0.5)), x @ (w20.float() * 0.5).T)
 
 
 def test_bad_quantization_inputs_fail_clearly(model_dir, w8a16_dir, tmp_path):
@@ -334,8 +399,8 @@ def test_lora_adapter_on_int8_weights_matches_peft_on_the_dequantized_model(mode
     with LLM(model_dir, quantization="int8", enable_lora=True, kv_cache_memory="4MiB", num_threads=1) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=lora, use_tqdm=False)]
         plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        dequantized = {n: p.qdata.float() * p.scale for n, p in llm.core.runner.model.named_parameters()
-                       if hasattr(p, "qdata")}  # our name -> [out, in]
+        dequantized = {f"{n}.weight": dequantize_int8(m.weight, m.weight_scale, torch.float32)
+                       for n, m in quantized_layers(llm.core.runner.model)}  # our name -> [out, in]
     assert got != plain  # the adapter mattered
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     state = hf.state_dict()

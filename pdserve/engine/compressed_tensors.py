@@ -16,7 +16,7 @@ Loading: each quantized linear is dequantized to the model dtype (``q * scale``,
 goes through its parameter's ``weight_loader`` like a float tensor, so TP sharding and the fused
 q/k/v and gate/up layers need nothing new; its scale is sharded the same way and kept beside the
 parameter (``CHECKPOINT_SCALE``). ``quantization.quantize_model(model, "compressed-tensors")``
-then rebuilds torchao ``Int8Tensor`` weights from those scales: ``round(q * s / s) == q``, so
+then rebuilds the int8 weights (via torchao) from those scales: ``round(q * s / s) == q``, so
 the int8 values are the checkpoint's, bit for bit. int4 values are held one per int8 byte (no
 packed int4 CPU matmul in torch for float32 activations).
 

@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.int8_linear import dequantize_int8, int8_linear_kernel, kernel_applies
+
 
 def tp_rank_and_size(tp_group: Any | None) -> tuple[int, int]:
     """(rank, world size) of this process in ``tp_group``; (0, 1) when the group is None."""
@@ -65,6 +67,38 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, weight.shape[0])
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     batch_invariant: bool = False) -> torch.Tensor:
+    """y = x (weight * scale)^T for a weight-only int8 layer (``pdserve.engine.int8_linear``).
+
+    x: [..., in_features] float; weight: [out_features, in_features] int8; scale: [out_features,
+    num_groups] float32. Returns [..., out_features] in x's dtype. The native kernel where it
+    applies (``kernel_applies``: float32 on CPU, few rows or ``batch_invariant``); otherwise the
+    weight is dequantized to x's dtype for this call and multiplied as a float layer would
+    (through ``batch_invariant_linear`` when ``batch_invariant``).
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # (M, in)
+    if kernel_applies(x2, weight, scale, batch_invariant):
+        y = int8_linear_kernel(x2, weight, scale)
+    else:
+        w = dequantize_int8(weight, scale, x.dtype)
+        y = batch_invariant_linear(x2, w) if batch_invariant else F.linear(x2, w)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def _project(layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + bias for ``layer``: int8 weights through ``quantized_linear``, float ones through
+    ``F.linear`` or, batch-invariant, ``batch_invariant_linear``."""
+    if layer.weight_scale is not None:
+        y = quantized_linear(x, layer.weight, layer.weight_scale, layer.batch_invariant)
+        return y if bias is None else y + bias
+    if layer.batch_invariant:
+        return batch_invariant_linear(x, layer.weight, bias)
+    return F.linear(x, layer.weight, bias)
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: str | torch.device) -> nn.Parameter:
@@ -191,6 +225,7 @@ class ColumnParallelLinear(nn.Module):
         local_out = sum(self.local_sizes)
         self.weight = _empty_param(local_out, input_size, dtype=dtype, device=device)
         self.weight.weight_loader = self.weight_loader
+        self.register_parameter("weight_scale", None)  # int8 weights' scales, set by quantization.quantize_model
         self.bias = None
         if bias:
             self.bias = _empty_param(local_out, dtype=dtype, device=device)
@@ -214,10 +249,7 @@ class ColumnParallelLinear(nn.Module):
         dst.copy_(src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.batch_invariant:
-            y = batch_invariant_linear(x, self.weight, self.bias)
-        else:
-            y = F.linear(x, self.weight, self.bias)
+        y = _project(self, x, self.bias)
         return y if self.lora is None else self.lora.add_to(x, y)
 
 
@@ -250,6 +282,7 @@ class RowParallelLinear(nn.Module):
         self.local_input_size = _divide(input_size, self.tp_size, "input size")
         self.weight = _empty_param(output_size, self.local_input_size, dtype=dtype, device=device)
         self.weight.weight_loader = self.weight_loader
+        self.register_parameter("weight_scale", None)  # int8 weights' scales, set by quantization.quantize_model
         self.bias = None
         if bias:
             self.bias = _empty_param(output_size, dtype=dtype, device=device)
@@ -266,7 +299,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = batch_invariant_linear(x, self.weight) if self.batch_invariant else F.linear(x, self.weight)
+        y = _project(self, x)
         if self.lora is not None:
             y = self.lora.add_to(x, y)
         if self.tp_size > 1:

@@ -1,18 +1,20 @@
 """Weight-only quantization of the decoder's linear layers, applied at load time (``--quantization``).
 
 ``int8``: every ``ColumnParallelLinear`` / ``RowParallelLinear`` weight [out_features, in_features]
-becomes torchao's ``Int8Tensor`` (``torchao.quantization.quantize_`` with ``Int8WeightOnlyConfig``,
-torchao 0.18): int8 values ``qdata`` [out_features, in_features] and one float32 scale per output
-row ``scale`` [out_features, 1], symmetric (no zero point), ``w ~= qdata * scale``. Activations
-stay in the model dtype: ``F.linear(x, weight)`` dispatches on the tensor subclass to
-``(x @ qdata.T.to(x.dtype)) * scale`` (torchao's weight-only path), so the layers' forward,
-the TP all-reduce and the batch-invariant padding are unchanged. This is the per-channel
-absmax ("vector-wise") weight quantization of Dettmers et al., "LLM.int8()" (NeurIPS 2022),
-without its activation outliers' int8 matmul: weight-only, as in vLLM's and torchao's W8A16.
+is quantized by torchao (``torchao.quantization.quantize_`` with ``Int8WeightOnlyConfig``,
+torchao 0.18): int8 values [out_features, in_features] and one float32 scale per output row,
+symmetric (no zero point), ``w ~= q * scale``. The layer then keeps them as its own plain
+tensors, ``weight`` (int8) and ``weight_scale`` (float32 [out_features, num_groups]), and its
+forward calls ``layers.quantized_linear``: our native kernel (``pdserve.engine.int8_linear``)
+widens the int8 values in registers, so decode reads a byte per weight. Activations stay in the
+model dtype; the TP all-reduce, LoRA and the batch-invariant mode are unchanged. This is the
+per-channel absmax ("vector-wise") weight quantization of Dettmers et al., "LLM.int8()"
+(NeurIPS 2022), without its activation outliers' int8 matmul: weight-only, as in vLLM's and
+torchao's W8A16.
 
 ``compressed-tensors``: a checkpoint already quantized in that format (``pdserve.engine.
 compressed_tensors``; W8A16 / W4A16, per channel or per group): the loader dequantizes it and keeps
-each layer's scales; ``quantize_model`` rebuilds the same ``Int8Tensor`` from them (scale
+each layer's scales; ``quantize_model`` rebuilds the int8 values from them (scale
 [out_features, num_groups]), holding the checkpoint's int values exactly.
 
 Quantized after loading, so each TP rank quantizes its own shard: a ColumnParallelLinear's
@@ -25,13 +27,12 @@ and the LM head (its error lands directly on the logits, which greedy argmax and
 read; vLLM also leaves ``lm_head`` unquantized by default). With tied embeddings they are one
 tensor anyway. Norms and biases stay as they are.
 
-On this repository's CPUs, int8 weight-only saves memory (4x on the linear weights in
-float32), not time: torch has no fast float32 x int8 CPU matmul (``aten._weight_int8pack_mm``
-with float32 activations measured 14x slower than float32 ``F.linear`` at batch 1), so each
-call converts the weight to the activation dtype first. Under ``torch.compile`` that conversion
-becomes an inductor loop 3-4x slower than eager's (768 x 3072 weight, one AVX2 core: 4.0 vs
-0.9 ms at batch 1, 14 vs 3 ms at batch 32), so the model runner keeps a quantized model's
-decode step eager (logged). docs/benchmarks.md has the figures.
+Speed on this repository's CPUs: torch has no fast float32 x int8 CPU matmul
+(``aten._weight_int8pack_mm`` with float32 activations measured 14x slower than float32
+``F.linear`` at batch 1, and torchao's weight-only path converts the whole weight to float32 on
+every call), hence the kernel. It serves calls of up to ``int8_linear.KERNEL_MAX_ROWS`` rows
+(decode); longer ones (prefill) dequantize the weight and run a float32 GEMM. As a custom op the
+kernel is one opaque node of the compiled decode step. docs/benchmarks.md has the figures.
 """
 
 from __future__ import annotations
@@ -88,13 +89,14 @@ def _is_quantizable(module: nn.Module, fqn: str = "") -> bool:
 def quantize_model(model: nn.Module, name: str) -> None:
     """Quantize ``model``'s tensor-parallel linear weights in place (see the module docstring).
 
-    Each quantized layer's ``weight`` becomes an ``nn.Parameter`` holding a torchao ``Int8Tensor``
-    (``qdata`` int8 [out_features, in_features], ``scale`` float32 [out_features, num_groups]); its
-    ``weight_loader`` is gone (load before quantizing). ``int8``: every such layer, scales from the
-    weights. ``compressed-tensors``: the layers the checkpoint quantized, with its scales (left by
-    the loader as ``checkpoint_weight_scale``; see ``pdserve.engine.compressed_tensors``), which
-    gives back the checkpoint's int8 values exactly. Raises ValueError for an unknown ``name``,
-    ImportError when torchao is not installed.
+    Each quantized layer's ``weight`` becomes an int8 ``nn.Parameter`` [out_features, in_features]
+    and its ``weight_scale`` a float ``nn.Parameter`` [out_features, num_groups] (the layer's dtype;
+    float32 for a float32 model); its ``weight_loader`` is gone (load before quantizing).
+    ``int8``: every such layer, scales from the weights (torchao). ``compressed-tensors``: the
+    layers the checkpoint quantized, with its scales (left by the loader as
+    ``checkpoint_weight_scale``; see ``pdserve.engine.compressed_tensors``), which gives back the
+    checkpoint's int values exactly. Raises ValueError for an unknown ``name``, ImportError when
+    torchao is not installed.
     """
     check_quantization_name(name)
     try:
@@ -116,19 +118,22 @@ def quantize_model(model: nn.Module, name: str) -> None:
             module.weight = nn.Parameter(Int8Tensor.from_hp(weight, granularity, scale=scale.to(weight.device)),
                                          requires_grad=False)
             delattr(module, CHECKPOINT_SCALE)
+    for module in model.modules():  # torchao's tensor -> the layer's own int8 weight and scales
+        if _is_quantizable(module) and isinstance(module.weight, Int8Tensor):
+            qdata, scale = module.weight.qdata, module.weight.scale
+            module.weight = nn.Parameter(qdata.contiguous(), requires_grad=False)
+            module.weight_scale = nn.Parameter(scale.reshape(qdata.shape[0], -1).contiguous(), requires_grad=False)
     logger.info("weights quantized (%s, weight-only; embedding and LM head kept): %.1f -> %.1f MiB",
                 name, before / 2**20, weight_bytes(model) / 2**20)
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes ``t`` holds: its storage for a plain tensor, the sum of its inner tensors for a torchao
-    tensor subclass (``Int8Tensor``: qdata + scale)."""
-    names = getattr(t, "tensor_data_names", None)
-    if names is None:
-        return t.numel() * t.element_size()
-    return sum(tensor_bytes(getattr(t, n)) for n in names if getattr(t, n, None) is not None)
-
-
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of ``model``'s parameters (a tied embedding / LM head counted once)."""
-    return sum(tensor_bytes(p) for p in model.parameters())
+    """Bytes of ``model``'s parameters (a tied embedding / LM head counted once; a quantized layer's
+    int8 weight and its scales)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def quantized_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) for each layer of ``model`` holding int8 weights (with ``weight_scale``)."""
+    return [(name, m) for name, m in model.named_modules()
+            if _is_quantizable(m) and getattr(m, "weight_scale", None) is not None]

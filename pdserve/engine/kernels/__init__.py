@@ -1,11 +1,11 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and loaded with ctypes.
 
-``paged_attention.cpp`` is plain C++ with a C ABI (no torch headers), so it builds in about
-a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
+``paged_attention.cpp`` (paged attention over the KV cache) and ``int8_linear.cpp`` (weight-only
+int8 matmul) are plain C++ with a C ABI (no torch headers), so each builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), keyed by the source, the
 compiler flags and this CPU's instruction sets, so a restart or another worker on the same
-machine reuses it. With no compiler (or a failed build) ``load_paged_attention`` returns
-None and the engine falls back to the plain-torch attention path, saying so once.
+machine reuses it. With no compiler (or a failed build) a loader returns None and the engine
+falls back to plain torch (the gathering attention path; dequantized int8 weights), saying so once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
+_KERNEL_DIR = pathlib.Path(__file__).parent
 # No -ffast-math: linked into a shared library it sets flush-to-zero for the whole process
 # (crtfastmath.o), changing every other computation in it. The kernel vectorizes by hand instead.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -77,29 +77,47 @@ def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
     return target
 
 
-def load_paged_attention() -> ctypes.CDLL | None:
-    """The compiled paged-attention library, or None where it cannot be built here (logged once)."""
+def _load(name: str, argtypes: list, what: str, fallback: str) -> ctypes.CDLL | None:
+    """Library ``name`` (built from ``name``.cpp; its C function ``pdserve_<name>`` returns an int
+    and takes ``argtypes``), or None where it cannot be built here (logged once: ``what`` could not
+    be built, ``fallback`` runs instead)."""
     with _lock:
-        if "paged_attention" in _loaded:
-            return _loaded["paged_attention"]
+        if name in _loaded:
+            return _loaded[name]
         lib = None
         compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
         if os.environ.get("PDSERVE_DISABLE_KERNELS"):
-            logger.info("native kernels disabled by $PDSERVE_DISABLE_KERNELS: plain-torch attention")
+            logger.info("native kernels disabled by $PDSERVE_DISABLE_KERNELS: %s", fallback)
         elif compiler is None:
-            logger.warning("no C++ compiler found: paged attention runs on the plain-torch (gathering) path")
+            logger.warning("no C++ compiler found: %s", fallback)
         else:
             try:
-                lib = ctypes.CDLL(str(_build(_SOURCE, compiler)))
-                fn = lib.pdserve_paged_attention
+                lib = ctypes.CDLL(str(_build(_KERNEL_DIR / f"{name}.cpp", compiler)))
+                fn = getattr(lib, f"pdserve_{name}")
                 fn.restype = ctypes.c_int
-                p, i64 = ctypes.c_void_p, ctypes.c_int64
-                fn.argtypes = [p, p, p, ctypes.c_int, p, i64, p, p, p, i64, i64, i64, i64, i64, i64,
-                               ctypes.c_float, i64, ctypes.c_int]
+                fn.argtypes = argtypes
             except (OSError, subprocess.SubprocessError, AttributeError) as e:
                 detail = getattr(e, "stderr", "") or ""
-                logger.warning("could not build the paged-attention kernel (%s%s): plain-torch attention instead",
-                               e, f": {detail[-2000:]}" if detail else "")
+                logger.warning("could not build the %s kernel (%s%s): %s", what, e,
+                               f": {detail[-2000:]}" if detail else "", fallback)
                 lib = None
-        _loaded["paged_attention"] = lib
+        _loaded[name] = lib
         return lib
+
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+def load_paged_attention() -> ctypes.CDLL | None:
+    """The compiled paged-attention library, or None where it cannot be built here (logged once)."""
+    return _load("paged_attention",
+                 [_P, _P, _P, ctypes.c_int, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                  ctypes.c_float, _I64, ctypes.c_int],
+                 "paged-attention", "paged attention runs on the plain-torch (gathering) path")
+
+
+def load_int8_linear() -> ctypes.CDLL | None:
+    """The compiled weight-only int8 linear library (``int8_linear.cpp``), or None where it cannot
+    be built here (logged once; int8 layers then dequantize their weight for each call)."""
+    return _load("int8_linear", [_P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int],
+                 "int8 linear", "int8 layers dequantize their weights for every call instead")
