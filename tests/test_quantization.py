@@ -22,8 +22,8 @@ from pdserve.bench.agreement import greedy_agreement, greedy_outputs, teacher_fo
 from pdserve.common.utils import free_port
 from pdserve.engine.compressed_tensors import unpack_int32
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.int8_linear import KERNEL_MAX_ROWS, dequantize_int8, int8_linear_kernel, kernel_applies
-from pdserve.engine.kernels import load_int8_linear
+from pdserve.engine.int8_linear import (KERNEL_MAX_ROWS, build_kernel, dequantize_int8, int8_linear_kernel,
+                                       kernel_applies)
 from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear, batch_invariant_linear, quantized_linear
 from pdserve.engine.quantization import quantize_model, quantized_layers, weight_bytes
 from pdserve.launcher import ClusterSpec, LocalCluster
@@ -288,7 +288,7 @@ def test_int8_bfloat16_decode_step_runs_eagerly_and_says_why(model_dir, caplog):
 def test_int8_kernel_matches_the_dequantized_matmul(num_rows, out_features, in_features, group_size):
     """Every tile shape (rows mod 4, output features mod 3), per-row and grouped scales, against
     float64 over the dequantized weight; 2 threads give the 1-thread bits."""
-    if load_int8_linear() is None:
+    if not build_kernel():
         pytest.skip("no C++ compiler: int8 layers take the dequantizing path")
     g = torch.Generator().manual_seed(num_rows * 1000 + out_features)
     weight = torch.randint(-127, 128, (out_features, in_features), generator=g, dtype=torch.int8)
@@ -310,7 +310,7 @@ def test_int8_kernel_matches_the_dequantized_matmul(num_rows, out_features, in_f
 
 def test_int8_kernel_serves_few_rows_and_refuses_what_it_cannot_compute():
     weight, scale = torch.ones(4, 24, dtype=torch.int8), torch.ones(4, 1)
-    if load_int8_linear() is None:
+    if not build_kernel():
         pytest.skip("no C++ compiler: int8 layers take the dequantizing path")
     assert kernel_applies(torch.ones(KERNEL_MAX_ROWS, 24), weight, scale, batch_invariant=False)
     assert not kernel_applies(torch.ones(KERNEL_MAX_ROWS + 1, 24), weight, scale, batch_invariant=False)  # prefill

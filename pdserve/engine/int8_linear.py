@@ -26,17 +26,28 @@ from pdserve.engine.kernels import load_int8_linear
 # From this many rows up a call dequantizes the weight and runs a float32 GEMM (unless batch-invariant).
 KERNEL_MAX_ROWS = 64
 
+# Whether the kernel was built here: set by ``build_kernel`` (quantize_model calls it), read by
+# ``kernel_applies`` as a plain global, which torch.compile can trace (loading the library cannot).
+_kernel_built = False
+
+
+def build_kernel() -> bool:
+    """Build (or find in the cache) and load the native kernel; whether it is available here."""
+    global _kernel_built
+    _kernel_built = load_int8_linear() is not None
+    return _kernel_built
+
 
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, batch_invariant: bool) -> bool:
     """Whether ``int8_linear_kernel`` can (and should) compute ``x`` [M, K] against ``weight`` [N, K]
     int8 with ``scale`` [N, G]: float32 activations on the CPU, K and K / G multiples of 8, at
-    most ``KERNEL_MAX_ROWS`` rows unless ``batch_invariant``, and the kernel built here."""
+    most ``KERNEL_MAX_ROWS`` rows unless ``batch_invariant``, and the kernel built (``build_kernel``)."""
     num_rows, in_features = x.shape
     num_groups = scale.shape[1]
     return (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.int8
             and scale.dtype == torch.float32
             and in_features % 8 == 0 and in_features % num_groups == 0 and (in_features // num_groups) % 8 == 0
-            and (batch_invariant or num_rows <= KERNEL_MAX_ROWS) and load_int8_linear() is not None)
+            and (batch_invariant or num_rows <= KERNEL_MAX_ROWS) and _kernel_built)
 
 
 @torch.library.custom_op("pdserve::int8_linear", mutates_args=())

@@ -31,7 +31,7 @@ from pdserve.engine.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
 from pdserve.engine.outputs import ModelRunnerOutput
 from pdserve.engine.parallel import RankGroup
-from pdserve.engine.kernels import load_int8_linear
+from pdserve.engine.int8_linear import build_kernel
 from pdserve.engine.quantization import check_quantization_target, checkpoint_quantization, quantize_model
 from pdserve.engine.prompt_logprobs import add_prompt_logprob_rows, compute_prompt_logprobs
 from pdserve.engine.request import Request
@@ -188,7 +188,7 @@ class ModelRunner:
         self._compiled_decode = None  # the decode step's forward under torch.compile (see compile_decode_step)
         if config.batch_invariant:  # inductor fuses and reorders reductions by batch size: not shown invariant
             logger.info("decode step runs eagerly: --batch-invariant (a compiled step is not shown invariant)")
-        elif self.quantization is not None and not (self.dtype == torch.float32 and load_int8_linear() is not None):
+        elif self.quantization is not None and not (self.dtype == torch.float32 and build_kernel()):
             # without the int8 kernel (bfloat16, or no compiler) inductor would generate the weight's
             # conversion itself, 3-4x slower than eager's
             logger.info("decode step runs eagerly: --quantization %s without the int8 kernel (float32 activations "

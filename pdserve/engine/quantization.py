@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.compressed_tensors import CHECKPOINT_SCALE, QUANT_METHOD, CompressedTensorsConfig
+from pdserve.engine.int8_linear import build_kernel
 from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ def quantize_model(model: nn.Module, name: str) -> None:
     except ImportError as e:
         raise ImportError(f"--quantization {name} needs torchao (pip install 'torchao>=0.18')") from e
     before = weight_bytes(model)
+    build_kernel()  # the layers' forward reads whether it is there
     if name == "int8":
         # set_inductor_config=False: torchao would otherwise change torch._inductor's global config.
         quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=_is_quantizable)

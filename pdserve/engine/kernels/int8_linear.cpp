@@ -125,6 +125,28 @@ void column_block(float* out, const float* x, const int8_t* w, const float* scal
 
 static_assert(MR == 4 && NR == 3, "the remainder switches above and below are written for these tile sizes");
 
+// One or two rows of x (a decode step of one or two sequences): a tile of R rows has only R * C
+// accumulators, too few independent multiply-add chains to hide their latency at C = NR, so these
+// take wider column blocks (8 and 6 output features: 8 and 12 accumulators).
+template <int R>
+constexpr int narrow_cols() { return R == 1 ? 8 : 6; }
+
+template <int R>
+void narrow(float* out, const float* x, const int8_t* w, const float* scale, int64_t N, int64_t K,
+            int64_t group_size, int num_threads) {
+  constexpr int C = narrow_cols<R>();
+  const int64_t num_blocks = (N + C - 1) / C;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n0 = b * C;
+    if (n0 + C <= N) {
+      tile<R, C>(out, x, w, scale, 0, n0, N, K, group_size);
+    } else {
+      for (int64_t n = n0; n < N; ++n) tile<R, 1>(out, x, w, scale, 0, n, N, K, group_size);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -135,6 +157,8 @@ int pdserve_int8_linear(float* out, const float* x, const int8_t* weight, const 
                         int64_t N, int64_t K, int64_t group_size, int num_threads) {
   if (K <= 0 || group_size <= 0 || K % 8 || group_size % 8 || K % group_size) return -1;
   if (num_threads < 1) num_threads = 1;
+  if (M == 1) { narrow<1>(out, x, weight, scale, N, K, group_size, num_threads); return 0; }
+  if (M == 2) { narrow<2>(out, x, weight, scale, N, K, group_size, num_threads); return 0; }
   const int64_t num_blocks = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
   for (int64_t b = 0; b < num_blocks; ++b) {
