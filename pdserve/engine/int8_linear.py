@@ -29,12 +29,14 @@ KERNEL_MAX_ROWS = 64
 # Whether the kernel was built here: set by ``build_kernel`` (quantize_model calls it), read by
 # ``kernel_applies`` as a plain global, which torch.compile can trace (loading the library cannot).
 _kernel_built = False
+_lib = None  # the loaded library (kept here: no lock per call)
 
 
 def build_kernel() -> bool:
     """Build (or find in the cache) and load the native kernel; whether it is available here."""
-    global _kernel_built
-    _kernel_built = load_int8_linear() is not None
+    global _kernel_built, _lib
+    _lib = load_int8_linear()
+    _kernel_built = _lib is not None
     return _kernel_built
 
 
@@ -61,9 +63,10 @@ def int8_linear_kernel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     out = torch.empty(num_rows, weight.shape[0], dtype=torch.float32)
     if num_rows == 0:
         return out
-    rc = load_int8_linear().pdserve_int8_linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), scale.data_ptr(),
-                                                num_rows, weight.shape[0], in_features,
-                                                in_features // scale.shape[1], torch.get_num_threads())
+    if _lib is None and not build_kernel():
+        raise RuntimeError("the int8 linear kernel could not be built here")
+    rc = _lib.pdserve_int8_linear(out.data_ptr(), x.data_ptr(), weight.data_ptr(), scale.data_ptr(), num_rows,
+                                  weight.shape[0], in_features, in_features // scale.shape[1], torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"int8 linear kernel refused K={in_features} with {scale.shape[1]} scale groups")
     return out
