@@ -7,6 +7,7 @@
     pdserve decode  --model DIR --router tcp://HOST:Z [--tensor-parallel-size T] [--pipeline-parallel-size P]
     pdserve rank    --model DIR --rank R --master-addr H --master-port M ...   (one rank of a T x P worker)
     pdserve scale   [--router http://HOST:PORT] [--prefill N] [--decode M] [--wait]   (pools of a running cluster)
+    pdserve default-model [OUT_DIR]   (the built-in trained model: its path, or a copy at OUT_DIR)
     pdserve tiny-model OUT_DIR [--preset tiny|bench]
     pdserve bench serve [--url URL] [--dataset random|shared-prefix|jsonl] [--request-rate R] ...
     pdserve bench compare [--model DIR] [--systems a,b,...] [--out-dir DIR] ...
@@ -144,6 +145,20 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_default_model(args: argparse.Namespace) -> int:
+    """Print the built-in default model's directory, or copy it to ``args.out_dir`` (for images and
+    nodes that serve it from a path of their own) and print that."""
+    import shutil
+
+    from pdserve.models.train import shipped_model_dir
+
+    path = shipped_model_dir()
+    if args.out_dir is not None:
+        path = shutil.copytree(path, args.out_dir, dirs_exist_ok=True)
+    print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.common.config import WorkerConfig
     from pdserve.engine.config import EngineConfig
@@ -209,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--wait", action="store_true", help="wait until every pool serves exactly its target")
     scale.add_argument("--timeout", type=float, default=300.0, help="with --wait: give up after this many seconds")
 
+    default = sub.add_parser("default-model", help="print the built-in trained model's directory, or copy it")
+    default.add_argument("out_dir", nargs="?", default=None, help="copy the checkpoint here (created if missing)")
+
     tiny = sub.add_parser("tiny-model", help="write a deterministic random-weight Llama checkpoint")
     tiny.add_argument("out_dir")
     tiny.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
@@ -247,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.bench.commands import cmd_compare, cmd_serve
 
         return cmd_serve(args) if args.bench_command == "serve" else cmd_compare(args)
+    if args.command == "default-model":
+        return _cmd_default_model(args)
     return _cmd_tiny_model(args)
 
 

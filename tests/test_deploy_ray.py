@@ -192,11 +192,11 @@ def check_pdserve_up(argv: list[str], config: dict, head: Node, workers: list[No
         pool_nodes[role] = {n.name for n in workers if any(n.resources.get(r, 0) > 0 for r in wanted)}
     assert not pool_nodes["prefill"] & pool_nodes["decode"], f"nodes in both pools: {pool_nodes}"
     # The model must exist at the same path on every node: one the setup commands write, or the user's.
-    tiny = {shlex.split(c)[2] for c in config["head_setup_commands"] if c.startswith("pdserve tiny-model ")}
-    tiny_everywhere = tiny & {shlex.split(c)[2] for c in config["worker_setup_commands"]
-                              if c.startswith("pdserve tiny-model ")}
-    assert args.model is not None, "no --model: the head's cached tiny model path does not exist on workers"
-    assert args.model in tiny_everywhere or os.path.isabs(args.model), \
+    written = ("pdserve default-model ", "pdserve tiny-model ")
+    on_head = {shlex.split(c)[2] for c in config["head_setup_commands"] if c.startswith(written)}
+    everywhere = on_head & {shlex.split(c)[2] for c in config["worker_setup_commands"] if c.startswith(written)}
+    assert args.model is not None, "no --model: the head would name its own install's default model, a path workers may lack"
+    assert args.model in everywhere or os.path.isabs(args.model), \
         f"--model {args.model} is neither written on every node by setup_commands nor an absolute path"
 
 
