@@ -51,6 +51,17 @@ def test_shipped_checkpoint_is_the_default(model_dir):
     assert (model_dir / "model.safetensors").stat().st_size < 10 * 2 ** 20
 
 
+def test_default_model_command_prints_or_copies_the_checkpoint(model_dir, tmp_path, capsys):
+    from pdserve.cli import main
+
+    assert main(["default-model"]) == 0
+    assert capsys.readouterr().out.strip() == str(model_dir)
+    assert main(["default-model", str(tmp_path / "copy")]) == 0  # as the Dockerfile and ray up files run it
+    assert capsys.readouterr().out.strip() == str(tmp_path / "copy")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "copy" / name).read_bytes() == (model_dir / name).read_bytes()
+
+
 def test_tokenizer_keeps_pdserve_conventions(hf):
     tok, _ = hf
     assert tok.convert_ids_to_tokens(list(range(len(SPECIAL_TOKENS)))) == SPECIAL_TOKENS
