@@ -233,3 +233,39 @@ def test_prefix_aware_routing_keys_each_adapter_apart():
     keys = {prefix_key(prompt, 16, 4, root) for root in roots}
     assert len(keys) == len(roots)
     assert prefix_key(prompt, 16, 4, roots[1]) == prefix_key(prompt + [7], 16, 4, roots[1])  # still a prefix key
+
+
+def test_step_mapping_groups_each_adapters_rows_and_the_layer_adds_only_its_own_term():
+    """Runs of one slot merge into a slice; a slot whose sequences are apart gets row indices;
+    base-model and empty sequences belong to no group. Each row of a layer's output gets exactly
+    its own adapter's x A^T B (base rows nothing), against a dense per-row reference."""
+    from pdserve.engine.layers import ColumnParallelLinear
+    from pdserve.engine.lora.layers import LoRAContext, LoRASlots, LoRAStepMapping
+
+    seq_slots = [1, 1, -1, 0, 1, 2, 2, 0]
+    query_start_loc = [0, 3, 4, 6, 7, 7, 8, 9, 10]  # sequence 4 (slot 1) has no tokens this step
+    mapping = LoRAStepMapping(seq_slots, query_start_loc)
+    groups = {slot: rows for slot, rows in mapping.groups}
+    assert [slot for slot, _ in mapping.groups] == [0, 1, 2]
+    assert groups[1] == slice(0, 4) and groups[2] == slice(7, 9)  # seqs 0-1 merged; seqs 5-6 adjacent
+    assert groups[0].tolist() == [6, 9]  # seqs 3 and 7: apart
+
+    g = torch.Generator().manual_seed(0)
+    linear = ColumnParallelLinear(16, [8, 4, 4])  # three fused parts, like qkv_proj
+    context = LoRAContext()
+    slots = LoRASlots(linear, num_slots=3, max_rank=2, context=context)
+    adapters = {s: {p: (torch.randn(2 if s else 1, 16, generator=g), torch.randn(n, 2 if s else 1, generator=g))
+                    for p, n in enumerate([8, 4, 4])} for s in range(3)}
+    for s, parts in adapters.items():
+        slots.set_slot(s, parts)
+    x, y = torch.randn(10, 16, generator=g), torch.randn(10, 16, generator=g)
+    context.mapping = mapping
+    got = slots.add_to(x, y.clone())
+    row_slot = [1, 1, 1, 1, None, None, 0, 2, 2, 0]
+    for row, s in enumerate(row_slot):
+        want = y[row].clone()
+        if s is not None:
+            want += torch.cat([(x[row] @ a.t()) @ b.t() for a, b in adapters[s].values()])
+        torch.testing.assert_close(got[row], want)
+    context.mapping = None
+    assert slots.add_to(x, y) is y  # no adapter in the step: nothing added

@@ -2,21 +2,24 @@
 
 A layer with ``P`` fused parts (qkv_proj: 3, gate_up_proj: 2, o_proj and down_proj: 1),
 ``S`` slots (``--max-loras``) and rank ``R`` (``--max-lora-rank``; smaller adapters are
-zero-padded) stacks every slot's A and B::
+zero-padded) stacks every slot's A and B, slot by slot::
 
-    lora_a: [P*S*R, in_local]    row (p*S + s)*R + j: row j of part p's A in slot s
-    lora_b: [P*S*R, out_local]   the same rows of B^T, nonzero only in part p's output columns
+    lora_a: [S*P*R, in_local]    row (s*P + p)*R + j: row j of part p's A in slot s
+    lora_b: [S*P*R, out_local]   the same rows of B^T, nonzero only in part p's output columns
 
-For a step whose token t belongs to slot ``slot[t]`` (-1: the base model), the LoRA term is
+so slot s is the contiguous block of rows ``s*P*R .. (s+1)*P*R`` (a view, no copy). For a
+step, the tokens of each adapter in it form a group (``LoRAStepMapping``), and each group
+adds its own adapter's term to its rows of the base output:
 
-    shrink = x @ lora_a^T                 [N, P*S*R]   every slot's projection of every token
-    shrink *= mask                        mask[t, c] = 1 where column c belongs to slot[t]
-    delta  = shrink @ lora_b              [N, out_local]
+    shrink = x[rows] @ A_s^T              [n_s, P*R]
+    y[rows] += shrink @ B_s               [n_s, out_local]   (inside the GEMM: addmm_)
 
-two matmuls for the whole batch, whatever mix of adapters it holds: the token-to-adapter
-gather of Punica's BGMV/SGMV kernels (Chen et al., 2023) done as a mask, which costs
-``S`` times the arithmetic of the token's own adapter, small next to the base layer while
-``S*R`` is small against its width. No per-adapter forward, no per-token weight copies.
+This is the segmented gather of Punica's SGMV (Chen et al., "Punica: Multi-Tenant LoRA Serving",
+2023) written with torch ops: a group whose tokens are one run of rows (one prompt, or
+adjacent decode rows) takes views of x and y; a scattered group gathers its rows
+(``index_select``) and scatters its term back (``index_add_``). One pair of small matmuls per
+adapter in the step, each over its own tokens only; no per-adapter forward of the model, no
+per-token weight copies; base-model tokens cost nothing.
 
 Tensor parallelism (Megatron-style, as the base layer): a column-parallel layer keeps A
 whole and this rank's rows of B; a row-parallel layer keeps this rank's columns of A and
@@ -29,30 +32,35 @@ import torch
 
 
 class LoRAStepMapping:
-    """Which slot each token of one step uses, as the masks ``LoRASlots.add_to`` needs.
+    """The token groups of one step: for each slot in use, the rows of the step's tokens that use it.
 
     Args:
-        token_slots: [num_tokens] int64, each token's slot, -1 for the base model.
-        num_slots, max_rank: the runner's S and R.
-        dtype: the model's dtype (the masks multiply activations).
+        seq_slots: [num_seqs] each sequence's slot, -1 for the base model.
+        query_start_loc: [num_seqs + 1] cumulative token counts (sequence i's tokens are rows
+            ``query_start_loc[i] .. query_start_loc[i + 1]``).
+        device: where the row indices of a scattered group live.
+
+    ``groups``: (slot, rows) per slot in use, slots ascending; ``rows`` is a ``slice`` when the
+    slot's tokens are one run of rows, else an int64 tensor of row indices, ascending.
     """
 
-    def __init__(self, token_slots: torch.Tensor, num_slots: int, max_rank: int, dtype: torch.dtype):
-        self.token_slots = token_slots
-        self.num_slots = num_slots
-        self.max_rank = max_rank
-        self.dtype = dtype
-        self._masks: dict[int, torch.Tensor] = {}
-
-    def mask(self, num_parts: int) -> torch.Tensor:
-        """[num_tokens, num_parts*S*R]: 1 where the column belongs to the token's slot, else 0."""
-        mask = self._masks.get(num_parts)
-        if mask is None:
-            cols = torch.arange(num_parts * self.num_slots * self.max_rank, device=self.token_slots.device)
-            col_slot = (cols // self.max_rank) % self.num_slots  # (P*S*R,)
-            mask = (col_slot[None, :] == self.token_slots[:, None]).to(self.dtype)  # (N, P*S*R)
-            self._masks[num_parts] = mask
-        return mask
+    def __init__(self, seq_slots: list[int], query_start_loc: list[int], device: torch.device | str = "cpu"):
+        runs: dict[int, list[tuple[int, int]]] = {}
+        for slot, start, end in zip(seq_slots, query_start_loc, query_start_loc[1:]):
+            if slot < 0 or start == end:
+                continue
+            slot_runs = runs.setdefault(slot, [])
+            if slot_runs and slot_runs[-1][1] == start:  # adjacent to the last run: extend it
+                slot_runs[-1] = (slot_runs[-1][0], end)
+            else:
+                slot_runs.append((start, end))
+        self.groups: list[tuple[int, slice | torch.Tensor]] = []
+        for slot in sorted(runs):
+            if len(runs[slot]) == 1:
+                rows: slice | torch.Tensor = slice(*runs[slot][0])
+            else:
+                rows = torch.cat([torch.arange(a, b, dtype=torch.int64) for a, b in runs[slot]]).to(device)
+            self.groups.append((slot, rows))
 
 
 class LoRAContext:
@@ -83,8 +91,8 @@ class LoRASlots:
         rows = self.num_parts * num_slots * max_rank
         # the activations' dtype: an int8 layer's scales have it (pdserve.engine.quantization)
         dtype = weight.dtype if weight.is_floating_point() else linear.weight_scale.dtype
-        self.lora_a = torch.zeros(rows, in_local, dtype=dtype, device=weight.device)  # (P*S*R, in)
-        self.lora_b = torch.zeros(rows, out_local, dtype=dtype, device=weight.device)  # (P*S*R, out)
+        self.lora_a = torch.zeros(rows, in_local, dtype=dtype, device=weight.device)  # (S*P*R, in)
+        self.lora_b = torch.zeros(rows, out_local, dtype=dtype, device=weight.device)  # (S*P*R, out)
         if self.row_parallel:
             self.local_input_size = linear.local_input_size
         else:
@@ -92,7 +100,7 @@ class LoRASlots:
             self.num_shards = linear.num_shards
 
     def _rows(self, part: int, slot: int) -> slice:
-        start = (part * self.num_slots + slot) * self.max_rank
+        start = (slot * self.num_parts + part) * self.max_rank
         return slice(start, start + self.max_rank)
 
     def clear_slot(self, slot: int) -> None:
@@ -125,12 +133,19 @@ class LoRASlots:
                 self.lora_b[rows, dst:dst + local] = b[piece * local:(piece + 1) * local].t().to(self.lora_b.dtype)
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y + this step's LoRA term: x [N, in_local], y [N, out_local] (the base layer's output,
-        before a row-parallel all-reduce). y itself when no adapter is in the step."""
+        """y + this step's LoRA terms: x [N, in_local], y [N, out_local] (the base layer's output,
+        before a row-parallel all-reduce), updated in place and returned. y itself when no
+        adapter is in the step. y is the base layer's fresh output, owned by this forward, so
+        writing into it is safe."""
         mapping = self.context.mapping
         if mapping is None:
             return y
-        shrink = (x @ self.lora_a.t()) * mapping.mask(self.num_parts)  # (N, P*S*R)
-        # y += shrink @ lora_b inside the GEMM (beta = 1): no second pass over the [N, out] output.
-        # y is the base layer's fresh output, owned by this forward, so writing into it is safe.
-        return y.addmm_(shrink, self.lora_b)  # (N, out_local)
+        width = self.num_parts * self.max_rank
+        for slot, rows in mapping.groups:
+            lora_a = self.lora_a[slot * width:(slot + 1) * width]  # (P*R, in), a view
+            lora_b = self.lora_b[slot * width:(slot + 1) * width]  # (P*R, out)
+            if isinstance(rows, slice):  # one run of rows: views of x and y, the add inside the GEMM
+                y[rows].addmm_(x[rows] @ lora_a.t(), lora_b)
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ lora_a.t()) @ lora_b)
+        return y

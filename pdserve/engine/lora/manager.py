@@ -148,11 +148,7 @@ class LoRAManager:
 
         seq_slots: [num_seqs] slot per sequence (-1: base); query_start_loc: [num_seqs + 1].
         """
-        counts = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
-        slots = torch.tensor(seq_slots, dtype=torch.int64, device=device)
-        token_slots = torch.repeat_interleave(slots, torch.tensor(counts, dtype=torch.int64, device=device))
-        dtype = next(iter(self.layers.values())).lora_a.dtype if self.layers else torch.float32
-        self.context.mapping = LoRAStepMapping(token_slots, self.max_loras, self.max_lora_rank, dtype)
+        self.context.mapping = LoRAStepMapping(list(seq_slots), list(query_start_loc), device)
 
     def deactivate(self) -> None:
         self.context.mapping = None
