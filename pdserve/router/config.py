@@ -46,7 +46,9 @@ class RouterConfig:
         step_timeout_s: a worker whose heartbeats say its step loop has not moved for
             longer than this is stuck: nothing is routed to it and its requests fail.
         worker_wait_s: a request that finds no decode worker waits this long for one to register
-            (a pool being scaled, a worker restarting) before it fails with 503; 0: fail at once.
+            (a pool being scaled, a worker restarting) before it fails with 503; 0: fail at once. The
+            default, 30 s, covers a launcher's restart of a worker (about 8-11 s for the tiny model
+            on 2 loaded cores: process start, model load, compiled decode step).
         max_num_waiting_requests: admit a request only while fewer than this many are waiting for
             their first token (None: no bound); past it, 503 with ``Retry-After`` at once.
         max_num_waiting_tokens: the same bound on the prompt tokens of the waiting requests.
@@ -82,7 +84,7 @@ class RouterConfig:
     max_model_len: int | None = None
     worker_timeout_s: float = 10.0
     step_timeout_s: float = 300.0
-    worker_wait_s: float = 10.0
+    worker_wait_s: float = 30.0
     max_num_waiting_requests: int | None = None
     max_num_waiting_tokens: int | None = None
     max_request_body_bytes: int = 16 * 2**20

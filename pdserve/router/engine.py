@@ -126,7 +126,7 @@ class RouterEngine:
 
     def __init__(self, host: str, zmq_port: int, registry: WorkerRegistry,
                  worker_stats: WorkerStatsCollector | None = None, cluster_secret: str | None = None,
-                 worker_wait_s: float = 10.0, max_migrations: int = 3,
+                 worker_wait_s: float = 30.0, max_migrations: int = 3,
                  on_migration: Callable[[str, str], None] | None = None, policy: RoutingPolicy | None = None,
                  on_route: Callable[[str, WorkerRole, str], None] | None = None):
         self.host = host

@@ -56,8 +56,11 @@ def stream_texts(api, chunks_seen: list) -> dict[int, str]:
 
 
 def test_killed_decode_worker_requests_migrate_and_finish_exactly(model_dir, tmp_path):
+    # --worker-wait-s 60: in part 2 the request waits for the launcher to restart the only decode
+    # worker (8-11 s measured on 2 loaded cores), well inside the window whatever the machine's load
     spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=2, port=free_port(), threads_per_worker=1,
-                       worker_args=["--kv-cache-memory", "16MiB"], api_key=None)
+                       worker_args=["--kv-cache-memory", "16MiB"], router_args=["--worker-wait-s", "60"],
+                       api_key=None)
     prompts = ["the quick brown fox", "seven wizards quietly pack boxes of liquor near a river",
                "over lazy dogs while", "jumps over the lazy dog in autumn light near a river bank"]
     with LocalCluster(spec, log_dir=str(tmp_path / "logs")) as cluster:
