@@ -109,7 +109,7 @@ async def serve_beam_search(serving, req: SamplingRequest, prompt_ids: list[int]
     deadline = time.monotonic() + serving.config.worker_wait_s
     while True:
         try:
-            routed, decode_worker, prefill_worker = serving._route(plain, prompt_ids)
+            routed, decode_worker, prefill_worker = serving._route(plain, prompt_ids, lora)
             break
         except APIError as e:
             if e.status_code != 503 or time.monotonic() >= deadline:

@@ -266,10 +266,11 @@ class OpenAIServing:
         if self.draining:
             raise APIError(503, "The router is shutting down; send the request to another replica.")
         self._admit(len(prompt_ids))
+        lora = self.resolve_model(req.model)  # once: routing and the workers use the same adapter
         deadline = time.monotonic() + self.config.worker_wait_s
         while True:
             try:
-                params, decode_worker, prefill_worker = self._route(req, prompt_ids)
+                params, decode_worker, prefill_worker = self._route(req, prompt_ids, lora)
                 break
             except NoDecodeWorker:
                 if time.monotonic() >= deadline:
@@ -277,7 +278,7 @@ class OpenAIServing:
                 await asyncio.sleep(_WORKER_POLL_S)
         request_id = uuid.uuid4().hex
         handle = self.engine.submit(request_id, prompt_ids, params, decode_worker, prefill_worker,
-                                    lora=self.resolve_model(req.model))
+                                    lora=lora)
         choices = [ChoiceOutput(i, IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.stop, skip_special_tokens=req.skip_special_tokens,
             min_tokens=params.min_tokens), logprobs=params.logprobs is not None)
@@ -318,9 +319,10 @@ class OpenAIServing:
         limits = [self.worker_limits(w).max_model_len for w in self.engine.registry.live(WorkerRole.DECODE)]
         return max(limits, default=self.config.max_model_len)
 
-    def _route(self, req: SamplingRequest, prompt_ids: list[int]
+    def _route(self, req: SamplingRequest, prompt_ids: list[int], lora: LoRARequest | None
                ) -> tuple[SamplingParams, WorkerInfo, WorkerInfo | None]:
-        """Resolve max_tokens, build the params, and pick the workers that accept the request.
+        """Resolve max_tokens, build the params, and pick the workers that accept the request
+        (under LoRA adapter ``lora``, None for the base model: prefix-aware routing keys by it).
 
         A max_tokens the client left out becomes what the most capable decode worker
         holds (its max_model_len and KV cache), as vLLM fills it from max_model_len.
@@ -351,7 +353,6 @@ class OpenAIServing:
             def accepts(worker: WorkerInfo) -> bool:
                 return _accepts(prompt_ids, params, limits[worker.worker_id])
 
-            lora = self.resolve_model(req.model)
             decode_worker = self.engine.route(WorkerRole.DECODE, prompt_ids, accepts, lora)
             if decode_worker is None:
                 check_request(prompt_ids, params, best)  # raises the most capable worker's reason
