@@ -156,8 +156,7 @@ class ModelRunner:
         self.hidden_size = int(hf_config.hidden_size)
         self.eos_token_ids = read_eos_token_ids(config.model, hf_config)
         # Salts prefix-cache hashes: KV from another model, dtype or quantization must never be a hit.
-        kv_salt = kv_name if self.kv_cache_format.quantized else self.kv_cache_dtype  # as before for plain caches
-        self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{kv_salt}|"
+        self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{kv_name}|"
                                             f"{self.quantization}|{hf_config.to_json_string()}".encode())
         self.block_size = config.block_size
         self.num_layers = self.model.num_layers
