@@ -1,10 +1,11 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and loaded with ctypes.
 
 ``paged_attention.cpp`` (paged attention over the KV cache) and ``int8_linear.cpp`` (weight-only
-int8 matmul) are plain C++ with a C ABI (no torch headers), so each builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
+int8 matmul) are plain C++ with a C ABI (no torch headers; both include ``vec8.h``, the shared
+8-lane vector helpers), so each builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), keyed by the source, the
-compiler flags and this CPU's instruction sets, so a restart or another worker on the same
-machine reuses it. With no compiler (or a failed build) a loader returns None and the engine
+headers, the compiler flags and this CPU's instruction sets, so a restart or another worker on
+the same machine reuses it. With no compiler (or a failed build) a loader returns None and the engine
 falls back to plain torch (the gathering attention path; dequantized int8 weights), saying so once.
 """
 
@@ -59,7 +60,9 @@ def cache_dir() -> pathlib.Path:
 
 def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
     """Compile ``source`` into the cache (atomically: concurrent builders each write a temp file and rename)."""
-    key = hashlib.sha256(source.read_bytes() + " ".join(_FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(_FLAGS).encode() + _cpu_key().encode()
+                         ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target

@@ -28,34 +28,20 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+
+#include "vec8.h"
 
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
+using pdserve_kernels::load8;
+using pdserve_kernels::v8;
+using pdserve_kernels::widen_i8_to_float;
 
 constexpr int MR = 4;  // rows of x per tile
 constexpr int NR = 3;  // rows of W (output features) per tile: MR * NR accumulators + NR weights + 1 x fit in 16 AVX2 registers
-
-inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof(v)); return v; }
-
-// 8 int8 -> 8 float32. GCC's __builtin_convertvector from an 8-byte vector goes through scalar
-// registers; AVX2 widens in one instruction.
-inline v8 widen8(const int8_t* p) {
-#ifdef __AVX2__
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  v8 v; std::memcpy(&v, &f, sizeof(v)); return v;
-#else
-  v8 v; for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
-#endif
-}
 
 // The lanes of v added in one fixed order.
 inline float hsum(v8 v) {
@@ -70,7 +56,7 @@ inline void dot_block(v8 (&acc)[R][C], const float* x, const int8_t* w, int64_t 
                       int64_t k0, int64_t k1) {
   for (int64_t k = k0; k < k1; k += 8) {
     v8 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = widen8(w + (n0 + c) * K + k);
+    for (int c = 0; c < C; ++c) wv[c] = widen_i8_to_float(w + (n0 + c) * K + k);
     for (int r = 0; r < R; ++r) {
       const v8 xv = load8(x + (m0 + r) * K + k);
       for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];

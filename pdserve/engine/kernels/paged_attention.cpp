@@ -46,13 +46,16 @@
 #include <immintrin.h>
 #endif
 
+#include "vec8.h"
+
 namespace {
 
-typedef float v8 __attribute__((vector_size(32)));
+using pdserve_kernels::load8;
+using pdserve_kernels::v8;
+using pdserve_kernels::widen_i8_to_float;
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 
-inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof(v)); return v; }
 inline v8 load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32 (a bf16 is the high half of a float32)
   v8u16 h; std::memcpy(&h, p, sizeof(h));
   v8u32 w = __builtin_convertvector(h, v8u32) << 16;
@@ -66,18 +69,6 @@ template <typename T> struct Packed { static constexpr bool value = false; };
 template <> struct Packed<QInt8> { static constexpr bool value = true; };
 template <> struct Packed<QE4M3> { static constexpr bool value = true; };
 template <> struct Packed<QE5M2> { static constexpr bool value = true; };
-// Widening 8 bytes to 8 lanes: GCC's __builtin_convertvector from an 8-byte vector goes through
-// scalar registers, 2.5x slower than the float32 kernel in all; AVX2 has one instruction for it.
-inline v8 widen_i8_to_float(const void* p) {
-#ifdef __AVX2__
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p))));
-  v8 v; std::memcpy(&v, &f, sizeof(v)); return v;
-#else
-  int8_t b[8]; std::memcpy(b, p, sizeof(b));
-  v8 v; for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(b[i]);
-  return v;
-#endif
-}
 inline v8u32 widen_u8(const void* p) {
 #ifdef __AVX2__
   const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
