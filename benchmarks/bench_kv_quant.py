@@ -41,6 +41,7 @@ import time
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.bench.agreement import greedy_outputs, teacher_forced_logits
 from pdserve.engine.kv_cache import kv_cache_block_bytes
 
 DTYPES = ["float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"]
@@ -63,50 +64,25 @@ def heldout_prompts(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int
     return prompts
 
 
-def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def teacher_forced_logits(llm: LLM, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """Each sequence scored as a prompt: its logit rows [len - 1 + 1, vocab] (every position)."""
-    model = llm.core.runner.model
-    compute, rows = model.compute_logits, []
-
-    def record(hidden):
-        logits = compute(hidden)
-        rows.append(logits.clone())
-        return logits
-
-    model.compute_logits = record
-    out = []
-    try:
-        for seq in sequences:
-            rows.clear()
-            llm.generate([seq], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)
-            out.append(torch.cat(rows))
-    finally:
-        model.compute_logits = compute
-    return out
-
-
 def accuracy(model: str, num_prompts: int, max_tokens: int, dtypes: list[str]) -> dict[str, dict]:
     results: dict[str, dict] = {}
     base_llm = LLM(model, kv_cache_dtype="float32", kv_cache_memory="256MiB", enforce_eager=True)
     prompts = heldout_prompts(base_llm.tokenizer, num_prompts)
-    base = greedy(base_llm, prompts, max_tokens)
+    base = greedy_outputs(base_llm, prompts, max_tokens)
     base_llm.close()
     sequences = [p + o for p, o in zip(prompts, base)]
-    ref_llm = LLM(model, kv_cache_dtype="float32", kv_cache_memory="256MiB", batch_invariant=True)
+    ref_llm = LLM(model, kv_cache_dtype="float32", kv_cache_memory="256MiB", batch_invariant=True,
+                  enable_prefix_caching=False)
     ref = teacher_forced_logits(ref_llm, sequences)
     ref_llm.close()
     for name in dtypes:
         t0 = time.perf_counter()
         llm = LLM(model, kv_cache_dtype=name, kv_cache_memory="256MiB", enforce_eager=True)
-        outs = greedy(llm, prompts, max_tokens)
+        outs = greedy_outputs(llm, prompts, max_tokens)
         llm.close()
         agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(base, outs)]
-        scorer = LLM(model, kv_cache_dtype=name, kv_cache_memory="256MiB", batch_invariant=True)
+        scorer = LLM(model, kv_cache_dtype=name, kv_cache_memory="256MiB", batch_invariant=True,
+                     enable_prefix_caching=False)
         logits = teacher_forced_logits(scorer, sequences)
         scorer.close()
         err = torch.cat([(a - b).abs().flatten() for a, b in zip(logits, ref)])

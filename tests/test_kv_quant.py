@@ -15,6 +15,7 @@ import torch
 import zmq
 
 from pdserve import LLM, SamplingParams
+from pdserve.bench.agreement import greedy_outputs, teacher_forced_logits
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import GenerateRequest, KVLayout, RegisterWorker, RemotePrefillRequest, WorkerRole
 from pdserve.common.transport import encode
@@ -168,31 +169,6 @@ def test_kernel_decodes_every_fp8_code_as_torch_does(name):
 # ---- the engine ------------------------------------------------------------------------------------
 
 
-def _greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def _logits(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
-    """Every logit row the model computes scoring each sequence as a prompt (teacher-forced; one at a
-    time, so the rows come in the same calls for every KV dtype): [num_rows, vocab_size]."""
-    model = llm.core.runner.model
-    compute, rows = model.compute_logits, []
-
-    def record(hidden):
-        logits = compute(hidden)
-        rows.append(logits.clone())
-        return logits
-
-    model.compute_logits = record
-    try:
-        for seq in sequences:
-            llm.generate([seq], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1), use_tqdm=False)
-    finally:
-        model.compute_logits = compute
-    return torch.cat(rows)
-
-
 def test_llm_int8_cache_agrees_with_float32_and_bounds_the_logit_error(model_dir):
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 2000) for _ in range(rng.randint(4, 40))] for _ in range(6)]
@@ -201,9 +177,10 @@ def test_llm_int8_cache_agrees_with_float32_and_bounds_the_logit_error(model_dir
     try:
         runner = llms["int8"].core.runner
         assert (runner.kv_cache.dtype, runner.kv_cache_format.name) == (torch.uint8, "int8")
-        base, int8 = _greedy(llms["float32"], prompts), _greedy(llms["int8"], prompts)
+        base, int8 = greedy_outputs(llms["float32"], prompts, 12), greedy_outputs(llms["int8"], prompts, 12)
         sequences = [p + out for p, out in zip(prompts, base)]  # scored teacher-forced: the same rows for all
-        ref, logits, fp8 = (_logits(llms[name], sequences) for name in ("float32", "int8", "fp8_e4m3"))
+        ref, logits, fp8 = (torch.cat(teacher_forced_logits(llms[name], sequences))  # [rows, vocab]
+                            for name in ("float32", "int8", "fp8_e4m3"))
     finally:
         for llm in llms.values():
             llm.close()
