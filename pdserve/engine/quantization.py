@@ -1,7 +1,7 @@
 """Weight-only quantization of the decoder's linear layers, applied at load time (``--quantization``).
 
 ``int8``: every ``ColumnParallelLinear`` / ``RowParallelLinear`` weight [out_features, in_features]
-is quantized by torchao (``torchao.quantization.quantize_`` with ``Int8WeightOnlyConfig``,
+is quantized by torchao (``Int8Tensor.from_hp`` per row, what ``Int8WeightOnlyConfig`` does,
 torchao 0.18): int8 values [out_features, in_features] and one float32 scale per output row,
 symmetric (no zero point), ``w ~= q * scale``. The layer then keeps them as its own plain
 tensors, ``weight`` (int8) and ``weight_scale`` (float32 [out_features, num_groups]), and its
@@ -101,30 +101,28 @@ def quantize_model(model: nn.Module, name: str) -> None:
     """
     check_quantization_name(name)
     try:
-        from torchao.quantization import Int8Tensor, Int8WeightOnlyConfig, PerGroup, PerRow, quantize_
+        from torchao.quantization import Int8Tensor, PerGroup, PerRow
     except ImportError as e:
         raise ImportError(f"--quantization {name} needs torchao (pip install 'torchao>=0.18')") from e
     before = weight_bytes(model)
     build_kernel()  # the layers' forward reads whether it is there
-    if name == "int8":
-        # set_inductor_config=False: torchao would otherwise change torch._inductor's global config.
-        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False), filter_fn=_is_quantizable)
-    else:
-        for module in model.modules():
+    for module in model.modules():
+        if not _is_quantizable(module):
+            continue
+        weight = module.weight.detach()  # (out, in); compressed-tensors: q * scale as loaded
+        if name == "int8":  # torchao's Int8WeightOnlyConfig: symmetric, one absmax scale per output row
+            quantized = Int8Tensor.from_hp(weight, PerRow())
+        else:
             scale = getattr(module, CHECKPOINT_SCALE, None)
-            if scale is None or not _is_quantizable(module):
+            if scale is None:  # a layer the checkpoint left in float
                 continue
-            weight = module.weight.detach()  # (out, in), q * scale as loaded
             num_groups = scale.shape[1]
             granularity = PerRow() if num_groups == 1 else PerGroup(weight.shape[1] // num_groups)
-            module.weight = nn.Parameter(Int8Tensor.from_hp(weight, granularity, scale=scale.to(weight.device)),
-                                         requires_grad=False)
+            quantized = Int8Tensor.from_hp(weight, granularity, scale=scale.to(weight.device))
             delattr(module, CHECKPOINT_SCALE)
-    for module in model.modules():  # torchao's tensor -> the layer's own int8 weight and scales
-        if _is_quantizable(module) and isinstance(module.weight, Int8Tensor):
-            qdata, scale = module.weight.qdata, module.weight.scale
-            module.weight = nn.Parameter(qdata.contiguous(), requires_grad=False)
-            module.weight_scale = nn.Parameter(scale.reshape(qdata.shape[0], -1).contiguous(), requires_grad=False)
+        qdata, scale = quantized.qdata, quantized.scale  # int8 (out, in); (out, groups) or (out, 1)
+        module.weight = nn.Parameter(qdata.contiguous(), requires_grad=False)
+        module.weight_scale = nn.Parameter(scale.reshape(qdata.shape[0], -1).contiguous(), requires_grad=False)
     logger.info("weights quantized (%s, weight-only; embedding and LM head kept): %.1f -> %.1f MiB",
                 name, before / 2**20, weight_bytes(model) / 2**20)
 
