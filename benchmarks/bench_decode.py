@@ -7,10 +7,10 @@ Runs an ``EngineCore`` in this process on one pinned core (one torch thread), on
   a decode step and its parts: ``schedule`` (scheduler + block manager), ``prepare``
   (step inputs as tensors), ``forward`` (the model, with a torch-profiler split into
   matmul / attention / the rest), ``sample`` and ``update``;
-* **MBU at batch 1**: bytes a decode step must read (every weight once + the
-  sequence's KV) divided by the step time, as a share of this machine's copy bandwidth
-  measured in the same run (``torch`` copy of a 1 GiB tensor, counted as STREAM counts
-  it: bytes read + bytes written);
+* **MBU at batch 1, 8, 32** (``--mbu-batches``): bytes a decode step must read (every
+  weight once + the sequences' KV) divided by the step time, as a share of this thread's
+  read bandwidth measured in the same run (a sum over a 1 GiB tensor; the copy bandwidth,
+  read + written as STREAM counts it, is printed beside it);
 * **KV usage at peak**: live token slots over the slots of allocated blocks.
 
     python benchmarks/bench_decode.py                       # bench preset, batch 32
@@ -51,6 +51,33 @@ def copy_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
     return 2 * nbytes / best
 
 
+def read_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
+    """How fast this thread reads memory, in bytes/s: a sum over a 1 GiB tensor (best of ``repeats``).
+
+    A decode step reads weights and KV and writes almost nothing, so this, not a copy, is its
+    roofline: MBU = bytes the step must read / step time / this."""
+    src = torch.ones(nbytes // 4)
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def step_bytes(core: EngineCore) -> int:
+    """Bytes a decode step of ``core``'s running batch must read: every weight once (the embedding
+    one row per token, so not counted; the LM head whole) and every running sequence's K/V."""
+    runner = core.runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    embed = runner.model.model.embed_tokens.weight
+    if not runner.model.tie_word_embeddings:
+        weight_bytes -= embed.numel() * embed.element_size()
+    per_token = runner.kv_cache[0, 0, 0, 0].numel() * 2 * runner.num_layers * runner.kv_cache.element_size()
+    return weight_bytes + sum(r.num_tokens for r in core.scheduler.running) * per_token
+
+
 def make_core(args, max_num_seqs: int) -> EngineCore:
     config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, num_threads=1,
@@ -87,7 +114,8 @@ def timed_steps(core: EngineCore, num_steps: int) -> dict[str, list[float]]:
     return parts
 
 
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::_weight_int8pack_mm")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::_weight_int8pack_mm",
+              "pdserve::f32_linear", "pdserve::int8_linear")
 
 
 def profile_step(core: EngineCore, num_steps: int = 5) -> dict[str, float]:
@@ -132,6 +160,7 @@ def main() -> int:
     ap.add_argument("--attention", default="auto", help="auto | paged | reference")
     ap.add_argument("--core", type=int, default=0, help="pin to this core")
     ap.add_argument("--skip-mbu", action="store_true")
+    ap.add_argument("--mbu-batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes to report MBU at")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     args.model = args.model or str(ensure_default_model("bench"))
@@ -169,25 +198,22 @@ def main() -> int:
     core.close()
 
     if not args.skip_mbu:
-        bw = copy_bandwidth()
-        core = make_core(args, max_num_seqs=1)
-        fill(core, 1, 512, 512, seed=1, vocab=vocab)
-        timed_steps(core, 3)
-        tpot = med(timed_steps(core, args.steps)["step"])
-        weight_bytes = sum(p.numel() * p.element_size() for p in core.runner.model.parameters())
-        req = core.scheduler.running[0]
-        kv_bytes = req.num_tokens * core.runner.kv_cache[0, 0, 0, 0].numel() * 2 * core.runner.num_layers \
-            * core.runner.kv_cache.element_size()
-        # The embedding is read one row per token, not whole; the LM head is read whole.
-        embed = core.runner.model.model.embed_tokens.weight
-        read = weight_bytes - embed.numel() * embed.element_size() * (0 if core.runner.model.tie_word_embeddings else 1)
-        read += kv_bytes
-        mbu = read / tpot / bw
-        print(f"MBU at batch 1 (context {req.num_tokens}): {read / 2**20:.0f} MiB read per step in "
-              f"{tpot * 1e3:.1f} ms = {read / tpot / 1e9:.2f} GB/s; copy bandwidth {bw / 1e9:.2f} GB/s -> "
-              f"MBU {mbu:.1%}")
-        result.update(tpot_b1_ms=tpot * 1e3, copy_gb_s=bw / 1e9, mbu=mbu)
-        core.close()
+        read_bw, copy_bw = read_bandwidth(), copy_bandwidth()
+        print(f"memory bandwidth, one thread: read {read_bw / 1e9:.2f} GB/s (sum of 1 GiB), copy {copy_bw / 1e9:.2f} "
+              "GB/s (read + written); MBU below is against the read bandwidth")
+        result.update(read_gb_s=read_bw / 1e9, copy_gb_s=copy_bw / 1e9, mbu={})
+        for batch in args.mbu_batches:
+            core = make_core(args, max_num_seqs=batch)
+            fill(core, batch, args.min_input, args.max_input, seed=1, vocab=vocab)
+            timed_steps(core, 3)
+            step = med(timed_steps(core, args.steps)["step"])
+            read = step_bytes(core)
+            mbu = read / step / read_bw
+            context = sum(r.num_tokens for r in core.scheduler.running) / batch
+            print(f"MBU at batch {batch} (mean context {context:.0f}): {read / 2**20:.0f} MiB read per step in "
+                  f"{step * 1e3:.1f} ms = {read / step / 1e9:.2f} GB/s -> MBU {mbu:.1%}")
+            result["mbu"][batch] = {"step_ms": step * 1e3, "mib_read": read / 2**20, "mbu": mbu}
+            core.close()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

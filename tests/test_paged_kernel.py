@@ -33,10 +33,12 @@ def _run(backend: str, cache: torch.Tensor, q, k, v, tables, computed, new, bloc
 
 @pytest.mark.parametrize("heads", [(4, 4), (12, 4), (8, 1)])
 @pytest.mark.parametrize("window", [None, 7])
-def test_paged_matches_reference_on_a_mixed_batch(heads, window):
-    """Decode rows, chunked prefill over a cached prefix, and fresh prefills, in one batch."""
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_matches_reference_on_a_mixed_batch(heads, window, block_size):
+    """Decode rows, chunked prefill over a cached prefix, and fresh prefills, in one batch (blocks of
+    16 take the kernel's eight-keys-at-a-time score path, blocks of 4 only its shorter ones)."""
     num_heads, num_kv_heads = heads
-    head_dim, block_size, num_blocks = 16, 4, 64
+    head_dim, num_blocks = 16, 64
     rng = random.Random(0)
     torch.manual_seed(0)
     shapes = [(1, 1), (1, 9), (1, 30), (5, 13), (6, 6), (11, 11), (1, 4), (3, 25)]

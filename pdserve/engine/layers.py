@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine import f32_linear
 from pdserve.engine.int8_linear import dequantize_int8, int8_linear_kernel, kernel_applies
 
 
@@ -92,13 +93,24 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def _project(layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + bias for ``layer``: int8 weights through ``quantized_linear``, float ones through
-    ``F.linear`` or, batch-invariant, ``batch_invariant_linear``."""
+    ``batch_invariant_linear`` (batch-invariant), the few-row float32 kernel (decode steps on the
+    CPU, ``pdserve.engine.f32_linear``) or ``F.linear``."""
     if layer.weight_scale is not None:
         y = quantized_linear(x, layer.weight, layer.weight_scale, layer.batch_invariant)
         return y if bias is None else y + bias
     if layer.batch_invariant:
         return batch_invariant_linear(x, layer.weight, bias)
-    return F.linear(x, layer.weight, bias)
+    return linear(x, layer.weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T (+ bias) -> [..., out]: the few-row float32 kernel where it
+    applies (``f32_linear.kernel_applies``), else ``F.linear``."""
+    x2 = x.reshape(-1, x.shape[-1])  # (M, in)
+    if f32_linear.kernel_applies(x2, weight):
+        y = f32_linear.f32_linear_kernel(x2, weight).reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: str | torch.device) -> nn.Parameter:

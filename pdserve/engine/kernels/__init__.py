@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and loaded with ctypes.
 
-``paged_attention.cpp`` (paged attention over the KV cache) and ``int8_linear.cpp`` (weight-only
-int8 matmul) are plain C++ with a C ABI (no torch headers; both include ``vec8.h``, the shared
+``paged_attention.cpp`` (paged attention over the KV cache), ``int8_linear.cpp`` (weight-only
+int8 matmul) and ``f32_linear.cpp`` (float32 matmul for a few rows: decode steps) are plain C++ with a C ABI (no torch headers; both include ``vec8.h``, the shared
 8-lane vector helpers), so each builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), keyed by the source, the
 headers, the compiler flags and this CPU's instruction sets, so a restart or another worker on
@@ -124,3 +124,10 @@ def load_int8_linear() -> ctypes.CDLL | None:
     be built here (logged once; int8 layers then dequantize their weight for each call)."""
     return _load("int8_linear", [_P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int],
                  "int8 linear", "int8 layers dequantize their weights for every call instead")
+
+
+def load_f32_linear() -> ctypes.CDLL | None:
+    """The compiled float32 few-row linear library (``f32_linear.cpp``), or None where it cannot be
+    built here (logged once; float32 layers then use torch's GEMM for every call)."""
+    return _load("f32_linear", [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int],
+                 "float32 linear", "float32 decode matmuls run through torch's GEMM")

@@ -131,10 +131,23 @@ inline v8 exp8(v8 x) {
   return x <= lo ? v8{} : y;
 }
 
-inline float hsum(v8 v) {
-  float s = 0.f;
-  for (int i = 0; i < 8; ++i) s += v[i];
-  return s;
+// The lanes of v added in one fixed tree; hsum8 adds eight vectors' lanes in the same tree, so a
+// score has the same bits whichever path computed it.
+inline float hsum(v8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+// {hsum(a[0]), ..., hsum(a[7])} with 7 vector adds instead of 8 scalar trees (the transposing
+// horizontal add of 8x8 reductions).
+inline v8 hsum8(const v8 (&a)[8]) {
+#ifdef __AVX2__
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[0], (__m256)a[1]), _mm256_hadd_ps((__m256)a[2], (__m256)a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[4], (__m256)a[5]), _mm256_hadd_ps((__m256)a[6], (__m256)a[7]));
+  // u0 = {a0[0..3], a1[0..3], a2[0..3], a3[0..3] | the same over lanes 4..7}, u1 likewise for a4..a7
+  return (v8)(_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#else
+  v8 r;
+  for (int i = 0; i < 8; ++i) r[i] = hsum(a[i]);
+  return r;
+#endif
 }
 
 // scores[t] = scale * <q, k_t> for the `run` rows starting at krow (rows slot_stride apart).
@@ -143,6 +156,17 @@ template <typename T>
 inline void block_scores(const float* q, const T* krow, int64_t slot_stride, int64_t run, int64_t head_dim,
                          float scale, float* scores) {
   int64_t t = 0;
+  for (; t + 8 <= run; t += 8) {  // eight keys at a time, their lane sums transposed into one vector
+    v8 a[8] = {};
+    for (int64_t d = 0; d < head_dim; d += 8) {
+      const v8 qv = load8(q + d);
+      for (int i = 0; i < 8; ++i) a[i] += qv * load8(krow + (t + i) * slot_stride + d);
+    }
+    v8 factor = v8{} + scale;
+    if constexpr (Packed<T>::value)
+      for (int i = 0; i < 8; ++i) factor[i] = scale * row_scale(krow + (t + i) * slot_stride, head_dim);
+    store8(scores + t, hsum8(a) * factor);
+  }
   for (; t + 4 <= run; t += 4) {
     const T* k0 = krow + t * slot_stride;
     const T* k1 = k0 + slot_stride;
@@ -230,7 +254,7 @@ inline void walk_blocks(const T* cache, const int64_t* table, int64_t block_size
     const int64_t run = std::min(block_size - off, k_end - k);
     if (k + run < k_end) {
       const char* next = reinterpret_cast<const char*>(cache + table[(k + run) / block_size] * block_size * slot_stride);
-      for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(next + b);
+      for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(next + b, 0, 0);
     }
     fn(cache + (table[k / block_size] * block_size + off) * slot_stride, k, run);
     k += run;

@@ -1,0 +1,96 @@
+// Float32 linear layer for a few rows on the CPU: y = x W^T, streaming W from memory once.
+//
+// A decode step multiplies a handful of token rows by every weight matrix of the model: the
+// weights are far larger than the caches, so the step is bound by how fast W is read (the
+// "memory roofline" of decoding, MBU in the field's terms). MKL's sgemm is built for large M: at
+// 1-16 rows it reads W at half the machine's bandwidth or less (bench preset, one core: 13.9 GB/s
+// at M = 1, 7 GB/s at M = 8, against 27 GB/s a plain sum reads). This kernel is the "skinny GEMM"
+// every CPU decoding engine grows (llama.cpp's vec-dot, vLLM CPU's oneDNN small-M path): each
+// weight row is loaded once into registers and multiplied by every x row while it is there.
+//
+// Built by pdserve/engine/kernels/__init__.py with the system C++ compiler and loaded with
+// ctypes; plain C ABI, no torch headers.
+//
+// Layouts (all contiguous, row-major):
+//   out: [M, N] float32;  x: [M, K] float32;  weight: [N, K] float32.  K must be a multiple of 16.
+//
+// Each (m, n) has its own 16-lane accumulator that takes k in increasing order, and the lanes are
+// added in one fixed tree at the end: an output's summation order never depends on M, the tile it
+// falls in or the thread computing it (batch-invariant by construction, like int8_linear.cpp).
+//
+// Tiling: a tile is R rows of x times C rows of W (R * C accumulators + C weight vectors + one x
+// vector in registers: 32 zmm registers with AVX-512, GCC splits them into ymm pairs on AVX2).
+// Threads split the output features (N) in blocks of NB rows; inside a block, x's rows go through
+// in tiles of up to 4 while the block's weight rows stay in L1/L2, so W is read from memory once.
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof(v)); return v; }
+
+// The lanes of v added in one fixed order.
+inline float hsum(v16 v) {
+  float s[8];
+  for (int i = 0; i < 8; ++i) s[i] = v[i] + v[i + 8];
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+// out[m0 .. m0 + R, n0 .. n0 + C] = x[m0 .. m0 + R] . w[n0 .. n0 + C] (R, C compile-time so the
+// accumulators stay in registers).
+template <int R, int C>
+inline void tile(float* out, const float* x, const float* w, int64_t m0, int64_t n0, int64_t N, int64_t K) {
+  v16 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = v16{};
+  for (int64_t k = 0; k < K; k += 16) {
+    v16 wv[C];
+    for (int c = 0; c < C; ++c) {
+      wv[c] = load16(w + (n0 + c) * K + k);
+      __builtin_prefetch(w + (n0 + c + C) * K + k, 0, 0);  // the next tile's rows, streamed
+    }
+    for (int r = 0; r < R; ++r) {
+      const v16 xv = load16(x + (m0 + r) * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[(m0 + r) * N + n0 + c] = hsum(acc[r][c]);
+}
+
+// Rows m0 .. m0 + R of x against output features n0 .. n1: C weight rows per tile (fewer rows of x
+// leave registers for more weight rows), then one at a time for the remainder.
+template <int R>
+void row_tile(float* out, const float* x, const float* w, int64_t m0, int64_t n0, int64_t n1, int64_t N,
+              int64_t K) {
+  constexpr int C = R <= 2 ? 8 : 6;
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) tile<R, C>(out, x, w, m0, n, N, K);
+  for (; n < n1; ++n) tile<R, 1>(out, x, w, m0, n, N, K);
+}
+
+constexpr int64_t NB = 48;  // output features per thread work item (a multiple of 6 and 8)
+
+}  // namespace
+
+extern "C" int pdserve_f32_linear(float* out, const float* x, const float* weight, int64_t M, int64_t N,
+                                  int64_t K, int num_threads) {
+  if (K % 16 != 0 || M < 0 || N < 0) return 1;
+  const int64_t num_blocks = (N + NB - 1) / NB;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n0 = b * NB, n1 = n0 + NB < N ? n0 + NB : N;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) row_tile<4>(out, x, weight, m, n0, n1, N, K);
+    switch (M - m) {
+      case 1: row_tile<1>(out, x, weight, m, n0, n1, N, K); break;
+      case 2: row_tile<2>(out, x, weight, m, n0, n1, N, K); break;
+      case 3: row_tile<3>(out, x, weight, m, n0, n1, N, K); break;
+      default: break;
+    }
+  }
+  return 0;
+}

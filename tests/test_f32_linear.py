@@ -1,0 +1,63 @@
+"""The few-row float32 linear kernel (decode matmuls) against float64, and where it is used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine import f32_linear
+from pdserve.engine.f32_linear import KERNEL_MAX_ROWS, f32_linear_kernel, kernel_applies
+from pdserve.engine.layers import linear
+
+pytestmark = pytest.mark.skipif(not f32_linear.build_kernel(), reason="no C++ compiler: float32 layers use torch's GEMM")
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7, 11, KERNEL_MAX_ROWS])
+@pytest.mark.parametrize("out_features,in_features", [(1, 16), (5, 32), (47, 64), (48, 128), (50, 176), (301, 768)])
+def test_kernel_matches_float64_for_every_tile_shape(num_rows, out_features, in_features):
+    """Rows mod 4 (tiles of 1-4 rows), output features mod 6 and 8 (and the one-row remainder), work
+    items of 48 features and a partial last one; 2 threads give the 1-thread bits."""
+    g = torch.Generator().manual_seed(num_rows * 1000 + out_features)
+    x = torch.randn(num_rows, in_features, generator=g)
+    weight = torch.randn(out_features, in_features, generator=g)
+    assert kernel_applies(x, weight)
+    got = f32_linear_kernel(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (num_rows, out_features)
+    want = x.double() @ weight.double().T
+    tol = 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-6
+    assert ((got.double() - want).abs() <= tol).all()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(f32_linear_kernel(x, weight), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_rows_bits_do_not_depend_on_the_other_rows():
+    """Each output has its own accumulator and a fixed summation order: row 0 alone, or among
+    3, 4 or 16 rows, has the same bits."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(KERNEL_MAX_ROWS, 256, generator=g)
+    weight = torch.randn(100, 256, generator=g)
+    alone = f32_linear_kernel(x[:1], weight)
+    for num_rows in (3, 4, KERNEL_MAX_ROWS):
+        assert torch.equal(f32_linear_kernel(x[:num_rows], weight)[:1], alone)
+
+
+def test_decode_sized_calls_take_the_kernel_and_others_torch():
+    weight = torch.randn(32, 64)
+    assert kernel_applies(torch.ones(1, 64), weight)
+    assert kernel_applies(torch.ones(KERNEL_MAX_ROWS, 64), weight)
+    assert not kernel_applies(torch.ones(KERNEL_MAX_ROWS + 1, 64), weight)  # prefill: MKL's GEMM
+    assert not kernel_applies(torch.ones(0, 64), weight)
+    assert not kernel_applies(torch.ones(2, 64, dtype=torch.bfloat16), weight.bfloat16())
+    assert not kernel_applies(torch.ones(2, 40), torch.ones(32, 40))  # K not a multiple of 16
+    with pytest.raises(RuntimeError, match="refused K=40"):  # the kernel checks too
+        f32_linear_kernel(torch.ones(2, 40), torch.ones(32, 40))
+    # layers.linear: the same values either way, with the bias and leading dimensions kept
+    bias = torch.randn(32)
+    for shape in ((3, 64), (2, 5, 64), (KERNEL_MAX_ROWS + 4, 64), (2, 40)):
+        x = torch.randn(*shape)
+        w = weight if shape[-1] == 64 else torch.randn(32, 40)
+        torch.testing.assert_close(linear(x, w, bias), torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
