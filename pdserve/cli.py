@@ -110,7 +110,7 @@ def _cmd_worker(role: str, args: argparse.Namespace) -> int:
     from pdserve.common.config import WorkerConfig
     from pdserve.engine.config import EngineConfig
 
-    engine_config = EngineConfig.from_cli_args(args)
+    engine_config = EngineConfig.from_cli_args(args, role)
     if engine_config.rank != 0:  # a rank of a multi-rank worker started by hand (or by Ray / Kubernetes)
         return _cmd_rank(args)
     worker_config = WorkerConfig.from_cli_args(role, args)

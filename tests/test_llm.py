@@ -56,8 +56,13 @@ def test_import_is_light():
 
 
 def test_greedy_matches_hf_with_chunked_prefill(llm, prompts, hf_greedy):
+    tokens_before, seconds_before = llm.core.prefill_compute_tokens, llm.core.prefill_compute_seconds
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.prompt for o in outputs] == prompts
+    # the measured prefill speed (heartbeats carry it to the router) counts the prompt tokens computed
+    computed = sum(len(o.prompt_token_ids) - o.num_cached_tokens for o in outputs)  # prefix-cache hits are not
+    assert llm.core.prefill_compute_tokens - tokens_before >= computed > 0  # (more: a preempted prompt again)
+    assert llm.core.prefill_compute_seconds > seconds_before
     assert max(len(o.prompt_token_ids) for o in outputs) > 3 * 32  # chunked into 4 prefill steps
     assert token_ids(outputs) == hf_greedy
     for o in outputs:

@@ -261,3 +261,58 @@ def test_config_validates_routing(model_dir):
         RouterConfig(model=model_dir, routing_prefix_blocks=0)
     with pytest.raises(ValueError):
         make_policy("nearest")
+
+
+# --- load-aware prefill placement -------------------------------------------------------------
+
+def _measured(reg: WorkerRegistry, worker_id: str, role: WorkerRole, tokens: int, seconds: float) -> None:
+    from pdserve.common.protocol import WorkerStats
+
+    reg.heartbeat(Heartbeat(worker_id=worker_id, role=role, num_blocks=100, num_free_blocks=100,
+                            stats=WorkerStats(prefill_compute_tokens=tokens, prefill_compute_seconds=seconds)), now=0)
+
+
+def test_prompts_go_to_the_decode_worker_only_when_the_prefill_queue_is_slower_by_the_margin():
+    from pdserve.common.protocol import SamplingParams
+    from pdserve.router.routing import prefers_local_prefill
+
+    reg = registry_with("d0")
+    reg.register(RegisterWorker(worker_id="p0", role=WorkerRole.PREFILL, input_addr="tcp://127.0.0.1:11000",
+                                model_name="tiny", num_blocks=100, block_size=16), now=0)
+    engine = RouterEngine("127.0.0.1", 0, reg)
+    engine._sockets = FakeSockets()
+    d0, p0 = reg.get("d0"), reg.get("p0")
+    prompt = list(range(10, 310))  # 300 tokens
+    assert not prefers_local_prefill(d0, p0, 300, 0.5)  # no measured speed yet: no evidence of a queue
+    _measured(reg, "p0", WorkerRole.PREFILL, 6000, 10.0)  # 600 tokens/s
+    assert p0.prefill_tokens_per_s == pytest.approx(600.0)
+    assert not prefers_local_prefill(d0, p0, 300, 0.5)  # both idle: the prefill pool
+    # three prompts queued at p0 (1.5 s of work before ours): the decode worker, idle, is 1.5 s sooner
+    for i in range(3):
+        engine.submit(f"r{i}", prompt, SamplingParams(max_tokens=4), d0, p0)
+    assert (p0.prefill_pending_tokens, d0.prefill_pending_tokens) == (900, 0)
+    assert prefers_local_prefill(d0, p0, 300, 0.5)
+    assert not prefers_local_prefill(d0, p0, 300, 2.0)  # a dearer local prefill: not worth it
+    assert not prefers_local_prefill(d0, p0, 300, float("inf"))  # off
+    engine.submit("r3", prompt, SamplingParams(max_tokens=4), d0, None)  # a local prefill queues at d0
+    assert d0.prefill_pending_tokens == 300
+    _measured(reg, "d0", DECODE, 3000, 10.0)  # the decode worker prefills at 300 tokens/s
+    assert not prefers_local_prefill(d0, p0, 300, 0.5)  # (300 + 300) / 300 + 0.5 > (900 + 300) / 600
+    # a first token back takes the prompt out of its worker's queue; so does an abort
+    from pdserve.common.protocol import RequestDelta
+
+    engine._deliver(RequestDelta(request_id="r0", new_token_ids=[5]), "d0")
+    engine._deliver(RequestDelta(request_id="r3", new_token_ids=[5]), "d0")
+    engine.abort("r1")
+    assert (p0.prefill_pending_tokens, d0.prefill_pending_tokens) == (300, 0)
+    engine.abort("r2")
+    assert p0.prefill_pending_tokens == 0
+
+
+def test_local_prefill_margin_flag(model_dir):
+    parser = RouterConfig.add_cli_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--model", "x"]).local_prefill_margin_s == 0.5
+    args = parser.parse_args(["--model", "x", "--local-prefill-margin-s", "inf"])
+    assert routing_args(args)[-2:] == ["--local-prefill-margin-s", "inf"]
+    with pytest.raises(ValueError, match="local_prefill_margin_s"):
+        RouterConfig(model=model_dir, local_prefill_margin_s=-1)

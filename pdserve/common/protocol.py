@@ -165,6 +165,8 @@ class WorkerStats(_Msg):
     spec_decode_num_drafts: int = 0  # speculative decoding: verifications with at least one draft
     spec_decode_num_draft_tokens: int = 0  # draft tokens proposed
     spec_decode_num_accepted_tokens: int = 0  # of those, accepted by the target
+    prefill_compute_tokens: int = 0  # prompt tokens computed here (prefix-cache hits and received KV excluded)
+    prefill_compute_seconds: float = 0.0  # wall time of the steps that computed them
 
 
 class KVLayout(_Msg):

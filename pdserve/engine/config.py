@@ -11,6 +11,19 @@ from pdserve.common.kv_quant import KV_CACHE_DTYPE_CHOICES
 from pdserve.engine.parallel import ParallelConfig
 from pdserve.engine.quantization import QUANTIZATION_METHODS, check_quantization_name
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# A prefill worker's default step budget. Prefill is compute-bound, and a CPU's GEMM runs at its
+# peak from a few hundred rows (bench preset, one core: 82 GFLOPS at 512 rows, no more at 2,048), so
+# batching more prompts into one step adds no throughput, only latency: every prompt of the batch
+# gets its first token when the whole batch is done (DistServe's prefill-batching argument, OSDI'24).
+# A longer prompt is chunked, so a queue of short ones is never stuck behind one long forward.
+PREFILL_MAX_NUM_BATCHED_TOKENS = 512
+
+
+def default_max_num_batched_tokens(role: str | None) -> int:
+    """The step budget a worker of ``role`` ("prefill", "decode", None for the offline LLM) gets by default."""
+    return PREFILL_MAX_NUM_BATCHED_TOKENS if role == "prefill" else DEFAULT_MAX_NUM_BATCHED_TOKENS
+
 
 @dataclass
 class EngineConfig:
@@ -73,7 +86,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int = 512 * 2**20
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     seed: int = 0
     num_threads: int | None = None
@@ -160,7 +173,10 @@ class EngineConfig:
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--kv-cache-memory", type=parse_size, default="512MiB", help="KV cache budget, e.g. 2GiB")
         g.add_argument("--max-num-seqs", type=int, default=64)
-        g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+        g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help=f"token budget of one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; a prefill worker's "
+                            f"{PREFILL_MAX_NUM_BATCHED_TOKENS}: a CPU's GEMM is saturated by a few hundred rows, so "
+                            "a bigger prefill batch only delays every prompt in it)")
         g.add_argument("--max-model-len", type=int, default=None)
         g.add_argument("--seed", type=int, default=0)
         g.add_argument("--num-threads", type=int, default=None,
@@ -212,14 +228,18 @@ class EngineConfig:
                        help="LoRA adapters kept read in host memory (default: --max-loras)")
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "EngineConfig":
+    def from_cli_args(cls, args: argparse.Namespace, role: str | None = None) -> "EngineConfig":
         """The config from ``add_cli_args`` flags; rank and rendezvous fall back to RANK / MASTER_ADDR /
-        MASTER_PORT from the environment, as torch's launchers set them."""
+        MASTER_PORT from the environment, as torch's launchers set them. ``role`` ("prefill",
+        "decode" or None) picks the default token budget (``PREFILL_MAX_NUM_BATCHED_TOKENS`` for a
+        prefill worker)."""
         rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
         master_port = args.master_port or (int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None)
         return cls(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                   max_num_batched_tokens=default_max_num_batched_tokens(role)
+                   if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
+                   max_model_len=args.max_model_len,
                    seed=args.seed, num_threads=args.num_threads, enable_prefix_caching=args.enable_prefix_caching,
                    remote_prefill_threshold=args.remote_prefill_threshold,
                    tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,

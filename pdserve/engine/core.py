@@ -25,6 +25,7 @@ Requests enter only through ``add_request``, which applies the shared rules of
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -97,6 +98,10 @@ class EngineCore:
         self.num_steps = 0
         self.max_step_batch_size = 0
         self.num_generation_tokens = 0
+        # Prompt tokens computed here and the wall time of the steps that computed them: this worker's
+        # measured prefill speed, which the router's load-aware prefill placement reads from heartbeats.
+        self.prefill_compute_tokens = 0
+        self.prefill_compute_seconds = 0.0
 
     def _make_proposer(self, spec):
         """The speculative decoding proposer of ``spec`` (``pdserve.engine.spec_decode``)."""
@@ -224,8 +229,14 @@ class EngineCore:
         if self.proposer is not None and self.proposer.drafts_at_execute:  # a draft model drafts now
             self.proposer.propose(scheduler_output.scheduled, scheduler_output.block_copies)
             _cut_drafts_to_grammar(scheduler_output)
+        start = time.perf_counter()
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
                                      block_copies=scheduler_output.block_copies, kv_ops=kv_ops)
+        num_prompt_tokens = sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
+                                for r, n in scheduler_output.scheduled)
+        if num_prompt_tokens:  # a step that computed prompt tokens (decode rows mixed in count as its cost)
+            self.prefill_compute_tokens += num_prompt_tokens
+            self.prefill_compute_seconds += time.perf_counter() - start
         _collect_prompt_logprobs(scheduler_output, output)
         if scheduler_output.scheduled:
             self.num_steps += 1
@@ -319,7 +330,8 @@ class EngineCore:
             num_local_prefills=s.num_local_prefills, num_generation_tokens=self.num_generation_tokens,
             spec_decode_num_drafts=s.spec_decode_num_drafts,
             spec_decode_num_draft_tokens=s.spec_decode_num_draft_tokens,
-            spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens)
+            spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
+            prefill_compute_tokens=self.prefill_compute_tokens, prefill_compute_seconds=self.prefill_compute_seconds)
 
 
 def _collect_prompt_logprobs(scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:

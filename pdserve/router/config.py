@@ -70,6 +70,11 @@ class RouterConfig:
         routing_prefix_blocks: prefix_aware: full KV blocks at the start of a prompt that make its key.
         routing_balance_factor: prefix_aware: a worker holding more than this times the average
             requests in flight (rounded up) is skipped for the next one on the ring; >= 1.
+        local_prefill_margin_s: load-aware prefill placement (``routing.prefers_local_prefill``): a
+            prompt is prefilled by its decode worker instead of the chosen prefill worker when the
+            decode worker is expected to finish it this many seconds sooner, by the prefill queues
+            in tokens and each worker's measured prefill speed; ``inf`` turns it off. The margin is
+            what a prefill costs the decode worker's running requests (their tokens wait for it).
         enable_lora: serve LoRA adapters as models of their own (``pdserve.router.lora``), with
             ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; the workers need
             ``--enable-lora`` too. lora_modules: ``name=PATH`` adapters served from the start.
@@ -96,6 +101,7 @@ class RouterConfig:
     routing_policy: str = "prefix_aware"
     routing_prefix_blocks: int = 4
     routing_balance_factor: float = 1.5
+    local_prefill_margin_s: float = 0.5
     enable_lora: bool = False
     lora_modules: list[str] = dataclasses.field(default_factory=list)
     max_lora_rank: int = 16
@@ -136,6 +142,8 @@ class RouterConfig:
             raise ValueError(f"routing_prefix_blocks must be >= 1, got {self.routing_prefix_blocks}")
         if not self.routing_balance_factor >= 1.0:
             raise ValueError(f"routing_balance_factor must be >= 1, got {self.routing_balance_factor}")
+        if not self.local_prefill_margin_s >= 0:
+            raise ValueError(f"local_prefill_margin_s must be >= 0 (inf: off), got {self.local_prefill_margin_s}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
         if self.max_lora_rank < 1:
@@ -205,6 +213,10 @@ def add_routing_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-balance-factor", type=float, default=RouterConfig.routing_balance_factor,
                    help="prefix_aware: skip a worker holding more than this times the average requests "
                         "in flight (>= 1)")
+    g.add_argument("--local-prefill-margin-s", type=float, default=RouterConfig.local_prefill_margin_s,
+                   help="prefill a prompt on its decode worker when that is expected to finish it this many "
+                        "seconds sooner than the prefill pool (queued prompt tokens / measured prefill "
+                        "speed); inf: never")
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
@@ -248,4 +260,5 @@ def lora_args(args: argparse.Namespace) -> list[str]:
 def routing_args(args: argparse.Namespace) -> list[str]:
     """``add_routing_cli_args``'s parsed flags as router command-line arguments (for launchers)."""
     return ["--routing-policy", args.routing_policy, "--routing-prefix-blocks", str(args.routing_prefix_blocks),
-            "--routing-balance-factor", str(args.routing_balance_factor)]
+            "--routing-balance-factor", str(args.routing_balance_factor),
+            "--local-prefill-margin-s", str(args.local_prefill_margin_s)]

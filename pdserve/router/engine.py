@@ -98,6 +98,8 @@ class RequestHandle:
     lost_reason: str = ""  # why it last lost its decode worker
     lost_worker_id: str | None = None  # the decode worker it last lost
     lora: LoRARequest | None = None  # its LoRA adapter (kept for a migration)
+    prefill_site_id: str | None = None  # the worker prefilling its prompt (prefill or, locally, decode)
+    prefill_site_tokens: int = 0  # its prompt tokens counted in that worker's prefill_pending_tokens
 
     @property
     def worker_label(self) -> str:
@@ -208,9 +210,13 @@ class RouterEngine:
             return None
         salt = lora_cache_root(lora) if lora is not None else b""
         worker, decision = self.policy.pick(role, candidates, prompt_token_ids, salt)
+        self.observe_route(role, decision)
+        return worker
+
+    def observe_route(self, role: WorkerRole, decision: str) -> None:
+        """Count a routing decision (``pdserve:routing_decisions_total``) under this router's policy."""
         if self.on_route is not None:
             self.on_route(self.policy.name, role, decision)
-        return worker
 
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                decode_worker: WorkerInfo, prefill_worker: WorkerInfo | None,
@@ -232,6 +238,9 @@ class RouterEngine:
         if prefill_worker is not None:
             prefill_worker.num_routed += 1
             prefill_worker.num_prefill_pending += 1
+        site = prefill_worker or decode_worker  # who prefills the prompt: its queue grows by the prompt
+        site.prefill_pending_tokens += len(prompt_token_ids)
+        handle.prefill_site_id, handle.prefill_site_tokens = site.worker_id, len(prompt_token_ids)
         self._send(decode_worker.input_addr, GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params,
@@ -276,6 +285,11 @@ class RouterEngine:
 
     def _release_prefill(self, handle: RequestHandle) -> None:
         """The request no longer needs its prefill worker (its KV arrived, or it ended)."""
+        if handle.prefill_site_tokens:  # its prompt left that worker's prefill queue
+            site = self.registry.get(handle.prefill_site_id)
+            if site is not None:
+                site.prefill_pending_tokens = max(0, site.prefill_pending_tokens - handle.prefill_site_tokens)
+            handle.prefill_site_tokens = 0
         if not handle.prefill_pending:
             return
         handle.prefill_pending = False

@@ -38,6 +38,10 @@ from pdserve.common.validation import EngineLimits
 logger = logging.getLogger(__name__)
 
 
+# A worker's measured prefill speed counts once it has prefilled this many prompt tokens.
+MIN_MEASURED_PREFILL_TOKENS = 256
+
+
 @dataclasses.dataclass
 class WorkerInfo:
     """A live worker as the router sees it."""
@@ -62,6 +66,19 @@ class WorkerInfo:
     drain_reason: str = ""
     drain_sent_at: float | None = None  # when the router last sent it DrainWorker
     num_prefill_pending: int = 0  # prefill workers: requests naming it whose KV has not arrived yet
+    # Prompt tokens routed here to prefill (a prefill worker's, or a decode worker's own local prefills)
+    # whose first token has not come back yet: this worker's prefill queue, for load-aware placement.
+    prefill_pending_tokens: int = 0
+
+    @property
+    def prefill_tokens_per_s(self) -> float | None:
+        """The prefill speed this worker measured (prompt tokens per second of the steps computing them,
+        from its heartbeats), or None before it has prefilled ``MIN_MEASURED_PREFILL_TOKENS``."""
+        stats = self.heartbeat.stats if self.heartbeat is not None else None
+        if stats is None or stats.prefill_compute_tokens < MIN_MEASURED_PREFILL_TOKENS \
+                or stats.prefill_compute_seconds <= 0:
+            return None
+        return stats.prefill_compute_tokens / stats.prefill_compute_seconds
 
     @property
     def state(self) -> str:

@@ -263,3 +263,33 @@ def make_policy(name: str, prefix_blocks: int = 4, balance_factor: float = 1.5) 
     if name == "prefix_aware":
         return PrefixAwarePolicy(prefix_blocks, balance_factor)
     raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, got {name!r}")
+
+
+def prefers_local_prefill(decode_worker: WorkerInfo, prefill_worker: WorkerInfo, num_prompt_tokens: int,
+                          margin_s: float) -> bool:
+    """Load-aware prefill placement: should ``decode_worker`` prefill this prompt itself rather than
+    ``prefill_worker``?
+
+    A prefill pool sized for the average load falls behind in bursts, and then every prompt waits
+    in its queue while the decode worker, memory-bound at small batches, has compute to spare
+    (vLLM calls a local prefill on the decode side conditional disaggregation; Splitwise and
+    DynaServe move prefills between pools by load). Each worker's queue is the router's count of
+    prompt tokens routed to it to prefill whose first token has not come back
+    (``prefill_pending_tokens``); its speed is what its heartbeats measured
+    (``prefill_tokens_per_s``; a decode worker that never prefilled is taken to be as fast as the
+    prefill worker, the same model on the same kind of machine). The prompt goes local when
+
+        (decode queue + prompt) / decode speed + margin_s < (prefill queue + prompt) / prefill speed
+
+    ``margin_s`` (seconds) is the price of a local prefill: the decode worker's running requests
+    wait for its step. Never local before the prefill worker has measured its speed (no evidence
+    of a queue), or when ``margin_s`` is infinite (off).
+    """
+    prefill_speed = prefill_worker.prefill_tokens_per_s
+    if prefill_speed is None or math.isinf(margin_s):
+        return False
+    decode_speed = decode_worker.prefill_tokens_per_s or prefill_speed
+    remote_s = (prefill_worker.prefill_pending_tokens + num_prompt_tokens) / prefill_speed
+    local_s = (decode_worker.prefill_pending_tokens + num_prompt_tokens) / decode_speed
+    return local_s + margin_s < remote_s
+

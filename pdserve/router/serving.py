@@ -42,6 +42,7 @@ from pdserve.common.protocol import (FinishReason, LoRARequest, RequestDelta, Sa
 from pdserve.common.validation import (EngineLimits, ValidationError, check_context_length, check_prompt_ids,
                                        check_request, prefill_sampling_params)
 from pdserve.router import preprocess
+from pdserve.router.routing import prefers_local_prefill
 from pdserve.router.beam import serve_beam_search
 from pdserve.router.config import RouterConfig
 from pdserve.router.engine import RequestFailed, RequestHandle, RouterEngine
@@ -364,6 +365,10 @@ class OpenAIServing:
         prefill_worker = self.engine.route(  # only a prefill worker whose KV the decode worker can take
             WorkerRole.PREFILL, prompt_ids, lambda w: w.kv_compatible(decode_worker) and
             _accepts(prompt_ids, first_token, self.worker_limits(w)), lora)
+        if prefill_worker is not None and prefers_local_prefill(decode_worker, prefill_worker, num_prompt_tokens,
+                                                                self.config.local_prefill_margin_s):
+            self.engine.observe_route(WorkerRole.PREFILL, "local_prefill")  # the prefill pool is behind
+            prefill_worker = None
         return params, decode_worker, prefill_worker
 
     async def _outputs(self, run: _Run) -> AsyncIterator[ChoiceDelta]:
