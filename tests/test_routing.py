@@ -311,8 +311,8 @@ def test_prompts_go_to_the_decode_worker_only_when_the_prefill_queue_is_slower_b
 
 def test_local_prefill_margin_flag(model_dir):
     parser = RouterConfig.add_cli_args(argparse.ArgumentParser())
-    assert parser.parse_args(["--model", "x"]).local_prefill_margin_s == 0.5
-    args = parser.parse_args(["--model", "x", "--local-prefill-margin-s", "inf"])
-    assert routing_args(args)[-2:] == ["--local-prefill-margin-s", "inf"]
+    assert parser.parse_args(["--model", "x"]).local_prefill_margin_s == float("inf")  # off by default
+    args = parser.parse_args(["--model", "x", "--local-prefill-margin-s", "1.5"])
+    assert routing_args(args)[-2:] == ["--local-prefill-margin-s", "1.5"]
     with pytest.raises(ValueError, match="local_prefill_margin_s"):
         RouterConfig(model=model_dir, local_prefill_margin_s=-1)

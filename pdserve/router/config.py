@@ -73,8 +73,10 @@ class RouterConfig:
         local_prefill_margin_s: load-aware prefill placement (``routing.prefers_local_prefill``): a
             prompt is prefilled by its decode worker instead of the chosen prefill worker when the
             decode worker is expected to finish it this many seconds sooner, by the prefill queues
-            in tokens and each worker's measured prefill speed; ``inf`` turns it off. The margin is
-            what a prefill costs the decode worker's running requests (their tokens wait for it).
+            in tokens and each worker's measured prefill speed; ``inf`` (the default) turns it off.
+            The margin is what a prefill costs the decode worker's running requests (their tokens
+            wait for it): it trades their TPOT for this prompt's TTFT, so it is for deployments
+            whose TTFT SLO binds first (docs/benchmarks.md has the measured trade).
         enable_lora: serve LoRA adapters as models of their own (``pdserve.router.lora``), with
             ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; the workers need
             ``--enable-lora`` too. lora_modules: ``name=PATH`` adapters served from the start.
@@ -101,7 +103,7 @@ class RouterConfig:
     routing_policy: str = "prefix_aware"
     routing_prefix_blocks: int = 4
     routing_balance_factor: float = 1.5
-    local_prefill_margin_s: float = 0.5
+    local_prefill_margin_s: float = float("inf")
     enable_lora: bool = False
     lora_modules: list[str] = dataclasses.field(default_factory=list)
     max_lora_rank: int = 16
@@ -216,7 +218,7 @@ def add_routing_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--local-prefill-margin-s", type=float, default=RouterConfig.local_prefill_margin_s,
                    help="prefill a prompt on its decode worker when that is expected to finish it this many "
                         "seconds sooner than the prefill pool (queued prompt tokens / measured prefill "
-                        "speed); inf: never")
+                        "speed); default inf: never (it trades the decode batch's TPOT for TTFT)")
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:

@@ -146,6 +146,8 @@ class WorkerInfo:
             "stalled": self.stalled,
             "state": self.state,
             "num_outstanding": self.num_outstanding,
+            "prefill_pending_tokens": self.prefill_pending_tokens,
+            "prefill_tokens_per_s": None if (speed := self.prefill_tokens_per_s) is None else round(speed, 1),
             "vocab_size": self.vocab_size,
             "heartbeat_received": hb is not None,
         }
