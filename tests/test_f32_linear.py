@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not f32_linear.build_kernel(), reason="no C++ co
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 7, 11, KERNEL_MAX_ROWS])
 @pytest.mark.parametrize("out_features,in_features", [(1, 16), (5, 32), (47, 64), (48, 128), (50, 176), (301, 768)])
 def test_kernel_matches_float64_for_every_tile_shape(num_rows, out_features, in_features):
-    """Rows mod 4 (tiles of 1-4 rows), output features mod 6 and 8 (and the one-row remainder), work
+    """Row tiles of 8, 4 and 1-3 rows (11 = 8 + 3, 7 = 4 + 3), output features mod 3, 6 and 8 (and the one-row remainder), work
     items of 48 features and a partial last one; 2 threads give the 1-thread bits."""
     g = torch.Generator().manual_seed(num_rows * 1000 + out_features)
     x = torch.randn(num_rows, in_features, generator=g)

@@ -21,7 +21,8 @@
 // Tiling: a tile is R rows of x times C rows of W (R * C accumulators + C weight vectors + one x
 // vector in registers: 32 zmm registers with AVX-512, GCC splits them into ymm pairs on AVX2).
 // Threads split the output features (N) in blocks of NB rows; inside a block, x's rows go through
-// in tiles of up to 4 while the block's weight rows stay in L1/L2, so W is read from memory once.
+// in tiles of 8 (3 weight rows each), then 4 (6 weight rows) and up to 3 (8 weight rows), while the
+// block's weight rows stay in L1/L2, so W is read from memory once.
 
 #include <cstdint>
 #include <cstring>
@@ -66,7 +67,7 @@ inline void tile(float* out, const float* x, const float* w, int64_t m0, int64_t
 template <int R>
 void row_tile(float* out, const float* x, const float* w, int64_t m0, int64_t n0, int64_t n1, int64_t N,
               int64_t K) {
-  constexpr int C = R <= 2 ? 8 : 6;
+  constexpr int C = R <= 2 ? 8 : (R <= 4 ? 6 : 3);
   int64_t n = n0;
   for (; n + C <= n1; n += C) tile<R, C>(out, x, w, m0, n, N, K);
   for (; n < n1; ++n) tile<R, 1>(out, x, w, m0, n, N, K);
@@ -84,6 +85,7 @@ extern "C" int pdserve_f32_linear(float* out, const float* x, const float* weigh
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t n0 = b * NB, n1 = n0 + NB < N ? n0 + NB : N;
     int64_t m = 0;
+    for (; m + 8 <= M; m += 8) row_tile<8>(out, x, weight, m, n0, n1, N, K);
     for (; m + 4 <= M; m += 4) row_tile<4>(out, x, weight, m, n0, n1, N, K);
     switch (M - m) {
       case 1: row_tile<1>(out, x, weight, m, n0, n1, N, K); break;
