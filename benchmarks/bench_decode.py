@@ -115,7 +115,7 @@ def timed_steps(core: EngineCore, num_steps: int) -> dict[str, list[float]]:
 
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::_weight_int8pack_mm",
-              "pdserve::f32_linear", "pdserve::int8_linear")
+              "pdserve::decode_linear", "pdserve::int8_linear")
 
 
 def profile_step(core: EngineCore, num_steps: int = 5) -> dict[str, float]:

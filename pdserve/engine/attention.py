@@ -309,7 +309,15 @@ def _native_plan(metadata: AttentionMetadata, sliding_window: int | None) -> _Na
     return plan
 
 
-@torch.library.custom_op("pdserve::paged_decode_attention", mutates_args=("kv_cache",))
+# A plain operator definition with a CPU kernel, not ``torch.library.custom_op``: the latter's Python
+# wrappers (autograd, the mutation's version bump, dispatch checks) cost ~90 us a call, more than the
+# kernel itself at batch 1 (12 calls a step).
+_LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
+_LIBRARY.define("paged_decode_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, "
+                "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+                "int sliding_window, str kv_cache_dtype='') -> Tensor")
+
+
 def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, scale: float, sliding_window: int,
@@ -322,7 +330,7 @@ def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     with one query token per sequence; sliding_window 0 = none; kv_cache_dtype "" = a plain cache. An op of
     its own so that a compiled step (torch.compile) treats it as one opaque call that mutates
     the cache in place, never a copy of it. It takes the whole cache and an index because
-    inductor (torch 2.13) loses the storage offset of a view passed to a mutating custom op.
+    inductor (torch 2.13) loses the storage offset of a view passed to a mutating operator.
     """
     kv_cache_layer = kv_cache[layer]
     kv_dtype = kv_cache_dtype or None
@@ -332,7 +340,10 @@ def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     return _attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window or None)
 
 
-@paged_decode_attention.register_fake
+_LIBRARY.impl("paged_decode_attention", paged_decode_attention, "CPU")
+
+
+@torch.library.register_fake("pdserve::paged_decode_attention")
 def _(query, key, value, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
       sliding_window, kv_cache_dtype=""):
     return query.new_empty(query.shape)  # contiguous, as the real op's output (whatever query's strides)

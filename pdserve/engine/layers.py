@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import f32_linear
+from pdserve.engine import decode_linear
 from pdserve.engine.int8_linear import dequantize_int8, int8_linear_kernel, kernel_applies
 
 
@@ -93,8 +93,8 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def _project(layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + bias for ``layer``: int8 weights through ``quantized_linear``, float ones through
-    ``batch_invariant_linear`` (batch-invariant), the few-row float32 kernel (decode steps on the
-    CPU, ``pdserve.engine.f32_linear``) or ``F.linear``."""
+    ``batch_invariant_linear`` (batch-invariant), the few-row decode kernel (decode steps on the
+    CPU, ``pdserve.engine.decode_linear``) or ``F.linear``."""
     if layer.weight_scale is not None:
         y = quantized_linear(x, layer.weight, layer.weight_scale, layer.batch_invariant)
         return y if bias is None else y + bias
@@ -104,11 +104,11 @@ def _project(layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ weight [out, in]^T (+ bias) -> [..., out]: the few-row float32 kernel where it
-    applies (``f32_linear.kernel_applies``), else ``F.linear``."""
+    """x [..., in] @ weight [out, in]^T (+ bias) -> [..., out]: the few-row decode kernel where it
+    applies (``decode_linear.kernel_applies``), else ``F.linear``."""
     x2 = x.reshape(-1, x.shape[-1])  # (M, in)
-    if f32_linear.kernel_applies(x2, weight):
-        y = f32_linear.f32_linear_kernel(x2, weight).reshape(*x.shape[:-1], weight.shape[0])
+    if decode_linear.kernel_applies(x2, weight):
+        y = decode_linear.decode_linear_kernel(x2, weight).reshape(*x.shape[:-1], weight.shape[0])
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import f32_linear
+from pdserve.engine import decode_linear
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.common.sharding import kv_head_layout
 from pdserve.engine.layers import (
@@ -299,8 +299,8 @@ class LlamaForCausalLM(nn.Module):
             padded = pad_rows(x)  # (n rounded up, hidden)
             parts = [F.linear(padded, weight[i:i + LOGITS_CHUNK]) for i in range(0, weight.shape[0], LOGITS_CHUNK)]
             return torch.cat(parts, dim=1)[: x.shape[0]].float()
-        if f32_linear.kernel_applies(x, weight):  # decode rows: the head streamed once (pdserve.engine.f32_linear)
-            return f32_linear.f32_linear_kernel(x, weight)
+        if decode_linear.kernel_applies(x, weight):  # decode rows: the head streamed once (pdserve.engine.decode_linear)
+            return decode_linear.decode_linear_kernel(x, weight)
         if x.device.type == "cpu" and x.shape[0] >= 4 and weight.shape[0] > 2 * LOGITS_CHUNK:
             parts = [F.linear(x, weight[i:i + LOGITS_CHUNK]) for i in range(0, weight.shape[0], LOGITS_CHUNK)]
             return torch.cat(parts, dim=1).float()

@@ -31,7 +31,7 @@ from pdserve.engine.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
 from pdserve.engine.outputs import ModelRunnerOutput
 from pdserve.engine.parallel import RankGroup
-from pdserve.engine import f32_linear
+from pdserve.engine import decode_linear
 from pdserve.engine.int8_linear import build_kernel
 from pdserve.engine.quantization import check_quantization_target, checkpoint_quantization, quantize_model
 from pdserve.engine.prompt_logprobs import add_prompt_logprob_rows, compute_prompt_logprobs
@@ -185,9 +185,10 @@ class ModelRunner:
             from pdserve.engine.lora.manager import LoRAManager
 
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-        if self.device.type == "cpu" and self.dtype == torch.float32 and not config.batch_invariant:
-            # decode-sized float32 matmuls stream each weight once (pdserve.engine.f32_linear)
-            logger.info("float32 few-row linear kernel: %s", "on" if f32_linear.build_kernel() else "unavailable")
+        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not config.batch_invariant:
+            # decode-sized matmuls stream each weight once (pdserve.engine.decode_linear)
+            logger.info("decode linear kernel (few-row matmuls): %s",
+                        "on" if decode_linear.build_kernel() else "unavailable")
         self._compiled_decode = None  # the decode step's forward under torch.compile (see compile_decode_step)
         if config.batch_invariant:  # inductor fuses and reorders reductions by batch size: not shown invariant
             logger.info("decode step runs eagerly: --batch-invariant (a compiled step is not shown invariant)")

@@ -1,7 +1,7 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and loaded with ctypes.
 
 ``paged_attention.cpp`` (paged attention over the KV cache), ``int8_linear.cpp`` (weight-only
-int8 matmul) and ``f32_linear.cpp`` (float32 matmul for a few rows: decode steps) are plain C++ with a C ABI (no torch headers; both include ``vec8.h``, the shared
+int8 matmul) and ``decode_linear.cpp`` (float32 / bfloat16 matmul for a few rows: decode steps) are plain C++ with a C ABI (no torch headers; both include ``vec8.h``, the shared
 8-lane vector helpers), so each builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), keyed by the source, the
 headers, the compiler flags and this CPU's instruction sets, so a restart or another worker on
@@ -80,10 +80,10 @@ def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
     return target
 
 
-def _load(name: str, argtypes: list, what: str, fallback: str) -> ctypes.CDLL | None:
-    """Library ``name`` (built from ``name``.cpp; its C function ``pdserve_<name>`` returns an int
-    and takes ``argtypes``), or None where it cannot be built here (logged once: ``what`` could not
-    be built, ``fallback`` runs instead)."""
+def _load(name: str, argtypes: list, what: str, fallback: str, function: str | None = None) -> ctypes.CDLL | None:
+    """Library ``name`` (built from ``name``.cpp; its C function ``function``, default
+    ``pdserve_<name>``, returns an int and takes ``argtypes``), or None where it cannot be built here
+    (logged once: ``what`` could not be built, ``fallback`` runs instead)."""
     with _lock:
         if name in _loaded:
             return _loaded[name]
@@ -96,7 +96,7 @@ def _load(name: str, argtypes: list, what: str, fallback: str) -> ctypes.CDLL | 
         else:
             try:
                 lib = ctypes.CDLL(str(_build(_KERNEL_DIR / f"{name}.cpp", compiler)))
-                fn = getattr(lib, f"pdserve_{name}")
+                fn = getattr(lib, function or f"pdserve_{name}")
                 fn.restype = ctypes.c_int
                 fn.argtypes = argtypes
             except (OSError, subprocess.SubprocessError, AttributeError) as e:
@@ -126,8 +126,13 @@ def load_int8_linear() -> ctypes.CDLL | None:
                  "int8 linear", "int8 layers dequantize their weights for every call instead")
 
 
-def load_f32_linear() -> ctypes.CDLL | None:
-    """The compiled float32 few-row linear library (``f32_linear.cpp``), or None where it cannot be
-    built here (logged once; float32 layers then use torch's GEMM for every call)."""
-    return _load("f32_linear", [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int],
-                 "float32 linear", "float32 decode matmuls run through torch's GEMM")
+def load_decode_linear() -> ctypes.CDLL | None:
+    """The compiled few-row linear library (``decode_linear.cpp``: ``pdserve_f32_linear`` and
+    ``pdserve_bf16_linear``), or None where it cannot be built here (logged once; decode matmuls then
+    use torch's GEMM)."""
+    lib = _load("decode_linear", [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int], "decode linear",
+                "decode matmuls run through torch's GEMM", function="pdserve_f32_linear")
+    if lib is not None:
+        lib.pdserve_bf16_linear.restype = ctypes.c_int
+        lib.pdserve_bf16_linear.argtypes = [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
+    return lib

@@ -12,7 +12,11 @@
 // ctypes; plain C ABI, no torch headers.
 //
 // Layouts (all contiguous, row-major):
-//   out: [M, N] float32;  x: [M, K] float32;  weight: [N, K] float32.  K must be a multiple of 16.
+//   pdserve_f32_linear:  out [M, N], x [M, K], weight [N, K], all float32; K a multiple of 16.
+//   pdserve_bf16_linear: the same in bfloat16 (stored as uint16), accumulated in float32 and rounded
+//                        to bfloat16 (nearest even) once at the end; K a multiple of 32. With AVX-512
+//                        BF16 each instruction multiplies 32 pairs (vdpbf16ps); elsewhere the values
+//                        are widened to float32 (a bfloat16 is the high half of a float32).
 //
 // Each (m, n) has its own 16-lane accumulator that takes k in increasing order, and the lanes are
 // added in one fixed tree at the end: an output's summation order never depends on M, the tile it
@@ -26,6 +30,9 @@
 
 #include <cstdint>
 #include <cstring>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -73,6 +80,78 @@ void row_tile(float* out, const float* x, const float* w, int64_t m0, int64_t n0
   for (; n < n1; ++n) tile<R, 1>(out, x, w, m0, n, N, K);
 }
 
+
+// ---- bfloat16 ------------------------------------------------------------------------------
+
+inline uint16_t to_bf16(float f) {  // round to nearest even (NaN kept quiet)
+  uint32_t u; std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// out[m0 .. m0 + R, n0 .. n0 + C]: 32 bfloat16 pairs per instruction into 16 float32 lanes.
+template <int R, int C>
+inline void tile_bf16(uint16_t* out, const uint16_t* x, const uint16_t* w, int64_t m0, int64_t n0, int64_t N,
+                      int64_t K) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) {
+      wv[c] = (__m512bh)_mm512_loadu_si512(w + (n0 + c) * K + k);
+      __builtin_prefetch(w + (n0 + c + C) * K + k, 0, 0);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + r) * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      v16 v; std::memcpy(&v, &acc[r][c], sizeof(v));
+      out[(m0 + r) * N + n0 + c] = to_bf16(hsum(v));
+    }
+}
+#else
+inline v16 widen_bf16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32
+  typedef uint16_t u16x16 __attribute__((vector_size(32)));
+  typedef uint32_t u32x16 __attribute__((vector_size(64)));
+  u16x16 h; std::memcpy(&h, p, sizeof(h));
+  const u32x16 b = __builtin_convertvector(h, u32x16) << 16;
+  v16 v; std::memcpy(&v, &b, sizeof(v)); return v;
+}
+
+template <int R, int C>
+inline void tile_bf16(uint16_t* out, const uint16_t* x, const uint16_t* w, int64_t m0, int64_t n0, int64_t N,
+                      int64_t K) {
+  v16 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = v16{};
+  for (int64_t k = 0; k < K; k += 16) {
+    v16 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = widen_bf16(w + (n0 + c) * K + k);
+    for (int r = 0; r < R; ++r) {
+      const v16 xv = widen_bf16(x + (m0 + r) * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] += xv * wv[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[(m0 + r) * N + n0 + c] = to_bf16(hsum(acc[r][c]));
+}
+#endif
+
+template <int R>
+void row_tile_bf16(uint16_t* out, const uint16_t* x, const uint16_t* w, int64_t m0, int64_t n0, int64_t n1,
+                   int64_t N, int64_t K) {
+  constexpr int C = R <= 2 ? 8 : (R <= 4 ? 6 : 3);
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) tile_bf16<R, C>(out, x, w, m0, n, N, K);
+  for (; n < n1; ++n) tile_bf16<R, 1>(out, x, w, m0, n, N, K);
+}
+
 constexpr int64_t NB = 48;  // output features per thread work item (a multiple of 6 and 8)
 
 }  // namespace
@@ -91,6 +170,26 @@ extern "C" int pdserve_f32_linear(float* out, const float* x, const float* weigh
       case 1: row_tile<1>(out, x, weight, m, n0, n1, N, K); break;
       case 2: row_tile<2>(out, x, weight, m, n0, n1, N, K); break;
       case 3: row_tile<3>(out, x, weight, m, n0, n1, N, K); break;
+      default: break;
+    }
+  }
+  return 0;
+}
+
+extern "C" int pdserve_bf16_linear(uint16_t* out, const uint16_t* x, const uint16_t* weight, int64_t M, int64_t N,
+                                   int64_t K, int num_threads) {
+  if (K % 32 != 0 || M < 0 || N < 0) return 1;
+  const int64_t num_blocks = (N + NB - 1) / NB;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n0 = b * NB, n1 = n0 + NB < N ? n0 + NB : N;
+    int64_t m = 0;
+    for (; m + 8 <= M; m += 8) row_tile_bf16<8>(out, x, weight, m, n0, n1, N, K);
+    for (; m + 4 <= M; m += 4) row_tile_bf16<4>(out, x, weight, m, n0, n1, N, K);
+    switch (M - m) {
+      case 1: row_tile_bf16<1>(out, x, weight, m, n0, n1, N, K); break;
+      case 2: row_tile_bf16<2>(out, x, weight, m, n0, n1, N, K); break;
+      case 3: row_tile_bf16<3>(out, x, weight, m, n0, n1, N, K); break;
       default: break;
     }
   }
