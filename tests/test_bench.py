@@ -135,7 +135,9 @@ def test_compute_metrics_by_hand():
     assert m["mean_e2el_ms"] == pytest.approx(1700 / 3)
     # goodput: #1 meets both; #2 misses ttft (300 > 250); #3 has TPOT 0 and ttft 200: meets both
     assert m["request_goodput"] == pytest.approx(1.0)
+    assert m["slo_attainment"] == pytest.approx(0.5)  # 2 of the 4 sent: the failed one is a miss
     assert compute_metrics(outs, 2.0, [50])["request_goodput"] is None
+    assert compute_metrics(outs, 2.0, [50])["slo_attainment"] is None
     empty = compute_metrics([RequestOutput(False, error="x")], 1.0, [50])
     assert empty["completed"] == 0 and empty["mean_ttft_ms"] is None
 

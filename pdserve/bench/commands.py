@@ -142,6 +142,18 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     add_dataset_args(p)
     add_load_args(p)
     p.add_argument("--num-warmups", type=int, default=2, help="unmeasured requests before each system's run")
+    g = p.add_argument_group("goodput sweep (DistServe's measure)")
+    g.add_argument("--request-rates", type=float, nargs="+", default=[], metavar="RATE",
+                   help="sweep these Poisson rates (req/s) per system, fresh prompts per rate, after a warm-up "
+                        "pass; reports SLO attainment per rate and the goodput (highest rate with >= 90%% "
+                        "attainment) of each --slo-set, and goodput.png")
+    g.add_argument("--sweep-duration-s", type=float, default=45.0,
+                   help="seconds of arrivals per rate (requests = ceil(rate * this); default 45)")
+    g.add_argument("--slo-set", action="append", default=[], metavar="METRIC:MS,...",
+                   help="an SLO set, e.g. ttft:2500,tpot:150; repeat for several (default: --goodput)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the dtype every system runs in (default float32; bfloat16 where the CPU has native "
+                        "bf16, AVX-512 BF16 / AMX)")
     g = p.add_argument_group("pdserve")
     g.add_argument("--num-prefill", type=int, default=1, help="pdserve-disagg prefill workers (default 1)")
     g.add_argument("--num-decode", type=int, default=1, help="pdserve-disagg decode workers (default 1)")
@@ -174,6 +186,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     import shlex
 
     from pdserve.bench.compare import CompareConfig, run_compare
+    from pdserve.bench.sweep import parse_slo_set
     from pdserve.common.utils import parse_cpu_list
 
     quiet_http_logs()
@@ -200,10 +213,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
             kv_cache_memory=args.kv_cache_memory, pdserve_args=shlex.split(args.pdserve_args),
             vllm_python=args.vllm_python, vllm_kv_gib=args.vllm_kv_gib, vllm_args=shlex.split(args.vllm_args),
             vllm_env=env, transformers_args=shlex.split(args.transformers_args), hf_batch_size=args.hf_batch_size,
-            server_timeout_s=args.server_timeout, **cores)
+            server_timeout_s=args.server_timeout, dtype=args.dtype, request_rates=args.request_rates,
+            sweep_duration_s=args.sweep_duration_s, slo_sets=[parse_slo_set(t) for t in args.slo_set], **cores)
     except ValueError as e:
         print(f"pdserve bench compare: {e}", file=sys.stderr)
         return 2
+    if cfg.dtype == "bfloat16":
+        from pdserve.common.utils import cpu_has_native_bf16
+
+        if not cpu_has_native_bf16():
+            print("pdserve bench compare: this CPU has no native bf16 (AVX-512 BF16 / AMX): bfloat16 would "
+                  "run emulated on every system, so the bfloat16 comparison is skipped here", file=sys.stderr)
+            return 0
     run_compare(cfg)
     with open(os.path.join(cfg.out_dir, "results.md")) as f:
         print(f.read())

