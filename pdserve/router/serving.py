@@ -465,7 +465,7 @@ class OpenAIServing:
 
     def _export_trace(self, run: _Run, finish_reasons: list[str]) -> None:
         """Hand the finished request's trace to the exporter (``tracing.RequestTracer``); never raises."""
-        handle, timing = run.handle, run.timing
+        handle, timing = run.handle, run.timing  # the workers' stamps become events of the request span
         try:
             self.tracer.export(
                 run.request_id, run.arrival_wall, time.time(), run.phases, first_token=run.first_token_wall,
@@ -477,8 +477,7 @@ class OpenAIServing:
                             "pdserve.decode_worker": handle.worker_label,
                             "pdserve.prefill_worker": handle.prefill_worker_id,
                             "pdserve.num_migrations": handle.num_migrations},
-                events={"decode_worker_received": timing.decode_received if timing else None,
-                        "prefill_worker_received": timing.prefill_received if timing else None},
+                events=msgspec.structs.asdict(timing) if timing is not None else None,
                 error=run.failure if run.failure == "error" else None, traceparent=run.traceparent)
         except Exception:  # noqa: BLE001  tracing must never fail a request
             logger.exception("request %s: building its trace failed", run.request_id)

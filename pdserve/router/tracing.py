@@ -117,9 +117,10 @@ class RequestTracer:
     """Exports one OpenTelemetry trace per finished request to an OTLP/HTTP (protobuf) endpoint.
 
     The trace is built when the request finishes, from the stamps already recorded: a parent span
-    ``llm_request`` (HTTP arrival -> finish, with the ``gen_ai.*`` attributes vLLM sets) and one child
-    span per hop (``request_phases``), plus ``decode`` (first token -> finish). Spans are batched and
-    sent by the SDK's ``BatchSpanProcessor`` on its own thread (its ``OTEL_BSP_*`` variables apply).
+    ``llm_request`` (HTTP arrival -> finish, with the ``gen_ai.*`` attributes vLLM sets, and one event
+    per worker stamp, named as the ``RequestTiming`` field, at its unclamped time) and one child span
+    per hop (``request_phases``), plus ``decode`` (first token -> finish). Spans are batched and sent
+    by the SDK's ``BatchSpanProcessor`` on its own thread (its ``OTEL_BSP_*`` variables apply).
 
     Args:
         endpoint: the collector's traces URL, e.g. ``http://127.0.0.1:4318/v1/traces``.
@@ -157,7 +158,7 @@ class RequestTracer:
             arrival, finish, first_token: ``time.time()`` seconds (first_token None: none came).
             phases: its hops (``request_phases``); one child span each.
             attributes: more attributes of the parent span (None values are left out).
-            events: name -> ``time.time()`` seconds, recorded as events on the hop span they fall in.
+            events: name -> ``time.time()`` seconds, events of the parent span (None values are left out).
             error: set: the parent span's status is ERROR with this description.
             traceparent: the client's W3C ``traceparent`` header: the request span joins that trace.
         """
@@ -173,12 +174,12 @@ class RequestTracer:
         child_context = trace.set_span_in_context(parent)
         children = [*phases, *([Phase("decode", first_token, max(first_token, finish))]
                                if first_token is not None and phases else [])]
+        for name, at in (events or {}).items():
+            if at is not None:
+                parent.add_event(name, timestamp=_ns(at))
         for phase in children:
             span = self._tracer.start_span(phase.name, context=child_context, start_time=_ns(phase.start),
                                            attributes={"gen_ai.request.id": request_id})
-            for name, at in (events or {}).items():
-                if at is not None and phase.start <= at < phase.end:
-                    span.add_event(name, timestamp=_ns(at))
             span.end(end_time=_ns(phase.end))
         if error is not None:
             parent.set_status(trace.Status(trace.StatusCode.ERROR, error))
