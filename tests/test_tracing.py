@@ -299,3 +299,54 @@ def test_the_flag_needs_an_http_url_and_the_sdk(model_dir, monkeypatch):
     with pytest.raises(ValueError, match=r"pip install 'pdserve\[otel\]'"):
         RouterConfig(model=model_dir, otlp_traces_endpoint=url)
     assert RouterConfig(model=model_dir).otlp_traces_endpoint is None  # no flag, no SDK needed
+
+
+# ---- bench serve's summary ----------------------------------------------------------------------------
+
+
+def test_bench_summary_from_two_scrapes():
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from pdserve.bench import phases
+
+    reg = CollectorRegistry()
+    hist = Histogram("pdserve:request_phase_seconds", "hops", ["model_name", "phase"], buckets=(0.01, 0.1, 1.0),
+                     registry=reg)
+    steps = Counter("pdserve:decode_steps", "steps", ["model_name", "worker", "role"], registry=reg)
+    step_s = Counter("pdserve:decode_step_seconds", "seconds", ["model_name", "worker", "role"], registry=reg)
+    hist.labels("m", "router_queue").observe(0.5)  # before the run: must not count
+    steps.labels("m", "d0", "decode").inc(10)
+    before = phases.parse_figures(generate_latest(reg).decode())
+    for queue, compute, back in ((0.005, 0.05, 0.005), (0.005, 0.07, 0.005), (0.02, 0.5, 0.03)):
+        for name, seconds in (("router_queue", queue), ("local_prefill_compute", compute),
+                              ("first_token_back", back)):
+            hist.labels("m", name).observe(seconds)
+    steps.labels("m", "d0", "decode").inc(4)
+    step_s.labels("m", "d0", "decode").inc(0.2)
+    summary = phases.summarize(before, phases.parse_figures(generate_latest(reg).decode()))
+    assert summary["num_requests"] == 3
+    assert list(summary["phases"]) == ["router_queue", "first_token_back", "local_prefill_compute"]  # PHASES order
+    assert summary["phases"]["router_queue"]["mean_s"] == pytest.approx(0.01)
+    # rank 1.5 of 3 falls in (0.01, 0.1], which holds 2: interpolated as Prometheus' histogram_quantile does
+    assert summary["phases"]["local_prefill_compute"]["p50_s"] == pytest.approx(0.01 + 0.09 * 1.5 / 2)
+    assert summary["mean_ttft_s"] == pytest.approx(0.69 / 3)
+    assert summary["non_prefill_compute_share"] == pytest.approx(0.07 / 0.69)
+    assert summary["mean_decode_step_s"] == pytest.approx(0.05)
+    table = phases.format_summary(summary)
+    assert "local_prefill_compute" in table and "10.1%" in table
+    assert phases.parse_figures("# TYPE vllm:e2e_request_latency_seconds histogram\n") is None  # not pdserve
+
+
+def test_bench_serve_prints_where_ttft_went(cluster):
+    from pdserve.bench import DatasetConfig, ServeConfig
+    from pdserve.bench.serve import run_benchmark_sync
+
+    result = run_benchmark_sync(ServeConfig(url=cluster.url, disable_tqdm=True, dataset=DatasetConfig(
+        num_prompts=4, input_len=48, output_len=4, vocab_size=2000, seed=3)))
+    assert not result.errors
+    summary = result.phases
+    assert summary["num_requests"] == 4
+    assert {name for name, h in summary["phases"].items() if h["count"] == 4} == set(DISAGGREGATED_PHASES)
+    assert 0 < summary["non_prefill_compute_share"] < 1
+    assert summary["mean_ttft_s"] == pytest.approx(result.metrics["mean_ttft_ms"] / 1e3, rel=0.5)
+    assert "Where TTFT went" in result.table() and result.to_dict()["ttft_phases"] == summary
