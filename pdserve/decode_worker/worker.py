@@ -293,6 +293,7 @@ class DecodeWorker(WorkerBase):
 
     def step(self) -> bool:
         self._flush_ops()
+        self._flush()  # first tokens that came with remote KV go out now, not after this step's forward
         scheduler_output = self.core.schedule()
         for request in scheduler_output.remote_prefills:
             self._send_remote_prefill(request)
