@@ -222,20 +222,21 @@ def test_decode_step_counters_come_with_heartbeats(cluster):
     def prefill_steps() -> float:
         return sum(v for lab, v in scrape(cluster).get("pdserve:decode_steps_total", []) if lab["role"] == "prefill")
 
-    def after_next_heartbeat() -> None:
-        """Wait until every worker's latest message to the router left after this call (a heartbeat,
-        carrying every step before it)."""
-        start = time.monotonic()
-        while not all(w["last_seen_s_ago"] < time.monotonic() - start - 0.05
-                      for w in httpx.get(f"{cluster.url}/workers", timeout=10).json()):
-            assert time.monotonic() - start < 10
-            time.sleep(0.1)
+    def settled_steps() -> tuple[float, float]:
+        """The figures once two reads further apart than a heartbeat interval (1 s) agree: the workers
+        are idle and a heartbeat sent after their last step has arrived."""
+        deadline = time.monotonic() + 20
+        while True:
+            first = steps()
+            time.sleep(1.5)
+            second = steps()
+            if first == second:
+                return second
+            assert time.monotonic() < deadline, (first, second)
 
-    after_next_heartbeat()
-    before = steps()
+    before = settled_steps()
     _complete(cluster, _prompt(random.Random(5), 30), stream=False)  # first token from P, then 5 decode steps
-    after_next_heartbeat()
-    after = steps()
+    after = settled_steps()
     num_steps, seconds = after[0] - before[0], after[1] - before[1]
     assert num_steps == 5
     assert 0 < seconds / num_steps < 5.0  # a mean decode step of the tiny model, in seconds
@@ -348,5 +349,5 @@ def test_bench_serve_prints_where_ttft_went(cluster):
     assert summary["num_requests"] == 4
     assert {name for name, h in summary["phases"].items() if h["count"] == 4} == set(DISAGGREGATED_PHASES)
     assert 0 < summary["non_prefill_compute_share"] < 1
-    assert summary["mean_ttft_s"] == pytest.approx(result.metrics["mean_ttft_ms"] / 1e3, rel=0.5)
+    assert 0 < summary["mean_ttft_s"] <= result.metrics["mean_ttft_ms"] / 1e3  # the client sees the HTTP legs too
     assert "Where TTFT went" in result.table() and result.to_dict()["ttft_phases"] == summary
