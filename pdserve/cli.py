@@ -32,7 +32,7 @@ def _setup_logging(level: str) -> None:
 def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     from pdserve.common.auth import API_KEY_ENV, from_env
     from pdserve.launcher import ClusterSpec, run_cluster
-    from pdserve.router.config import lora_args, routing_args
+    from pdserve.router.config import lora_args, routing_args, tracing_args
     from pdserve.models.train import shipped_model_dir
 
     model = args.model
@@ -46,7 +46,15 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             print("pdserve: --colocated runs no prefill workers; drop --num-prefill", file=sys.stderr)
             return 2
         num_prefill = 0
-    router_args, worker_args = routing_args(args) + lora_args(args), list(extra)
+    if args.otlp_traces_endpoint:  # the router would refuse to start: say why here
+        from pdserve.router.tracing import check_otel_installed
+
+        try:
+            check_otel_installed()
+        except ValueError as e:
+            print(f"pdserve: {e}", file=sys.stderr)
+            return 2
+    router_args, worker_args = routing_args(args) + lora_args(args) + tracing_args(args), list(extra)
     if args.enable_lora:  # the workers apply the adapters; --max-loras and the like reach them as extra flags
         worker_args += ["--enable-lora", "--max-lora-rank", str(args.max_lora_rank)]
     if args.cluster_secret:
@@ -80,7 +88,12 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from pdserve.router.config import RouterConfig
     from pdserve.router.server import run_router
 
-    run_router(RouterConfig.from_cli_args(args))
+    try:
+        config = RouterConfig.from_cli_args(args)
+    except ValueError as e:  # e.g. --otlp-traces-endpoint without the OpenTelemetry packages
+        print(f"pdserve router: error: {e}", file=sys.stderr)
+        return 2
+    run_router(config)
     return 0
 
 
@@ -162,7 +175,7 @@ def _cmd_default_model(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from pdserve.common.config import WorkerConfig
     from pdserve.engine.config import EngineConfig
-    from pdserve.router.config import RouterConfig, add_lora_cli_args, add_routing_cli_args
+    from pdserve.router.config import RouterConfig, add_lora_cli_args, add_routing_cli_args, add_tracing_cli_args
 
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     parser.add_argument("--log-level", default="info")
@@ -203,6 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_routing_cli_args(up)
     add_lora_cli_args(up)
+    add_tracing_cli_args(up)
     RouterConfig.add_cli_args(sub.add_parser("router", help="start the router alone"))
     rank = sub.add_parser("rank", help="run one non-driver rank of a tensor/pipeline-parallel engine",
                           description="Joins the driver at --master-addr:--master-port and runs the steps it "

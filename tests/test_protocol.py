@@ -1,3 +1,4 @@
+import msgspec
 import pytest
 
 from pdserve.common import protocol as p
@@ -27,9 +28,16 @@ SAMPLES = [
     p.RemotePrefillDone(request_id="r1", prefill_worker_id="p0", first_token_id=5, num_tokens=40, num_bytes=100,
                         checksum=2**61 - 5),
     p.RemotePrefillDone(request_id="r1", prefill_worker_id="p0", error="boom"),
+    p.RemotePrefillDone(request_id="r1", prefill_worker_id="p0", first_token_id=5,
+                        timing=p.RequestTiming(prefill_received=1.5, prefill_started=2.25, prefill_done=3.0)),
     p.RequestOutputs(worker_id="d0", deltas=[
         p.RequestDelta(request_id="r1", new_token_ids=[1, 2], finish_reason=p.FinishReason.LENGTH),
-        p.RequestDelta(request_id="r2", new_token_ids=[], error="bad", finish_reason=p.FinishReason.ERROR)]),
+        p.RequestDelta(request_id="r2", new_token_ids=[], error="bad", finish_reason=p.FinishReason.ERROR),
+        p.RequestDelta(request_id="r3", new_token_ids=[7], timing=p.RequestTiming(
+            decode_received=1e9 + 0.125, remote_prefill_sent=1e9 + 0.25, prefill_started=1e9 + 0.5,
+            prefill_done=1e9 + 0.75, kv_installed=1e9 + 1.0))]),
+    p.Heartbeat(worker_id="d0", role=p.WorkerRole.DECODE,
+                stats=p.WorkerStats(num_decode_steps=12, decode_step_seconds=0.375)),
 ]
 
 
@@ -59,3 +67,17 @@ def test_malformed_frames_raise(frames):
 def test_non_protocol_object_is_refused():
     with pytest.raises(ProtocolError):
         encode({"request_id": "r1"})
+
+
+def test_timing_is_optional_both_ways():
+    """A peer without ``timing`` (older, or a delta after the first) and one with it still understand each other."""
+
+    class OldDelta(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):
+        request_id: str
+        new_token_ids: list[int]
+
+    new = p.RequestDelta(request_id="r1", new_token_ids=[3], timing=p.RequestTiming(kv_installed=2.0))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=OldDelta) == OldDelta(request_id="r1",
+                                                                                          new_token_ids=[3])
+    old = msgspec.msgpack.encode(OldDelta(request_id="r1", new_token_ids=[3]))
+    assert msgspec.msgpack.decode(old, type=p.RequestDelta).timing is None

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from pdserve.bench import phases
 from pdserve.bench.datasets import (DEFAULT_VOCAB_SIZE, BenchRequest, DatasetConfig, build_requests, prompt_text,
                                     vocab_size_of)
 from pdserve.bench.metrics import RequestOutput, compute_metrics, format_table
@@ -104,6 +105,7 @@ class BenchResult:
     settings: dict
     outputs: list[RequestOutput]
     requests: list[BenchRequest]
+    phases: dict | None = None  # a pdserve router's hops to the first token (``phases.summarize``)
 
     @property
     def errors(self) -> list[str]:
@@ -113,6 +115,8 @@ class BenchResult:
     def to_dict(self, detailed: bool = False) -> dict:
         """JSON-ready: settings, metrics, errors; with ``detailed`` also per-request arrays (seconds)."""
         d = {**self.settings, **self.metrics, "errors": self.errors}
+        if self.phases is not None:
+            d["ttft_phases"] = self.phases
         if detailed:
             d.update(input_lens=[o.prompt_len for o in self.outputs],
                      output_lens=[o.output_tokens for o in self.outputs],
@@ -129,7 +133,8 @@ class BenchResult:
         rate = s["request_rate"]
         header = {"Model:": s["model"], "Request rate (req/s):": "inf" if rate == "inf" else rate,
                   "Burstiness:": s["burstiness"], "Max concurrency:": s["max_concurrency"] or "none"}
-        return format_table(self.metrics, s["percentiles"], header=header)
+        table = format_table(self.metrics, s["percentiles"], header=header)
+        return table if self.phases is None else f"{table}\n{phases.format_summary(self.phases)}"
 
 
 def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -302,6 +307,7 @@ async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest] | None = 
         offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
         semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
         bar = tqdm(total=len(requests), disable=cfg.disable_tqdm, desc="requests")
+        figures_before = await phases.scrape(client, url)  # a pdserve router's hops: where TTFT went
         start = time.perf_counter()
 
         async def one(i: int) -> RequestOutput:
@@ -321,6 +327,8 @@ async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest] | None = 
         outputs = await asyncio.gather(*(one(i) for i in range(len(requests))))
         duration = time.perf_counter() - start
         bar.close()
+        figures_after = await phases.scrape(client, url) if figures_before is not None else None
+        ttft_phases = phases.summarize(figures_before, figures_after)
     settings = {
         "date": time.strftime("%Y%m%d-%H%M%S"), "backend": cfg.backend, "url": url, "endpoint": cfg.endpoint,
         "model": model, "num_prompts": len(requests),
@@ -330,7 +338,7 @@ async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest] | None = 
         "dataset": dataclasses.asdict(dataset), "num_warmups": cfg.num_warmups, "warmup_errors": warmup_errors,
     }
     metrics = compute_metrics(outputs, duration, cfg.percentiles, cfg.goodput_slos or None)
-    return BenchResult(metrics, settings, list(outputs), list(requests))
+    return BenchResult(metrics, settings, list(outputs), list(requests), ttft_phases)
 
 
 def run_benchmark_sync(cfg: ServeConfig, requests: list[BenchRequest] | None = None) -> BenchResult:

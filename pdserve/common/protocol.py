@@ -167,6 +167,8 @@ class WorkerStats(_Msg):
     spec_decode_num_accepted_tokens: int = 0  # of those, accepted by the target
     prefill_compute_tokens: int = 0  # prompt tokens computed here (prefix-cache hits and received KV excluded)
     prefill_compute_seconds: float = 0.0  # wall time of the steps that computed them
+    num_decode_steps: int = 0  # decode worker: steps whose every row was past its prompt (decode only)
+    decode_step_seconds: float = 0.0  # their forward + sampling time, summed (mean step = this / num_decode_steps)
 
 
 class KVLayout(_Msg):
@@ -350,6 +352,25 @@ class KVPieceSum(_Msg):
     checksum: int
 
 
+class RequestTiming(_Msg):
+    """When one request passed each point on its way to its first token, on the worker clocks.
+
+    Wall-clock seconds (``time.time()``) of the process that took each one; None: not reached (or
+    not on this request's path). The prefill worker fills the ``prefill_*`` fields and sends them
+    in ``RemotePrefillDone``; the decode worker adds its own and sends them all in the request's
+    first ``RequestDelta``, where the router turns them into hops (``pdserve.router.tracing``).
+    Stamps from different hosts are only as comparable as their clocks are synchronized.
+    """
+
+    decode_received: float | None = None  # decode worker: GenerateRequest handled by its step loop
+    remote_prefill_sent: float | None = None  # decode worker: blocks reserved, RemotePrefillRequest sent
+    prefill_received: float | None = None  # prefill worker: RemotePrefillRequest handled by its step loop
+    # The worker that computes the prompt (prefill worker, or the decode worker for a local prefill):
+    prefill_started: float | None = None  # the first step that computed prompt tokens started
+    prefill_done: float | None = None  # the step that computed its last prompt token returned (first token sampled)
+    kv_installed: float | None = None  # decode worker: every KV piece and the done message checked, install sent
+
+
 class RemotePrefillDone(_Msg):
     """Prefill -> decode after the last layer was sent (or on failure).
 
@@ -368,6 +389,7 @@ class RemotePrefillDone(_Msg):
     pieces: list[KVPieceSum] = []  # per-piece bytes and checksums (multi-rank workers)
     # sampling_params.prompt_logprobs set: prompt tokens 1..N-1 given their prefixes (token 0 has none)
     prompt_logprobs: list[TokenLogprob] = []
+    timing: RequestTiming | None = None  # the prefill worker's stamps (prefill_received/started/done)
 
 
 class RequestDelta(_Msg):
@@ -385,6 +407,7 @@ class RequestDelta(_Msg):
     # In the first delta of choice 0 when sampling_params.prompt_logprobs is set: prompt tokens
     # 1..N-1, each given its prefix (the first prompt token has none)
     prompt_logprobs: list[TokenLogprob] | None = None
+    timing: RequestTiming | None = None  # in the request's first delta: its way to the first token
 
 
 class RequestOutputs(_Msg):

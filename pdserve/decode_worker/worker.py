@@ -32,12 +32,12 @@ from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (AbortRequest, ErrorKind, GenerateRequest, KVInstall, KVLane, KVLayout,
                                      KVPieceSum, KVReset, KVStepOps, KVTransferHeader, RankReport,
                                      RankReportKind, RegisterWorker, RemotePrefillDone, RemotePrefillRequest,
-                                     RequestDelta, RequestOutputs, WorkerRole)
+                                     RequestDelta, RequestOutputs, RequestTiming, WorkerRole)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.common.sharding import KVPiece
-from pdserve.engine.worker_base import WorkerBase, error_delta, rejection_delta
+from pdserve.engine.worker_base import WorkerBase, error_delta, rejection_delta, stamp_prefill
 from pdserve.kvtransfer.agent import check_kv_dtype, layout_spec, pieces_for
 from pdserve.kvtransfer.wire import dtype_name
 
@@ -71,6 +71,9 @@ class DecodeWorker(WorkerBase):
         self._lanes_open: set[tuple[str, int]] = set()
         self._ops = KVStepOps()  # KV work for the ranks, flushed at the next step
         self._deltas: list[RequestDelta] = []
+        # Stamps of each request still on its way to its first token (router request_id); they leave with
+        # its first delta. Migrated requests (resume) are not timed.
+        self.timings: dict[str, RequestTiming] = {}
 
     def registration(self) -> RegisterWorker:
         reg = super().registration()
@@ -96,6 +99,7 @@ class DecodeWorker(WorkerBase):
             logger.warning("decode worker ignores %s", type(msg).__name__)
 
     def _add(self, msg: GenerateRequest) -> None:
+        received = time.time()
         remote = msg.prefill_worker_id is not None and msg.prefill_addr is not None and msg.resume is None
         pieces = []
         if remote:
@@ -113,6 +117,8 @@ class DecodeWorker(WorkerBase):
         except ValueError as e:  # ValidationError included: a request sent past the router's checks
             self._deltas.append(rejection_delta(msg.request_id, e))
             return
+        if msg.resume is None:
+            self.timings[msg.request_id] = RequestTiming(decode_received=received)
         if remote:
             self.remote[msg.request_id] = _RemotePrefill(msg.prefill_worker_id, msg.prefill_addr,
                                                          msg.prefill_layout, pieces)
@@ -134,6 +140,7 @@ class DecodeWorker(WorkerBase):
         if state is not None:
             self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
             self._ops.drops.append(request_id)  # pieces still arriving are dropped by their ranks
+        self.timings.pop(request_id, None)
         self.core.abort(request_id)
 
     def _header(self, header: KVTransferHeader) -> None:
@@ -185,6 +192,9 @@ class DecodeWorker(WorkerBase):
             transfer_host=self.pairs.store_host, transfer_port=self.pairs.store_port,
             pair_generation=state.pair_generation, dest_block_ids=request.block_table[first_block:],
             num_cached_tokens=request.num_cached_tokens, decode_layout=self.kv_layout))
+        timing = self.timings.get(request.request_id)
+        if timing is not None:
+            timing.remote_prefill_sent = time.time()
 
     def _remote_progress(self, request_id: str, report: RankReport | None = None,
                          done: RemotePrefillDone | None = None) -> None:
@@ -214,6 +224,12 @@ class DecodeWorker(WorkerBase):
         self._ops.installs.append(KVInstall(request_id=request_id, block_ids=request.block_table[first_block:]))
         self._flush_ops()  # every rank copies its pieces into the blocks before the next forward
         del self.remote[request_id]
+        timing = self.timings.get(request_id)
+        if timing is not None:
+            timing.kv_installed = time.time()
+            if (sent := state.done.timing) is not None:
+                timing.prefill_received = sent.prefill_received
+                timing.prefill_started, timing.prefill_done = sent.prefill_started, sent.prefill_done
         self.stats.num_kv_transfers += 1
         self.stats.kv_transfer_bytes += sum(r.num_bytes for r in state.received.values())
         self.stats.kv_transfer_seconds += time.monotonic() - state.sent_at
@@ -257,6 +273,7 @@ class DecodeWorker(WorkerBase):
         else:
             logger.warning("request %s failed: %s", request_id, reason)
             self.core.finish_request(request_id, RequestStatus.FINISHED_ERROR)
+            self.timings.pop(request_id, None)
             self._deltas.append(error_delta(request_id, reason, ErrorKind.UNAVAILABLE))
 
     def periodic(self, now: float) -> None:
@@ -276,10 +293,12 @@ class DecodeWorker(WorkerBase):
 
     def step(self) -> bool:
         self._flush_ops()
+        self._flush()  # first tokens that came with remote KV go out now, not after this step's forward
         scheduler_output = self.core.schedule()
         for request in scheduler_output.remote_prefills:
             self._send_remote_prefill(request)
         if scheduler_output.scheduled:
+            started = time.time()
             try:
                 runner_output = self.core.execute(scheduler_output)
             except Exception as e:  # noqa: BLE001  one failing batch must not take the worker down
@@ -287,10 +306,19 @@ class DecodeWorker(WorkerBase):
                     raise  # the ranks may be mid-collective: leave, the router migrates the requests
                 self._fail_step(scheduler_output, e)
             else:
+                self._time_step(scheduler_output.scheduled, started, time.time())
                 for output in self.core.update(scheduler_output, runner_output):
                     self._emit(output)
         self._flush()
         return not scheduler_output.is_empty()
+
+    def _time_step(self, scheduled: list[tuple[Request, int]], started: float, done: float) -> None:
+        """Stamp local prefills (``stamp_prefill``); count a step whose every row decodes (only its last
+        sampled token, and drafts, to compute) in ``num_decode_steps`` / ``decode_step_seconds``."""
+        stamp_prefill(self.timings, scheduled, started, done)
+        if all(r.num_computed_tokens >= max(r.num_prompt_tokens, r.num_tokens - 1) for r, _ in scheduled):
+            self.stats.num_decode_steps += 1
+            self.stats.decode_step_seconds += max(0.0, done - started)
 
     def _fail_step(self, scheduler_output, error: Exception) -> None:
         """Fail the requests of a step whose forward or sampling raised (500), free their blocks, go on."""
@@ -308,7 +336,8 @@ class DecodeWorker(WorkerBase):
             request_id=request.group_id, new_token_ids=output.new_token_ids,
             finish_reason=finished.finish_reason() if finished else None,
             num_prompt_tokens=request.num_prompt_tokens, index=request.sample_index, logprobs=output.logprobs,
-            num_cached_tokens=request.num_cached_tokens, prompt_logprobs=output.prompt_logprobs))
+            num_cached_tokens=request.num_cached_tokens, prompt_logprobs=output.prompt_logprobs,
+            timing=self.timings.pop(request.group_id, None)))
 
     def _flush(self) -> None:
         if self._deltas:

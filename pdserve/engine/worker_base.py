@@ -31,7 +31,8 @@ import time
 from pdserve.common.auth import registration_token
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (DrainWorker, ErrorKind, FinishReason, Heartbeat, RankAttach, RegisterWorker,
-                                     RequestDelta, WorkerDraining, WorkerExiting, WorkerRole, WorkerStats)
+                                     RequestDelta, RequestTiming, WorkerDraining, WorkerExiting, WorkerRole,
+                                     WorkerStats)
 from pdserve.common.sharding import KVLayoutSpec
 from pdserve.common.transport import Mailbox
 from pdserve.common.validation import ValidationError
@@ -282,6 +283,25 @@ def rejection_delta(request_id: str, error: ValueError) -> RequestDelta:
     """An ``error_delta`` for a request the engine refused at ``add_request``."""
     kind = ErrorKind.INVALID_REQUEST if isinstance(error, ValidationError) else ErrorKind.INTERNAL
     return error_delta(request_id, str(error), kind)
+
+
+def stamp_prefill(timings: dict[str, RequestTiming], scheduled: list, started: float, done: float) -> None:
+    """Stamp the prompt steps of a step that ran from ``started`` to ``done`` (``time.time()`` seconds).
+
+    Call after ``execute`` and before ``update`` (``num_computed_tokens`` not yet advanced). For each
+    scheduled ``(request, num_new_tokens)`` still in its prompt whose group has an entry in
+    ``timings`` (keyed by the router's request_id): ``prefill_started`` is the first such step's
+    start, ``prefill_done`` the end of the step that computed its last prompt token. Stamps already
+    set are kept (a forked sample or a preempted request recomputing its prompt does not move them).
+    """
+    for request, num_new in scheduled:
+        timing = timings.get(request.group_id)
+        if timing is None or request.num_computed_tokens >= request.num_prompt_tokens:
+            continue  # not timed, or decoding
+        if timing.prefill_started is None:
+            timing.prefill_started = started
+        if timing.prefill_done is None and request.num_computed_tokens + num_new >= request.num_prompt_tokens:
+            timing.prefill_done = done
 
 
 def lora_heartbeat_fields(core) -> dict:

@@ -30,12 +30,12 @@ from pdserve.common import faults
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (AbortRequest, KVConnect, KVLayout, KVPieceSum, KVReset, KVSendPlan, KVStepOps,
                                      KVTransferHeader, RankReport, RankReportKind, RemotePrefillDone,
-                                     RemotePrefillRequest, TokenLogprob, WorkerRole)
+                                     RemotePrefillRequest, RequestTiming, TokenLogprob, WorkerRole)
 from pdserve.common.validation import prefill_sampling_params
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import Request
 from pdserve.common.sharding import KVPiece, endpoint
-from pdserve.engine.worker_base import WorkerBase
+from pdserve.engine.worker_base import WorkerBase, stamp_prefill
 from pdserve.kvtransfer.agent import layout_spec, pieces_for
 from pdserve.kvtransfer.checksum import combine_checksums
 from pdserve.kvtransfer.wire import dtype_name
@@ -86,15 +86,18 @@ class PrefillWorker(WorkerBase):
         self.pairs: dict[tuple[str, int], _Pairs] = {}  # (decode_worker_id, generation)
         self.origin: dict[str, RemotePrefillRequest] = {}  # admitted, by request_id
         self.transfers: dict[str, _Transfer] = {}  # KV in flight, by request_id
+        self.timings: dict[str, RequestTiming] = {}  # stamps sent with RemotePrefillDone, by request_id
 
     # ---- inbound ------------------------------------------------------------------
 
     def handle(self, msg) -> None:
         if isinstance(msg, RemotePrefillRequest):
+            self.timings[msg.request_id] = RequestTiming(prefill_received=time.time())
             self._connect(msg)
             self.pending_pair[msg.request_id] = msg
         elif isinstance(msg, AbortRequest):
             self.pending_pair.pop(msg.request_id, None)
+            self.timings.pop(msg.request_id, None)
             if self.core.abort(msg.request_id):
                 self.origin.pop(msg.request_id, None)
         elif isinstance(msg, RankReport):
@@ -113,6 +116,7 @@ class PrefillWorker(WorkerBase):
         self.pending_pair.clear()
         self.origin.clear()
         self.transfers.clear()
+        self.timings.clear()
         return len(origins)
 
     def _pieces(self, decode_layout: KVLayout | None) -> list[KVPiece]:
@@ -176,9 +180,11 @@ class PrefillWorker(WorkerBase):
         self.mailbox.put(origin.decode_addr, RemotePrefillDone(
             request_id=request_id, prefill_worker_id=self.worker_id, first_token_id=transfer.first_token,
             num_tokens=len(origin.prompt_token_ids), num_bytes=num_bytes, checksum=checksum,
-            first_logprob=transfer.first_logprob, pieces=sums, prompt_logprobs=transfer.prompt_logprobs))
+            first_logprob=transfer.first_logprob, pieces=sums, prompt_logprobs=transfer.prompt_logprobs,
+            timing=self.timings.pop(request_id, None)))
 
     def _fail(self, origin: RemotePrefillRequest, error: str) -> None:
+        self.timings.pop(origin.request_id, None)
         self.mailbox.put(origin.decode_addr, RemotePrefillDone(request_id=origin.request_id,
                                                                prefill_worker_id=self.worker_id, error=error))
 
@@ -207,6 +213,7 @@ class PrefillWorker(WorkerBase):
         scheduler_output = self.core.schedule()
         if not scheduler_output.scheduled:
             return False
+        started = time.time()
         sends = self._start_transfers(scheduler_output.scheduled)
         try:
             runner_output = self.core.execute(scheduler_output, kv_ops=KVStepOps(sends=sends) if sends else None)
@@ -221,6 +228,7 @@ class PrefillWorker(WorkerBase):
                 if origin is not None:  # its decode worker recomputes it (and fails it if that fails too)
                     self._fail(origin, f"the prefill forward pass failed: {type(e).__name__}: {e}")
             return True
+        stamp_prefill(self.timings, scheduler_output.scheduled, started, time.time())
         for plan in sends:
             transfer = self.transfers.get(plan.request_id)
             if transfer is None:

@@ -49,6 +49,7 @@ from pdserve.router.openai_protocol import (ChatCompletionRequest, CompletionReq
 from pdserve.router.registry import WorkerRegistry
 from pdserve.router.routing import make_policy
 from pdserve.router.serving import OpenAIServing
+from pdserve.router.tracing import RequestTracer
 
 logger = logging.getLogger(__name__)
 
@@ -93,17 +94,22 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
                           policy=make_policy(config.routing_policy, config.routing_prefix_blocks,
                                              config.routing_balance_factor),
                           on_route=metrics.observe_route)
-    serving = OpenAIServing(config, tokenizer, engine, metrics)
+    tracer = RequestTracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
+    serving = OpenAIServing(config, tokenizer, engine, metrics, tracer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
         print(f"pdserve router: workers push to {engine.address}; "
               f"HTTP on http://{config.host}:{config.port}", flush=True)
+        if tracer is not None:
+            logger.info("exporting one OpenTelemetry trace per request to %s", tracer.endpoint)
         try:
             yield
         finally:
             await engine.stop()
+            if tracer is not None:
+                tracer.shutdown()  # send the traces still queued
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     app.state.config = config

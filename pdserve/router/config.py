@@ -9,6 +9,7 @@ import os
 
 from pdserve.common.auth import API_KEY_ENV, CLUSTER_SECRET_ENV, from_env
 from pdserve.router.routing import ROUTING_POLICIES
+from pdserve.router.tracing import check_otel_installed
 
 # config.json keys that name the context length, in order of preference.
 _CONTEXT_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -81,6 +82,9 @@ class RouterConfig:
             ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; the workers need
             ``--enable-lora`` too. lora_modules: ``name=PATH`` adapters served from the start.
             max_lora_rank: adapters of a larger rank are refused (the workers' limit).
+        otlp_traces_endpoint: export one OpenTelemetry trace per request (a span per hop of its way
+            to the first token, ``pdserve.router.tracing``) over OTLP/HTTP protobuf to this URL, e.g.
+            ``http://127.0.0.1:4318/v1/traces`` (vLLM's flag). None: no traces. Needs the ``otel`` extra.
     """
 
     model: str
@@ -107,6 +111,7 @@ class RouterConfig:
     enable_lora: bool = False
     lora_modules: list[str] = dataclasses.field(default_factory=list)
     max_lora_rank: int = 16
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model):
@@ -150,6 +155,11 @@ class RouterConfig:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.otlp_traces_endpoint is not None:
+            if not self.otlp_traces_endpoint.startswith(("http://", "https://")):
+                raise ValueError(f"otlp_traces_endpoint must be an http(s) URL (OTLP/HTTP), e.g. "
+                                 f"http://127.0.0.1:4318/v1/traces; got {self.otlp_traces_endpoint!r}")
+            check_otel_installed()
         self.lora_modules = list(self.lora_modules or [])
         parse_lora_modules(self.lora_modules)  # a malformed entry fails here
         self.log_level = self.log_level.lower()
@@ -194,6 +204,7 @@ class RouterConfig:
                        help="admit only workers that know this secret (default: $PDSERVE_CLUSTER_SECRET)")
         add_routing_cli_args(parser)
         add_lora_cli_args(parser)
+        add_tracing_cli_args(parser)
         return parser
 
     @classmethod
@@ -264,3 +275,16 @@ def routing_args(args: argparse.Namespace) -> list[str]:
     return ["--routing-policy", args.routing_policy, "--routing-prefix-blocks", str(args.routing_prefix_blocks),
             "--routing-balance-factor", str(args.routing_balance_factor),
             "--local-prefill-margin-s", str(args.local_prefill_margin_s)]
+
+
+def add_tracing_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The router's tracing flag (``pdserve router`` and ``pdserve up``)."""
+    g = parser.add_argument_group("tracing")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export one OpenTelemetry trace per request (a span per hop to its first token) over "
+                        "OTLP/HTTP to this URL, e.g. http://127.0.0.1:4318/v1/traces (pip install 'pdserve[otel]')")
+
+
+def tracing_args(args: argparse.Namespace) -> list[str]:
+    """``add_tracing_cli_args``'s parsed flag as router command-line arguments (for launchers)."""
+    return ["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else []

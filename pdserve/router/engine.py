@@ -100,6 +100,7 @@ class RequestHandle:
     lora: LoRARequest | None = None  # its LoRA adapter (kept for a migration)
     prefill_site_id: str | None = None  # the worker prefilling its prompt (prefill or, locally, decode)
     prefill_site_tokens: int = 0  # its prompt tokens counted in that worker's prefill_pending_tokens
+    sent_at: float | None = None  # GenerateRequest handed to the send loop (time.time(); request hops)
 
     @property
     def worker_label(self) -> str:
@@ -247,6 +248,7 @@ class RouterEngine:
             prefill_worker_id=prefill_worker.worker_id if prefill_worker else None,
             prefill_addr=prefill_worker.input_addr if prefill_worker else None,
             prefill_layout=prefill_worker.kv_layout if prefill_worker else None, lora=lora))
+        handle.sent_at = time.time()
         return handle
 
     def finish(self, request_id: str) -> None:

@@ -19,8 +19,9 @@ From heartbeats, computed at scrape time by ``WorkerStatsCollector``:
               vllm:prompt_tokens, vllm:generation_tokens, vllm:spec_decode_num_drafts,
               vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens, pdserve:kv_transfers,
               pdserve:kv_transfer_bytes, pdserve:kv_transfer_seconds,
-              pdserve:kv_transfer_failures, pdserve:local_prefills
-              -- each worker's cumulative ``WorkerStats``
+              pdserve:kv_transfer_failures, pdserve:local_prefills, pdserve:decode_steps,
+              pdserve:decode_step_seconds (decode-only steps' forward + sampling time; their ratio is the
+              mean decode step) -- each worker's cumulative ``WorkerStats``
 
 From the router's own clock (``RouterMetrics``; ``worker`` = the request's
 decode worker, ``role="decode"``):
@@ -36,6 +37,10 @@ decode worker, ``role="decode"``):
                vllm:inter_token_latency_seconds (between a choice's deltas, usually one token),
                vllm:e2e_request_latency_seconds, vllm:request_prompt_tokens,
                vllm:request_generation_tokens (summed over choices)
+    histogram  pdserve:request_phase_seconds{phase}: each hop of a request's way to its first token
+               (router_queue, decode_admission, prefill_queue, prefill_compute, kv_transfer,
+               first_token_back; local prefills: decode_queue, local_prefill_compute), from the router's
+               and the workers' wall-clock stamps (``tracing.py``); a request's hops sum to its TTFT
 
 Times are taken when the HTTP handler reads a delta, so they are what the
 client sees, give or take the event loop.
@@ -54,6 +59,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.common.protocol import Heartbeat, WorkerRole, WorkerStats
 from pdserve.router.registry import WorkerRegistry
+from pdserve.router.tracing import Phase
 
 _WORKER_LABELS = ["model_name", "worker", "role"]
 
@@ -77,6 +83,9 @@ _WORKER_COUNTERS = (
     ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed."),
     ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
      "Draft tokens accepted by the target model."),
+    ("pdserve:decode_steps", "num_decode_steps", "Decode-only steps (every row past its prompt)."),
+    ("pdserve:decode_step_seconds", "decode_step_seconds",
+     "Seconds of forward + sampling in decode-only steps (divide by pdserve:decode_steps for the mean)."),
 )
 _STAT_FIELDS = WorkerStats.__struct_fields__
 
@@ -85,6 +94,9 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0)
+# Hops run from tens of microseconds (router_queue) to the whole TTFT (prefill_queue under load).
+_PHASE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                  5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -241,6 +253,10 @@ class RouterMetrics:
         self.routing_decisions = Counter(
             "pdserve:routing_decisions", "Workers picked for requests, by routing policy, role and decision.",
             ["model_name", "policy", "role", "decision"], registry=reg)
+        self.request_phase = Histogram(
+            "pdserve:request_phase_seconds", "Seconds of each hop of a request's way to its first token "
+            "(a request's hops sum to its TTFT; see docs/architecture.md, Tracing).",
+            ["model_name", "phase"], buckets=_PHASE_BUCKETS, registry=reg)
         token_buckets = _one_two_five_buckets(max_model_len)
         self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
                                        _WORKER_LABELS, buckets=token_buckets, registry=reg)
@@ -260,6 +276,11 @@ class RouterMetrics:
 
     def observe_first_token(self, decode_worker_id: str, seconds: float) -> None:
         self.ttft.labels(*self._labels(decode_worker_id)).observe(seconds)
+
+    def observe_phases(self, phases: list[Phase]) -> None:
+        """One request's hops to its first token (``tracing.request_phases``), in seconds."""
+        for phase in phases:
+            self.request_phase.labels(self.model_name, phase.name).observe(phase.seconds)
 
     def observe_inter_token(self, decode_worker_id: str, seconds: float) -> None:
         self.itl.labels(*self._labels(decode_worker_id)).observe(seconds)

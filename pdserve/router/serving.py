@@ -37,8 +37,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from pdserve.common.protocol import (FinishReason, LoRARequest, RequestDelta, SamplingParams, TokenLogprob,
-                                     WorkerRole)
+from pdserve.common.protocol import (FinishReason, LoRARequest, RequestDelta, RequestTiming, SamplingParams,
+                                     TokenLogprob, WorkerRole)
 from pdserve.common.validation import (EngineLimits, ValidationError, check_context_length, check_prompt_ids,
                                        check_request, prefill_sampling_params)
 from pdserve.router import preprocess
@@ -60,6 +60,7 @@ from pdserve.router.openai_protocol import (ChatCompletionChoice, ChatCompletion
                                             CompletionResponse, DeltaMessage, SamplingRequest,
                                             UsageInfo)
 from pdserve.router.outputs import ChoiceDelta, ChoiceOutput, MissingLogprobs
+from pdserve.router.tracing import Phase, RequestTracer, request_phases
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,13 @@ class _Run:
     failure: str | None = None  # finish reason of choices cut short: "abort" / "error"
     wants_prompt_logprobs: bool = False  # sampling_params.prompt_logprobs is set
     prompt_logprobs: list[TokenLogprob] | None = None  # entries of prompt tokens 1..N-1, from the first delta
+    # Where its time went (``tracing.py``): wall-clock (time.time()) arrival and first token, the workers'
+    # stamps from the first delta, the hops built from them, and the client's W3C traceparent header.
+    arrival_wall: float = 0.0
+    first_token_wall: float | None = None
+    timing: RequestTiming | None = None
+    phases: list[Phase] = dataclasses.field(default_factory=list)
+    traceparent: str | None = None
 
     @property
     def request_id(self) -> str:
@@ -118,8 +126,9 @@ def _sse(obj: BaseModel) -> str:
 
 class OpenAIServing:
     def __init__(self, config: RouterConfig, tokenizer, engine: RouterEngine,
-                 metrics: RouterMetrics):
+                 metrics: RouterMetrics, tracer: RequestTracer | None = None):
         self.config = config
+        self.tracer = tracer  # --otlp-traces-endpoint: one trace per finished request
         self.model_name = config.served_model_name
         self.tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
@@ -151,6 +160,7 @@ class OpenAIServing:
         if req.use_beam_search:
             return await serve_beam_search(self, req, prompt_ids, "cmpl", arrival, raw)
         run = await self._submit(req, prompt_ids, "cmpl", arrival)
+        run.traceparent = raw.headers.get("traceparent")
 
         def logprobs(tokens: list[TokenEntry], always: bool = False) -> CompletionLogprobs | None:
             if run.num_logprobs is None or not (tokens or always):
@@ -220,6 +230,7 @@ class OpenAIServing:
         if req.use_beam_search:
             return await serve_beam_search(self, req, prompt_ids, "chatcmpl", arrival, raw)
         run = await self._submit(req, prompt_ids, "chatcmpl", arrival)
+        run.traceparent = raw.headers.get("traceparent")
 
         def logprobs(tokens: list[TokenEntry], always: bool = False) -> ChatLogprobs | None:
             if run.num_logprobs is None or not (tokens or always):
@@ -287,7 +298,8 @@ class OpenAIServing:
         logger.debug("request %s: %d prompt tokens, n=%d, max_tokens=%d -> decode worker %s",
                      request_id, len(prompt_ids), params.n, params.max_tokens, handle.decode_worker_id)
         return _Run(f"{id_prefix}-{request_id}", handle, choices, len(prompt_ids), params.logprobs,
-                    arrival, wants_prompt_logprobs=params.prompt_logprobs is not None)
+                    arrival, wants_prompt_logprobs=params.prompt_logprobs is not None,
+                    arrival_wall=time.time() - (time.monotonic() - arrival))
 
     def _admit(self, num_prompt_tokens: int) -> None:
         """Bounded admission: 503 with ``Retry-After`` at once when the waiting queue is full.
@@ -402,6 +414,8 @@ class OpenAIServing:
                 raise self._worker_error(run, item.error or "aborted", status)
             if item.prompt_logprobs is not None and run.prompt_logprobs is None:
                 run.prompt_logprobs = item.prompt_logprobs
+            if item.timing is not None and run.timing is None:
+                run.timing = item.timing
             choice = run.choices[item.index]  # the engine checked the index
             if choice.finished:
                 continue  # stopped by a stop string; the worker goes on until all choices end
@@ -428,8 +442,11 @@ class OpenAIServing:
             return
         now, worker_id = time.monotonic(), run.handle.worker_label
         if run.first_token_at is None:
-            run.first_token_at = now
+            run.first_token_at, run.first_token_wall = now, time.time()
             self.metrics.observe_first_token(worker_id, now - run.arrival)
+            if run.handle.num_migrations == 0 and run.handle.sent_at is not None:
+                run.phases = request_phases(run.arrival_wall, run.handle.sent_at, run.timing, run.first_token_wall)
+                self.metrics.observe_phases(run.phases)
         last = run.last_delta_at.get(delta.index)
         if last is not None:
             self.metrics.observe_inter_token(worker_id, now - last)
@@ -439,9 +456,31 @@ class OpenAIServing:
         """The handler is done with the request: abort it at the worker (no-op if finished
         there) and record its end; choices cut short count as ``run.failure`` or abort."""
         self.engine.abort(run.request_id)
+        finish_reasons = [c.finish_reason or run.failure or "abort" for c in run.choices]
         self.metrics.observe_request(
             run.handle.worker_label, time.monotonic() - run.arrival, run.num_prompt_tokens,
-            run.num_output_tokens, [c.finish_reason or run.failure or "abort" for c in run.choices])
+            run.num_output_tokens, finish_reasons)
+        if self.tracer is not None:
+            self._export_trace(run, finish_reasons)
+
+    def _export_trace(self, run: _Run, finish_reasons: list[str]) -> None:
+        """Hand the finished request's trace to the exporter (``tracing.RequestTracer``); never raises."""
+        handle, timing = run.handle, run.timing  # the workers' stamps become events of the request span
+        try:
+            self.tracer.export(
+                run.request_id, run.arrival_wall, time.time(), run.phases, first_token=run.first_token_wall,
+                attributes={"gen_ai.response.model": self.model_name,
+                            "gen_ai.usage.prompt_tokens": run.num_prompt_tokens,
+                            "gen_ai.usage.completion_tokens": run.num_output_tokens,
+                            "gen_ai.request.n": len(run.choices),
+                            "gen_ai.response.finish_reasons": finish_reasons,
+                            "pdserve.decode_worker": handle.worker_label,
+                            "pdserve.prefill_worker": handle.prefill_worker_id,
+                            "pdserve.num_migrations": handle.num_migrations},
+                events=msgspec.structs.asdict(timing) if timing is not None else None,
+                error=run.failure if run.failure == "error" else None, traceparent=run.traceparent)
+        except Exception:  # noqa: BLE001  tracing must never fail a request
+            logger.exception("request %s: building its trace failed", run.request_id)
 
     async def _collect(self, run: _Run, raw: Request) -> bool:
         """Run a non-stream request to the end; False if the client left first."""
