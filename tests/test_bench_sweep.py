@@ -50,11 +50,10 @@ def test_goodput_is_the_highest_rate_whose_attainment_and_every_lower_ones_pass(
     assert goodput(list(reversed(points)), L_LOOSE) == 1  # order of the points does not matter
 
 
-def test_saturation_is_low_attainment_everywhere_or_a_growing_queue():
+def test_saturation_is_low_attainment_for_every_slo_set():
     assert not past_saturation(_point(2, 0.6, 0.1))
     assert past_saturation(_point(2, 0.4, 0.1))
-    assert past_saturation(_point(2, 0.95, 0.9, throughput=1.5))  # 1.5 of 2 req/s completed: falling behind
-    assert not past_saturation(_point(2, 0.95, 0.9, throughput=1.7))
+    assert not past_saturation(_point(2, 0.95, 0.9, throughput=1.2))  # a short run's drain lowers completed req/s
 
 
 def test_run_sweep_warms_up_uses_fresh_seeds_and_stops_past_saturation():
@@ -64,7 +63,7 @@ def test_run_sweep_warms_up_uses_fresh_seeds_and_stops_past_saturation():
         def __init__(self, rate, n):
             good = rate < 3  # a server that saturates at 3 req/s
             self.outputs = [_out(0.5 if good else 9.0, 0.04) for _ in range(n)]
-            self.metrics = {"request_throughput": rate if good else rate / 2, "p50_ttft_ms": 1.0, "p50_tpot_ms": 1.0}
+            self.metrics = {"request_throughput": rate, "p50_ttft_ms": 1.0, "p50_tpot_ms": 1.0}
 
     def run_at(rate, n, seed):
         calls.append((rate, n, seed))
