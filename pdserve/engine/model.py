@@ -300,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
             parts = [F.linear(padded, weight[i:i + LOGITS_CHUNK]) for i in range(0, weight.shape[0], LOGITS_CHUNK)]
             return torch.cat(parts, dim=1)[: x.shape[0]].float()
         if decode_linear.kernel_applies(x, weight):  # decode rows: the head streamed once (pdserve.engine.decode_linear)
-            return decode_linear.decode_linear_kernel(x, weight)
+            return decode_linear.decode_linear_kernel(x, weight).float()
         if x.device.type == "cpu" and x.shape[0] >= 4 and weight.shape[0] > 2 * LOGITS_CHUNK:
             parts = [F.linear(x, weight[i:i + LOGITS_CHUNK]) for i in range(0, weight.shape[0], LOGITS_CHUNK)]
             return torch.cat(parts, dim=1).float()
