@@ -80,10 +80,11 @@ def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
     return target
 
 
-def _load(name: str, argtypes: list, what: str, fallback: str, function: str | None = None) -> ctypes.CDLL | None:
-    """Library ``name`` (built from ``name``.cpp; its C function ``function``, default
-    ``pdserve_<name>``, returns an int and takes ``argtypes``), or None where it cannot be built here
-    (logged once: ``what`` could not be built, ``fallback`` runs instead)."""
+def _load(name: str, argtypes: list, what: str, fallback: str,
+          functions: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
+    """Library ``name`` (built from ``name``.cpp; its C functions ``functions``, default
+    ``(pdserve_<name>,)``, each return an int and take ``argtypes``), or None where it cannot be
+    built here (logged once: ``what`` could not be built, ``fallback`` runs instead)."""
     with _lock:
         if name in _loaded:
             return _loaded[name]
@@ -96,9 +97,10 @@ def _load(name: str, argtypes: list, what: str, fallback: str, function: str | N
         else:
             try:
                 lib = ctypes.CDLL(str(_build(_KERNEL_DIR / f"{name}.cpp", compiler)))
-                fn = getattr(lib, function or f"pdserve_{name}")
-                fn.restype = ctypes.c_int
-                fn.argtypes = argtypes
+                for function in functions or (f"pdserve_{name}",):
+                    fn = getattr(lib, function)
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = argtypes
             except (OSError, subprocess.SubprocessError, AttributeError) as e:
                 detail = getattr(e, "stderr", "") or ""
                 logger.warning("could not build the %s kernel (%s%s): %s", what, e,
@@ -130,9 +132,5 @@ def load_decode_linear() -> ctypes.CDLL | None:
     """The compiled few-row linear library (``decode_linear.cpp``: ``pdserve_f32_linear`` and
     ``pdserve_bf16_linear``), or None where it cannot be built here (logged once; decode matmuls then
     use torch's GEMM)."""
-    lib = _load("decode_linear", [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int], "decode linear",
-                "decode matmuls run through torch's GEMM", function="pdserve_f32_linear")
-    if lib is not None:
-        lib.pdserve_bf16_linear.restype = ctypes.c_int
-        lib.pdserve_bf16_linear.argtypes = [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int]
-    return lib
+    return _load("decode_linear", [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int], "decode linear",
+                 "decode matmuls run through torch's GEMM", functions=("pdserve_f32_linear", "pdserve_bf16_linear"))

@@ -69,18 +69,6 @@ inline void tile(float* out, const float* x, const float* w, int64_t m0, int64_t
     for (int c = 0; c < C; ++c) out[(m0 + r) * N + n0 + c] = hsum(acc[r][c]);
 }
 
-// Rows m0 .. m0 + R of x against output features n0 .. n1: C weight rows per tile (fewer rows of x
-// leave registers for more weight rows), then one at a time for the remainder.
-template <int R>
-void row_tile(float* out, const float* x, const float* w, int64_t m0, int64_t n0, int64_t n1, int64_t N,
-              int64_t K) {
-  constexpr int C = R <= 2 ? 8 : (R <= 4 ? 6 : 3);
-  int64_t n = n0;
-  for (; n + C <= n1; n += C) tile<R, C>(out, x, w, m0, n, N, K);
-  for (; n < n1; ++n) tile<R, 1>(out, x, w, m0, n, N, K);
-}
-
-
 // ---- bfloat16 ------------------------------------------------------------------------------
 
 inline uint16_t to_bf16(float f) {  // round to nearest even (NaN kept quiet)
@@ -93,7 +81,7 @@ inline uint16_t to_bf16(float f) {  // round to nearest even (NaN kept quiet)
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // out[m0 .. m0 + R, n0 .. n0 + C]: 32 bfloat16 pairs per instruction into 16 float32 lanes.
 template <int R, int C>
-inline void tile_bf16(uint16_t* out, const uint16_t* x, const uint16_t* w, int64_t m0, int64_t n0, int64_t N,
+inline void tile(uint16_t* out, const uint16_t* x, const uint16_t* w, int64_t m0, int64_t n0, int64_t N,
                       int64_t K) {
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -125,7 +113,7 @@ inline v16 widen_bf16(const uint16_t* p) {  // 16 bfloat16 -> 16 float32
 }
 
 template <int R, int C>
-inline void tile_bf16(uint16_t* out, const uint16_t* x, const uint16_t* w, int64_t m0, int64_t n0, int64_t N,
+inline void tile(uint16_t* out, const uint16_t* x, const uint16_t* w, int64_t m0, int64_t n0, int64_t N,
                       int64_t K) {
   v16 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -143,22 +131,24 @@ inline void tile_bf16(uint16_t* out, const uint16_t* x, const uint16_t* w, int64
 }
 #endif
 
-template <int R>
-void row_tile_bf16(uint16_t* out, const uint16_t* x, const uint16_t* w, int64_t m0, int64_t n0, int64_t n1,
-                   int64_t N, int64_t K) {
+// Rows m0 .. m0 + R of x against output features n0 .. n1 (T: float, or uint16_t holding bfloat16): C
+// weight rows per tile (fewer rows of x leave registers for more weight rows), then one at a time.
+template <int R, typename T>
+void row_tile(T* out, const T* x, const T* w, int64_t m0, int64_t n0, int64_t n1, int64_t N, int64_t K) {
   constexpr int C = R <= 2 ? 8 : (R <= 4 ? 6 : 3);
   int64_t n = n0;
-  for (; n + C <= n1; n += C) tile_bf16<R, C>(out, x, w, m0, n, N, K);
-  for (; n < n1; ++n) tile_bf16<R, 1>(out, x, w, m0, n, N, K);
+  for (; n + C <= n1; n += C) tile<R, C>(out, x, w, m0, n, N, K);
+  for (; n < n1; ++n) tile<R, 1>(out, x, w, m0, n, N, K);
 }
 
 constexpr int64_t NB = 48;  // output features per thread work item (a multiple of 6 and 8)
 
-}  // namespace
-
-extern "C" int pdserve_f32_linear(float* out, const float* x, const float* weight, int64_t M, int64_t N,
-                                  int64_t K, int num_threads) {
-  if (K % 16 != 0 || M < 0 || N < 0) return 1;
+// y = x W^T for every row of x: threads take blocks of NB output features; inside a block, x's rows go
+// in tiles of 8, then 4, then the 1-3 left.
+template <typename T>
+int linear(T* out, const T* x, const T* weight, int64_t M, int64_t N, int64_t K, int64_t k_multiple,
+           int num_threads) {
+  if (K % k_multiple != 0 || M < 0 || N < 0) return 1;
   const int64_t num_blocks = (N + NB - 1) / NB;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -176,22 +166,14 @@ extern "C" int pdserve_f32_linear(float* out, const float* x, const float* weigh
   return 0;
 }
 
+}  // namespace
+
+extern "C" int pdserve_f32_linear(float* out, const float* x, const float* weight, int64_t M, int64_t N,
+                                  int64_t K, int num_threads) {
+  return linear(out, x, weight, M, N, K, 16, num_threads);
+}
+
 extern "C" int pdserve_bf16_linear(uint16_t* out, const uint16_t* x, const uint16_t* weight, int64_t M, int64_t N,
                                    int64_t K, int num_threads) {
-  if (K % 32 != 0 || M < 0 || N < 0) return 1;
-  const int64_t num_blocks = (N + NB - 1) / NB;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const int64_t n0 = b * NB, n1 = n0 + NB < N ? n0 + NB : N;
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) row_tile_bf16<8>(out, x, weight, m, n0, n1, N, K);
-    for (; m + 4 <= M; m += 4) row_tile_bf16<4>(out, x, weight, m, n0, n1, N, K);
-    switch (M - m) {
-      case 1: row_tile_bf16<1>(out, x, weight, m, n0, n1, N, K); break;
-      case 2: row_tile_bf16<2>(out, x, weight, m, n0, n1, N, K); break;
-      case 3: row_tile_bf16<3>(out, x, weight, m, n0, n1, N, K); break;
-      default: break;
-    }
-  }
-  return 0;
+  return linear(out, x, weight, M, N, K, 32, num_threads);
 }
