@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from pdserve.bench.metrics import meets_slos, parse_goodput
+from pdserve.bench.metrics import parse_goodput, slo_attainment
 
 ATTAINMENT_TARGET = 0.9  # DistServe's: goodput is the highest rate at which 90% of requests meet the SLOs
 SATURATION_ATTAINMENT = 0.5  # a rate where every SLO set is met by fewer than half the requests is past saturation
@@ -62,8 +62,7 @@ class SweepPoint:
 
 def attainment_of(outputs, slo_sets: Sequence[dict[str, float]]) -> dict[str, float]:
     """Each SLO set's attainment over ``outputs`` (``RequestOutput``s; failures are misses)."""
-    n = max(1, len(outputs))
-    return {slo_label(slos): sum(o.success and meets_slos(o, slos) for o in outputs) / n for slos in slo_sets}
+    return {slo_label(slos): slo_attainment(outputs, slos) or 0.0 for slos in slo_sets}
 
 
 def past_saturation(point: SweepPoint) -> bool:
