@@ -212,7 +212,7 @@ class FakeDecodeWorker:
     ``sampling_params.logprobs`` set, each token carries ``fake_logprob``."""
 
     def __init__(self, router_addr, worker_id="fake-d0", num_blocks=1000, block_size=16, max_model_len=0,
-                 vocab_size=None):
+                 vocab_size=None, script=()):
         self.ctx = zmq.Context()
         self.pull, self.addr = bind_pull(self.ctx, "127.0.0.1")
         self.push = self.ctx.socket(zmq.PUSH)
@@ -222,7 +222,7 @@ class FakeDecodeWorker:
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
         self.loop_stall_s = 0.0  # what heartbeats report about the (fake) step loop
         self.error: tuple[str, ErrorKind | None] | None = None  # answer every request with this error
-        self.script: list[int] = []
+        self.script: list[int] = list(script)  # set before the thread starts: a request may come at once
         self.scripts: dict[int, list[int]] = {}
         self.finish_reason: FinishReason | None = FinishReason.LENGTH
         self.delay_s = 0.0
@@ -884,9 +884,10 @@ def test_request_waits_for_a_decode_worker_to_register(model_dir, tok):
         addr = client.get("/info").json()["zmq_address"]
         workers = []
 
-        def join():
-            workers.append(FakeDecodeWorker(addr))
-            workers[0].script = tok.encode(" one two")
+        script = tok.encode(" one two")
+
+        def join():  # the request is already waiting: the worker must know its script when it registers
+            workers.append(FakeDecodeWorker(addr, script=script))
 
         timer = threading.Timer(0.5, join)
         timer.start()
