@@ -139,6 +139,20 @@ def test_checksum_equal_bytes_and_sensitivity(dtype):
     assert kv_checksum(a[:, :5]) != kv_checksum(a)  # truncation
 
 
+def test_checksum_rows_tails_and_offsets():
+    data = torch.randint(0, 256, (4096 + 100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED))
+    base = kv_checksum(data)
+    assert kv_checksum(data[1:]) == kv_checksum(data[1:].clone())  # a view at an odd byte offset
+    moved = data.clone()
+    moved[:256], moved[256:512] = data[256:512].clone(), data[:256].clone()  # two 256-byte rows swapped
+    assert kv_checksum(moved) != base
+    tail = data.clone()
+    tail[-50:] = 0  # the partial last row: a cut that left other bytes behind
+    assert kv_checksum(tail) != base
+    assert kv_checksum(data[:-1]) != base
+    assert kv_checksum(torch.empty(0)) == kv_checksum(torch.empty(0, dtype=torch.uint8))
+
+
 def test_checksum_fold_is_order_sensitive():
     x, y = torch.randn(100), torch.randn(100)
     cs = KVChecksum()
