@@ -21,6 +21,7 @@ from pdserve.kvtransfer.checksum import KVChecksum, combine_checksums, kv_checks
 from pdserve.kvtransfer.pair import PairStoreServer, transfer_backend
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
+from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import dtype_from_name, dtype_name
 
 CTX = mp.get_context("spawn")
@@ -63,12 +64,15 @@ def stop(*procs) -> None:
 
 
 def decode_main(ctrl, out, timeout_s: float) -> None:
-    """A decode worker: DecodePairs driven by (cmd, arg) messages on ``ctrl``."""
+    """A decode worker: DecodePairs driven by (cmd, arg) messages on ``ctrl``. Each received staging
+    tensor is handed back once read, as the decode worker's install does, so later requests land in
+    reused buffers."""
 
     def on_received(r):
         if isinstance(r, ReceivedKV):
             out.put(("received", r.request_id, as_bytes(r.kv), list(r.kv.shape), str(r.kv.dtype),
                      r.num_bytes, r.checksum))
+            pairs.release(r.kv)
         else:
             out.put(("failed", r.request_id, r.reason))
 
@@ -82,6 +86,8 @@ def decode_main(ctrl, out, timeout_s: float) -> None:
             pairs.submit(msgspec.msgpack.decode(arg, type=KVTransferHeader))
         elif cmd == "die":
             os._exit(1)
+        elif cmd == "num_allocated":
+            out.put(("num_allocated", pairs.staging.num_allocated))
         else:
             break
     pairs.close()
@@ -118,6 +124,7 @@ def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: st
             completer.submit(out_kv)
     for _ in range(sum(len(b) for b in plan)):
         out.put(("done",) + done.get(timeout=timeout_s + 5))
+    out.put(("staging", pairs.staging.num_allocated, pairs.staging.num_lent))
     completer.close()
     pairs.close()
 
@@ -164,6 +171,40 @@ def test_checksum_fold_is_order_sensitive():
     assert 0 <= cs.value < 2**63
 
 
+# -- staging pool ------------------------------------------------------------
+
+
+def test_staging_pool_reuses_returned_buffers_only():
+    pool = StagingPool()
+    a = pool.take((2, 3, 4, 8), torch.float32, "cpu")
+    b = pool.take((2, 3, 4, 8), torch.float32, "cpu")
+    assert a.shape == (2, 3, 4, 8) and a.dtype == torch.float32 and a.is_contiguous()
+    assert a.data_ptr() != b.data_ptr()  # both lent at once: never the same memory
+    a.fill_(1.0)
+    for foreign in (torch.zeros(2, 3, 4, 8), a[0], a.view(-1)):  # not what take returned: ignored
+        pool.give(foreign)
+    assert pool.free_bytes == 0 and pool.num_lent == 2
+    pool.give(a)
+    pool.give(a)  # twice: ignored
+    assert pool.num_lent == 1
+    c = pool.take((100,), torch.uint8, "cpu")  # smaller, other dtype: a's buffer
+    assert c.data_ptr() == a.data_ptr() and pool.num_allocated == 2
+    d = pool.take((2, 3, 4, 8), torch.float32, "cpu")  # a's buffer is lent again: a new one
+    assert d.data_ptr() not in (b.data_ptr(), c.data_ptr()) and pool.num_allocated == 3
+
+
+def test_staging_pool_bounds_idle_bytes_and_forgets_unreturned_buffers():
+    pool = StagingPool(max_free_bytes=3 << 20)
+    lent = [pool.take((n << 20,), torch.uint8, "cpu") for n in (1, 2, 2)]
+    for t in lent:
+        pool.give(t)
+    assert pool.free_bytes == 2 << 20  # 5 MiB idle > 3: the smallest went first (1 MiB, then 2 MiB)
+    lost = pool.take((1 << 20,), torch.uint8, "cpu")  # the idle 2 MiB buffer
+    assert pool.free_bytes == 0 and pool.num_lent == 1
+    del lost  # never given back (a failed transfer): the pool kept no reference, so it is freed
+    assert pool.num_lent == 0 and pool.free_bytes == 0
+
+
 def test_transfer_backend():
     assert transfer_backend("cpu") == "gloo"
     assert transfer_backend(torch.device("cuda", 1)) == "nccl"
@@ -181,6 +222,8 @@ def test_checksum_same_on_cuda():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_end_to_end_layer_by_layer(dtype):
+    """Requests interleaved layer by layer arrive whole and checked, in staging buffers the pools
+    reuse (sender and receiver)."""
     ctrl, out_d, out_p = CTX.Queue(), CTX.Queue(), CTX.Queue()
     d = CTX.Process(target=decode_main, args=(ctrl, out_d, 10.0), daemon=True)
     d.start()
@@ -213,6 +256,11 @@ def test_end_to_end_layer_by_layer(dtype):
             for layer in expected:
                 reference.update(layer)
             assert checksum == reference.value
+        # P: r0 and r1 are gathered at once, r2 (5 blocks) fits in neither; every buffer came back
+        assert out_p.get(timeout=5) == ("staging", 3, 0)
+        # D: r1 (2 blocks) lands in r0's returned buffer (3 blocks); r2 needs a new one
+        ctrl.put(("num_allocated", None))
+        assert out_d.get(timeout=5) == ("num_allocated", 2)
     finally:
         ctrl.put(("stop", None))
         stop(*procs)

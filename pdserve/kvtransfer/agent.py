@@ -280,8 +280,11 @@ class KVRankAgent:
         with self._lock:
             header = self._headers.pop((result.request_id, result.source), None)
             dropped = result.request_id in self._dropped
-            if isinstance(result, ReceivedKV) and header is not None and not dropped:
+            staged = isinstance(result, ReceivedKV) and header is not None and not dropped
+            if staged:
                 self._staged.setdefault(result.request_id, []).append((header, result.kv))
+        if isinstance(result, ReceivedKV) and not staged:
+            self.decode_pairs.release(result.kv)
         peer, generation = result.source, header.pair_generation if header is not None else -1
         if isinstance(result, ReceivedKV) and header is None:  # never staged: must not count as arrived
             result = TransferFailed(result.request_id, f"KV piece from {peer} arrived without its header", peer)
@@ -301,14 +304,17 @@ class KVRankAgent:
             l0 = header.first_layer - self.slice.layer_start
             h0 = header.first_kv_head - self.slice.head_start
             self.kv_cache[l0:l0 + header.num_layers, :, index, :, h0:h0 + header.num_kv_heads] = kv.to(self.device)
+            self.decode_pairs.release(kv)  # copied (CPU: synchronously; CUDA staging is not pooled)
 
     def drop(self, request_id: str) -> None:
         """Forget ``request_id``'s pieces, including ones still on their way."""
         with self._lock:
-            self._staged.pop(request_id, None)
+            staged = self._staged.pop(request_id, [])
             self._dropped[request_id] = None
             if len(self._dropped) > _MAX_DROPPED:
                 self._dropped.pop(next(iter(self._dropped)))
+        for _, kv in staged:
+            self.decode_pairs.release(kv)
 
     # ---- both ------------------------------------------------------------------------------------
 
