@@ -94,8 +94,10 @@ def decode_main(ctrl, out, timeout_s: float) -> None:
 
 
 def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: str, timeout_s: float,
-                 die_at_layer: int | None = None, bad_header: str | None = None) -> None:
-    """A prefill worker: pairs with D, sends ``plan``'s requests, reports on_done results."""
+                 die_at_layer: int | None = None, bad_header: str | None = None, early_meta: bool = False) -> None:
+    """A prefill worker: pairs with D, sends ``plan``'s requests, reports on_done results.
+    ``early_meta``: every request's meta goes out (``OutgoingKV.start``) before any of its batch's
+    layers, as the agent does before a forward."""
     dtype_t = dtype_from_name(dtype)
     pairs = PrefillPairs("P", "cpu", timeout_s)
     pairs.request_pair("D", HOST, store_port, generation)
@@ -114,6 +116,8 @@ def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: st
             header = make_header(rid, block_ids, generation, dtype_t, num_blocks=n)
             headers.put(("header", msgspec.msgpack.encode(header)))
             outgoing.append((OutgoingKV(pair, rid, NUM_LAYERS), block_ids))
+            if early_meta:
+                outgoing[-1][0].start(cache[0], block_ids)
         for layer in range(NUM_LAYERS):
             if layer == die_at_layer:
                 time.sleep(0.3)  # let D take the first layers
@@ -220,10 +224,10 @@ def test_checksum_same_on_cuda():
 # -- end to end ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_end_to_end_layer_by_layer(dtype):
+@pytest.mark.parametrize("dtype,early_meta", [(torch.float32, False), (torch.bfloat16, True)])
+def test_end_to_end_layer_by_layer(dtype, early_meta):
     """Requests interleaved layer by layer arrive whole and checked, in staging buffers the pools
-    reuse (sender and receiver)."""
+    reuse (sender and receiver); with ``early_meta`` every meta of a batch goes out before its layers."""
     ctrl, out_d, out_p = CTX.Queue(), CTX.Queue(), CTX.Queue()
     d = CTX.Process(target=decode_main, args=(ctrl, out_d, 10.0), daemon=True)
     d.start()
@@ -233,8 +237,8 @@ def test_end_to_end_layer_by_layer(dtype):
         ctrl.put(("generation", "P"))
         _, generation = out_d.get(timeout=5)
         t0 = time.monotonic()
-        p = CTX.Process(target=prefill_main, args=(port, generation, ctrl, out_p, PLAN, dtype_name(dtype), 10.0),
-                        daemon=True)
+        p = CTX.Process(target=prefill_main, args=(port, generation, ctrl, out_p, PLAN, dtype_name(dtype), 10.0,
+                                                   None, None, early_meta), daemon=True)
         p.start()
         procs.append(p)
         requests = [r for batch in PLAN for r in batch]

@@ -5,6 +5,7 @@ Step loop usage (one ``OutgoingKV`` per request)::
     pair = pairs.get(decode_worker_id, generation)        # after pairs.request_pair(...)
     mailbox.put(KVTransferHeader(...))                     # header first, in stream order
     out = OutgoingKV(pair, request_id, num_layers)         # create in the same order as the headers
+    out.start(kv_cache[0], block_ids)                      # optional: the meta goes out before the forward
     for each layer i (after the model wrote layer i's K/V):
         out.send_layer(i, kv_cache[i], block_ids)          # gather + async send; never waits
     completer.submit(out)                                  # on_done(...) later, on a kvtransfer thread
@@ -68,6 +69,29 @@ class OutgoingKV:
         self._error = self._error or reason
         self._issued.set()
 
+    def start(self, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
+        """Take the staging buffer and put the stream's meta on the wire now, before layer 0 exists.
+
+        The decode side checks the meta and posts its layer receives while the forward computes
+        layer 0, so the first layer flows as soon as it is sent. Optional (``send_layer(0)`` does it
+        otherwise) and idempotent. ``kv_layer``: any layer of P's cache in the shape ``send_layer``
+        takes (only its shape, dtype and device are read); ``block_ids``: the blocks every layer
+        sends. Misuse (a bad shape, a dtype the meta cannot name) raises KVTransferError.
+        """
+        if self._staging is not None or self._error is not None:
+            return
+        if kv_layer.dim() != 5 or kv_layer.shape[0] != 2:
+            raise KVTransferError(f"request {self.request_id}: kv_layer must be [2, num_blocks, block_size, H, D], "
+                                  f"got {list(kv_layer.shape)}")
+        shape = (self.num_layers, 2, len(block_ids), *kv_layer.shape[2:])
+        staging = self.pair.staging.take(shape, kv_layer.dtype, kv_layer.device)
+        meta = wire.make_meta(self.request_id, self.num_layers, staging[0], self.kv_dtype)
+        self._index = torch.tensor(block_ids, dtype=torch.int64, device=kv_layer.device)
+        self._staging = staging
+        fault = faults.kv_send_fault(self.request_id)
+        if fault is None or fault["mode"] != "never":
+            self.pair._enqueue(self, [meta], last=False)
+
     def send_layer(self, layer_idx: int, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
         """Gather ``kv_layer[:, block_ids]`` and start sending it; returns without waiting.
 
@@ -75,7 +99,7 @@ class OutgoingKV:
         (any strides: a TP piece's head range is a view). The blocks are gathered into this request's
         staging buffer (one contiguous [2, len(block_ids), block_size, num_kv_heads, head_dim] per layer),
         which is what goes on the wire; it is checksummed there once its send is issued, still in cache.
-        The ``block_ids`` of layer 0 hold for every layer. A failed pair is not raised
+        The ``block_ids`` of ``start`` (or of layer 0) hold for every layer. A failed pair is not raised
         here (``wait`` reports it); misuse (layer order, shape change) raises KVTransferError.
         """
         if layer_idx != self._next_layer:
@@ -85,22 +109,16 @@ class OutgoingKV:
             raise KVTransferError(f"request {self.request_id}: kv_layer must be [2, num_blocks, block_size, H, D], "
                                   f"got {list(kv_layer.shape)}")
         self._next_layer += 1
+        self.start(kv_layer, block_ids)
         if self._error is not None:
             return
-        tensors = []
-        if self._staging is None:
-            shape = (self.num_layers, 2, len(block_ids), *kv_layer.shape[2:])
-            staging = self.pair.staging.take(shape, kv_layer.dtype, kv_layer.device)
-            tensors.append(wire.make_meta(self.request_id, self.num_layers, staging[0], self.kv_dtype))
-            self._index = torch.tensor(block_ids, dtype=torch.int64, device=kv_layer.device)
-            self._staging = staging
         staged = self._staging[layer_idx]  # [2, num_blocks, block_size, H, D], contiguous
         if kv_layer.shape[2:] != staged.shape[2:] or kv_layer.dtype != staged.dtype:
             raise KVTransferError(f"request {self.request_id}: layer {layer_idx} is {list(kv_layer.shape[2:])} "
                                   f"{kv_layer.dtype} per block, layer 0 was {list(staged.shape[2:])} {staged.dtype}")
         torch.index_select(kv_layer, 1, self._index, out=staged)
         self.num_bytes += staged.nbytes
-        tensors.append(staged)
+        tensors = [staged]
         if (fault := faults.kv_send_fault(self.request_id)) is None or self._inject(fault, layer_idx, tensors):
             self.pair._enqueue(self, tensors, last=layer_idx == self.num_layers - 1)
         self._checksum.update(staged)  # while the send is under way, and staged still in cache
