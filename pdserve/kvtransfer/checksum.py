@@ -58,24 +58,32 @@ def _row_sums(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([row_sums, tail.view(torch.int64).sum().view(1)])
 
 
-def _sums(t: torch.Tensor) -> torch.Tensor:
-    """``[s1, s2]`` int64 on ``t.device`` (no host sync); see the module doc."""
+def _weights(num_rows: int, device: torch.device) -> torch.Tensor:
+    """[R] int64: row k's weight in ``s2``, R - k."""
+    return torch.arange(num_rows, 0, -1, dtype=torch.int64, device=device)
+
+
+def _word_sums(t: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``[sum_k r_k, s2]`` int64 on ``t.device`` (no host sync): ``s1`` less ``num_bytes``, and ``s2``.
+    ``weights``: ``_weights(R)`` if the caller keeps them (a request's layers share one R)."""
     row_sums = _row_sums(t)  # [R]
-    weights = torch.arange(row_sums.numel(), 0, -1, dtype=torch.int64, device=t.device)  # row k: R - k
+    if weights is None or weights.numel() != row_sums.numel():
+        weights = _weights(row_sums.numel(), row_sums.device)
     if t.device.type == "cpu":  # int64 dot: no temporary (a fresh MiB-sized one costs page faults)
         s2 = torch.dot(row_sums, weights)
-    else:  # CUDA has no integer dot; its caching allocator makes the temporary cheap
+    else:  # torch's CUDA dot takes floating-point types only; the caching allocator makes this cheap
         s2 = (row_sums * weights).sum()
-    return torch.stack([row_sums.sum() + t.numel() * t.element_size(), s2])
+    return torch.stack([row_sums.sum(), s2])
 
 
-def _to_int(s1: int, s2: int) -> int:
-    return ((s2 & _U64) % _Q * _MIX + (s1 & _U64)) % _Q
+def _to_int(words: int, s2: int, num_bytes: int) -> int:
+    """The checksum from ``_word_sums`` (as Python ints) and the byte count."""
+    return ((s2 & _U64) % _Q * _MIX + ((words + num_bytes) & _U64)) % _Q
 
 
 def kv_checksum(t: torch.Tensor) -> int:
     """Checksum of ``t``'s bytes (any shape, dtype and device): an int in [0, 2**61 - 1); see the module doc."""
-    return _to_int(*_sums(t).tolist())
+    return _to_int(*_word_sums(t).tolist(), t.numel() * t.element_size())
 
 
 def combine_checksums(a: int, b: int) -> int:
@@ -91,17 +99,24 @@ class KVChecksum:
     """
 
     def __init__(self) -> None:
-        self._parts: list[torch.Tensor] = []  # [2] int64 per tensor
+        self._parts: list[tuple[torch.Tensor, int]] = []  # (_word_sums [2], num_bytes) per tensor
+        self._weights: torch.Tensor | None = None  # [R] of the last part (a request's layers share R)
         self.num_bytes = 0
 
     def update(self, t: torch.Tensor) -> None:
-        self._parts.append(_sums(t))
-        self.num_bytes += t.numel() * t.element_size()
+        num_bytes = t.numel() * t.element_size()
+        num_rows = -(-num_bytes // _ROW_BYTES)
+        weights = self._weights
+        if weights is None or weights.numel() != num_rows or weights.device != t.device:
+            weights = self._weights = _weights(num_rows, t.device)
+        self._parts.append((_word_sums(t, weights), num_bytes))
+        self.num_bytes += num_bytes
 
     @property
     def value(self) -> int:
         folded = 0
         if self._parts:
-            for s1, s2 in torch.stack(self._parts).tolist():
-                folded = combine_checksums(folded, _to_int(s1, s2))
+            sums = torch.stack([s for s, _ in self._parts]).tolist()
+            for (words, s2), (_, num_bytes) in zip(sums, self._parts):
+                folded = combine_checksums(folded, _to_int(words, s2, num_bytes))
         return folded
