@@ -17,7 +17,8 @@ of 512 and 2048 tokens:
   gather of every layer's blocks into a staging buffer, and the checksum of the gathered layers;
 * **exposed transfer**: the prefill forward of the same prompt on the bench model alone,
   then with every layer sent as soon as it is written (``on_layer_done``) and waited for;
-  the extra time as a share of the forward alone.
+  the extra time as a share of the forward alone (the difference of two noisy forwards),
+  and the **tail**: from the forward's end until both sides hold bytes and checksum.
 
     python benchmarks/bench_transfer.py [--tokens 512 2048] [--repeats 5] [--transfer-repeats 20] [--skip-prefill]
 """
@@ -198,7 +199,7 @@ def run(args) -> dict:
             ids = torch.randint(10, 1000, (tokens,))
             pos = torch.arange(tokens)
             md = AttentionMetadata.build([block_ids], [0], [tokens], BLOCK_SIZE, backend=args.attention)
-            alone, overlapped = [], []
+            alone, overlapped, tail = [], [], []
             for _ in range(args.repeats + 1):
                 t0 = time.monotonic()
                 with torch.inference_mode():
@@ -210,12 +211,15 @@ def run(args) -> dict:
                 with torch.inference_mode():
                     model(ids, pos, kv_cache, md,
                           on_layer_done=lambda i: outgoing.send_layer(i, kv_cache[i], block_ids))
+                t_forward = time.monotonic()
                 outgoing.wait(60)
                 t_sent = time.monotonic()
                 _, _, t_recv, _ = out.get(timeout=60)
                 overlapped.append(max(t_sent, t_recv) - t0)
+                tail.append(max(t_sent, t_recv) - t_forward)
             results[tokens].update(prefill_s=statistics.median(alone[1:]),
-                                   prefill_with_transfer_s=statistics.median(overlapped[1:]))
+                                   prefill_with_transfer_s=statistics.median(overlapped[1:]),
+                                   tail_s=statistics.median(tail[1:]))
         pairs.close()
     finally:
         ctrl.put(("stop", None))
@@ -240,14 +244,14 @@ def main() -> int:
     args.model = args.model or str(ensure_default_model("bench"))
     results = run(args)
     print(f"{'prompt':>7} {'KV MiB':>7} {'transfer':>9} {'raw gloo':>9} {'ratio':>6} {'prefill':>8} "
-          f"{'+transfer':>10} {'exposed':>8}")
+          f"{'+transfer':>10} {'exposed':>8} {'tail':>7}")
     for tokens, r in results.items():
         ratio = r["raw_s"] / r["transfer_s"]
         prefill, both = r.get("prefill_s", float("nan")), r.get("prefill_with_transfer_s", float("nan"))
         exposed = (both - prefill) / prefill
         print(f"{tokens:7d} {r['bytes'] / 2**20:7.1f} {r['transfer_s'] * 1e3:7.1f}ms "
               f"{r['raw_s'] * 1e3:7.1f}ms {ratio:6.2f} {prefill * 1e3:6.0f}ms "
-              f"{both * 1e3:8.0f}ms {exposed:8.1%}")
+              f"{both * 1e3:8.0f}ms {exposed:8.1%} {r.get('tail_s', float('nan')) * 1e3:5.1f}ms")
         r.update(ratio_to_raw=ratio, exposed_share=exposed)
     for tokens, r in results.items():  # per-repeat ratios (raw / pdserve of adjacent runs): the spread
         q = r["ratios"]
