@@ -6,15 +6,21 @@ Two processes on two pinned cores (prefill side on core 0, decode side on core 1
 of 512 and 2048 tokens:
 
 * **transfer**: one request's KV through ``PrefillPairs``/``DecodePairs`` (metadata tensor,
-  one gather + send per layer, the receiver's checksum), timed from the first
-  ``send_layer`` until the decode side holds the whole checked KV;
+  one gather + checksum + send per layer, the receiver's checksum), timed from the first
+  ``send_layer`` until both sides hold their bytes and checksum (the decode side the whole
+  received KV, the prefill side its completed sends): what the decode worker compares;
 * **raw**: the same layer tensors, already contiguous, with plain gloo send/recv (every
-  send and receive posted at once, then waited for): the floor for moving these bytes;
+  send and receive posted at once, then waited for): the floor for moving these bytes.
+  The two alternate, one run each, so the shared machine's changing load hits both alike;
+  the ratio is raw / transfer of the medians, with the spread of the per-pair ratios;
+* **own work**: the sending core's share that raw gloo does not have, alone (no wire): the
+  gather of every layer's blocks into a staging buffer, and the checksum of the gathered layers;
 * **exposed transfer**: the prefill forward of the same prompt on the bench model alone,
   then with every layer sent as soon as it is written (``on_layer_done``) and waited for;
-  the extra time as a share of the forward alone.
+  the extra time as a share of the forward alone (the difference of two noisy forwards),
+  and the **tail**: from the forward's end until both sides hold bytes and checksum.
 
-    python benchmarks/bench_transfer.py [--tokens 512 2048] [--repeats 5]
+    python benchmarks/bench_transfer.py [--tokens 512 2048] [--repeats 5] [--transfer-repeats 20] [--skip-prefill]
 """
 
 from __future__ import annotations
@@ -43,37 +49,61 @@ def _shape(model_dir: str) -> tuple[int, int, int]:
 
 
 def decode_main(ctrl, out, raw_port: int) -> None:
-    """Decode side: DecodePairs for the pdserve transfers, then a gloo rank for the raw ones."""
+    """Decode side: DecodePairs for the pdserve transfers and a plain gloo rank for the raw ones."""
     os.sched_setaffinity(0, {1 % os.cpu_count()})
     torch.set_num_threads(1)
+    import torch.distributed as dist
+
     from pdserve.common.protocol import KVTransferHeader
     from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV
 
-    pairs = DecodePairs("D", HOST, "cpu", 60.0,
-                        lambda r: out.put(("received", r.request_id, time.monotonic(),
-                                           r.num_bytes if isinstance(r, ReceivedKV) else -1)))
+    def on_received(r) -> None:
+        out.put(("received", r.request_id, time.monotonic(), r.num_bytes if isinstance(r, ReceivedKV) else -1))
+        if isinstance(r, ReceivedKV):
+            pairs.release(r.kv)  # as the decode worker's install does once it copied the KV out
+
+    pairs = DecodePairs("D", HOST, "cpu", 60.0, on_received)
     out.put(("ready", pairs.store_port))
+    group, raw_bufs = None, {}
     while True:
         cmd, arg = ctrl.get(timeout=600)
         if cmd == "generation":
             out.put(("generation", pairs.generation_for(arg)))
         elif cmd == "header":
             pairs.submit(msgspec.msgpack.decode(arg, type=KVTransferHeader))
-        elif cmd == "raw":  # arg: (num_layers, [layer shape per size], repeats)
-            num_layers, shapes, repeats = arg
-            import torch.distributed as dist
-
-            store = dist.TCPStore(HOST, raw_port, 2, False)
-            group = dist.ProcessGroupGloo(store, 1, 2)
-            for shape in shapes:
-                bufs = [torch.empty(shape) for _ in range(num_layers)]
-                for _ in range(repeats + 1):  # every receive posted at once, as pdserve's receiver does
-                    for work in [group.recv([b], 0, 0) for b in bufs]:
-                        work.wait()
-                    out.put(("raw_done", time.monotonic()))
+        elif cmd == "raw_connect":
+            group = dist.ProcessGroupGloo(dist.TCPStore(HOST, raw_port, 2, False), 1, 2)
+        elif cmd == "raw":  # arg: (num_layers, layer shape): one transfer, every receive posted at once
+            num_layers, shape = arg
+            bufs = raw_bufs.setdefault(tuple(shape), [torch.empty(shape) for _ in range(num_layers)])
+            for work in [group.recv([b], 0, 0) for b in bufs]:
+                work.wait()
+            out.put(("raw_done", time.monotonic()))
         else:
             break
     pairs.close()
+
+
+def own_work(kv_cache: torch.Tensor, block_ids: list[int], repeats: int) -> dict:
+    """What pdserve adds to raw gloo on the sending core, measured alone (no wire): gathering every
+    layer's blocks into a staging buffer, and checksumming the gathered layers (median seconds)."""
+    from pdserve.kvtransfer.checksum import KVChecksum
+
+    index = torch.tensor(block_ids)
+    staging = torch.empty((kv_cache.shape[0], 2, len(block_ids), *kv_cache.shape[3:]), dtype=kv_cache.dtype)
+    gather, checksum = [], []
+    for _ in range(repeats + 1):
+        t0 = time.monotonic()
+        for layer in range(kv_cache.shape[0]):
+            torch.index_select(kv_cache[layer], 1, index, out=staging[layer])
+        t1 = time.monotonic()
+        sums = KVChecksum()
+        for layer in range(kv_cache.shape[0]):
+            sums.update(staging[layer])
+        sums.value
+        gather.append(t1 - t0)
+        checksum.append(time.monotonic() - t1)
+    return {"gather_s": statistics.median(gather[1:]), "checksum_s": statistics.median(checksum[1:])}
 
 
 def run(args) -> dict:
@@ -91,7 +121,7 @@ def run(args) -> dict:
     max_blocks = max(args.tokens) // BLOCK_SIZE
     kv_cache = allocate_kv_cache(num_layers, max_blocks + 1, BLOCK_SIZE, num_kv_heads, head_dim, torch.float32, "cpu")
     kv_cache.normal_()
-    model = load_model(args.model, dtype=torch.float32, device="cpu")
+    model = None if args.skip_prefill else load_model(args.model, dtype=torch.float32, device="cpu")
     raw_port = free_port()
     ctrl, out = CTX.Queue(), CTX.Queue()
     d = CTX.Process(target=decode_main, args=(ctrl, out, raw_port), daemon=True)
@@ -107,9 +137,13 @@ def run(args) -> dict:
             if pairs.failure("D", generation):
                 raise RuntimeError(pairs.failure("D", generation))
             time.sleep(0.01)
+        ctrl.put(("raw_connect", None))
+        group = dist.ProcessGroupGloo(dist.TCPStore(HOST, raw_port, 2, True), 0, 2)
         seq = 0
 
-        def start_request(num_blocks: int) -> OutgoingKV:
+        def start_request(num_blocks: int, block_ids: list[int]) -> OutgoingKV:
+            """The header to D, then the request's OutgoingKV with its meta on the wire, as the prefill
+            rank's agent does before the forward."""
             nonlocal seq
             seq += 1
             rid = f"r{seq}"
@@ -118,63 +152,75 @@ def run(args) -> dict:
                                       num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="float32",
                                       num_tokens=num_blocks * BLOCK_SIZE)
             ctrl.put(("header", msgspec.msgpack.encode(header)))
-            return OutgoingKV(pair, rid, num_layers)
+            outgoing = OutgoingKV(pair, rid, num_layers)
+            outgoing.start(kv_cache[0], block_ids)
+            return outgoing
+
+        def pdserve_once(num_blocks: int, block_ids: list[int], nbytes: int) -> float:
+            """From the first send_layer until both sides hold their (bytes, checksum): the decode
+            worker compares the two before it installs the KV."""
+            outgoing = start_request(num_blocks, block_ids)
+            time.sleep(0.05)  # the header reaches D first, as in serving
+            t0 = time.monotonic()
+            for layer in range(num_layers):
+                outgoing.send_layer(layer, kv_cache[layer], block_ids)
+            outgoing.wait(60)
+            t_sent = time.monotonic()
+            _, _, t_recv, got = out.get(timeout=60)
+            assert got == nbytes, (got, nbytes)
+            return max(t_sent, t_recv) - t0
+
+        def raw_once(layers: list[torch.Tensor]) -> float:
+            ctrl.put(("raw", (num_layers, list(layers[0].shape))))
+            time.sleep(0.05)  # D posts its receives first (it would not matter to gloo)
+            t0 = time.monotonic()
+            for work in [group.send([t], 1, 0) for t in layers]:
+                work.wait()
+            _, t_done = out.get(timeout=60)
+            return t_done - t0
 
         for tokens in args.tokens:
             num_blocks = tokens // BLOCK_SIZE
             block_ids = list(range(1, num_blocks + 1))
             nbytes = num_layers * 2 * num_blocks * BLOCK_SIZE * num_kv_heads * head_dim * 4
-            # pdserve transfer
-            times = []
-            for _ in range(args.repeats + 1):
-                outgoing = start_request(num_blocks)
-                time.sleep(0.05)  # the header reaches D first, as in serving
-                t0 = time.monotonic()
-                for layer in range(num_layers):
-                    outgoing.send_layer(layer, kv_cache[layer], block_ids)
-                outgoing.wait(60)
-                kind, _, t_recv, got = out.get(timeout=60)
-                assert got == nbytes, (got, nbytes)
-                times.append(t_recv - t0)
-            transfer = statistics.median(times[1:])
+            layers = [kv_cache[i][:, 1:num_blocks + 1].contiguous() for i in range(num_layers)]
+            # pdserve and raw gloo alternate, so a change in the shared machine's load hits both alike
+            times, raw = [], []
+            for _ in range(args.transfer_repeats + 1):
+                times.append(pdserve_once(num_blocks, block_ids, nbytes))
+                raw.append(raw_once(layers))
+            results[tokens] = {"bytes": nbytes, "transfer_s": statistics.median(times[1:]),
+                               "raw_s": statistics.median(raw[1:]),
+                               "ratios": sorted(r / t for r, t in zip(raw[1:], times[1:])),
+                               **own_work(kv_cache, block_ids, args.transfer_repeats)}
+            if args.skip_prefill:
+                continue
             # prefill forward alone, then with each layer sent as it is written
             ids = torch.randint(10, 1000, (tokens,))
             pos = torch.arange(tokens)
             md = AttentionMetadata.build([block_ids], [0], [tokens], BLOCK_SIZE, backend=args.attention)
-            alone, overlapped = [], []
+            alone, overlapped, tail = [], [], []
             for _ in range(args.repeats + 1):
                 t0 = time.monotonic()
                 with torch.inference_mode():
                     model(ids, pos, kv_cache, md)
                 alone.append(time.monotonic() - t0)
-                outgoing = start_request(num_blocks)
+                outgoing = start_request(num_blocks, block_ids)
                 time.sleep(0.05)
                 t0 = time.monotonic()
                 with torch.inference_mode():
                     model(ids, pos, kv_cache, md,
                           on_layer_done=lambda i: outgoing.send_layer(i, kv_cache[i], block_ids))
+                t_forward = time.monotonic()
                 outgoing.wait(60)
+                t_sent = time.monotonic()
                 _, _, t_recv, _ = out.get(timeout=60)
-                overlapped.append(t_recv - t0)
-            results[tokens] = {"bytes": nbytes, "transfer_s": transfer, "prefill_s": statistics.median(alone[1:]),
-                               "prefill_with_transfer_s": statistics.median(overlapped[1:])}
+                overlapped.append(max(t_sent, t_recv) - t0)
+                tail.append(max(t_sent, t_recv) - t_forward)
+            results[tokens].update(prefill_s=statistics.median(alone[1:]),
+                                   prefill_with_transfer_s=statistics.median(overlapped[1:]),
+                                   tail_s=statistics.median(tail[1:]))
         pairs.close()
-        # raw gloo send/recv of the same layers
-        shapes = [(2, tokens // BLOCK_SIZE, BLOCK_SIZE, num_kv_heads, head_dim) for tokens in args.tokens]
-        ctrl.put(("raw", (num_layers, shapes, args.repeats)))
-        store = dist.TCPStore(HOST, raw_port, 2, True)
-        group = dist.ProcessGroupGloo(store, 0, 2)
-        for tokens in args.tokens:
-            num_blocks = tokens // BLOCK_SIZE
-            layers = [kv_cache[i][:, 1:num_blocks + 1].contiguous() for i in range(num_layers)]
-            times = []
-            for _ in range(args.repeats + 1):
-                t0 = time.monotonic()
-                for work in [group.send([t], 1, 0) for t in layers]:
-                    work.wait()
-                _, t_done = out.get(timeout=60)
-                times.append(t_done - t0)
-            results[tokens]["raw_s"] = statistics.median(times[1:])
     finally:
         ctrl.put(("stop", None))
         d.join(10)
@@ -187,8 +233,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the bench preset)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5, help="prefill forwards (alone and overlapped) per prompt")
+    ap.add_argument("--transfer-repeats", type=int, default=20, help="transfers (pdserve and raw) per prompt")
     ap.add_argument("--attention", default="paged", help="paged | reference")
+    ap.add_argument("--skip-prefill", action="store_true", help="transfer and raw gloo only (no model forward)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from pdserve.models.tiny_model import ensure_default_model
@@ -196,14 +244,20 @@ def main() -> int:
     args.model = args.model or str(ensure_default_model("bench"))
     results = run(args)
     print(f"{'prompt':>7} {'KV MiB':>7} {'transfer':>9} {'raw gloo':>9} {'ratio':>6} {'prefill':>8} "
-          f"{'+transfer':>10} {'exposed':>8}")
+          f"{'+transfer':>10} {'exposed':>8} {'tail':>7}")
     for tokens, r in results.items():
-        ratio = r["raw_s"] / r["transfer_s"] if "raw_s" in r else float("nan")
-        exposed = (r["prefill_with_transfer_s"] - r["prefill_s"]) / r["prefill_s"]
+        ratio = r["raw_s"] / r["transfer_s"]
+        prefill, both = r.get("prefill_s", float("nan")), r.get("prefill_with_transfer_s", float("nan"))
+        exposed = (both - prefill) / prefill
         print(f"{tokens:7d} {r['bytes'] / 2**20:7.1f} {r['transfer_s'] * 1e3:7.1f}ms "
-              f"{r.get('raw_s', float('nan')) * 1e3:7.1f}ms {ratio:6.2f} {r['prefill_s'] * 1e3:6.0f}ms "
-              f"{r['prefill_with_transfer_s'] * 1e3:8.0f}ms {exposed:8.1%}")
+              f"{r['raw_s'] * 1e3:7.1f}ms {ratio:6.2f} {prefill * 1e3:6.0f}ms "
+              f"{both * 1e3:8.0f}ms {exposed:8.1%} {r.get('tail_s', float('nan')) * 1e3:5.1f}ms")
         r.update(ratio_to_raw=ratio, exposed_share=exposed)
+    for tokens, r in results.items():  # per-repeat ratios (raw / pdserve of adjacent runs): the spread
+        q = r["ratios"]
+        print(f"ratio to raw gloo at {tokens} tokens: {r['ratio_to_raw']:.2f} (medians); per pair of runs "
+              f"min {q[0]:.2f}, median {statistics.median(q):.2f}, max {q[-1]:.2f}; own work on the "
+              f"sending core: gather {r['gather_s'] * 1e3:.1f} ms, checksum {r['checksum_s'] * 1e3:.1f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -21,6 +21,7 @@ from pdserve.kvtransfer.checksum import KVChecksum, combine_checksums, kv_checks
 from pdserve.kvtransfer.pair import PairStoreServer, transfer_backend
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
+from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import dtype_from_name, dtype_name
 
 CTX = mp.get_context("spawn")
@@ -63,12 +64,15 @@ def stop(*procs) -> None:
 
 
 def decode_main(ctrl, out, timeout_s: float) -> None:
-    """A decode worker: DecodePairs driven by (cmd, arg) messages on ``ctrl``."""
+    """A decode worker: DecodePairs driven by (cmd, arg) messages on ``ctrl``. Each received staging
+    tensor is handed back once read, as the decode worker's install does, so later requests land in
+    reused buffers."""
 
     def on_received(r):
         if isinstance(r, ReceivedKV):
             out.put(("received", r.request_id, as_bytes(r.kv), list(r.kv.shape), str(r.kv.dtype),
                      r.num_bytes, r.checksum))
+            pairs.release(r.kv)
         else:
             out.put(("failed", r.request_id, r.reason))
 
@@ -82,14 +86,18 @@ def decode_main(ctrl, out, timeout_s: float) -> None:
             pairs.submit(msgspec.msgpack.decode(arg, type=KVTransferHeader))
         elif cmd == "die":
             os._exit(1)
+        elif cmd == "num_allocated":
+            out.put(("num_allocated", pairs.staging.num_allocated))
         else:
             break
     pairs.close()
 
 
 def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: str, timeout_s: float,
-                 die_at_layer: int | None = None, bad_header: str | None = None) -> None:
-    """A prefill worker: pairs with D, sends ``plan``'s requests, reports on_done results."""
+                 die_at_layer: int | None = None, bad_header: str | None = None, early_meta: bool = False) -> None:
+    """A prefill worker: pairs with D, sends ``plan``'s requests, reports on_done results.
+    ``early_meta``: every request's meta goes out (``OutgoingKV.start``) before any of its batch's
+    layers, as the agent does before a forward."""
     dtype_t = dtype_from_name(dtype)
     pairs = PrefillPairs("P", "cpu", timeout_s)
     pairs.request_pair("D", HOST, store_port, generation)
@@ -108,6 +116,8 @@ def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: st
             header = make_header(rid, block_ids, generation, dtype_t, num_blocks=n)
             headers.put(("header", msgspec.msgpack.encode(header)))
             outgoing.append((OutgoingKV(pair, rid, NUM_LAYERS), block_ids))
+            if early_meta:
+                outgoing[-1][0].start(cache[0], block_ids)
         for layer in range(NUM_LAYERS):
             if layer == die_at_layer:
                 time.sleep(0.3)  # let D take the first layers
@@ -118,6 +128,7 @@ def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: st
             completer.submit(out_kv)
     for _ in range(sum(len(b) for b in plan)):
         out.put(("done",) + done.get(timeout=timeout_s + 5))
+    out.put(("staging", pairs.staging.num_allocated, pairs.staging.num_lent))
     completer.close()
     pairs.close()
 
@@ -139,6 +150,20 @@ def test_checksum_equal_bytes_and_sensitivity(dtype):
     assert kv_checksum(a[:, :5]) != kv_checksum(a)  # truncation
 
 
+def test_checksum_rows_tails_and_offsets():
+    data = torch.randint(0, 256, (4096 + 100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED))
+    base = kv_checksum(data)
+    assert kv_checksum(data[1:]) == kv_checksum(data[1:].clone())  # a view at an odd byte offset
+    moved = data.clone()
+    moved[:256], moved[256:512] = data[256:512].clone(), data[:256].clone()  # two 256-byte rows swapped
+    assert kv_checksum(moved) != base
+    tail = data.clone()
+    tail[-50:] = 0  # the partial last row: a cut that left other bytes behind
+    assert kv_checksum(tail) != base
+    assert kv_checksum(data[:-1]) != base
+    assert kv_checksum(torch.empty(0)) == kv_checksum(torch.empty(0, dtype=torch.uint8))
+
+
 def test_checksum_fold_is_order_sensitive():
     x, y = torch.randn(100), torch.randn(100)
     cs = KVChecksum()
@@ -148,6 +173,40 @@ def test_checksum_fold_is_order_sensitive():
     assert cs.value != combine_checksums(combine_checksums(0, kv_checksum(y)), kv_checksum(x))
     assert cs.num_bytes == 800
     assert 0 <= cs.value < 2**63
+
+
+# -- staging pool ------------------------------------------------------------
+
+
+def test_staging_pool_reuses_returned_buffers_only():
+    pool = StagingPool()
+    a = pool.take((2, 3, 4, 8), torch.float32, "cpu")
+    b = pool.take((2, 3, 4, 8), torch.float32, "cpu")
+    assert a.shape == (2, 3, 4, 8) and a.dtype == torch.float32 and a.is_contiguous()
+    assert a.data_ptr() != b.data_ptr()  # both lent at once: never the same memory
+    a.fill_(1.0)
+    for foreign in (torch.zeros(2, 3, 4, 8), a[0], a.view(-1)):  # not what take returned: ignored
+        pool.give(foreign)
+    assert pool.free_bytes == 0 and pool.num_lent == 2
+    pool.give(a)
+    pool.give(a)  # twice: ignored
+    assert pool.num_lent == 1
+    c = pool.take((100,), torch.uint8, "cpu")  # smaller, other dtype: a's buffer
+    assert c.data_ptr() == a.data_ptr() and pool.num_allocated == 2
+    d = pool.take((2, 3, 4, 8), torch.float32, "cpu")  # a's buffer is lent again: a new one
+    assert d.data_ptr() not in (b.data_ptr(), c.data_ptr()) and pool.num_allocated == 3
+
+
+def test_staging_pool_bounds_idle_bytes_and_forgets_unreturned_buffers():
+    pool = StagingPool(max_free_bytes=3 << 20)
+    lent = [pool.take((n << 20,), torch.uint8, "cpu") for n in (1, 2, 2)]
+    for t in lent:
+        pool.give(t)
+    assert pool.free_bytes == 2 << 20  # 5 MiB idle > 3: the smallest went first (1 MiB, then 2 MiB)
+    lost = pool.take((1 << 20,), torch.uint8, "cpu")  # the idle 2 MiB buffer
+    assert pool.free_bytes == 0 and pool.num_lent == 1
+    del lost  # never given back (a failed transfer): the pool kept no reference, so it is freed
+    assert pool.num_lent == 0 and pool.free_bytes == 0
 
 
 def test_transfer_backend():
@@ -165,8 +224,10 @@ def test_checksum_same_on_cuda():
 # -- end to end ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_end_to_end_layer_by_layer(dtype):
+@pytest.mark.parametrize("dtype,early_meta", [(torch.float32, False), (torch.bfloat16, True)])
+def test_end_to_end_layer_by_layer(dtype, early_meta):
+    """Requests interleaved layer by layer arrive whole and checked, in staging buffers the pools
+    reuse (sender and receiver); with ``early_meta`` every meta of a batch goes out before its layers."""
     ctrl, out_d, out_p = CTX.Queue(), CTX.Queue(), CTX.Queue()
     d = CTX.Process(target=decode_main, args=(ctrl, out_d, 10.0), daemon=True)
     d.start()
@@ -176,8 +237,8 @@ def test_end_to_end_layer_by_layer(dtype):
         ctrl.put(("generation", "P"))
         _, generation = out_d.get(timeout=5)
         t0 = time.monotonic()
-        p = CTX.Process(target=prefill_main, args=(port, generation, ctrl, out_p, PLAN, dtype_name(dtype), 10.0),
-                        daemon=True)
+        p = CTX.Process(target=prefill_main, args=(port, generation, ctrl, out_p, PLAN, dtype_name(dtype), 10.0,
+                                                   None, None, early_meta), daemon=True)
         p.start()
         procs.append(p)
         requests = [r for batch in PLAN for r in batch]
@@ -199,6 +260,11 @@ def test_end_to_end_layer_by_layer(dtype):
             for layer in expected:
                 reference.update(layer)
             assert checksum == reference.value
+        # P: r0 and r1 are gathered at once, r2 (5 blocks) fits in neither; every buffer came back
+        assert out_p.get(timeout=5) == ("staging", 3, 0)
+        # D: r1 (2 blocks) lands in r0's returned buffer (3 blocks); r2 needs a new one
+        ctrl.put(("num_allocated", None))
+        assert out_d.get(timeout=5) == ("num_allocated", 2)
     finally:
         ctrl.put(("stop", None))
         stop(*procs)

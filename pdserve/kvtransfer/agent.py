@@ -35,6 +35,7 @@ from pdserve.common.protocol import (KVLayout, KVStepOps, KVTransferHeader, Rank
 from pdserve.common.sharding import KVLayoutSpec, KVPiece, endpoint, rank_slice, transfer_pieces
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
+from pdserve.kvtransfer.wire import KVTransferError
 
 logger = logging.getLogger(__name__)
 
@@ -226,20 +227,31 @@ class KVRankAgent:
                                        request_id=request_id, error=f"no KV pair {self.endpoint}->{peer} "
                                                                     f"g{generation}"))
                 continue
-            self._outgoing.append(_Outgoing(OutgoingKV(pair, request_id, piece.slice.num_layers,
-                                                            self.kv_cache_dtype), piece, block_ids))
+            send = OutgoingKV(pair, request_id, piece.slice.num_layers, self.kv_cache_dtype)
+            try:  # the meta goes out now: the decode rank checks it and posts its receives during the forward
+                send.start(self._piece_layer(piece, piece.slice.layer_start - self.slice.layer_start), block_ids)
+            except KVTransferError as exc:  # a meta that cannot be made (a dtype the wire cannot name)
+                send.abort(str(exc))
+                self.report(RankReport(rank=self.rank, kind=RankReportKind.SENT, peer=peer, generation=generation,
+                                       request_id=request_id, error=str(exc)))
+                continue
+            self._outgoing.append(_Outgoing(send, piece, block_ids))
+
+    def _piece_layer(self, piece: KVPiece, local_layer: int) -> torch.Tensor:
+        """``piece``'s KV heads of this rank's layer ``local_layer``: a view, [2, num_blocks, block_size,
+        piece heads, head_dim (+ 4 quantized)]."""
+        s = piece.slice
+        return self.kv_cache[local_layer][:, :, :, s.head_start - self.slice.head_start:s.head_end - self.slice.head_start]
 
     def on_layer_done(self, local_layer: int) -> None:
         """Send this layer's part of every piece in flight (called by the model after each layer)."""
         if not self._outgoing:
             return
         layer = self.slice.layer_start + local_layer
-        kv_layer = self.kv_cache[local_layer]  # [2, num_blocks, block_size, local_heads, head_dim (+ 4 quantized)]
         for out in self._outgoing:
             s = out.piece.slice
             if s.layer_start <= layer < s.layer_end:
-                heads = kv_layer[:, :, :, s.head_start - self.slice.head_start:s.head_end - self.slice.head_start]
-                out.send.send_layer(layer - s.layer_start, heads, out.block_ids)
+                out.send.send_layer(layer - s.layer_start, self._piece_layer(out.piece, local_layer), out.block_ids)
 
     def after_forward(self) -> None:
         """Hand this step's sends to the completer (they finish off the step loop)."""
@@ -280,8 +292,11 @@ class KVRankAgent:
         with self._lock:
             header = self._headers.pop((result.request_id, result.source), None)
             dropped = result.request_id in self._dropped
-            if isinstance(result, ReceivedKV) and header is not None and not dropped:
+            staged = isinstance(result, ReceivedKV) and header is not None and not dropped
+            if staged:
                 self._staged.setdefault(result.request_id, []).append((header, result.kv))
+        if isinstance(result, ReceivedKV) and not staged:
+            self.decode_pairs.release(result.kv)
         peer, generation = result.source, header.pair_generation if header is not None else -1
         if isinstance(result, ReceivedKV) and header is None:  # never staged: must not count as arrived
             result = TransferFailed(result.request_id, f"KV piece from {peer} arrived without its header", peer)
@@ -301,14 +316,17 @@ class KVRankAgent:
             l0 = header.first_layer - self.slice.layer_start
             h0 = header.first_kv_head - self.slice.head_start
             self.kv_cache[l0:l0 + header.num_layers, :, index, :, h0:h0 + header.num_kv_heads] = kv.to(self.device)
+            self.decode_pairs.release(kv)  # copied (CPU: synchronously; CUDA staging is not pooled)
 
     def drop(self, request_id: str) -> None:
         """Forget ``request_id``'s pieces, including ones still on their way."""
         with self._lock:
-            self._staged.pop(request_id, None)
+            staged = self._staged.pop(request_id, [])
             self._dropped[request_id] = None
             if len(self._dropped) > _MAX_DROPPED:
                 self._dropped.pop(next(iter(self._dropped)))
+        for _, kv in staged:
+            self.decode_pairs.release(kv)
 
     # ---- both ------------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 import pdserve.kvtransfer.wire as wire
 from pdserve.common.utils import listen_socket
+from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import KVTransferError
 
 if TYPE_CHECKING:
@@ -133,10 +134,14 @@ class KVPair:
     messages were issued, so the stream holds whole requests in registration
     order even when the step loop sends layer i of requests A and B before
     layer i + 1 (NCCL ignores tags, so order is the only way to match).
+
+    ``staging`` lends the buffers a request's KV is gathered into (sender) or lands in
+    (receiver); pairs of one worker rank share one (None: the pair gets its own).
     """
 
     def __init__(self, pg: dist.ProcessGroup, *, backend: str, device: torch.device, rank: int,
-                 prefill_worker_id: str, decode_worker_id: str, generation: int, timeout_s: float):
+                 prefill_worker_id: str, decode_worker_id: str, generation: int, timeout_s: float,
+                 staging: StagingPool | None = None):
         self.backend = backend
         self.device = device
         self.rank = rank
@@ -145,6 +150,7 @@ class KVPair:
         self.decode_worker_id = decode_worker_id
         self.generation = generation
         self.timeout_s = timeout_s
+        self.staging = staging if staging is not None else StagingPool()
         self.error: str | None = None  # why the pair was closed
         self._pg: dist.ProcessGroup | None = pg
         self._store: dist.Store | None = None  # the pair's PrefixStore, for close notes
@@ -169,7 +175,7 @@ class KVPair:
     @classmethod
     def connect(cls, *, store: dist.Store | None, store_host: str, store_port: int, prefill_worker_id: str,
                 decode_worker_id: str, generation: int, rank: int, device: torch.device | str,
-                timeout_s: float) -> KVPair:
+                timeout_s: float, staging: StagingPool | None = None) -> KVPair:
         """Join the pair's group and exchange a hello; blocks until the peer joined.
 
         ``store`` None connects a new TCPStore client to ``store_host:store_port``.
@@ -197,7 +203,7 @@ class KVPair:
             raise KVTransferError(reason) from None
         pair = cls(pg, backend=transfer_backend(device), device=device, rank=rank,
                    prefill_worker_id=prefill_worker_id, decode_worker_id=decode_worker_id,
-                   generation=generation, timeout_s=timeout_s)
+                   generation=generation, timeout_s=timeout_s, staging=staging)
         pair._store = prefix
         pair._hello(deadline)
         return pair

@@ -1,10 +1,11 @@
 """Decode side: host the rendezvous, receive each request's KV into a staging tensor.
 
-The receiver never writes D's KV cache. Each request's KV lands in a fresh
-staging tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``
-handed to ``on_received``; D's step loop copies it into the request's blocks if
-the request is still waiting, so blocks freed by a timed-out request can never
-be overwritten by a late transfer.
+The receiver never writes D's KV cache. Each request's KV lands in a staging
+tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` lent
+by the pairs' ``StagingPool`` and handed to ``on_received``; D's step loop
+copies it into the request's blocks if the request is still waiting, so blocks
+freed by a timed-out request can never be overwritten by a late transfer. Once
+copied (or dropped), the staging tensor goes back with ``DecodePairs.release``.
 
 One lane (thread) per prefill worker and pair generation: it connects as rank 1,
 then serves that pair's headers FIFO (the order P sent them, which is P's
@@ -27,6 +28,7 @@ from pdserve.common.protocol import KVTransferHeader
 import pdserve.kvtransfer.wire as wire
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.pair import KVPair, PairStoreServer
+from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -36,7 +38,8 @@ _JOIN_S = 0.5  # how long close() waits for each lane thread (seconds); lanes ar
 
 @dataclass
 class ReceivedKV:
-    """A request's KV, received whole. ``kv``: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+    """A request's KV, received whole. ``kv``: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    (a staging tensor: hand it back with ``DecodePairs.release`` once it is copied out)."""
 
     request_id: str
     kv: torch.Tensor
@@ -75,7 +78,8 @@ class _Lane:
         try:
             pair = KVPair.connect(store=None, store_host=owner._store_host, store_port=owner.store_port,
                                   prefill_worker_id=self.prefill_worker_id, decode_worker_id=owner.decode_worker_id,
-                                  generation=self.generation, rank=1, device=owner.device, timeout_s=owner.timeout_s)
+                                  generation=self.generation, rank=1, device=owner.device, timeout_s=owner.timeout_s,
+                                  staging=owner.staging)
         except Exception as exc:
             self.die(f"KV pair {self.name} could not be set up: {exc}")
             return
@@ -137,6 +141,7 @@ class DecodePairs:
         self.decode_worker_id = decode_worker_id
         self.device = torch.device(device)
         self.timeout_s = timeout_s
+        self.staging = StagingPool()  # every lane's landing buffers
         self._on_received = on_received
         self._server = PairStoreServer(host, port) if store_addr is None else None
         self._store_host, self._store_port = (self._server.local_host, self._server.port) if store_addr is None \
@@ -226,9 +231,9 @@ class DecodePairs:
                 diff = wire.describe_meta_mismatch(expected, meta)
                 raise KVTransferError(f"request {rid}: header and KV stream from prefill worker "
                                       f"{header.prefill_worker_id} disagree ({diff})")
-            kv = torch.empty((header.num_layers, 2, header.num_blocks, header.block_size, header.num_kv_heads,
-                              wire.row_len(header.dtype, header.head_dim)),  # + 4 scale bytes when quantized
-                             dtype=wire.dtype_from_name(header.dtype), device=self.device)
+            kv = self.staging.take((header.num_layers, 2, header.num_blocks, header.block_size, header.num_kv_heads,
+                                    wire.row_len(header.dtype, header.head_dim)),  # + 4 scale bytes when quantized
+                                   wire.dtype_from_name(header.dtype), self.device)
             # Every layer's receive is posted at once; each layer is checksummed as soon as it is in,
             # while the next ones are still arriving.
             what = [f"request {rid}: layer {i}/{header.num_layers}" for i in range(header.num_layers)]
@@ -240,6 +245,11 @@ class DecodePairs:
                     torch.cuda.current_stream(self.device).synchronize()
                 checksum.update(kv[i])
             return ReceivedKV(rid, kv, checksum.num_bytes, checksum.value)
+
+    def release(self, kv: torch.Tensor) -> None:
+        """Hand back a ``ReceivedKV.kv`` for reuse, once nothing reads it any more (copied or dropped);
+        the next transfer may land in it. Anything else (a tensor not received here) is ignored."""
+        self.staging.give(kv)
 
     def _emit(self, result: ReceivedKV | TransferFailed) -> None:
         if self._closed:

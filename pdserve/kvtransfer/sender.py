@@ -5,6 +5,7 @@ Step loop usage (one ``OutgoingKV`` per request)::
     pair = pairs.get(decode_worker_id, generation)        # after pairs.request_pair(...)
     mailbox.put(KVTransferHeader(...))                     # header first, in stream order
     out = OutgoingKV(pair, request_id, num_layers)         # create in the same order as the headers
+    out.start(kv_cache[0], block_ids)                      # optional: the meta goes out before the forward
     for each layer i (after the model wrote layer i's K/V):
         out.send_layer(i, kv_cache[i], block_ids)          # gather + async send; never waits
     completer.submit(out)                                  # on_done(...) later, on a kvtransfer thread
@@ -25,6 +26,7 @@ import pdserve.kvtransfer.wire as wire
 from pdserve.common import faults
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.pair import KVPair
+from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import KVTransferError
 
 logger = logging.getLogger(__name__)
@@ -51,8 +53,10 @@ class OutgoingKV:
         self.num_bytes = 0  # KV bytes handed to the pair so far
         self._next_layer = 0
         self._index: torch.Tensor | None = None  # [num_blocks] int64 block ids, on the cache's device
-        self._layer_spec: tuple[torch.Size, torch.dtype] | None = None
-        self._sent: list[torch.Tensor] = []  # gathered layers, kept alive until the sends completed
+        # [num_layers, 2, num_blocks, block_size, H, row_len] from pair.staging: layer i is gathered into
+        # _staging[i] and sent from there, so P may reuse its blocks once the request is done.
+        self._staging: torch.Tensor | None = None
+        self._checksum = KVChecksum()  # over each gathered layer, as it is gathered
         # Owned by the pair's sequencer (under its lock):
         self._queued: deque[torch.Tensor] = deque()
         self._all_queued = False
@@ -65,12 +69,37 @@ class OutgoingKV:
         self._error = self._error or reason
         self._issued.set()
 
+    def start(self, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
+        """Take the staging buffer and put the stream's meta on the wire now, before layer 0 exists.
+
+        The decode side checks the meta and posts its layer receives while the forward computes
+        layer 0, so the first layer flows as soon as it is sent. Optional (``send_layer(0)`` does it
+        otherwise) and idempotent. ``kv_layer``: any layer of P's cache in the shape ``send_layer``
+        takes (only its shape, dtype and device are read); ``block_ids``: the blocks every layer
+        sends. Misuse (a bad shape, a dtype the meta cannot name) raises KVTransferError.
+        """
+        if self._staging is not None or self._error is not None:
+            return
+        if kv_layer.dim() != 5 or kv_layer.shape[0] != 2:
+            raise KVTransferError(f"request {self.request_id}: kv_layer must be [2, num_blocks, block_size, H, D], "
+                                  f"got {list(kv_layer.shape)}")
+        shape = (self.num_layers, 2, len(block_ids), *kv_layer.shape[2:])
+        staging = self.pair.staging.take(shape, kv_layer.dtype, kv_layer.device)
+        meta = wire.make_meta(self.request_id, self.num_layers, staging[0], self.kv_dtype)
+        self._index = torch.tensor(block_ids, dtype=torch.int64, device=kv_layer.device)
+        self._staging = staging
+        fault = faults.kv_send_fault(self.request_id)
+        if fault is None or fault["mode"] != "never":
+            self.pair._enqueue(self, [meta], last=False)
+
     def send_layer(self, layer_idx: int, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
         """Gather ``kv_layer[:, block_ids]`` and start sending it; returns without waiting.
 
-        ``kv_layer``: this layer of P's paged cache, [2, num_blocks_total, block_size, num_kv_heads, head_dim].
-        The gathered copy [2, len(block_ids), block_size, num_kv_heads, head_dim] is what goes on the
-        wire, so P may reuse its blocks as soon as the request is done. A failed pair is not raised
+        ``kv_layer``: this layer of P's paged cache, [2, num_blocks_total, block_size, num_kv_heads, head_dim]
+        (any strides: a TP piece's head range is a view). The blocks are gathered into this request's
+        staging buffer (one contiguous [2, len(block_ids), block_size, num_kv_heads, head_dim] per layer),
+        which is what goes on the wire; it is checksummed there once its send is issued, still in cache.
+        The ``block_ids`` of ``start`` (or of layer 0) hold for every layer. A failed pair is not raised
         here (``wait`` reports it); misuse (layer order, shape change) raises KVTransferError.
         """
         if layer_idx != self._next_layer:
@@ -80,23 +109,19 @@ class OutgoingKV:
             raise KVTransferError(f"request {self.request_id}: kv_layer must be [2, num_blocks, block_size, H, D], "
                                   f"got {list(kv_layer.shape)}")
         self._next_layer += 1
+        self.start(kv_layer, block_ids)
         if self._error is not None:
             return
-        if self._index is None:
-            self._index = torch.tensor(block_ids, dtype=torch.int64, device=kv_layer.device)
-        blocks = kv_layer.index_select(1, self._index)  # [2, num_blocks, block_size, H, D], contiguous
-        tensors = [blocks]
-        if self._layer_spec is None:
-            self._layer_spec = (blocks.shape, blocks.dtype)
-            tensors.insert(0, wire.make_meta(self.request_id, self.num_layers, blocks, self.kv_dtype))
-        elif (blocks.shape, blocks.dtype) != self._layer_spec:
-            raise KVTransferError(f"request {self.request_id}: layer {layer_idx} is {list(blocks.shape)} "
-                                  f"{blocks.dtype}, layer 0 was {list(self._layer_spec[0])} {self._layer_spec[1]}")
-        self._sent.append(blocks)
-        self.num_bytes += blocks.numel() * blocks.element_size()
-        if (fault := faults.kv_send_fault(self.request_id)) is not None and not self._inject(fault, layer_idx, tensors):
-            return
-        self.pair._enqueue(self, tensors, last=layer_idx == self.num_layers - 1)
+        staged = self._staging[layer_idx]  # [2, num_blocks, block_size, H, D], contiguous
+        if kv_layer.shape[2:] != staged.shape[2:] or kv_layer.dtype != staged.dtype:
+            raise KVTransferError(f"request {self.request_id}: layer {layer_idx} is {list(kv_layer.shape[2:])} "
+                                  f"{kv_layer.dtype} per block, layer 0 was {list(staged.shape[2:])} {staged.dtype}")
+        torch.index_select(kv_layer, 1, self._index, out=staged)
+        self.num_bytes += staged.nbytes
+        tensors = [staged]
+        if (fault := faults.kv_send_fault(self.request_id)) is None or self._inject(fault, layer_idx, tensors):
+            self.pair._enqueue(self, tensors, last=layer_idx == self.num_layers - 1)
+        self._checksum.update(staged)  # while the send is under way, and staged still in cache
 
     def _inject(self, fault: dict, layer_idx: int, tensors: list[torch.Tensor]) -> bool:
         """Test-only (``pdserve.common.faults``): misbehave as asked; False if nothing is to be sent."""
@@ -105,7 +130,7 @@ class OutgoingKV:
             return False
         if mode == "delay" and layer_idx == 0:
             time.sleep(float(fault.get("delay_s", 5.0)))
-        elif mode == "corrupt":  # the checksum stays that of the true layer (self._sent)
+        elif mode == "corrupt":  # the checksum stays that of the true layer (gathered in self._staging)
             wrong = tensors[-1].clone()
             wrong.view(-1)[0] += 1  # an int: a quantized cache's layers are uint8
             tensors[-1] = wrong
@@ -125,8 +150,8 @@ class OutgoingKV:
         """Wait up to ``timeout_s`` seconds for every layer to be sent and delivered.
 
         Returns ``(num_bytes, checksum)``: the KV bytes sent and ``KVChecksum`` over the layers sent,
-        computed after delivery from the very buffers sent. Raises KVTransferError (closing the pair)
-        on timeout or a broken pair.
+        computed from the very buffers sent as they were gathered. Raises KVTransferError (closing the
+        pair) on timeout or a broken pair. On success the staging buffer goes back to the pair's pool.
         """
         deadline = time.monotonic() + timeout_s
         rid = self.request_id
@@ -141,12 +166,11 @@ class OutgoingKV:
             for i, work in enumerate(self._works):
                 what = f"request {rid}: send of {'meta' if i == 0 else f'layer {i - 1}/{self.num_layers}'}"
                 self.pair.wait(work, deadline - time.monotonic(), what)
-            checksum = KVChecksum()
-            for blocks in self._sent:
-                checksum.update(blocks)
-            value = checksum.value
+            value = self._checksum.value
         self._works.clear()
-        self._sent.clear()
+        staging, self._staging = self._staging, None
+        if staging is not None:  # every send completed: nothing reads it any more
+            self.pair.staging.give(staging)
         return self.num_bytes, value
 
 
@@ -229,6 +253,7 @@ class PrefillPairs:
         self.prefill_worker_id = prefill_worker_id
         self.device = torch.device(device)
         self.timeout_s = timeout_s
+        self.staging = StagingPool()  # every pair's gather buffers
         self._lock = threading.Lock()
         self._pairs: dict[tuple[str, int], KVPair | None] = {}  # None while connecting or failed
         self._errors: dict[tuple[str, int], str] = {}
@@ -266,7 +291,8 @@ class PrefillPairs:
         try:
             pair = KVPair.connect(store=None, store_host=store_host, store_port=store_port,
                                   prefill_worker_id=self.prefill_worker_id, decode_worker_id=decode_worker_id,
-                                  generation=generation, rank=0, device=self.device, timeout_s=self.timeout_s)
+                                  generation=generation, rank=0, device=self.device, timeout_s=self.timeout_s,
+                                  staging=self.staging)
         except Exception as exc:
             with self._lock:
                 if key in self._pairs:
