@@ -235,7 +235,8 @@ class LLM:
         """Generate for every prompt; return one ``RequestOutput`` per prompt, in input order.
 
         Args:
-            prompts: a string, a list of strings, a list of token-id lists (or one token-id list).
+            prompts: a string, a list of strings, a list of token-id lists (or one token-id list), or
+                vLLM's prompt dicts (``{"prompt_token_ids": [...]}`` or ``{"prompt": "..."}``).
             sampling_params: one for all prompts, or one per prompt; None = ``SamplingParams()``.
             use_tqdm: show a progress bar over finished prompts with the output rate (tokens/s).
             priority: one per prompt (vLLM's argument), with ``scheduling_policy="priority"``:
@@ -249,8 +250,10 @@ class LLM:
                 longer than max_model_len or than the whole KV cache, or an adapter that cannot
                 serve this model; raised before any work.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [(p["prompt_token_ids"] if "prompt_token_ids" in p else p["prompt"]) if isinstance(p, dict) else p
+                   for p in prompts]  # vLLM's TokensPrompt / TextPrompt dicts
         encoded = [(p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
         if priority is not None:
             if len(priority) != len(encoded):
