@@ -1,6 +1,6 @@
 # The image the Kubernetes manifests (k8s/) run: `pdserve` as the entrypoint, the CPU build of torch,
 # and the built-in default model (a small Llama trained on Python's standard library) at
-# /opt/pdserve/models/default so a fresh cluster serves something.
+# /opt/pdserve/default_model/default so a fresh cluster serves something.
 # GPU image: build with --build-arg TORCH_SPEC="torch==2.13.0" --build-arg TORCH_INDEX=<a CUDA wheel index>.
 FROM python:3.11-slim
 
@@ -16,10 +16,10 @@ WORKDIR /opt/pdserve
 RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
 COPY pyproject.toml README.md ./
 COPY pdserve ./pdserve
-RUN pip install . && pdserve default-model /opt/pdserve/models/default
+RUN pip install . && pdserve default-model /opt/pdserve/default_model/default
 
 RUN useradd --create-home --uid 1000 pdserve
 USER pdserve
 EXPOSE 8000 8001
 ENTRYPOINT ["pdserve"]
-CMD ["up", "--host", "0.0.0.0", "--model", "/opt/pdserve/models/default"]
+CMD ["up", "--host", "0.0.0.0", "--model", "/opt/pdserve/default_model/default"]

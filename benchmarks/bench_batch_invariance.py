@@ -34,7 +34,7 @@ from pdserve.common.protocol import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.llm import LLM
-from pdserve.models.tiny_model import ensure_default_model
+from pdserve.default_model.tiny_model import ensure_default_model
 
 TARGET = SamplingParams(max_tokens=32, temperature=1.0, seed=1234, logprobs=3, ignore_eos=True)
 

@@ -33,7 +33,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
 from pdserve.common.protocol import SamplingParams
-from pdserve.models.tiny_model import ensure_default_model
+from pdserve.default_model.tiny_model import ensure_default_model
 
 
 def copy_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:

@@ -4,7 +4,7 @@ For each KV cache dtype (float32 = ``auto`` for the float32 default model, bfloa
 fp8_e4m3, fp8_e5m2) this prints:
 
 * **greedy agreement** with the float32 cache on the shipped default model
-  (``pdserve/models/weights/stdlib-llama-v1``): ``--num-prompts`` (200) prompts cut from the
+  (``pdserve/default_model/weights/stdlib-llama-v1``): ``--num-prompts`` (200) prompts cut from the
   standard-library files the model was *not* trained on (64-192 tokens each), ``--max-tokens``
   (32) greedy tokens each (eager decode steps, so every dtype runs the same code); the share of
   prompts whose output is identical, and the share of output tokens identical up to each
@@ -49,7 +49,7 @@ DTYPES = ["float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"]
 
 def heldout_prompts(tokenizer, num_prompts: int, seed: int = 0) -> list[list[int]]:
     """Token windows of 64-192 tokens from the standard-library files held out of training."""
-    from pdserve.models.train import read_texts, stdlib_files
+    from pdserve.default_model.train import read_texts, stdlib_files
 
     _, heldout = stdlib_files()
     docs = [tokenizer.encode(t) for t in read_texts(heldout)]
@@ -234,8 +234,8 @@ def attention_speeds(names: list[str], batch: int, context: int, repeats: int = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from pdserve.models.tiny_model import ensure_default_model
-    from pdserve.models.train import shipped_model_dir
+    from pdserve.default_model.tiny_model import ensure_default_model
+    from pdserve.default_model.train import shipped_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="accuracy model (default: the shipped stdlib-llama-v1)")

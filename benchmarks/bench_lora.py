@@ -29,7 +29,7 @@ import torch
 
 from pdserve.common.protocol import LoRARequest, SamplingParams
 from pdserve.llm import LLM
-from pdserve.models.tiny_model import ensure_default_model
+from pdserve.default_model.tiny_model import ensure_default_model
 
 
 def write_adapters(model: str, out_dir: str, num: int, rank: int) -> list[str]:

@@ -34,7 +34,7 @@ from transformers import AutoConfig
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.sharding import KVLayoutSpec, transfer_pieces
-from pdserve.models.tiny_model import ensure_default_model
+from pdserve.default_model.tiny_model import ensure_default_model
 
 PLAN_LAYOUTS = [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (1, 1)), ((1, 1), (1, 2)),
                 ((2, 2), (4, 1)), ((4, 1), (1, 2))]

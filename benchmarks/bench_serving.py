@@ -34,7 +34,7 @@ import psutil
 from pdserve.bench import BenchRequest, DatasetConfig, ServeConfig, build_requests, run_benchmark_sync
 from pdserve.bench.hf_static import hf_static_generate
 from pdserve.common.utils import free_port, parse_size
-from pdserve.models.tiny_model import ensure_default_model
+from pdserve.default_model.tiny_model import ensure_default_model
 from pdserve.launcher import ClusterSpec, LocalCluster
 
 

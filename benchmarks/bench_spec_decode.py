@@ -25,7 +25,7 @@ import time
 
 from pdserve.common.protocol import SamplingParams
 from pdserve.llm import LLM
-from pdserve.models.train import shipped_model_dir
+from pdserve.default_model.train import shipped_model_dir
 
 
 def code_editing_prompts(num_prompts: int, num_lines: int, seed_lines: int = 3) -> list[str]:

@@ -239,7 +239,7 @@ def main() -> int:
     ap.add_argument("--skip-prefill", action="store_true", help="transfer and raw gloo only (no model forward)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from pdserve.models.tiny_model import ensure_default_model
+    from pdserve.default_model.tiny_model import ensure_default_model
 
     args.model = args.model or str(ensure_default_model("bench"))
     results = run(args)

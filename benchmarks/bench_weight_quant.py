@@ -36,8 +36,8 @@ from pdserve.bench.agreement import greedy_agreement, greedy_outputs, teacher_fo
 from pdserve.common.protocol import SamplingParams
 from pdserve.engine.quantization import weight_bytes
 from pdserve.llm import LLM
-from pdserve.models.tiny_model import ensure_default_model
-from pdserve.models.train import shipped_model_dir
+from pdserve.default_model.tiny_model import ensure_default_model
+from pdserve.default_model.train import shipped_model_dir
 
 
 def stdlib_prompts(tokenizer, num_prompts: int, prompt_len: int, seed: int = 0) -> list[list[int]]:

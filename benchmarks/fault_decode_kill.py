@@ -24,7 +24,7 @@ import openai
 
 from pdserve.common.utils import free_port
 from pdserve.launcher import ClusterSpec, LocalCluster
-from pdserve.models.tiny_model import ensure_default_model
+from pdserve.default_model.tiny_model import ensure_default_model
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import psutil
 
 from pdserve.common.utils import free_port
 from pdserve.launcher import ClusterSpec, LocalCluster
-from pdserve.models.tiny_model import ensure_default_model
+from pdserve.default_model.tiny_model import ensure_default_model
 
 
 def rss(cluster) -> dict[str, float]:

@@ -170,7 +170,7 @@ class LLM:
 
     Args:
         model: Hugging Face checkpoint directory (weights, config and tokenizer); None uses
-            the built-in default model (``pdserve.models.train.shipped_model_dir()``, a small
+            the built-in default model (``pdserve.default_model.train.shipped_model_dir()``, a small
             Llama trained on Python's standard library).
         tokenizer: tokenizer directory; None uses ``model``.
         **engine_kwargs: ``EngineConfig`` fields: dtype, device, block_size (tokens),
@@ -188,7 +188,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, tokenizer: str | None = None, **engine_kwargs):
         if model is None:
-            from pdserve.models.train import shipped_model_dir
+            from pdserve.default_model.train import shipped_model_dir
 
             model = str(shipped_model_dir())
         if "kv_cache_memory" in engine_kwargs:

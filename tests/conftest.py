@@ -9,7 +9,7 @@ os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
 
 import pytest  # noqa: E402
 
-from pdserve.models.tiny_model import write_tiny_model  # noqa: E402
+from pdserve.default_model.tiny_model import write_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The shipped default model (pdserve/models/weights/stdlib-llama-v1) and the script that trains it."""
+"""The shipped default model (pdserve/default_model/weights/stdlib-llama-v1) and the script that trains it."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.models.corpus import SPECIAL_TOKENS
-from pdserve.models.train import (
+from pdserve.default_model.corpus import SPECIAL_TOKENS
+from pdserve.default_model.train import (
     DEFAULT_MODEL_NAME, DEFAULT_TRAIN, chat_examples, encode_documents, evaluate_loss, read_texts,
     shipped_model_dir, stdlib_files, train,
 )

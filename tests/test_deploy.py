@@ -120,9 +120,9 @@ def test_dockerfile_parses_and_its_entrypoint_is_pdserve():
     assert yaml.safe_load(instructions["ENTRYPOINT"]) == ["pdserve"]
     cmd = yaml.safe_load(instructions["CMD"])
     parsed = build_parser().parse_known_args(cmd)[0]
-    assert parsed.command == "up" and parsed.model == "/opt/pdserve/models/default"
+    assert parsed.command == "up" and parsed.model == "/opt/pdserve/default_model/default"
     runs = [i["value"] for i in parser.structure if i["instruction"] == "RUN"]
-    assert any("pdserve default-model /opt/pdserve/models/default" in r for r in runs)  # what CMD serves exists
+    assert any("pdserve default-model /opt/pdserve/default_model/default" in r for r in runs)  # what CMD serves exists
     for copied in re.findall(r"^COPY (\S+)", parser.content, re.M):
         assert (ROOT / copied).exists(), copied
     assert shlex.split(instructions["USER"]) == ["pdserve"]  # not root

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from pdserve.common.utils import free_port
-from pdserve.models.train import DEFAULT_MODEL_NAME
+from pdserve.default_model.train import DEFAULT_MODEL_NAME
 
 pytestmark = pytest.mark.cluster
 

@@ -181,7 +181,7 @@ def test_same_seed_index_and_position_reproduce_across_samplers_and_batches():
 def runner(tmp_path_factory):
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.model_runner import ModelRunner
-    from pdserve.models.tiny_model import write_tiny_model
+    from pdserve.default_model.tiny_model import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"), preset="tiny")
     return ModelRunner(EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory=4 * 2**20))

@@ -1,4 +1,4 @@
-"""Tests for pdserve.models.tiny_model: deterministic random-weight HF Llama checkpoints."""
+"""Tests for pdserve.default_model.tiny_model: deterministic random-weight HF Llama checkpoints."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch
 
-from pdserve.models import tiny_model
-from pdserve.models.tiny_model import (
+from pdserve.default_model import tiny_model
+from pdserve.default_model.tiny_model import (
     PRESETS, SPECIAL_TOKENS, default_model_dir, ensure_default_model, num_parameters,
     write_tiny_model,
 )
@@ -58,7 +58,7 @@ def test_same_seed_byte_identical_and_seed_changes_weights(tiny_dir, tmp_path):
 
 def test_tokenizer_training_deterministic_across_processes(tiny_dir):
     # Rust HashMaps are seeded per process, so check a fresh interpreter trains the same BPE.
-    code = ("import hashlib; from pdserve.models.tiny_model import build_tokenizer; "
+    code = ("import hashlib; from pdserve.default_model.tiny_model import build_tokenizer; "
             "print(hashlib.sha256(build_tokenizer('tiny').to_str(pretty=True).encode()).hexdigest())")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     here = hashlib.sha256(tiny_model.build_tokenizer("tiny").to_str(pretty=True).encode()).hexdigest()

@@ -193,7 +193,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     try:
         model = args.model
         if model is None:
-            from pdserve.models.tiny_model import ensure_default_model
+            from pdserve.default_model.tiny_model import ensure_default_model
 
             model = str(ensure_default_model("bench"))
         env = {}

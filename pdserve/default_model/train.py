@@ -7,22 +7,22 @@ generated packages left out, see :data:`EXCLUDED_DIRS`), in sorted order. About 
 20 files, picked by a CRC of the relative path, is held out for evaluation. Besides the
 raw files the model sees chat examples built from the same training files: a function's
 docstring summary as the user turn and the function's source as the assistant turn,
-wrapped in the ChatML-like template of :mod:`pdserve.models.corpus`, so that
+wrapped in the ChatML-like template of :mod:`pdserve.default_model.corpus`, so that
 ``/v1/chat/completions`` answers with code and stops at ``<|im_end|>``.
 
 Pipeline (all deterministic): file list -> byte-level BPE (``tokenizers``, pdserve's
 special tokens 0..4) -> one token stream (documents joined by ``</s>``) -> a
 Hugging Face ``LlamaForCausalLM`` trained on seeded random windows with AdamW, fixed
 thread count and ``torch.use_deterministic_algorithms`` -> a checkpoint directory that
-plain ``transformers`` and pdserve load (:func:`pdserve.models.tiny_model.save_checkpoint`).
+plain ``transformers`` and pdserve load (:func:`pdserve.default_model.tiny_model.save_checkpoint`).
 
 Determinism: the same Python standard library (it differs a little between Python
 patch releases), the same torch / transformers / tokenizers versions and the same
 thread count give the same weights. The shipped checkpoint records what it was
 trained with in ``training.json``.
 
-    python -m pdserve.models.train --out DIR             # the shipped default (minutes on 2 cores)
-    python -m pdserve.models.train --out DIR --steps 50  # a quick look
+    python -m pdserve.default_model.train --out DIR             # the shipped default (minutes on 2 cores)
+    python -m pdserve.default_model.train --out DIR --steps 50  # a quick look
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import time
 import zlib
 from typing import TYPE_CHECKING, Callable
 
-from pdserve.models.corpus import EOS_TOKEN, SPECIAL_TOKENS, train_bpe_on_texts
-from pdserve.models.tiny_model import ModelPreset, save_checkpoint
+from pdserve.default_model.corpus import EOS_TOKEN, SPECIAL_TOKENS, train_bpe_on_texts
+from pdserve.default_model.tiny_model import ModelPreset, save_checkpoint
 
 if TYPE_CHECKING:
     import torch
@@ -111,7 +111,7 @@ DEFAULT_TRAIN = TrainConfig()
 
 
 def shipped_model_dir() -> pathlib.Path:
-    """The trained default checkpoint inside the package (``pdserve/models/weights/stdlib-llama-v1``).
+    """The trained default checkpoint inside the package (``pdserve/default_model/weights/stdlib-llama-v1``).
 
     Raises:
         FileNotFoundError: the package was installed without its data files.
@@ -119,7 +119,7 @@ def shipped_model_dir() -> pathlib.Path:
     path = pathlib.Path(__file__).resolve().parent / "weights" / DEFAULT_MODEL_NAME
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the default model is missing from {path}; reinstall pdserve or run "
-                                f"`python -m pdserve.models.train --out {path}`")
+                                f"`python -m pdserve.default_model.train --out {path}`")
     return path
 
 
@@ -266,7 +266,7 @@ def train(out_dir: str | os.PathLike, cfg: TrainConfig = DEFAULT_TRAIN, *, stdli
     from tqdm import tqdm
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pdserve.models.tiny_model import hf_config_dict, num_parameters
+    from pdserve.default_model.tiny_model import hf_config_dict, num_parameters
 
     t0 = time.perf_counter()
     train_files, heldout_files = stdlib_files(stdlib_root, cfg.max_files)

@@ -2,7 +2,7 @@
 
 pdserve cannot download weights, so it writes its own: a byte-level BPE
 tokenizer trained locally (``tokenizers``) on synthetic text from
-:mod:`pdserve.models.corpus` (which also holds the special tokens and chat
+:mod:`pdserve.default_model.corpus` (which also holds the special tokens and chat
 template), plus normal-initialised Llama weights, saved as a
 directory that plain ``transformers`` loads with ``AutoConfig`` /
 ``AutoTokenizer`` / ``AutoModelForCausalLM``.
@@ -18,7 +18,7 @@ Conventions (shared by every preset):
 * the tokenizer depends only on the preset; the weights depend on preset + seed.
 
 Same preset + seed gives byte-identical ``model.safetensors`` and
-``tokenizer.json``. Run ``python -m pdserve.models.tiny_model OUT --preset bench``
+``tokenizer.json``. Run ``python -m pdserve.default_model.tiny_model OUT --preset bench``
 to write one from the shell.
 """
 
@@ -33,7 +33,7 @@ import shutil
 import tempfile
 from typing import TYPE_CHECKING
 
-from pdserve.models.corpus import (  # noqa: F401  (re-exported)
+from pdserve.default_model.corpus import (  # noqa: F401  (re-exported)
     BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, IM_END, IM_START, PAD_TOKEN, SPECIAL_TOKENS,
     tokenizer_config_files, train_bpe_tokenizer,
 )
