@@ -33,13 +33,16 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     from pdserve.common.auth import API_KEY_ENV, from_env
     from pdserve.launcher import ClusterSpec, run_cluster
     from pdserve.router.config import lora_args, routing_args, tracing_args
-    from pdserve.models.train import shipped_model_dir
+    from pdserve.default_model.train import shipped_model_dir
 
     model = args.model
     if model is None:
         model = str(shipped_model_dir())
         print(f"pdserve: no --model given; using the built-in default model (a small Llama trained on "
               f"Python's standard library) at {model}", flush=True)
+    if (refused := _unsupported_model(model)) is not None:
+        print(f"pdserve: error: {refused}", file=sys.stderr)
+        return 2
     num_prefill = 1 if args.num_prefill is None else args.num_prefill
     if args.colocated:
         if num_prefill and args.num_prefill is not None:
@@ -84,6 +87,17 @@ def pool_parallel_sizes(args: argparse.Namespace) -> dict[str, int]:
     return sizes
 
 
+def _unsupported_model(model_dir: str) -> str | None:
+    """Why pdserve cannot serve the checkpoint at ``model_dir`` (one line), or None."""
+    from pdserve.engine.models import UnsupportedArchitecture, check_model_dir
+
+    try:
+        check_model_dir(model_dir)
+    except UnsupportedArchitecture as e:
+        return str(e)
+    return None
+
+
 def _cmd_router(args: argparse.Namespace) -> int:
     from pdserve.router.config import RouterConfig
     from pdserve.router.server import run_router
@@ -124,6 +138,9 @@ def _cmd_worker(role: str, args: argparse.Namespace) -> int:
     from pdserve.engine.config import EngineConfig
 
     engine_config = EngineConfig.from_cli_args(args, role)
+    if (refused := _unsupported_model(engine_config.model)) is not None:
+        print(f"pdserve {role}: error: {refused}", file=sys.stderr)
+        return 2
     if engine_config.rank != 0:  # a rank of a multi-rank worker started by hand (or by Ray / Kubernetes)
         return _cmd_rank(args)
     worker_config = WorkerConfig.from_cli_args(role, args)
@@ -151,7 +168,7 @@ def _cmd_scale(args: argparse.Namespace) -> int:
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from pdserve.models.tiny_model import write_tiny_model
+    from pdserve.default_model.tiny_model import write_tiny_model
 
     path = write_tiny_model(args.out_dir, preset=args.preset, seed=args.seed)
     print(path)
@@ -163,7 +180,7 @@ def _cmd_default_model(args: argparse.Namespace) -> int:
     nodes that serve it from a path of their own) and print that."""
     import shutil
 
-    from pdserve.models.train import shipped_model_dir
+    from pdserve.default_model.train import shipped_model_dir
 
     path = shipped_model_dir()
     if args.out_dir is not None:

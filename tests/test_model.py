@@ -1,4 +1,4 @@
-"""Our LlamaForCausalLM against the Hugging Face reference on small random checkpoints."""
+"""Our model families against the Hugging Face reference on small random checkpoints."""
 
 import json
 import os
@@ -7,10 +7,12 @@ import random
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config, Qwen3MoeConfig)
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.loader import load_model
+from pdserve.engine.models import SUPPORTED_MODEL_TYPES, UnsupportedArchitecture
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 40
@@ -34,6 +36,22 @@ CONFIGS = {
     "qwen2_tied": lambda: Qwen2Config(**{**COMMON, "num_hidden_layers": 3}, tie_word_embeddings=True),
     "qwen2_untied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=False),
     "mistral_window": lambda: MistralConfig(**COMMON, sliding_window=6),
+    # Qwen3: per-head q/k RMSNorm; head_dim 24 makes q (4 x 24 = 96) wider than hidden (64).
+    "qwen3_tied": lambda: Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True),
+    "qwen3_bias": lambda: Qwen3Config(**COMMON, attention_bias=True, tie_word_embeddings=False),
+    # Phi-3: the checkpoint's fused qkv_proj / gate_up_proj; a window on every layer; partial rotary.
+    "phi3": lambda: Phi3Config(**COMMON, tie_word_embeddings=False),
+    "phi3_window_partial_rope": lambda: Phi3Config(**COMMON, sliding_window=6, partial_rotary_factor=0.5,
+                                                   tie_word_embeddings=False),
+    # Qwen3-MoE: 4 experts, top 2; layer 1 dense by decoder_sparse_step, layer 2 by mlp_only_layers.
+    "qwen3_moe": lambda: Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 4}, moe_intermediate_size=32,
+                                        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                        decoder_sparse_step=1, mlp_only_layers=[2], tie_word_embeddings=False),
+    "qwen3_moe_sparse_step": lambda: Qwen3MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=4,
+                                                    num_experts_per_tok=3, norm_topk_prob=False,
+                                                    decoder_sparse_step=2, tie_word_embeddings=False),
+    "mixtral": lambda: MixtralConfig(**{**COMMON, "intermediate_size": 48}, num_local_experts=4,
+                                     num_experts_per_tok=2, tie_word_embeddings=False),
     "llama3_rope": lambda: LlamaConfig(
         **COMMON,
         rope_scaling={
@@ -151,8 +169,42 @@ def test_unsupported_model_type_raises(tmp_path):
     cfg["model_type"] = "gpt2"
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="unsupported architecture"):
+    with pytest.raises(UnsupportedArchitecture, match="unsupported architecture") as info:
         load_model(str(tmp_path), torch.float32, "cpu")
+    message = str(info.value)
+    assert "\n" not in message and "GPT2LMHeadModel" in message
+    assert all(t in message for t in SUPPORTED_MODEL_TYPES)
+
+
+def test_the_checkpoint_fixture_writes_the_family_it_names(tmp_path):
+    """Each config above really is its family (the comparisons would be vacuous otherwise)."""
+    from pdserve.engine.models.moe import SparseMoeBlock
+
+    for name, family in (("qwen3_tied", "qwen3"), ("phi3", "phi3"), ("qwen3_moe", "qwen3_moe"), ("mixtral", "mixtral")):
+        make_checkpoint(name, tmp_path / name)
+        model = load_model(str(tmp_path / name), torch.float32, "cpu")
+        assert model.config.model_type == family
+        if "moe" in name:  # layer 2 is dense by mlp_only_layers, the others sparse
+            assert [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers] == [True, True, False, True]
+    assert type(model).__name__ == "MixtralForCausalLM"
+
+
+def test_moe_routes_tokens_to_different_experts(tmp_path):
+    """The comparison with HF is only meaningful if tokens really spread over the experts."""
+    make_checkpoint("mixtral", tmp_path)
+    model = load_model(str(tmp_path), torch.float32, "cpu")
+    block = model.model.layers[0].mlp
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    ids = torch.topk(torch.softmax(x @ block.gate.weight.T, -1), 2, dim=-1).indices
+    assert len(torch.unique(ids)) == 4
+    # one expert's output equals the dense SwiGLU with its weights, on the tokens routed to it
+    picked = (ids == 0).any(dim=1)
+    w = torch.where(ids == 0, 1.0, 0.0).sum(1, keepdim=True)
+    only_0 = block.experts(x, torch.zeros_like(ids), torch.where(ids == 0, 1.0, 0.0))
+    w13, w2 = block.experts.w13_weight[0], block.experts.w2_weight[0]
+    gate, up = (x @ w13.T).chunk(2, dim=-1)
+    dense = (torch.nn.functional.silu(gate) * up) @ w2.T
+    torch.testing.assert_close(only_0[picked], (dense * w)[picked], atol=1e-5, rtol=1e-5)
 
 
 def test_missing_and_unexpected_weights_raise(tmp_path):
@@ -186,12 +238,14 @@ def _tp_worker(rank, world_size, model_dir, init_file, out_path):
         dist.destroy_process_group()
 
 
-def test_tensor_parallel_2_matches_tp_1(tmp_path):
-    """Real sharding: two gloo ranks, each holding half the heads and MLP columns."""
+@pytest.mark.parametrize("name", ["qwen2_untied", "qwen3_tied", "phi3", "qwen3_moe", "mixtral"])
+def test_tensor_parallel_2_matches_tp_1(name, tmp_path):
+    """Real sharding: two gloo ranks, each holding half the heads and MLP columns (Phi-3: each
+    rank's rows of the checkpoint's fused q/k/v and gate/up tensors)."""
     import torch.multiprocessing as mp
 
     model_dir = tmp_path / "ckpt"
-    make_checkpoint("qwen2_untied", model_dir)
+    make_checkpoint(name, model_dir)
     out_path = str(tmp_path / "logits.pt")
     mp.spawn(_tp_worker, args=(2, str(model_dir), str(tmp_path / "init"), out_path), nprocs=2)
     tp2 = torch.load(out_path)

@@ -158,16 +158,22 @@ class RotaryEmbedding(nn.Module):
     forward(positions [num_tokens], query [num_tokens, num_heads, head_dim],
     key [num_tokens, num_kv_heads, head_dim]) -> rotated (query, key), same shapes and dtypes.
     cos/sin are computed in float32 from the positions on each call (no max-length table).
+    ``rotary_dim`` (default head_dim): only the first ``rotary_dim`` features of each head
+    rotate, the rest pass through (partial rotary, as Phi-3's ``partial_rotary_factor``).
     rope_scaling: None, {"rope_type": "default"}, or a llama3 dict; anything else raises
     NotImplementedError.
     """
 
-    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None = None, device="cpu"):
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None = None, device="cpu",
+                 rotary_dim: int | None = None):
         super().__init__()
-        if head_dim % 2 != 0:
-            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (rope_theta**exponents)  # (D/2,)
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 != 0 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"RoPE needs an even rotary_dim in (0, head_dim={head_dim}], got {rotary_dim}")
+        self.rotary_dim = rotary_dim
+        self.partial = rotary_dim < head_dim
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+        inv_freq = 1.0 / (rope_theta**exponents)  # (R/2,)
         rope_type = None
         if rope_scaling:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
@@ -180,9 +186,13 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (N, 1, D)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, R/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (N, 1, R)
         cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
+        if self.partial:
+            r = self.rotary_dim
+            return (torch.cat((_rotate(query[..., :r], cos, sin), query[..., r:]), dim=-1),
+                    torch.cat((_rotate(key[..., :r], cos, sin), key[..., r:]), dim=-1))
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
 
 

@@ -1,4 +1,7 @@
-"""Load a Hugging Face checkpoint directory (config.json + *.safetensors) into LlamaForCausalLM.
+"""Load a Hugging Face checkpoint directory (config.json + *.safetensors) into our model.
+
+The class comes from the registry (``pdserve.engine.models.registry``) by the config's
+``architectures`` / ``model_type``. Names, for the Llama family and those built on it:
 
 HF name                                         -> ours (shard_id)
 model.embed_tokens.weight                       -> model.embed_tokens.weight
@@ -8,6 +11,10 @@ model.layers.N.mlp.{gate,up}_proj.{weight,bias} -> model.layers.N.mlp.gate_up_pr
 model.layers.N.mlp.down_proj.{weight,bias}      -> same name
 model.layers.N.{input,post_attention}_layernorm.weight, model.norm.weight -> same name
 lm_head.weight                                  -> lm_head.weight (skipped when embeddings are tied)
+
+A family whose checkpoint already stores a fused tensor (Phi-3's ``qkv_proj`` and
+``gate_up_proj``) names it in ``split_fused``: the tensor is cut along its rows into our
+layer's parts (``output_sizes``) and each part is loaded as above.
 
 Each tensor is handed unsharded to its parameter's ``weight_loader``, which takes this
 TP rank's shard, so the same files serve every TP size.
@@ -32,7 +39,8 @@ from transformers import AutoConfig
 
 from pdserve.engine.compressed_tensors import CHECKPOINT_SCALE, CompressedTensorsConfig
 from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
-from pdserve.engine.model import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +90,9 @@ def _expected_keys(model: LlamaForCausalLM) -> set[tuple[str, int | None]]:
     for name, _ in model.named_parameters():
         owner = modules[name.rsplit(".", 1)[0]]
         num_parts = len(getattr(owner, "output_sizes", [None]))
-        if num_parts > 1:
+        if hasattr(owner, "expected_shards"):  # e.g. stacked MoE experts: one checkpoint tensor per expert
+            expected.update((name, shard) for shard in owner.expected_shards(name.rsplit(".", 1)[1]))
+        elif num_parts > 1:
             expected.update((name, i) for i in range(num_parts))
         else:
             expected.add((name, None))
@@ -118,26 +128,23 @@ def load_model(
     has_embedding: bool = True,
     has_lm_head: bool = True,
 ) -> LlamaForCausalLM:
-    """Build a LlamaForCausalLM from ``model_dir`` and fill it from every *.safetensors file.
+    """Build the registry's model for ``model_dir`` and fill it from every *.safetensors file.
 
     ``tp_group``, ``layer_range``, ``has_embedding`` and ``has_lm_head`` pick this rank's share
     (see ``LlamaForCausalLM``); tensors of other ranks' shares are skipped.
 
-    Raises ValueError for an unsupported ``model_type`` or when the checkpoint has missing
-    or unexpected weights, FileNotFoundError when there are no safetensors files.
+    Raises UnsupportedArchitecture (a ValueError) for an architecture pdserve has no model for,
+    ValueError when the checkpoint has missing or unexpected weights, FileNotFoundError when
+    there are no safetensors files.
     """
     config = AutoConfig.from_pretrained(model_dir)
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported architecture model_type={model_type!r} in {model_dir}; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    cls = model_class(config, model_dir)
     files = _checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
 
-    model = LlamaForCausalLM(config, tp_group=tp_group, dtype=dtype, device=device, layer_range=layer_range,
+    model = cls(config, tp_group=tp_group, dtype=dtype, device=device, layer_range=layer_range,
                              has_embedding=has_embedding, has_lm_head=has_lm_head)
     params = dict(model.named_parameters())
     expected = _expected_keys(model)
@@ -146,8 +153,28 @@ def load_model(
     compressed = CompressedTensorsConfig.from_model_dir(model_dir)
     pending: dict[str, dict[str, torch.Tensor]] = {}  # compressed-tensors: linear's HF name -> its tensors
 
+    split_fused = tuple(f".{m}." for m in getattr(model, "split_fused", ()))
+    modules = dict(model.named_modules())
+
+    family_names = getattr(model, "map_checkpoint_name", None)  # a family's own names (e.g. MoE experts)
+
+    def mapped(hf_name: str) -> tuple[str, Any]:
+        return (family_names(hf_name) if family_names is not None else None) or map_hf_name(hf_name)
+
     def load(hf_name: str, tensor: torch.Tensor, path: str) -> None:
-        name, shard_id = map_hf_name(hf_name)
+        name, shard_id = mapped(hf_name)
+        owner = modules.get(name.rsplit(".", 1)[0])
+        sizes = getattr(owner, "output_sizes", [])
+        if shard_id is None and len(sizes) > 1 and any(m in hf_name for m in split_fused):
+            if tensor.shape[0] != sum(sizes):
+                raise ValueError(f"cannot load {hf_name} from {path}: {tensor.shape[0]} rows, expected the "
+                                 f"parts {sizes} fused ({sum(sizes)})")
+            for part, piece in enumerate(tensor.split(sizes, dim=0)):  # e.g. q, k, v of a fused qkv_proj
+                load_part(hf_name, name, part, piece, path)
+            return
+        load_part(hf_name, name, shard_id, tensor, path)
+
+    def load_part(hf_name: str, name: str, shard_id: Any, tensor: torch.Tensor, path: str) -> None:
         param = params.get(name)
         if param is None or (name, shard_id) not in expected:
             unexpected.append(hf_name)
@@ -174,15 +201,17 @@ def load_model(
                     pending.setdefault(prefix, {})[suffix] = tensor
                     continue
                 load(hf_name, tensor, path)
-    modules = dict(model.named_modules())
     for prefix, parts in pending.items():  # compressed-tensors: dequantized, loaded, scale kept beside
         try:
             weight, scale = compressed.dequantize(parts, dtype)
         except ValueError as e:
             raise ValueError(f"cannot load the compressed-tensors linear {prefix} from {model_dir}: {e}") from e
         load(f"{prefix}.weight", weight, model_dir)
-        name, shard_id = map_hf_name(f"{prefix}.weight")
+        name, shard_id = mapped(f"{prefix}.weight")
         module = modules.get(name.rsplit(".", 1)[0])
+        if shard_id is None and len(getattr(module, "output_sizes", [])) > 1:
+            raise ValueError(f"{prefix} in {model_dir}: a compressed-tensors scale for a fused checkpoint tensor "
+                             "is not supported")
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             _place_scale(module, scale, shard_id)
 

@@ -123,8 +123,10 @@ def quantize_model(model: nn.Module, name: str) -> None:
         qdata, scale = quantized.qdata, quantized.scale  # int8 (out, in); (out, groups) or (out, 1)
         module.weight = nn.Parameter(qdata.contiguous(), requires_grad=False)
         module.weight_scale = nn.Parameter(scale.reshape(qdata.shape[0], -1).contiguous(), requires_grad=False)
-    logger.info("weights quantized (%s, weight-only; embedding and LM head kept): %.1f -> %.1f MiB",
-                name, before / 2**20, weight_bytes(model) / 2**20)
+    kept = [n for n, m in model.named_modules() if hasattr(m, "expected_shards")]  # stacked MoE experts
+    logger.info("weights quantized (%s, weight-only; embedding and LM head kept%s): %.1f -> %.1f MiB",
+                name, f"; the routed experts of {len(kept)} MoE layers kept in float (no int8 expert GEMM yet)"
+                if kept else "", before / 2**20, weight_bytes(model) / 2**20)
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache, and the base
+the other families (``pdserve.engine.models.registry``) build on.
 
 Architecture: Touvron et al., "LLaMA" (2023) — pre-norm RMSNorm, rotary embeddings,
 SwiGLU MLP, grouped-query attention (Ainslie et al., 2023). Mistral adds a sliding
@@ -8,6 +9,12 @@ into ``gate_up_proj`` (see loader.py for the mapping).
 
 The batch is flattened: one forward takes ``num_tokens`` tokens from any number of
 sequences, described by an ``AttentionMetadata``.
+
+Other families subclass these modules and swap a part through class attributes:
+``LlamaForCausalLM.decoder_layer_cls``, ``LlamaDecoderLayer.attention_cls`` / ``mlp_cls``,
+and ``LlamaAttention.normalize_qk`` (per-head q/k norms). Every decoder layer keeps the
+call ``layer(positions, hidden, kv_cache_layer, attn_metadata, layer=None)``, which the
+compiled decode step (``ModelRunner._decode_forward``) relies on.
 """
 
 from __future__ import annotations
@@ -31,7 +38,6 @@ from pdserve.engine.layers import (
     tp_rank_and_size,
 )
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 LOGITS_CHUNK = 1024  # vocabulary rows per LM-head slice on CPU (see compute_logits)
 
 
@@ -44,6 +50,14 @@ def _rope_settings(config) -> tuple[float, dict | None]:
     theta = getattr(config, "rope_theta", None) or params.get("rope_theta") or 10000.0
     rope_type = params.get("rope_type", params.get("type"))
     return float(theta), (params if rope_type not in (None, "default") else None)
+
+
+def _rotary_dim(config, head_dim: int) -> int:
+    """How many features of each head rotate: ``partial_rotary_factor`` (a config field, or in
+    transformers 5's ``rope_parameters``) times head_dim; all of them by default."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return head_dim if factor is None else int(head_dim * float(factor))
 
 
 def _sliding_window(config, layer_idx: int) -> int | None:
@@ -92,7 +106,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(q_size, hidden, bias=o_bias, tp_group=tp_group, dtype=dtype, device=device)
         theta, scaling = _rope_settings(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, theta, scaling, device=device)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, theta, scaling, device=device,
+                                          rotary_dim=_rotary_dim(config, self.head_dim))
 
     def forward(
         self,
@@ -110,9 +125,14 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
+        q, k = self.normalize_qk(q, k)
         q, k = self.rotary_emb(positions, q, k)
         out = paged_attention(q, k, v, kv_cache_layer, attn_metadata, self.scale, self.sliding_window, layer)
         return self.o_proj(out.reshape(-1, q_local))  # (N, H*D) -> (N, hidden)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Norms on q (N, H, D) and k (N, H_kv, D) before rotary embedding: none in Llama."""
+        return q, k
 
 
 class LlamaMLP(nn.Module):
@@ -137,13 +157,20 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: h = x + attn(norm(x)); out = h + mlp(norm(h))."""
 
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    mlp_cls: type[nn.Module] = LlamaMLP
+
     def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
         super().__init__()
         eps = config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, layer_idx, tp_group, dtype, device)
-        self.mlp = LlamaMLP(config, tp_group, dtype, device)
+        self.self_attn = self.attention_cls(config, layer_idx, tp_group, dtype, device)
+        self.mlp = self.make_mlp(config, layer_idx, tp_group, dtype, device)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+
+    def make_mlp(self, config, layer_idx: int, tp_group: Any | None, dtype, device) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward: ``mlp_cls`` (a MoE family picks per layer)."""
+        return self.mlp_cls(config, tp_group, dtype, device)
 
     def forward(self, positions, hidden, kv_cache_layer, attn_metadata, layer: int | None = None) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache_layer, attn_metadata,
@@ -167,7 +194,7 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, config, tp_group: Any | None, dtype, device, layer_range: tuple[int, int],
-                 has_embedding: bool, has_norm: bool):
+                 has_embedding: bool, has_norm: bool, layer_cls: type[nn.Module] = LlamaDecoderLayer):
         super().__init__()
         if has_embedding:
             weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
@@ -176,7 +203,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens = AbsentModule()
         start, end = layer_range
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, tp_group, dtype, device) if start <= i < end else AbsentModule()
+            layer_cls(config, i, tp_group, dtype, device) if start <= i < end else AbsentModule()
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device) \
@@ -201,21 +228,18 @@ class LlamaForCausalLM(nn.Module):
     """
 
     batch_invariant: bool = False
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config, tp_group: Any | None = None, dtype: torch.dtype = torch.float32, device="cpu",
                  layer_range: tuple[int, int] | None = None, has_embedding: bool = True, has_lm_head: bool = True):
         super().__init__()
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported architecture model_type={config.model_type!r}; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
         self.config = config
         self.tp_group = tp_group
         self.layer_range = layer_range or (0, config.num_hidden_layers)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         has_embedding = has_embedding or (has_lm_head and self.tie_word_embeddings)
-        self.model = LlamaModel(config, tp_group, dtype, device, self.layer_range, has_embedding, has_lm_head)
+        self.model = LlamaModel(config, tp_group, dtype, device, self.layer_range, has_embedding, has_lm_head,
+                                self.decoder_layer_cls)
         self.has_embedding, self.has_lm_head = has_embedding, has_lm_head
         if not has_lm_head:
             self.lm_head = AbsentModule()
@@ -240,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
         attention is made invariant by the metadata's ``batch_invariant`` (attention.py)."""
         self.batch_invariant = enabled
         for module in self.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            if module is not self and hasattr(module, "batch_invariant"):  # linears, MoE experts and routers
                 module.batch_invariant = enabled
 
     def holds(self, hf_name: str) -> bool:

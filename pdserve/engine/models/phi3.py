@@ -1,0 +1,23 @@
+"""Phi-3 (mini, small context and 128k variants): Llama's decoder with fused projections.
+
+Abdin et al., "Phi-3 Technical Report" (Microsoft, 2024). The checkpoint stores q/k/v as one
+``self_attn.qkv_proj`` and gate/up as one ``mlp.gate_up_proj`` tensor (our layers' own
+fused names); the loader cuts each into its parts (``split_fused``) so every TP rank takes
+its rows of q, k and v, or of gate and up, as for Llama. ``partial_rotary_factor`` rotates
+only the first features of each head (Phi-4-mini); ``sliding_window`` applies to every
+layer, as in Mistral. LongRoPE scaling (the 128k models) is not implemented: the
+RoPE layer refuses it at load time.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.models.llama import LlamaForCausalLM
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 causal LM over the paged cache (see ``LlamaForCausalLM`` for sharding).
+
+    ``split_fused``: the checkpoint's fused tensors, cut along rows into the parts our fused
+    layers load one by one (``pdserve.engine.loader``)."""
+
+    split_fused = ("self_attn.qkv_proj", "mlp.gate_up_proj")

@@ -1,0 +1,40 @@
+"""Qwen3 (dense): Llama's decoder with an RMSNorm on each query and key head before RoPE.
+
+Qwen team, "Qwen3 Technical Report" (2025). The q/k norms (``self_attn.q_norm`` /
+``self_attn.k_norm``, one weight of ``head_dim`` shared by every head) are per head, so
+they need nothing from other tensor-parallel ranks. Biases follow ``attention_bias``
+(none in the released models); windows follow ``layer_types``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pdserve.engine.layers import RMSNorm
+from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+
+
+class Qwen3Attention(LlamaAttention):
+    """``LlamaAttention`` with q_norm / k_norm: RMSNorm over each head's ``head_dim`` features.
+
+    q (N, H, D), k (N, H_kv, D) -> the same shapes, normalized per (token, head)."""
+
+    def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
+        super().__init__(config, layer_idx, tp_group, dtype, device)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+
+    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
+
+
+class Qwen3DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 dense causal LM over the paged cache (see ``LlamaForCausalLM`` for sharding)."""
+
+    decoder_layer_cls = Qwen3DecoderLayer

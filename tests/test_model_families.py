@@ -1,0 +1,190 @@
+"""The families beyond Llama through the engine and the cluster, against transformers.
+
+Each checkpoint is written here by transformers itself (random weights, norms and biases
+perturbed so they matter) with the tiny model's tokenizer, so the router can serve it.
+tests/test_model.py checks each family's forward layer by layer; here they run as users
+run them: ``LLM`` with chunked prefill, prefix caching and preemption under a small KV
+budget, the compiled decode step, and a disaggregated 1P+1D cluster.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Phi3Config, Qwen3Config,
+                          Qwen3MoeConfig)
+
+from pdserve import LLM, SamplingParams
+from pdserve.common.utils import free_port
+from pdserve.engine.kernels import load_paged_attention
+from pdserve.launcher import ClusterSpec, LocalCluster
+
+COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              num_hidden_layers=3, vocab_size=2048, max_position_embeddings=512, initializer_range=0.1,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILIES = {
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True),
+    "phi3": lambda: Phi3Config(**COMMON, partial_rotary_factor=0.5, tie_word_embeddings=False),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                        norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False),
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                     tie_word_embeddings=False),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+PROMPTS = [
+    "def parse(path):\n    with open(path) as f:\n        return",
+    "def parse(path):\n    with open(path) as f:\n        for line in f:",  # shares a prefix with the first
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self, name, value, default=None):\n        self.",
+]
+
+
+@pytest.fixture(scope="module")
+def family_dirs(model_dir, tmp_path_factory) -> dict[str, str]:
+    dirs = {}
+    for name, make_config in FAMILIES.items():
+        path = tmp_path_factory.mktemp(name)
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32).eval()
+        with torch.no_grad():
+            for pname, p in hf.named_parameters():
+                if "norm" in pname or pname.endswith("bias"):
+                    p.add_(0.1 * torch.randn_like(p))
+        hf.save_pretrained(path)
+        for f in TOKENIZER_FILES:
+            shutil.copy(f"{model_dir}/{f}", path / f)
+        dirs[name] = str(path)
+    return dirs
+
+
+def hf_reference(model_path: str, prompt_ids: list[list[int]], max_tokens: int):
+    """transformers' greedy tokens and each chosen token's logprob, per prompt."""
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    out = []
+    for ids in prompt_ids:
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+        tokens = gen.sequences[0, len(ids):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, tokens)]
+        out.append((tokens, logprobs))
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_llm_greedy_tokens_and_logprobs_match_transformers(family, family_dirs):
+    """Chunked prefill (16-token steps), prefix caching and a KV budget of 8 blocks of 16 tokens
+    for three requests of up to 4 blocks each, so they preempt each other: still transformers'
+    tokens and logprobs."""
+    path = family_dirs[family]
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt_ids = [tok(p).input_ids for p in PROMPTS]
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True)
+    ref = hf_reference(path, prompt_ids, params.max_tokens)
+    cfg = FAMILIES[family]()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    block_bytes = cfg.num_hidden_layers * 2 * 16 * cfg.num_key_value_heads * head_dim * 4  # K and V, fp32
+    llm = LLM(path, max_num_batched_tokens=16, enable_prefix_caching=True, kv_cache_memory=8 * block_bytes)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        assert llm.core.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    finally:
+        llm.close()
+    for (want_tokens, want_logprobs), out in zip(ref, outputs):
+        got = out.outputs[0]
+        assert got.token_ids == want_tokens
+        assert max(abs(g.logprob - w) for g, w in zip(got.logprobs, want_logprobs)) < 1e-4
+
+
+@pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: nothing is compiled")
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_compiled_decode_step_gives_the_eager_tokens(family, family_dirs):
+    path = family_dirs[family]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [list(range(5, 30)), [7, 300, 41, 9]]
+    tokens = {}
+    for eager in (True, False):
+        llm = LLM(path, enforce_eager=eager)
+        try:
+            assert (llm.core.runner._compiled_decode is None) == eager
+            tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.close()
+    assert tokens[False] == tokens[True]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("family", ["qwen3_moe"])
+def test_disaggregated_cluster_serves_transformers_tokens(family, family_dirs, tmp_path):
+    """1P+1D: the prefill worker builds the KV of every prompt longer than 8 tokens and ships it."""
+    path = family_dirs[family]
+    spec = ClusterSpec(model=path, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
+                       worker_args=["--remote-prefill-threshold", "8", "--kv-cache-memory", "4MiB"])
+    tok = AutoTokenizer.from_pretrained(path)
+    ref = hf_reference(path, [tok(p).input_ids for p in PROMPTS], 12)
+    with LocalCluster(spec, log_dir=str(tmp_path / "logs")) as cluster:
+        api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
+        model = api.models.list().data[0].id
+        for prompt, (want, _) in zip(PROMPTS, ref):
+            choice = api.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0]
+            assert choice.text == tok.decode(want, skip_special_tokens=True)
+        workers = httpx.get(f"{cluster.url}/workers", timeout=10).json()
+        prefill = [w for w in workers if w["role"] == "prefill"]
+        assert prefill and prefill[0]["num_routed"] >= len(PROMPTS)  # every prompt was prefilled remotely
+
+
+@pytest.mark.parametrize("batch_invariant", [True, False])
+def test_moe_experts_give_a_token_the_same_bits_however_many_share_its_expert(batch_invariant):
+    """Every token routed to expert 0 (weight 1): a probe token's output among M others. Batch-
+    invariant, one bit pattern for every M; without it, MKL's M-dependent kernels give several
+    (the check that this test can fail)."""
+    from pdserve.engine.models.moe import FusedExperts
+    from tests.test_batch_invariance import _distinct_rows
+
+    experts = FusedExperts(num_experts=2, hidden_size=256, intermediate_size=320, tp_group=None,
+                           dtype=torch.float32, device="cpu")
+    gen = torch.Generator().manual_seed(2)
+    experts.w13_weight.data.normal_(generator=gen)
+    experts.w2_weight.data.normal_(generator=gen)
+    experts.batch_invariant = batch_invariant
+
+    def run(x):
+        n = x.shape[0]
+        return experts(x, torch.zeros(n, 1, dtype=torch.int64), torch.ones(n, 1))
+
+    distinct = _distinct_rows(run, 256)
+    assert distinct == 1 if batch_invariant else distinct > 1
+
+
+def test_moe_request_is_bit_identical_among_any_traffic(family_dirs):
+    """``--batch-invariant`` covers the routed experts: however many other tokens pick the same
+    experts, the target request's completion and logprobs are the same bits."""
+    from tests.test_batch_invariance import _runs
+
+    with LLM(family_dirs["qwen3_moe"], batch_invariant=True, enable_prefix_caching=False, seed=0,
+             num_threads=1) as llm:
+        experts = llm.core.runner.model.model.layers[0].mlp.experts
+        assert experts.batch_invariant
+        results = _runs(llm, 12, seed=5)
+    assert len(set(results)) == 1
+
+
+@pytest.mark.parametrize("command", [["up"], ["decode", "--router", "tcp://127.0.0.1:1"]])
+def test_an_unsupported_architecture_is_one_line_before_anything_starts(command, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from pdserve.engine.models import SUPPORTED_MODEL_TYPES
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    proc = subprocess.run([sys.executable, "-m", "pdserve", *command, "--model", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "unsupported architecture" in lines[0] and "GPT2LMHeadModel" in lines[0], lines
+    assert "Traceback" not in proc.stderr and all(t in lines[0] for t in SUPPORTED_MODEL_TYPES)
