@@ -116,13 +116,31 @@ def test_compiled_decode_step_gives_the_eager_tokens(family, family_dirs):
     assert tokens[False] == tokens[True]
 
 
+def test_expert_parallel_llm_gives_transformers_tokens(family_dirs):
+    """TP 2 attention with the experts split whole over the two ranks (--enable-expert-parallel)."""
+    path = family_dirs["qwen3_moe"]
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt_ids = [tok(p).input_ids for p in PROMPTS]
+    ref = hf_reference(path, prompt_ids, 12)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(path, tensor_parallel_size=2, enable_expert_parallel=True, kv_cache_memory="2MiB") as llm:
+        experts = llm.core.runner.model.model.layers[0].mlp.experts  # the driver rank's
+        assert experts.expert_parallel and experts.num_local_experts == 2
+        outputs = llm.generate(prompt_ids, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [want for want, _ in ref]
+
+
 @pytest.mark.cluster
-@pytest.mark.parametrize("family", ["qwen3_moe"])
-def test_disaggregated_cluster_serves_transformers_tokens(family, family_dirs, tmp_path):
-    """1P+1D: the prefill worker builds the KV of every prompt longer than 8 tokens and ships it."""
+@pytest.mark.parametrize("family,prefill_tp", [("qwen3_moe", 2)])
+def test_disaggregated_cluster_serves_transformers_tokens(family, prefill_tp, family_dirs, tmp_path):
+    """1P+1D, the prefill worker TP 2 with expert parallelism and the decode worker TP 1 (the KV is
+    re-laid between the two layouts): the prefill worker builds the KV of every prompt longer than
+    8 tokens and ships it; the tokens are transformers'."""
     path = family_dirs[family]
     spec = ClusterSpec(model=path, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
-                       worker_args=["--remote-prefill-threshold", "8", "--kv-cache-memory", "4MiB"])
+                       prefill_tensor_parallel_size=prefill_tp,
+                       worker_args=["--remote-prefill-threshold", "8", "--kv-cache-memory", "4MiB",
+                                    "--enable-expert-parallel"])
     tok = AutoTokenizer.from_pretrained(path)
     ref = hf_reference(path, [tok(p).input_ids for p in PROMPTS], 12)
     with LocalCluster(spec, log_dir=str(tmp_path / "logs")) as cluster:

@@ -105,6 +105,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     speculative_config: str | None = None
     batch_invariant: bool = False
+    enable_expert_parallel: bool = False
     quantization: str | None = None
     enable_lora: bool = False
     max_loras: int = 1
@@ -216,6 +217,10 @@ class EngineConfig:
                        help="bit-identical results for a request whatever else is batched with it and however "
                             "its prefill is chunked (padded matmuls, all attention through the paged kernel, "
                             "eager decode); costs speed, needs the paged backend")
+        g.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE models: split the routed experts across the worker's tensor-parallel ranks "
+                            "(each rank holds num_experts / TP whole experts) instead of slicing every expert; "
+                            "attention stays tensor-parallel")
         g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                        help="int8: quantize the linear weights at load time (weight-only, per output channel, "
                             "torchao; embedding and LM head kept); compressed-tensors: a W8A16/W4A16 checkpoint "
@@ -248,6 +253,7 @@ class EngineConfig:
                    kv_cache_dtype=args.kv_cache_dtype, cpu_cores=args.cpu_cores,
                    enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
                    speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
+                   enable_expert_parallel=args.enable_expert_parallel,
                    enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                    max_cpu_loras=args.max_cpu_loras, quantization=args.quantization)
 
@@ -273,6 +279,8 @@ class EngineConfig:
             args.append("--no-prefix-caching")
         if self.batch_invariant:
             args.append("--batch-invariant")
+        if self.enable_expert_parallel:
+            args.append("--enable-expert-parallel")
         if self.quantization is not None:
             args += ["--quantization", self.quantization]
         if self.enable_lora:

@@ -127,11 +127,14 @@ def load_model(
     layer_range: tuple[int, int] | None = None,
     has_embedding: bool = True,
     has_lm_head: bool = True,
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """Build the registry's model for ``model_dir`` and fill it from every *.safetensors file.
 
     ``tp_group``, ``layer_range``, ``has_embedding`` and ``has_lm_head`` pick this rank's share
-    (see ``LlamaForCausalLM``); tensors of other ranks' shares are skipped.
+    (see ``LlamaForCausalLM``); tensors of other ranks' shares are skipped. ``expert_parallel``:
+    a MoE model's experts are split whole across the TP ranks (``pdserve.engine.models.moe``); a
+    model without experts ignores it (logged).
 
     Raises UnsupportedArchitecture (a ValueError) for an architecture pdserve has no model for,
     ValueError when the checkpoint has missing or unexpected weights, FileNotFoundError when
@@ -145,7 +148,9 @@ def load_model(
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
 
     model = cls(config, tp_group=tp_group, dtype=dtype, device=device, layer_range=layer_range,
-                             has_embedding=has_embedding, has_lm_head=has_lm_head)
+                             has_embedding=has_embedding, has_lm_head=has_lm_head, expert_parallel=expert_parallel)
+    if expert_parallel and not any(hasattr(m, "expected_shards") for m in model.modules()):
+        logger.warning("--enable-expert-parallel: %s has no routed experts; the flag changes nothing", model_type)
     params = dict(model.named_parameters())
     expected = _expected_keys(model)
     loaded: set[tuple[str, int | None]] = set()
@@ -176,6 +181,9 @@ def load_model(
 
     def load_part(hf_name: str, name: str, shard_id: Any, tensor: torch.Tensor, path: str) -> None:
         param = params.get(name)
+        owner = modules.get(name.rsplit(".", 1)[0])
+        if param is not None and not getattr(owner, "holds_shard", lambda _: True)(shard_id):
+            return  # another rank's expert (expert parallelism)
         if param is None or (name, shard_id) not in expected:
             unexpected.append(hf_name)
             return

@@ -147,7 +147,8 @@ class ModelRunner:
         self.model = load_model(config.model, dtype=self.dtype, device=self.device,
                                 tp_group=ranks.tp_group if ranks is not None else None, layer_range=layer_range,
                                 has_embedding=ranks is None or ranks.is_first_stage,
-                                has_lm_head=ranks is None or ranks.is_driver)
+                                has_lm_head=ranks is None or ranks.is_driver,
+                                expert_parallel=config.enable_expert_parallel)
         if self.quantization is not None:  # this rank's shards, as loaded
             quantize_model(self.model, self.quantization)
         if config.batch_invariant:

@@ -160,9 +160,10 @@ class LlamaDecoderLayer(nn.Module):
     attention_cls: type[LlamaAttention] = LlamaAttention
     mlp_cls: type[nn.Module] = LlamaMLP
 
-    def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
+    def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device, expert_parallel: bool = False):
         super().__init__()
         eps = config.rms_norm_eps
+        self.expert_parallel = expert_parallel  # read by a MoE family's make_mlp
         self.self_attn = self.attention_cls(config, layer_idx, tp_group, dtype, device)
         self.mlp = self.make_mlp(config, layer_idx, tp_group, dtype, device)
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
@@ -194,7 +195,8 @@ class LlamaModel(nn.Module):
     """
 
     def __init__(self, config, tp_group: Any | None, dtype, device, layer_range: tuple[int, int],
-                 has_embedding: bool, has_norm: bool, layer_cls: type[nn.Module] = LlamaDecoderLayer):
+                 has_embedding: bool, has_norm: bool, layer_cls: type[nn.Module] = LlamaDecoderLayer,
+                 expert_parallel: bool = False):
         super().__init__()
         if has_embedding:
             weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
@@ -203,7 +205,7 @@ class LlamaModel(nn.Module):
             self.embed_tokens = AbsentModule()
         start, end = layer_range
         self.layers = nn.ModuleList(
-            layer_cls(config, i, tp_group, dtype, device) if start <= i < end else AbsentModule()
+            layer_cls(config, i, tp_group, dtype, device, expert_parallel) if start <= i < end else AbsentModule()
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device) \
@@ -223,6 +225,9 @@ class LlamaForCausalLM(nn.Module):
     KV cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``;
     ``layer_range`` says which global layers those are.
 
+    ``expert_parallel``: a MoE family splits its routed experts whole across the TP ranks
+    (``pdserve.engine.models.moe``) instead of slicing each one; others ignore it.
+
     ``batch_invariant`` (``set_batch_invariant``): every matmul, the LM head's included, gives
     each row the same bits whatever else is in the batch (see ``batch_invariant_linear``).
     """
@@ -231,7 +236,8 @@ class LlamaForCausalLM(nn.Module):
     decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config, tp_group: Any | None = None, dtype: torch.dtype = torch.float32, device="cpu",
-                 layer_range: tuple[int, int] | None = None, has_embedding: bool = True, has_lm_head: bool = True):
+                 layer_range: tuple[int, int] | None = None, has_embedding: bool = True, has_lm_head: bool = True,
+                 expert_parallel: bool = False):
         super().__init__()
         self.config = config
         self.tp_group = tp_group
@@ -239,7 +245,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         has_embedding = has_embedding or (has_lm_head and self.tie_word_embeddings)
         self.model = LlamaModel(config, tp_group, dtype, device, self.layer_range, has_embedding, has_lm_head,
-                                self.decoder_layer_cls)
+                                self.decoder_layer_cls, expert_parallel)
         self.has_embedding, self.has_lm_head = has_embedding, has_lm_head
         if not has_lm_head:
             self.lm_head = AbsentModule()

@@ -13,6 +13,12 @@ back into their tokens (``index_add_``): no per-token loop and no dense all-expe
 
 Tensor parallelism splits every expert's intermediate size I across the ranks, as the dense
 MLP does (gate/up rows, down columns), and all-reduces the output; the router is replicated.
+Expert parallelism (``--enable-expert-parallel``, vLLM's flag) instead gives each of the TP
+group's ranks ``E / tp`` whole experts: every rank routes all tokens (attention leaves the
+hidden states replicated on the TP ranks), computes the pairs of its own experts, and the same
+all-reduce adds the ranks' partial outputs. On gloo that all-reduce is the dispatch and combine
+in one collective (the all-to-all of GPU EP kernels moves fewer bytes but needs token
+counts exchanged first); it moves the same [N, hidden] as TP's.
 """
 
 from __future__ import annotations
@@ -68,17 +74,24 @@ class FusedExperts(nn.Module):
     batch_invariant: bool = False
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_group: Any | None,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, expert_parallel: bool = False):
         super().__init__()
         self.num_experts = num_experts
         self.tp_group = tp_group
         self.tp_rank, self.tp_size = tp_rank_and_size(tp_group)
         self.intermediate_size = intermediate_size
-        self.local_intermediate = _divide(intermediate_size, self.tp_size, "moe intermediate size")
-        i = self.local_intermediate
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size, dtype=dtype, device=device),
+        self.expert_parallel = expert_parallel and self.tp_size > 1
+        if self.expert_parallel:  # whole experts [expert_start, expert_start + num_local_experts) on this rank
+            self.num_local_experts = _divide(num_experts, self.tp_size, "num_experts (expert parallel)")
+            self.expert_start = self.tp_rank * self.num_local_experts
+            self.local_intermediate = intermediate_size
+        else:  # every expert, I / tp of its intermediate features
+            self.num_local_experts, self.expert_start = num_experts, 0
+            self.local_intermediate = _divide(intermediate_size, self.tp_size, "moe intermediate size")
+        e, i = self.num_local_experts, self.local_intermediate
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype, device=device),
                                        requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i, dtype=dtype, device=device),
+        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype, device=device),
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
@@ -86,7 +99,14 @@ class FusedExperts(nn.Module):
     def expected_shards(self, param_name: str) -> list[tuple[int, int]]:
         """The checkpoint tensors ``param_name`` (``w13_weight`` / ``w2_weight``) is filled from."""
         parts = (DOWN,) if param_name == "w2_weight" else (GATE, UP)
-        return [(e, p) for e in range(self.num_experts) for p in parts]
+        experts = range(self.expert_start, self.expert_start + self.num_local_experts)
+        return [(e, p) for e in experts for p in parts]
+
+    def holds_shard(self, shard_id: tuple[int, int] | None) -> bool:
+        """Whether checkpoint tensor ``shard_id`` (expert, part) belongs on this rank (False: another
+        rank's expert under expert parallelism)."""
+        return not isinstance(shard_id, tuple) or \
+            self.expert_start <= shard_id[0] < self.expert_start + self.num_local_experts
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None) -> None:
         """Copy this rank's slice of one expert's HF tensor: gate/up [I, H] rows, down [H, I] columns."""
@@ -95,28 +115,35 @@ class FusedExperts(nn.Module):
         expert, part = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range (the config has {self.num_experts})")
-        i, r = self.local_intermediate, self.tp_rank
+        if not self.holds_shard(shard_id):
+            raise ValueError(f"expert {expert} lives on another expert-parallel rank")
+        i, r = self.local_intermediate, 0 if self.expert_parallel else self.tp_rank
+        local = expert - self.expert_start
         if part == DOWN:
             if loaded.shape != (param.shape[1], self.intermediate_size):
                 raise ValueError(f"down_proj of expert {expert} is {tuple(loaded.shape)}, expected "
                                  f"{(param.shape[1], self.intermediate_size)}")
-            param.data[expert].copy_(loaded.narrow(1, r * i, i))
+            param.data[local].copy_(loaded.narrow(1, r * i, i))
             return
         if loaded.shape != (self.intermediate_size, param.shape[2]):
             raise ValueError(f"{'gate' if part == GATE else 'up'}_proj of expert {expert} is {tuple(loaded.shape)}, "
                              f"expected {(self.intermediate_size, param.shape[2])}")
-        param.data[expert].narrow(0, part * i, i).copy_(loaded.narrow(0, r * i, i))
+        param.data[local].narrow(0, part * i, i).copy_(loaded.narrow(0, r * i, i))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         n, k = topk_ids.shape
         flat = topk_ids.reshape(-1)  # (N*k,) pair p = token p // k, its (p % k)-th choice
+        if self.expert_parallel:  # this rank's experts as 0..E_local-1; every other expert as E_local (dropped)
+            flat = flat - self.expert_start
+            flat = torch.where((flat >= 0) & (flat < self.num_local_experts), flat, self.num_local_experts)
         order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens ascending in each group
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # host: the group sizes
-        token_of = order // k  # (N*k,) the token of each grouped pair
+        counts = torch.bincount(flat, minlength=self.num_local_experts + 1).tolist()  # host: the group sizes
+        order = order[:sum(counts[:self.num_local_experts])]  # this rank's pairs (all of them without EP)
+        token_of = order // k  # the token of each grouped pair
         xs = x.index_select(0, token_of)  # (N*k, H), one contiguous run of rows per expert
         out = torch.empty_like(xs)
         i, start = self.local_intermediate, 0
-        for expert, count in enumerate(counts):
+        for expert, count in enumerate(counts[:self.num_local_experts]):
             if count == 0:
                 continue
             rows = slice(start, start + count)
@@ -152,18 +179,20 @@ class SparseMoeBlock(nn.Module):
 
     Router probabilities are a float32 softmax of the router logits; the ``top_k`` largest are
     renormalized to sum to one when ``norm_topk_prob`` (Mixtral always; Qwen3-MoE per config).
+    ``expert_parallel``: the experts split whole across the TP ranks (see the module doc).
     ``weights_dtype_of_x``: cast the routing weights to the activations' dtype before scaling
     (Qwen3-MoE) rather than scaling in float32 (Mixtral); the same in a float32 model.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, norm_topk_prob: bool,
-                 tp_group: Any | None, dtype, device, weights_dtype_of_x: bool = True):
+                 tp_group: Any | None, dtype, device, weights_dtype_of_x: bool = True, expert_parallel: bool = False):
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.top_k, self.norm_topk_prob, self.weights_dtype_of_x = top_k, norm_topk_prob, weights_dtype_of_x
         self.gate = MoeRouter(num_experts, hidden_size, dtype, device)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, tp_group, dtype, device)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, tp_group, dtype, device,
+                                    expert_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # (N, E)

@@ -31,7 +31,7 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
             return LlamaMLP(config, tp_group, dtype, device)
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                               config.num_experts_per_tok, bool(config.norm_topk_prob), tp_group, dtype, device,
-                              weights_dtype_of_x=True)
+                              weights_dtype_of_x=True, expert_parallel=self.expert_parallel)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
