@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Phi3Config,
+                          Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.loader import load_model
@@ -52,6 +52,9 @@ CONFIGS = {
                                                     decoder_sparse_step=2, tie_word_embeddings=False),
     "mixtral": lambda: MixtralConfig(**{**COMMON, "intermediate_size": 48}, num_local_experts=4,
                                      num_experts_per_tok=2, tie_word_embeddings=False),
+    # OLMo 2: post-norm blocks, q/k norms over all heads (sharded under TP).
+    "olmo2": lambda: Olmo2Config(**COMMON, tie_word_embeddings=False),
+    "olmo2_one_kv_head": lambda: Olmo2Config(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True),
     "llama3_rope": lambda: LlamaConfig(
         **COMMON,
         rope_scaling={
@@ -231,7 +234,7 @@ def _tp_worker(rank, world_size, model_dir, init_file, out_path, expert_parallel
             experts = model.model.layers[0].mlp.experts
             assert experts.num_local_experts == experts.num_experts // world_size
             assert experts.w13_weight.shape[1] == 2 * experts.intermediate_size
-        assert model.num_kv_heads == 2 // world_size
+        assert model.num_kv_heads == max(1, model.config.num_key_value_heads // world_size)
         prompt = list(range(7, 20))
         seq = PagedSeq(seed=rank)  # each rank has its own cache; block ids need not agree
         cache = new_cache(model)
@@ -248,11 +251,12 @@ def _tp_worker(rank, world_size, model_dir, init_file, out_path, expert_parallel
 
 @pytest.mark.parametrize("name,expert_parallel", [("qwen2_untied", False), ("qwen3_tied", False), ("phi3", False),
                                                   ("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True),
-                                                  ("mixtral", True)])
+                                                  ("mixtral", True), ("olmo2", False), ("olmo2_one_kv_head", False)])
 def test_tensor_parallel_2_matches_tp_1(name, expert_parallel, tmp_path):
     """Real sharding: two gloo ranks, each holding half the heads and MLP columns (Phi-3: each
     rank's rows of the checkpoint's fused q/k/v and gate/up tensors; MoE: half of every expert,
-    or with expert parallelism half of the experts, whole)."""
+    or with expert parallelism half of the experts, whole; OLMo 2: q/k norms over heads on both
+    ranks, its one KV head replicated)."""
     import torch.multiprocessing as mp
 
     model_dir = tmp_path / "ckpt"

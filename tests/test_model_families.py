@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Phi3Config, Qwen3Config,
+from transformers import (AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Olmo2Config, Phi3Config, Qwen3Config,
                           Qwen3MoeConfig)
 
 from pdserve import LLM, SamplingParams
@@ -33,6 +33,7 @@ FAMILIES = {
                                         norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False),
     "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
                                      tie_word_embeddings=False),
+    "olmo2": lambda: Olmo2Config(**COMMON, tie_word_embeddings=False),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PROMPTS = [

@@ -234,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
 
     batch_invariant: bool = False
     decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
+    final_norm_cls: type[RMSNorm] = RMSNorm  # the norm before the LM head
 
     def __init__(self, config, tp_group: Any | None = None, dtype: torch.dtype = torch.float32, device="cpu",
                  layer_range: tuple[int, int] | None = None, has_embedding: bool = True, has_lm_head: bool = True,
@@ -246,6 +247,8 @@ class LlamaForCausalLM(nn.Module):
         has_embedding = has_embedding or (has_lm_head and self.tie_word_embeddings)
         self.model = LlamaModel(config, tp_group, dtype, device, self.layer_range, has_embedding, has_lm_head,
                                 self.decoder_layer_cls, expert_parallel)
+        if has_lm_head and self.final_norm_cls is not RMSNorm:
+            self.model.norm = self.final_norm_cls(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
         self.has_embedding, self.has_lm_head = has_embedding, has_lm_head
         if not has_lm_head:
             self.lm_head = AbsentModule()

@@ -38,6 +38,7 @@ _FAMILIES = (
     ModelFamily("phi3", ("Phi3ForCausalLM",), "phi3", "Phi3ForCausalLM"),
     ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe", "Qwen3MoeForCausalLM"),
     ModelFamily("mixtral", ("MixtralForCausalLM",), "mixtral", "MixtralForCausalLM"),
+    ModelFamily("olmo2", ("Olmo2ForCausalLM",), "olmo2", "Olmo2ForCausalLM"),
 )
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(f.model_type for f in _FAMILIES)
 
