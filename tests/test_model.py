@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Phi3Config,
-                          Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                          Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.loader import load_model
@@ -55,6 +55,15 @@ CONFIGS = {
     # OLMo 2: post-norm blocks, q/k norms over all heads (sharded under TP).
     "olmo2": lambda: Olmo2Config(**COMMON, tie_word_embeddings=False),
     "olmo2_one_kv_head": lambda: Olmo2Config(**{**COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True),
+    # Gemma 3: sliding (window 6) and global layers with their own RoPE (global: linear scaling),
+    # (1 + w) norms, four norms a block, q/k norms, embedding scale, query_pre_attn_scalar; soft cap.
+    "gemma3": lambda: Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}),
+    "gemma3_softcap": lambda: Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+                                               final_logit_softcapping=3.0, tie_word_embeddings=False),
     "llama3_rope": lambda: LlamaConfig(
         **COMMON,
         rope_scaling={
@@ -251,7 +260,8 @@ def _tp_worker(rank, world_size, model_dir, init_file, out_path, expert_parallel
 
 @pytest.mark.parametrize("name,expert_parallel", [("qwen2_untied", False), ("qwen3_tied", False), ("phi3", False),
                                                   ("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True),
-                                                  ("mixtral", True), ("olmo2", False), ("olmo2_one_kv_head", False)])
+                                                  ("mixtral", True), ("olmo2", False), ("olmo2_one_kv_head", False),
+                                                  ("gemma3", False)])
 def test_tensor_parallel_2_matches_tp_1(name, expert_parallel, tmp_path):
     """Real sharding: two gloo ranks, each holding half the heads and MLP columns (Phi-3: each
     rank's rows of the checkpoint's fused q/k/v and gate/up tensors; MoE: half of every expert,

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Olmo2Config, Phi3Config, Qwen3Config,
-                          Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, MixtralConfig, Olmo2Config,
+                          Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
@@ -34,6 +34,8 @@ FAMILIES = {
     "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
                                      tie_word_embeddings=False),
     "olmo2": lambda: Olmo2Config(**COMMON, tie_word_embeddings=False),
+    "gemma3": lambda: Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                       layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PROMPTS = [
@@ -101,7 +103,7 @@ def test_llm_greedy_tokens_and_logprobs_match_transformers(family, family_dirs):
 
 
 @pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: nothing is compiled")
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma3"])
 def test_compiled_decode_step_gives_the_eager_tokens(family, family_dirs):
     path = family_dirs[family]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -160,8 +160,8 @@ class RotaryEmbedding(nn.Module):
     cos/sin are computed in float32 from the positions on each call (no max-length table).
     ``rotary_dim`` (default head_dim): only the first ``rotary_dim`` features of each head
     rotate, the rest pass through (partial rotary, as Phi-3's ``partial_rotary_factor``).
-    rope_scaling: None, {"rope_type": "default"}, or a llama3 dict; anything else raises
-    NotImplementedError.
+    rope_scaling: None, {"rope_type": "default"}, a llama3 dict, or {"rope_type": "linear",
+    "factor": f}; anything else raises NotImplementedError.
     """
 
     def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None = None, device="cpu",
@@ -179,8 +179,10 @@ class RotaryEmbedding(nn.Module):
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type == "linear":  # position interpolation (Chen et al., 2023): positions / factor
+            inv_freq = inv_freq / float(rope_scaling["factor"])
         elif rope_type not in (None, "default"):
-            raise NotImplementedError(f"RoPE scaling type {rope_type!r} is not supported (only llama3)")
+            raise NotImplementedError(f"RoPE scaling type {rope_type!r} is not supported (llama3 and linear are)")
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def forward(

@@ -39,6 +39,7 @@ _FAMILIES = (
     ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), "qwen3_moe", "Qwen3MoeForCausalLM"),
     ModelFamily("mixtral", ("MixtralForCausalLM",), "mixtral", "MixtralForCausalLM"),
     ModelFamily("olmo2", ("Olmo2ForCausalLM",), "olmo2", "Olmo2ForCausalLM"),
+    ModelFamily("gemma3_text", ("Gemma3ForCausalLM",), "gemma3", "Gemma3ForCausalLM"),
 )
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(f.model_type for f in _FAMILIES)
 
