@@ -209,3 +209,55 @@ def test_an_unsupported_architecture_is_one_line_before_anything_starts(command,
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "unsupported architecture" in lines[0] and "GPT2LMHeadModel" in lines[0], lines
     assert "Traceback" not in proc.stderr and all(t in lines[0] for t in SUPPORTED_MODEL_TYPES)
+
+
+def test_pipeline_parallel_and_speculative_decoding_give_transformers_tokens(family_dirs):
+    """A MoE model in two pipeline stages, and n-gram speculative decoding on Gemma 3's windows."""
+    repetitive = "a b c d a b c d a b c d a b c d a b"
+    for family, kwargs in (("qwen3_moe", dict(pipeline_parallel_size=2)),
+                           ("gemma3", dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, '
+                                                              '"prompt_lookup_max": 3}'))):
+        path = family_dirs[family]
+        tok = AutoTokenizer.from_pretrained(path)
+        prompt_ids = [tok(p).input_ids for p in [*PROMPTS, repetitive]]
+        ref = hf_reference(path, prompt_ids, 16)
+        with LLM(path, kv_cache_memory="2MiB", **kwargs) as llm:
+            outputs = llm.generate(prompt_ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                                   use_tqdm=False)
+            stats = llm.core.scheduler.stats
+            if "speculative_config" in kwargs:
+                assert stats.spec_decode_num_draft_tokens > 0
+        assert [o.outputs[0].token_ids for o in outputs] == [want for want, _ in ref], family
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_lora_on_the_attention_projections_matches_peft(family, family_dirs, tmp_path):
+    """A peft adapter on q/k/v/o (Qwen3's q/k norms sit between the projection and RoPE; the MoE
+    model's experts stay base weights): token-exact against transformers + peft."""
+    import peft
+
+    from pdserve.common.protocol import LoRARequest
+
+    path = family_dirs[family]
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    adapter = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, r=8, lora_alpha=16,
+                                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    adapter.save_pretrained(str(tmp_path / "adapter"))
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt_ids = [tok(p).input_ids for p in PROMPTS]
+    ref_model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                               str(tmp_path / "adapter")).eval()
+    want = []
+    for ids in prompt_ids:
+        with torch.no_grad():
+            out = ref_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)
+        want.append(out[0, len(ids):].tolist())
+    base_tokens = [want_ for want_, _ in hf_reference(path, prompt_ids, 12)]
+    assert want != base_tokens  # the adapter changes the output: the comparison below means something
+    lora = LoRARequest(lora_name="attn", lora_int_id=1, lora_path=str(tmp_path / "adapter"))
+    with LLM(path, enable_lora=True, max_lora_rank=8, kv_cache_memory="2MiB") as llm:
+        outputs = llm.generate(prompt_ids, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                               lora_request=lora, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want
