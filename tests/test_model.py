@@ -64,6 +64,10 @@ CONFIGS = {
                          "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}}),
     "gemma3_softcap": lambda: Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
                                                final_logit_softcapping=3.0, tie_word_embeddings=False),
+    # YaRN: the long-context scaling of Qwen3, DeepSeek and gpt-oss checkpoints (a short original context
+    # so the ramp between interpolated and kept frequencies falls inside the head).
+    "qwen3_yarn": lambda: Qwen3Config(**COMMON, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                             "original_max_position_embeddings": 64}),
     "llama3_rope": lambda: LlamaConfig(
         **COMMON,
         rope_scaling={

@@ -152,6 +152,43 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_mid, blended, out)
 
 
+def _yarn_inv_freq(rope_theta: float, rotary_dim: int, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al., "YaRN: Efficient Context Window Extension of Large Language Models", 2023):
+    (inv_freq [R/2], attention_factor). Dimensions that turn more than ``beta_fast`` times over
+    the original context keep their frequency (extrapolation), those turning fewer than
+    ``beta_slow`` times are divided by ``factor`` (interpolation), with a linear ramp between;
+    cos/sin are scaled by ``attention_factor`` (default 0.1 ln(factor) + 1, or DeepSeek's
+    ratio of ``mscale`` / ``mscale_all_dim`` terms)."""
+    factor = float(scaling["factor"])
+    original = scaling.get("original_max_position_embeddings")
+    if original is None:
+        raise ValueError("yarn RoPE scaling needs original_max_position_embeddings")
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:  # the dimension turning num_rotations times
+        return rotary_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    pos_freqs = rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, RoPE (Su et al., "RoFormer", 2021), rotate-half convention as in HF.
 
@@ -160,8 +197,8 @@ class RotaryEmbedding(nn.Module):
     cos/sin are computed in float32 from the positions on each call (no max-length table).
     ``rotary_dim`` (default head_dim): only the first ``rotary_dim`` features of each head
     rotate, the rest pass through (partial rotary, as Phi-3's ``partial_rotary_factor``).
-    rope_scaling: None, {"rope_type": "default"}, a llama3 dict, or {"rope_type": "linear",
-    "factor": f}; anything else raises NotImplementedError.
+    rope_scaling: None, {"rope_type": "default"}, a llama3 dict, {"rope_type": "linear",
+    "factor": f}, or a yarn dict; anything else raises NotImplementedError.
     """
 
     def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None = None, device="cpu",
@@ -177,12 +214,16 @@ class RotaryEmbedding(nn.Module):
         rope_type = None
         if rope_scaling:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        self.attention_factor = 1.0  # cos and sin are scaled by it (YaRN)
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        elif rope_type == "yarn":
+            inv_freq, self.attention_factor = _yarn_inv_freq(rope_theta, rotary_dim, rope_scaling)
         elif rope_type == "linear":  # position interpolation (Chen et al., 2023): positions / factor
             inv_freq = inv_freq / float(rope_scaling["factor"])
         elif rope_type not in (None, "default"):
-            raise NotImplementedError(f"RoPE scaling type {rope_type!r} is not supported (llama3 and linear are)")
+            raise NotImplementedError(f"RoPE scaling type {rope_type!r} is not supported (llama3, linear and yarn "
+                                      "are)")
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
 
     def forward(
@@ -190,7 +231,10 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, R/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (N, 1, R)
-        cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        cos, sin = cos.to(query.dtype), sin.to(query.dtype)
         if self.partial:
             r = self.rotary_dim
             return (torch.cat((_rotate(query[..., :r], cos, sin), query[..., r:]), dim=-1),
