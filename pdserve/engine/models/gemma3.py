@@ -48,6 +48,8 @@ class GeluTanhAndMul(nn.Module):
 
 
 class Gemma3MLP(LlamaMLP):
+    """GeGLU feed-forward: down(gelu_tanh(gate(x)) * up(x)); [N, hidden] -> [N, hidden]."""
+
     def __init__(self, config, tp_group: Any | None, dtype, device):
         act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):

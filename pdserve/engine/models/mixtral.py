@@ -19,6 +19,8 @@ from pdserve.engine.models.moe import SparseMoeBlock, map_expert_name
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm block with a ``SparseMoeBlock`` (Mixtral's routing) as its feed-forward."""
+
     def make_mlp(self, config, layer_idx: int, tp_group: Any | None, dtype, device) -> nn.Module:
         return SparseMoeBlock(config.hidden_size, config.intermediate_size, config.num_local_experts,
                               config.num_experts_per_tok, True, tp_group, dtype, device, weights_dtype_of_x=False,

@@ -31,6 +31,8 @@ class Qwen3Attention(LlamaAttention):
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm block with ``Qwen3Attention``."""
+
     attention_cls = Qwen3Attention
 
 

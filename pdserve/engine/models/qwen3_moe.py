@@ -26,6 +26,8 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 
 
 class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    """Qwen3's block whose feed-forward is a ``SparseMoeBlock`` on sparse layers (``is_sparse_layer``)."""
+
     def make_mlp(self, config, layer_idx: int, tp_group: Any | None, dtype, device) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
             return LlamaMLP(config, tp_group, dtype, device)
