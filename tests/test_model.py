@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                          Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                          MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.loader import load_model
@@ -68,6 +68,19 @@ CONFIGS = {
     # so the ramp between interpolated and kept frequencies falls inside the head).
     "qwen3_yarn": lambda: Qwen3Config(**COMMON, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                              "original_max_position_embeddings": 64}),
+    # DeepSeek-V3: MLA (q LoRA or not, interleaved rope, v_head_dim != qk head dim), group-limited
+    # sigmoid routing with a correction bias, shared experts, first layer dense; YaRN with mscale.
+    "deepseek_v3": lambda: DeepseekV3Config(
+        **{**COMMON, "num_hidden_layers": 3, "num_key_value_heads": 4}, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, n_group=4, topk_group=2,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, routed_scaling_factor=2.5, tie_word_embeddings=False),
+    "deepseek_v3_no_q_lora_yarn": lambda: DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=2,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, norm_topk_prob=False, rope_interleave=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                      "mscale_all_dim": 1.0}, tie_word_embeddings=False),
     "llama3_rope": lambda: LlamaConfig(
         **COMMON,
         rope_scaling={
@@ -85,6 +98,9 @@ def make_checkpoint(name, tmp_path):
         for pname, p in hf.named_parameters():
             if "norm" in pname or pname.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+        for bname, b in hf.named_buffers():  # DeepSeek's router bias is a buffer: make it steer the choice
+            if bname.endswith("e_score_correction_bias"):
+                b.add_(0.5 * torch.randn_like(b))
     hf.save_pretrained(tmp_path)
     return hf
 
@@ -244,10 +260,10 @@ def _tp_worker(rank, world_size, model_dir, init_file, out_path, expert_parallel
         model = load_model(model_dir, torch.float32, "cpu", tp_group=dist.group.WORLD,
                            expert_parallel=expert_parallel)
         if expert_parallel:  # whole experts, half of them per rank
-            experts = model.model.layers[0].mlp.experts
+            experts = next(m for m in model.modules() if hasattr(m, "expected_shards"))  # the first MoE layer's
             assert experts.num_local_experts == experts.num_experts // world_size
             assert experts.w13_weight.shape[1] == 2 * experts.intermediate_size
-        assert model.num_kv_heads == max(1, model.config.num_key_value_heads // world_size)
+        assert model.num_kv_heads == max(1, model.total_kv_heads // world_size)
         prompt = list(range(7, 20))
         seq = PagedSeq(seed=rank)  # each rank has its own cache; block ids need not agree
         cache = new_cache(model)
@@ -265,12 +281,12 @@ def _tp_worker(rank, world_size, model_dir, init_file, out_path, expert_parallel
 @pytest.mark.parametrize("name,expert_parallel", [("qwen2_untied", False), ("qwen3_tied", False), ("phi3", False),
                                                   ("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True),
                                                   ("mixtral", True), ("olmo2", False), ("olmo2_one_kv_head", False),
-                                                  ("gemma3", False)])
+                                                  ("gemma3", False), ("deepseek_v3", False), ("deepseek_v3", True)])
 def test_tensor_parallel_2_matches_tp_1(name, expert_parallel, tmp_path):
     """Real sharding: two gloo ranks, each holding half the heads and MLP columns (Phi-3: each
     rank's rows of the checkpoint's fused q/k/v and gate/up tensors; MoE: half of every expert,
     or with expert parallelism half of the experts, whole; OLMo 2: q/k norms over heads on both
-    ranks, its one KV head replicated)."""
+    ranks, its one KV head replicated; DeepSeek-V3: half the MLA heads, the latent replicated)."""
     import torch.multiprocessing as mp
 
     model_dir = tmp_path / "ckpt"

@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, MixtralConfig, Olmo2Config,
-                          Phi3Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, Gemma3TextConfig, MixtralConfig,
+                          Olmo2Config, Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
@@ -36,6 +36,11 @@ FAMILIES = {
     "olmo2": lambda: Olmo2Config(**COMMON, tie_word_embeddings=False),
     "gemma3": lambda: Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "deepseek_v3": lambda: DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32,
+                                            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                                            topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24,
+                                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                            tie_word_embeddings=False),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PROMPTS = [
@@ -88,8 +93,11 @@ def test_llm_greedy_tokens_and_logprobs_match_transformers(family, family_dirs):
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0, ignore_eos=True)
     ref = hf_reference(path, prompt_ids, params.max_tokens)
     cfg = FAMILIES[family]()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    block_bytes = cfg.num_hidden_layers * 2 * 16 * cfg.num_key_value_heads * head_dim * 4  # K and V, fp32
+    if getattr(cfg, "kv_lora_rank", None):  # MLA: one latent row (plus the rope key) per token
+        kv_heads, head_dim = 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    else:
+        kv_heads, head_dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    block_bytes = cfg.num_hidden_layers * 2 * 16 * kv_heads * head_dim * 4  # K and V, fp32
     llm = LLM(path, max_num_batched_tokens=16, enable_prefix_caching=True, kv_cache_memory=8 * block_bytes)
     try:
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
@@ -103,7 +111,7 @@ def test_llm_greedy_tokens_and_logprobs_match_transformers(family, family_dirs):
 
 
 @pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: nothing is compiled")
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3", "deepseek_v3"])
 def test_compiled_decode_step_gives_the_eager_tokens(family, family_dirs):
     path = family_dirs[family]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -134,11 +142,12 @@ def test_expert_parallel_llm_gives_transformers_tokens(family_dirs):
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("family,prefill_tp", [("qwen3_moe", 2)])
+@pytest.mark.parametrize("family,prefill_tp", [("qwen3_moe", 2), ("deepseek_v3", 2)])
 def test_disaggregated_cluster_serves_transformers_tokens(family, prefill_tp, family_dirs, tmp_path):
     """1P+1D, the prefill worker TP 2 with expert parallelism and the decode worker TP 1 (the KV is
-    re-laid between the two layouts): the prefill worker builds the KV of every prompt longer than
-    8 tokens and ships it; the tokens are transformers'."""
+    re-laid between the two layouts; DeepSeek's MLA latent is replicated on the prefill ranks and
+    arrives once): the prefill worker builds the KV of every prompt longer than 8 tokens and ships
+    it; the tokens are transformers'."""
     path = family_dirs[family]
     spec = ClusterSpec(model=path, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
                        prefill_tensor_parallel_size=prefill_tp,

@@ -197,13 +197,15 @@ class RotaryEmbedding(nn.Module):
     cos/sin are computed in float32 from the positions on each call (no max-length table).
     ``rotary_dim`` (default head_dim): only the first ``rotary_dim`` features of each head
     rotate, the rest pass through (partial rotary, as Phi-3's ``partial_rotary_factor``).
+    ``interleaved``: pairs of adjacent features rotate together (DeepSeek's ``rope_interleave``).
     rope_scaling: None, {"rope_type": "default"}, a llama3 dict, {"rope_type": "linear",
     "factor": f}, or a yarn dict; anything else raises NotImplementedError.
     """
 
     def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None = None, device="cpu",
-                 rotary_dim: int | None = None):
+                 rotary_dim: int | None = None, interleaved: bool = False):
         super().__init__()
+        self.interleaved = interleaved
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if rotary_dim % 2 != 0 or not 0 < rotary_dim <= head_dim:
             raise ValueError(f"RoPE needs an even rotary_dim in (0, head_dim={head_dim}], got {rotary_dim}")
@@ -235,11 +237,23 @@ class RotaryEmbedding(nn.Module):
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
         cos, sin = cos.to(query.dtype), sin.to(query.dtype)
+        if self.interleaved:
+            half = cos.shape[-1] // 2
+            return _rotate_interleaved(query, cos[..., :half], sin[..., :half]), \
+                _rotate_interleaved(key, cos[..., :half], sin[..., :half])
         if self.partial:
             r = self.rotary_dim
             return (torch.cat((_rotate(query[..., :r], cos, sin), query[..., r:]), dim=-1),
                     torch.cat((_rotate(key[..., :r], cos, sin), key[..., r:]), dim=-1))
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, H, D] whose pairs (x0, x1), (x2, x3), ... each turn by one frequency (cos, sin [N, 1, D/2]),
+    DeepSeek's layout. Returns the rotated pairs de-interleaved, [evens', odds'], as HF does: q and k
+    get the same permutation, so their dot products are those of the interleaved result."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,7 @@ class LlamaAttention(nn.Module):
             raise ValueError(f"num_attention_heads={total_heads} must be divisible by the TP size {tp_size}")
         self.num_heads = total_heads // tp_size
         self.num_kv_heads, _ = kv_head_layout(total_kv_heads, tp_size)
+        self.total_kv_heads = total_kv_heads  # KV heads of the cache over all TP ranks (the transfer's layout)
         kv_shards = min(total_kv_heads, tp_size)
         self.scale = self.head_dim**-0.5
         self.sliding_window = _sliding_window(config, layer_idx)
@@ -136,11 +137,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); [N, hidden] -> [N, hidden]."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); [N, hidden] -> [N, hidden].
+    ``intermediate_size`` defaults to the config's (a MoE model's shared experts pass theirs)."""
 
-    def __init__(self, config, tp_group: Any | None, dtype, device):
+    def __init__(self, config, tp_group: Any | None, dtype, device, intermediate_size: int | None = None):
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, intermediate_size or config.intermediate_size
         bias = bool(getattr(config, "mlp_bias", False))
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} (only silu)")
@@ -221,8 +223,9 @@ class LlamaForCausalLM(nn.Module):
     ``lm_head``) are replicated, not vocab-parallel: the embedding lives where the
     first stage runs, the head on the driver only (``has_lm_head``), which samples.
 
-    Attributes num_layers (this rank's), num_kv_heads (per TP rank) and head_dim size the
-    KV cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``;
+    Attributes num_layers (this rank's), num_kv_heads (per TP rank; ``total_kv_heads`` over all
+    ranks) and head_dim size the KV cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
+    head_dim]``;
     ``layer_range`` says which global layers those are.
 
     ``expert_parallel``: a MoE family splits its routed experts whole across the TP ranks
@@ -262,6 +265,7 @@ class LlamaForCausalLM(nn.Module):
         first_attn = self.model.layers[start].self_attn
         self.num_layers: int = end - start
         self.num_kv_heads: int = first_attn.num_kv_heads
+        self.total_kv_heads: int = first_attn.total_kv_heads
         self.head_dim: int = first_attn.head_dim
         self.vocab_size: int = config.vocab_size
 

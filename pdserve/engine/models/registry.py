@@ -40,6 +40,7 @@ _FAMILIES = (
     ModelFamily("mixtral", ("MixtralForCausalLM",), "mixtral", "MixtralForCausalLM"),
     ModelFamily("olmo2", ("Olmo2ForCausalLM",), "olmo2", "Olmo2ForCausalLM"),
     ModelFamily("gemma3_text", ("Gemma3ForCausalLM",), "gemma3", "Gemma3ForCausalLM"),
+    ModelFamily("deepseek_v3", ("DeepseekV3ForCausalLM",), "deepseek_v3", "DeepseekV3ForCausalLM"),
 )
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(f.model_type for f in _FAMILIES)
 
