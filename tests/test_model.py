@@ -7,8 +7,9 @@ import random
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
-                          MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, GptOssConfig, LlamaConfig,
+                          MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config,
+                          Qwen3MoeConfig)
 
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.loader import load_model
@@ -81,6 +82,13 @@ CONFIGS = {
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, norm_topk_prob=False, rope_interleave=False,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
                       "mscale_all_dim": 1.0}, tie_word_embeddings=False),
+    # gpt-oss: sinks, biases everywhere, alternating windows (6) and full layers, YaRN (not truncated),
+    # biased router softmaxing its top-k logits, clamped SwiGLU experts stored fused and interleaved.
+    "gpt_oss": lambda: GptOssConfig(**{**COMMON, "intermediate_size": 32}, head_dim=16, sliding_window=6,
+                                    num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0,
+                                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                                                     "original_max_position_embeddings": 64}),
     "llama3_rope": lambda: LlamaConfig(
         **COMMON,
         rope_scaling={
@@ -281,7 +289,8 @@ def _tp_worker(rank, world_size, model_dir, init_file, out_path, expert_parallel
 @pytest.mark.parametrize("name,expert_parallel", [("qwen2_untied", False), ("qwen3_tied", False), ("phi3", False),
                                                   ("qwen3_moe", False), ("mixtral", False), ("qwen3_moe", True),
                                                   ("mixtral", True), ("olmo2", False), ("olmo2_one_kv_head", False),
-                                                  ("gemma3", False), ("deepseek_v3", False), ("deepseek_v3", True)])
+                                                  ("gemma3", False), ("deepseek_v3", False), ("deepseek_v3", True),
+                                                  ("gpt_oss", False), ("gpt_oss", True)])
 def test_tensor_parallel_2_matches_tp_1(name, expert_parallel, tmp_path):
     """Real sharding: two gloo ranks, each holding half the heads and MLP columns (Phi-3: each
     rank's rows of the checkpoint's fused q/k/v and gate/up tensors; MoE: half of every expert,

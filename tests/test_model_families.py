@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, Gemma3TextConfig, MixtralConfig,
-                          Olmo2Config, Phi3Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, Gemma3TextConfig, GptOssConfig,
+                          MixtralConfig, Olmo2Config, Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
@@ -41,6 +41,8 @@ FAMILIES = {
                                             topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24,
                                             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                                             tie_word_embeddings=False),
+    "gpt_oss": lambda: GptOssConfig(**{**COMMON, "intermediate_size": 32}, head_dim=16, sliding_window=8,
+                                    num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PROMPTS = [
@@ -111,7 +113,7 @@ def test_llm_greedy_tokens_and_logprobs_match_transformers(family, family_dirs):
 
 
 @pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: nothing is compiled")
-@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3", "deepseek_v3", "gpt_oss"])
 def test_compiled_decode_step_gives_the_eager_tokens(family, family_dirs):
     path = family_dirs[family]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

@@ -207,6 +207,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     layer: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write new K/V into the cache, then attend causally over each sequence's whole context.
 
@@ -215,6 +216,9 @@ def paged_attention(
     given, the whole cache [num_layers, 2, ...] of which layer ``layer`` is used (so that a
     compiled graph hands the opaque decode op its input tensor itself, never a view of it).
     Returns [num_tokens, num_heads, head_dim].
+    sinks: [num_heads] float32 attention-sink logits (gpt-oss; Xiao et al., "Efficient Streaming
+    Language Models with Attention Sinks", 2023, learned per head): each head's softmax gets one
+    more term, exp(sink), in its denominator, with no value; None: plain softmax.
 
     A decode-only or prefill-only batch is one padded, batched call (_attend_padded); a
     mixed batch is two, one for its decode rows and one for its prefill rows.
@@ -224,23 +228,24 @@ def paged_attention(
         return torch.ops.pdserve.paged_decode_attention(query, key, value, kv_cache, index, metadata.slot_mapping,
                                                         metadata.block_tables, metadata.seq_lens,
                                                         metadata.query_start_loc, scale, sliding_window or 0,
-                                                        metadata.kv_cache_dtype or "")
+                                                        metadata.kv_cache_dtype or "", sinks)
     if layer is not None:
         kv_cache_layer = kv_cache_layer[layer]
     write_kv_cache(key, value, kv_cache_layer, metadata.slot_mapping, metadata.kv_cache_dtype)
     if metadata.backend == "paged":
-        return _attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window)
+        return _attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window, sinks)
     groups = _plan(metadata)
     kv_dtype = metadata.kv_cache_dtype
     if len(groups) == 1:
         g = groups[0]
         return _attend_padded(query, kv_cache_layer, metadata.block_tables, metadata.seq_lens,
-                              g.query_start_loc, g.max_query_len, g.max_seq_len, scale, sliding_window, kv_dtype)
+                              g.query_start_loc, g.max_query_len, g.max_seq_len, scale, sliding_window, kv_dtype,
+                              sinks)
     out = torch.empty_like(query)  # (N, H, D)
     for g in groups:
         part = _attend_padded(query[g.token_ids], kv_cache_layer, metadata.block_tables[g.seq_ids],
                               metadata.seq_lens[g.seq_ids], g.query_start_loc, g.max_query_len,
-                              g.max_seq_len, scale, sliding_window, kv_dtype)
+                              g.max_seq_len, scale, sliding_window, kv_dtype, sinks)
         out.index_copy_(0, g.token_ids, part)
     return out
 
@@ -281,7 +286,7 @@ class _NativePlan:
     skip: torch.Tensor | None
 
 
-def _native_plan(metadata: AttentionMetadata, sliding_window: int | None) -> _NativePlan:
+def _native_plan(metadata: AttentionMetadata, sliding_window: int | None, sinks: bool = False) -> _NativePlan:
     """Which sequences skip the kernel for SDPA: fresh prefills, unless the batch must be invariant.
 
     Under ``batch_invariant`` the kernel takes every row: per query row it reduces over that
@@ -289,8 +294,8 @@ def _native_plan(metadata: AttentionMetadata, sliding_window: int | None) -> _Na
     block by block), and OpenMP only hands whole (sequence, KV-head group) items to threads,
     so a row's result depends on its position and its sequence's K/V alone. SDPA over a fresh
     prompt reduces in another order than the kernel over the same prompt in chunks."""
-    if metadata.max_query_len <= 1 or sliding_window is not None or metadata.batch_invariant:
-        # decode only, a window, or batch-invariant: the kernel takes every row. (A quantized cache's
+    if metadata.max_query_len <= 1 or sliding_window is not None or metadata.batch_invariant or sinks:
+        # decode only, a window, batch-invariant, or attention sinks: the kernel takes every row. (A quantized cache's
         # fresh prefills do go to SDPA, over their K/V as the cache holds them: see _attend_native.)
         return _NativePlan([], None)
     if metadata._native is not None:
@@ -315,19 +320,20 @@ def _native_plan(metadata: AttentionMetadata, sliding_window: int | None) -> _Na
 _LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
 _LIBRARY.define("paged_decode_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, "
                 "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
-                "int sliding_window, str kv_cache_dtype='') -> Tensor")
+                "int sliding_window, str kv_cache_dtype='', Tensor? sinks=None) -> Tensor")
 
 
 def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, scale: float, sliding_window: int,
-                           kv_cache_dtype: str = "") -> torch.Tensor:
+                           kv_cache_dtype: str = "", sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode-only paged attention as one torch op (``torch.ops.pdserve.paged_decode_attention``):
     writes the new K/V into layer ``layer`` of ``kv_cache`` and attends through the native kernel.
 
     kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (for a quantized
     ``kv_cache_dtype``, uint8 with head_dim + 4 bytes per row); other shapes as ``paged_attention``
-    with one query token per sequence; sliding_window 0 = none; kv_cache_dtype "" = a plain cache. An op of
+    with one query token per sequence; sliding_window 0 = none; kv_cache_dtype "" = a plain cache;
+    sinks: [num_heads] float32 attention-sink logits or None. An op of
     its own so that a compiled step (torch.compile) treats it as one opaque call that mutates
     the cache in place, never a copy of it. It takes the whole cache and an index because
     inductor (torch 2.13) loses the storage offset of a view passed to a mutating operator.
@@ -337,7 +343,7 @@ def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     write_kv_cache(key, value, kv_cache_layer, slot_mapping, kv_dtype)
     metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=1,
                                  max_seq_len=0, backend="paged", kv_cache_dtype=kv_dtype)
-    return _attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window or None)
+    return _attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window or None, sinks)
 
 
 _LIBRARY.impl("paged_decode_attention", paged_decode_attention, "CPU")
@@ -345,12 +351,13 @@ _LIBRARY.impl("paged_decode_attention", paged_decode_attention, "CPU")
 
 @torch.library.register_fake("pdserve::paged_decode_attention")
 def _(query, key, value, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
-      sliding_window, kv_cache_dtype=""):
+      sliding_window, kv_cache_dtype="", sinks=None):
     return query.new_empty(query.shape)  # contiguous, as the real op's output (whatever query's strides)
 
 
 def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
-                   metadata: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
+                   metadata: AttentionMetadata, scale: float, sliding_window: int | None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The ``paged`` backend (CPU): shapes as ``paged_attention``; K/V are already in the cache.
 
     A fresh prefill's SDPA takes its K/V as the cache holds them: for a quantized cache, its
@@ -360,8 +367,9 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if not (kv_cache_layer.is_contiguous() and metadata.block_tables.is_contiguous()
             and metadata.seq_lens.is_contiguous() and metadata.query_start_loc.is_contiguous()):
         raise ValueError("the paged kernel reads the cache and the metadata as contiguous tensors")
-    plan = _native_plan(metadata, sliding_window)
+    plan = _native_plan(metadata, sliding_window, sinks is not None)
     q = query.to(torch.float32).contiguous()
+    sink_rows = sinks.to(torch.float32).contiguous() if sinks is not None else None  # (H,)
     out = torch.empty_like(q)  # (N, H, D) float32
     num_seqs = metadata.seq_lens.shape[0]
     if len(plan.fresh) < num_seqs:
@@ -371,7 +379,8 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                 out.data_ptr(), q.data_ptr(), kv_cache_layer.data_ptr(), _kernel_dtype_code(kv_cache_layer, metadata),
                 tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(),
                 plan.skip.data_ptr() if plan.skip is not None else None, num_seqs, num_heads, num_kv_heads,
-                head_dim, block_size, num_blocks, scale, sliding_window or 0, torch.get_num_threads())
+                head_dim, block_size, num_blocks, scale, sliding_window or 0,
+                sink_rows.data_ptr() if sink_rows is not None else None, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"paged attention kernel rejected its inputs (code {rc}): {num_heads} heads, "
                              f"{num_kv_heads} KV heads")
@@ -411,6 +420,7 @@ def _attend_padded(
     scale: float,
     sliding_window: int | None,
     kv_cache_dtype: str | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for num_seqs sequences whose K/V are already in the cache.
 
@@ -420,7 +430,8 @@ def _attend_padded(
     through its block table (one gather for the whole batch), and a boolean mask allows key
     position k for query position p iff k <= p (and p - k < sliding_window when set).
     Grouped-query attention folds the query heads that share a KV head into the query-length
-    axis, so K/V are never repeated.
+    axis, so K/V are never repeated. ``sinks`` [num_heads]: one more key column per head whose
+    score is the sink logit (a float mask bias over a zero key) and whose value is zero.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
@@ -471,6 +482,13 @@ def _attend_padded(
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     mask = mask[:, None, None].expand(num_seqs, 1, num_rep, max_q, max_k)  # (S, 1, R, Tq, Tk)
     mask = mask.reshape(num_seqs, 1, num_rep * max_q, max_k)  # (S, 1, R*Tq, Tk)
+    if sinks is not None:  # a zero key and value per sequence, its score the head's sink logit
+        bias = torch.zeros(mask.shape, dtype=query.dtype, device=device).masked_fill_(~mask, float("-inf"))
+        sink = sinks.to(query.dtype).view(1, num_kv_heads, num_rep, 1).expand(num_seqs, num_kv_heads, num_rep, max_q)
+        mask = torch.cat([bias.expand(num_seqs, num_kv_heads, num_rep * max_q, max_k),
+                          sink.reshape(num_seqs, num_kv_heads, num_rep * max_q, 1)], dim=-1)  # (S, H_kv, R*Tq, Tk+1)
+        k_ctx = torch.cat([k_ctx, k_ctx.new_zeros(num_seqs, num_kv_heads, 1, head_dim)], dim=2)
+        v_ctx = torch.cat([v_ctx, v_ctx.new_zeros(num_seqs, num_kv_heads, 1, head_dim)], dim=2)
 
     out = F.scaled_dot_product_attention(
         q_pad, k_ctx, v_ctx, attn_mask=mask, scale=scale

@@ -135,6 +135,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class Float32ScaleRMSNorm(RMSNorm):
+    """RMSNorm that multiplies by the weight in float32 before casting back, ``(w * x).to(dtype)``
+    (OLMo 2's and gpt-oss's order; Llama casts first). Same shapes as ``RMSNorm``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
+
+
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1 frequency rescaling: keep high frequencies, divide low ones by ``factor``,
     and interpolate smoothly in between (Meta's Llama 3.1 reference code)."""

@@ -201,12 +201,13 @@ inline void block_scores(const float* q, const T* krow, int64_t slot_stride, int
   }
 }
 
-// x <- softmax(x) in place, in float32, 8 at a time.
-inline void softmax(float* x, int64_t n) {
-  float mx = x[0];
+// x <- softmax(x) in place, in float32, 8 at a time. A finite `sink` is one more logit in the
+// denominator with no value row (an attention sink, as gpt-oss learns one per head); -inf: none.
+inline void softmax(float* x, int64_t n, float sink) {
+  float mx = std::max(x[0], sink);
   for (int64_t i = 1; i < n; ++i) mx = std::max(mx, x[i]);
   v8 sum8 = {};
-  float sum = 0.f;
+  float sum = std::isfinite(sink) ? std::exp(sink - mx) : 0.f;
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     v8 e = exp8(load8(x + i) - mx);
@@ -265,7 +266,8 @@ template <typename T>
 void attend(float* out, const float* query, const T* kv_cache, const int64_t* block_tables,
             int64_t max_blocks_per_seq, const int64_t* seq_lens, const int64_t* query_start_loc,
             const uint8_t* skip, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, int64_t num_blocks, float scale, int64_t sliding_window, int num_threads) {
+            int64_t block_size, int64_t num_blocks, float scale, int64_t sliding_window, const float* sinks,
+            int num_threads) {
   const int64_t rep = num_heads / num_kv_heads;
   const int64_t token_stride = num_heads * head_dim;
   const int64_t row_len = Packed<T>::value ? head_dim + 4 : head_dim;  // elements of one (slot, KV head) row
@@ -309,7 +311,8 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
                            scores.data() + row * n + (k - k_begin));
             }
         });
-        for (int64_t row = 0; row < rows; ++row) softmax(scores.data() + row * n, n);
+        for (int64_t row = 0; row < rows; ++row)
+          softmax(scores.data() + row * n, n, sinks != nullptr ? sinks[h0 * rep + row] : -INFINITY);
         acc.assign(rows * head_dim, 0.f);
         walk_blocks(v_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run) {
           for (int64_t hh = 0; hh < heads_per_item; ++hh)
@@ -330,19 +333,20 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
 extern "C" {
 
 // Returns 0 on success, 1 for an unsupported kv_dtype, 2 for bad head counts, 3 for a head_dim
-// that is not a multiple of 8.
+// that is not a multiple of 8. sinks: [num_heads] float32 attention-sink logits, or null.
 int pdserve_paged_attention(float* out, const float* query, const void* kv_cache, int kv_dtype,
                             const int64_t* block_tables, int64_t max_blocks_per_seq, const int64_t* seq_lens,
                             const int64_t* query_start_loc, const uint8_t* skip, int64_t num_seqs,
                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            int64_t num_blocks, float scale, int64_t sliding_window, int num_threads) {
+                            int64_t num_blocks, float scale, int64_t sliding_window, const float* sinks,
+                            int num_threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
   if (head_dim % 8 != 0) return 3;
   if (num_threads < 1) num_threads = 1;
   // One instantiation of attend per element type; kv_dtype picks it.
   auto run = [&](const auto* cache) {
     attend(out, query, cache, block_tables, max_blocks_per_seq, seq_lens, query_start_loc, skip, num_seqs,
-           num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, sliding_window, num_threads);
+           num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, sliding_window, sinks, num_threads);
     return 0;
   };
   switch (kv_dtype) {

@@ -128,7 +128,8 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
         q, k = self.normalize_qk(q, k)
         q, k = self.rotary_emb(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache_layer, attn_metadata, self.scale, self.sliding_window, layer)
+        out = paged_attention(q, k, v, kv_cache_layer, attn_metadata, self.scale, self.sliding_window, layer,
+                              getattr(self, "sinks", None))  # per-head attention-sink logits (gpt-oss's)
         return self.o_proj(out.reshape(-1, q_local))  # (N, H*D) -> (N, hidden)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

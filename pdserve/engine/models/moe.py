@@ -130,6 +130,12 @@ class FusedExperts(nn.Module):
                              f"expected {(self.intermediate_size, param.shape[2])}")
         param.data[local].narrow(0, part * i, i).copy_(loaded.narrow(0, r * i, i))
 
+    def expert_forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``expert`` on its rows x [M, H] -> [M, H] (this rank's share under TP)."""
+        i = self.local_intermediate
+        gate_up = _matmul(x, self.w13_weight[expert], self.batch_invariant)  # (M, 2I)
+        return _matmul(F.silu(gate_up[:, :i]) * gate_up[:, i:], self.w2_weight[expert], self.batch_invariant)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         n, k = topk_ids.shape
         flat = topk_ids.reshape(-1)  # (N*k,) pair p = token p // k, its (p % k)-th choice
@@ -142,14 +148,12 @@ class FusedExperts(nn.Module):
         token_of = order // k  # the token of each grouped pair
         xs = x.index_select(0, token_of)  # (N*k, H), one contiguous run of rows per expert
         out = torch.empty_like(xs)
-        i, start = self.local_intermediate, 0
+        start = 0
         for expert, count in enumerate(counts[:self.num_local_experts]):
             if count == 0:
                 continue
             rows = slice(start, start + count)
-            gate_up = _matmul(xs[rows], self.w13_weight[expert], self.batch_invariant)  # (count, 2I)
-            out[rows] = _matmul(F.silu(gate_up[:, :i]) * gate_up[:, i:], self.w2_weight[expert],
-                                self.batch_invariant)  # (count, H)
+            out[rows] = self.expert_forward(expert, xs[rows])
             start += count
         scaled = out * topk_weights.reshape(-1, 1).index_select(0, order)  # each row by its routing weight
         y = torch.zeros_like(x)

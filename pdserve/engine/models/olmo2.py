@@ -17,17 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pdserve.engine.layers import RMSNorm, _divide, tp_rank_and_size
+from pdserve.engine.layers import Float32ScaleRMSNorm, _divide, tp_rank_and_size
 from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 
-class Olmo2RMSNorm(RMSNorm):
-    """RMSNorm that multiplies by the weight in float32 before casting back (OLMo 2's order)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x32).to(x.dtype)
+Olmo2RMSNorm = Float32ScaleRMSNorm  # OLMo 2's norm multiplies by its weight in float32, then casts
 
 
 class ShardedRMSNorm(nn.Module):

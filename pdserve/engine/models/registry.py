@@ -41,6 +41,7 @@ _FAMILIES = (
     ModelFamily("olmo2", ("Olmo2ForCausalLM",), "olmo2", "Olmo2ForCausalLM"),
     ModelFamily("gemma3_text", ("Gemma3ForCausalLM",), "gemma3", "Gemma3ForCausalLM"),
     ModelFamily("deepseek_v3", ("DeepseekV3ForCausalLM",), "deepseek_v3", "DeepseekV3ForCausalLM"),
+    ModelFamily("gpt_oss", ("GptOssForCausalLM",), "gpt_oss", "GptOssForCausalLM"),
 )
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(f.model_type for f in _FAMILIES)
 
