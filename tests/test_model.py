@@ -216,6 +216,15 @@ def test_unsupported_model_type_raises(tmp_path):
     assert all(t in message for t in SUPPORTED_MODEL_TYPES)
 
 
+def test_an_unsupported_checkpoint_quantization_is_refused_by_name(tmp_path):
+    make_checkpoint("gpt_oss", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quant_method='mxfp4' is not supported"):
+        load_model(str(tmp_path), torch.float32, "cpu")
+
+
 def test_the_checkpoint_fixture_writes_the_family_it_names(tmp_path):
     """Each config above really is its family (the comparisons would be vacuous otherwise)."""
     from pdserve.engine.models.moe import SparseMoeBlock

@@ -143,6 +143,11 @@ def load_model(
     config = AutoConfig.from_pretrained(model_dir)
     model_type = getattr(config, "model_type", None)
     cls = model_class(config, model_dir)
+    qc = getattr(config, "quantization_config", None) or {}
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    if method is not None and method != "compressed-tensors":  # e.g. gpt-oss's released mxfp4 weights
+        raise ValueError(f"{model_dir}: quantization_config.quant_method={method!r} is not supported (pdserve loads "
+                         "float checkpoints and compressed-tensors W8A16/W4A16); dequantize the checkpoint first")
     files = _checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
