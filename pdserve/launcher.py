@@ -158,6 +158,15 @@ class ClusterLauncher:
     def _remove_worker(self, handle) -> None:
         """Release what the launcher holds for a worker that exited (Ray: actors, placement group)."""
 
+    def log_tail(self, name: str, num_lines: int = 5) -> str:
+        """The last lines a process (``router`` or a worker's name) wrote, for an error message ("" if
+        this launcher keeps no log of it)."""
+        return ""
+
+    def _why(self, name: str) -> str:
+        tail = self.log_tail(name)
+        return f"; its last log lines: {tail}" if tail else ""
+
     def stop(self) -> None:
         raise NotImplementedError
 
@@ -179,7 +188,7 @@ class ClusterLauncher:
             return name
 
     def dead(self) -> list[str]:
-        """Every process that exited, as ``"name (exit code)"`` (start-up treats any as fatal)."""
+        """Every process that exited, as ``"name (exit code)"`` (exited now; ``check`` decides what is fatal)."""
         out = []
         if (code := self._router_exit_code()) is not None:
             out.append(f"router (exit {code})")
@@ -189,11 +198,13 @@ class ClusterLauncher:
         return out
 
     def check(self) -> list[str]:
-        """While serving: forget workers that left cleanly (exit 0), restart failed ones (with backoff);
-        return the fatal exits (the router's; a worker's once it is out of restarts)."""
+        """From start-up on: forget workers that left cleanly (exit 0), restart failed ones (with backoff);
+        return the fatal exits (the router's; a worker's once it is out of restarts; a worker that
+        exits with 2, a usage or configuration error, before it ever registered: a restart would only
+        fail again), each with the process's last log lines where the launcher keeps its log."""
         fatal = []
         if (code := self._router_exit_code()) is not None:
-            fatal.append(f"router (exit {code})")
+            fatal.append(f"router (exit {code}){self._why('router')}")
         now = time.monotonic()
         with self._lock:
             workers = list(self.workers.items())
@@ -214,8 +225,11 @@ class ClusterLauncher:
                 continue
             if now - w.started_at >= self.RESTART_RESET_S:
                 w.num_restarts = 0
+            if code == 2 and not w.seen_registered:
+                fatal.append(f"{name} (exit 2 before it ever registered: bad flags or model){self._why(name)}")
+                continue
             if w.num_restarts >= self.spec.max_restarts:
-                fatal.append(f"{name} (exit {code}; restarted {w.num_restarts} times in a row)")
+                fatal.append(f"{name} (exit {code}; restarted {w.num_restarts} times in a row){self._why(name)}")
                 continue
             delay = min(self.MAX_BACKOFF_S, 2.0 ** w.num_restarts)
             w.restart_at, w.seen_registered = now + delay, False  # counts as starting for reconcile
@@ -268,15 +282,21 @@ class ClusterLauncher:
     def wait_healthy(self, should_stop=lambda: False) -> bool:
         """Block until /health reports every worker live; False if ``should_stop()`` became true first.
 
+        Supervision runs from the first second: a worker that fails meanwhile (before or after it
+        registered; a client may already be using the ones that are up) is restarted as it would be
+        while serving, and its requests migrate; start-up fails only as ``check`` says (the
+        router's exit, a worker that cannot start or is out of restarts), with the log lines why.
+
         Raises:
-            RuntimeError: a process exited, or ``ready_timeout_s`` passed.
+            RuntimeError: a fatal exit, or ``ready_timeout_s`` passed.
         """
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if should_stop():
                 return False
-            if dead := self.dead():
-                raise RuntimeError(f"cluster process exited during start-up: {', '.join(dead)}")
+            self.reconcile()  # marks the workers that registered (and starts any a pool lacks)
+            if fatal := self.check():
+                raise RuntimeError(f"cluster process failed during start-up: {'; '.join(fatal)}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
                     health = json.load(resp)
@@ -354,6 +374,7 @@ class LocalCluster(ClusterLauncher):
         s = self.spec
         self.router_proc = self._spawn("router", ["router", "--model", s.model, "--host", s.host, "--port",
                                                   str(s.port), "--zmq-port", str(self.zmq_port),
+                                                  "--expect-prefill-workers", str(s.num_prefill),
                                                   *s.router_auth_args(), *s.router_args])
 
     def _cores_for(self, role: str, name: str) -> tuple[list[int], int]:
@@ -390,6 +411,18 @@ class LocalCluster(ClusterLauncher):
         return self._spawn(name, [role, "--worker-id", name, "--model", s.model, "--router",
                                   f"tcp://{s.host}:{self.zmq_port}", "--host", s.host, *placement,
                                   *s.worker_args, *s.parallel_args(role), *pool_args])
+
+    def log_tail(self, name: str, num_lines: int = 5) -> str:
+        if not self.log_dir:
+            return ""  # the process wrote to this terminal: its lines are above
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.log"), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 8192))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return ""
+        return " | ".join(line.strip() for line in lines[-num_lines:] if line.strip())
 
     def _router_exit_code(self) -> int | None:
         return None if self.router_proc is None else self.router_proc.poll()

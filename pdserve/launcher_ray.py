@@ -118,7 +118,8 @@ class RayCluster(ClusterLauncher):
         router_ip = ray.get(self.router.node_ip.remote())
         zmq_port = ray.get(self.router.free_port.remote())
         ray.get(self.router.start.remote(["router", "--model", s.model, "--host", router_ip, "--port", str(s.port),
-                                          "--zmq-port", str(zmq_port), *s.router_auth_args(), *s.router_args]))
+                                          "--zmq-port", str(zmq_port), "--expect-prefill-workers", str(s.num_prefill),
+                                          *s.router_auth_args(), *s.router_args]))
         self.router_url = f"http://{router_ip}:{s.port}"
         self.router_zmq = f"tcp://{router_ip}:{zmq_port}"
         logger.info("pdserve on Ray: router at %s", self.router_url)

@@ -67,7 +67,7 @@ def overlay(request):
 
 def test_every_object_validates_strictly_against_kubernetes_1_33(overlay):
     _, objects = overlay
-    assert len(objects) == 10  # ConfigMap, router Deployment + Service, 2 pools, 2 HPAs, 3 PDBs
+    assert len(objects) == 11  # ConfigMap, router Deployment + 2 Services, 2 pools, 2 HPAs, 3 PDBs
     for obj in objects:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
@@ -90,10 +90,13 @@ def test_router_pools_autoscalers_and_budgets(overlay):
         assert ("nvidia.com/gpu" in limits) == (name == "gpu")
         assert container["args"][container["args"].index("--device") + 1] == ("cuda" if name == "gpu" else "cpu")
     router = o[("Deployment", "pdserve-router")]
-    assert router["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/health"
-    service = o[("Service", "pdserve-router")]
-    assert service["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
-    assert o[("ConfigMap", "pdserve-config")]["data"]["ROUTER_ZMQ"] == "tcp://pdserve-router:8001"  # Service DNS
+    assert router["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/ready"
+    service, zmq_service = o[("Service", "pdserve-router")], o[("Service", "pdserve-router-zmq")]
+    assert service["spec"]["selector"] == zmq_service["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
+    # Workers reach a router that is not ready yet (it gets ready once they register): a Service of its own.
+    assert zmq_service["spec"]["publishNotReadyAddresses"] and [p["port"] for p in zmq_service["spec"]["ports"]] == [8001]
+    assert [p["port"] for p in service["spec"]["ports"]] == [8000]
+    assert o[("ConfigMap", "pdserve-config")]["data"]["ROUTER_ZMQ"] == "tcp://pdserve-router-zmq:8001"  # Service DNS
     assert all(c["image"].startswith("ghcr.io/pdserve/pdserve:") for obj in objects for c in _containers(obj))
 
 
@@ -110,7 +113,7 @@ def test_container_arguments_are_real_pdserve_commands(overlay):
             assert extra == [], (container["name"], extra)
             assert parsed.command in ("router", "prefill", "decode")
             if parsed.command != "router":
-                assert parsed.router_addr == "tcp://pdserve-router:8001" and parsed.host == "10.1.2.3"
+                assert parsed.router_addr == "tcp://pdserve-router-zmq:8001" and parsed.host == "10.1.2.3"
 
 
 def test_dockerfile_parses_and_its_entrypoint_is_pdserve():

@@ -1048,3 +1048,29 @@ def test_body_and_list_bounds_are_400_or_413_with_clear_messages(router):
     big = json.dumps({**COMPLETION, "prompt": "a" * (16 * 2**20)})
     err = error_of(router.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413)
     assert "at most" in err["message"]
+
+
+def test_ready_means_a_request_can_be_served_end_to_end(model_dir, tok):
+    """/health is liveness (200 with no worker); /ready waits for a decode worker, and for a prefill
+    worker where the deployment starts some."""
+    config = RouterConfig(model=model_dir, zmq_port=0, worker_wait_s=0, expect_prefill_workers=1)
+    with TestClient(build_app(config)) as client:
+        assert client.get("/health").status_code == 200
+        resp = client.get("/ready")
+        assert resp.status_code == 503
+        assert resp.json()["missing"] == ["no decode worker is live", "no prefill worker is live"]
+        worker = FakeDecodeWorker(client.get("/info").json()["zmq_address"])
+        try:
+            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
+            assert client.get("/ready").json()["missing"] == ["no prefill worker is live"]
+        finally:
+            worker.close()
+    config = RouterConfig(model=model_dir, zmq_port=0, worker_wait_s=0)  # colocated: decode workers suffice
+    with TestClient(build_app(config)) as client:
+        worker = FakeDecodeWorker(client.get("/info").json()["zmq_address"], script=tok.encode(" ok"))
+        try:
+            wait_for(lambda: client.get("/ready").status_code == 200)
+            assert client.get("/ready").json()["status"] == "ready"
+            assert client.post("/v1/completions", json={**COMPLETION, "max_tokens": 1}).status_code == 200
+        finally:
+            worker.close()

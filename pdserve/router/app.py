@@ -5,7 +5,8 @@ Endpoints:
     GET  /v1/models                                   the served model (with the live workers' max_model_len)
                                                       and its LoRA adapters (``parent``: the base model)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   LoRA adapters at runtime (with --enable-lora)
-    GET  /health                                      {"status": "ok", "num_prefill", "num_decode"}
+    GET  /health                                      {"status": "ok", "num_prefill", "num_decode"} (liveness)
+    GET  /ready                                       200 once a request can be served end to end, else 503
     GET  /workers                                     live workers and their latest heartbeat figures
     GET  /info                                        model, limits, and the bound ZMQ address
     GET  /metrics                                     Prometheus text format (see ``metrics.py``)
@@ -199,6 +200,25 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
                 "num_prefill": registry.num_live(WorkerRole.PREFILL),
                 "num_decode": registry.num_live(WorkerRole.DECODE)}
         return JSONResponse(body, status_code=503 if serving.draining else 200)
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness (for load balancers and Kubernetes probes; ``/health`` is liveness): 200 only when
+        a request can be served end to end now: a decode worker is live, and a prefill worker too
+        where the deployment starts some (``--expect-prefill-workers``); 503 with what is missing
+        otherwise, and while the router drains."""
+        num_prefill, num_decode = registry.num_live(WorkerRole.PREFILL), registry.num_live(WorkerRole.DECODE)
+        missing = []
+        if serving.draining:
+            missing.append("the router is draining")
+        if num_decode == 0:
+            missing.append("no decode worker is live")
+        if config.expect_prefill_workers > 0 and num_prefill == 0:
+            missing.append("no prefill worker is live")
+        body = {"status": "not ready" if missing else "ready", "num_prefill": num_prefill, "num_decode": num_decode}
+        if missing:
+            body["missing"] = missing
+        return JSONResponse(body, status_code=503 if missing else 200)
 
     @app.get("/workers")
     async def workers():

@@ -56,6 +56,8 @@ class RouterConfig:
         max_request_body_bytes: a request body larger than this (by ``Content-Length``) gets 413.
         request_timeout_s: a request not finished this long after it arrived is aborted at its worker
             (its blocks freed) and answered 504 (a stream: an error event). None: no limit.
+        expect_prefill_workers: how many prefill workers the deployment starts; while it is > 0,
+            ``/ready`` also waits for a prefill worker (it always waits for a decode worker).
         shutdown_timeout_s: on SIGTERM the router drains: ``/health`` answers 503, new requests get
             503, and in-flight ones may finish for this long before they fail. SIGINT stops at once.
         log_level: uvicorn / logging level name.
@@ -101,6 +103,7 @@ class RouterConfig:
     max_request_body_bytes: int = 16 * 2**20
     request_timeout_s: float | None = None
     shutdown_timeout_s: float = 30.0
+    expect_prefill_workers: int = 0
     log_level: str = "info"
     api_key: str | None = None
     cluster_secret: str | None = None
@@ -198,6 +201,9 @@ class RouterConfig:
         g.add_argument("--shutdown-timeout", type=float, default=cls.shutdown_timeout_s, dest="shutdown_timeout_s",
                        help="SIGTERM: refuse new requests (/health 503) and let in-flight ones finish for this "
                             "many seconds; SIGINT stops at once")
+        g.add_argument("--expect-prefill-workers", type=int, default=0,
+                       help="prefill workers the deployment starts (pdserve up passes --num-prefill): /ready "
+                            "then also waits for one of them")
         g.add_argument("--api-key", default=None,
                        help="require Authorization: Bearer KEY on /v1/* and /admin/* (default: $PDSERVE_API_KEY)")
         g.add_argument("--cluster-secret", default=None,

@@ -1,0 +1,61 @@
+"""Supervision from the first second: a worker dying while the cluster starts is restarted, not
+fatal; a worker that cannot start fails start-up at once, with its own last log lines."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+
+from pdserve.common.utils import free_port
+from pdserve.launcher import ClusterSpec, LocalCluster
+
+pytestmark = pytest.mark.cluster
+
+
+def test_a_worker_killed_during_start_up_is_restarted_and_the_cluster_serves(model_dir, tmp_path):
+    spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=2, port=free_port(), threads_per_worker=1,
+                       worker_args=["--kv-cache-memory", "8MiB"])
+    cluster = LocalCluster(spec, log_dir=str(tmp_path / "logs"))
+    cluster.start()
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # wait until a decode worker registered: traffic could start now (/ready says so)
+            try:
+                if httpx.get(f"{cluster.url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "no worker came up"
+            time.sleep(0.1)
+        health = httpx.get(f"{cluster.url}/health", timeout=2).json()
+        # SIGKILL a decode worker now, while start-up is still waiting for the whole cluster (or just done)
+        victim = cluster.workers["decode-1"] if health["num_decode"] < 2 else cluster.workers["decode-0"]
+        victim.handle.send_signal(signal.SIGKILL)
+        victim.handle.wait(timeout=10)
+        assert cluster.wait_healthy(), "start-up gave up instead of restarting the worker"
+        assert victim.num_restarts == 1 and victim.handle.poll() is None
+        api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=60, max_retries=0)
+        for _ in range(3):
+            assert api.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=4,
+                                          extra_body={"ignore_eos": True}).usage.completion_tokens == 4
+    finally:
+        cluster.stop()
+
+
+def test_a_worker_that_cannot_start_fails_start_up_at_once_with_its_log_lines(model_dir, tmp_path):
+    spec = ClusterSpec(model=model_dir, num_prefill=0, num_decode=1, port=free_port(), threads_per_worker=1,
+                       worker_args=["--no-such-flag"])
+    cluster = LocalCluster(spec, log_dir=str(tmp_path / "logs"))
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        with cluster:
+            pass
+    message = str(info.value)
+    assert "decode-0 (exit 2 before it ever registered" in message and "--no-such-flag" in message, message
+    assert "Traceback" not in message
+    assert time.monotonic() - started < 60  # no restart loop: a bad flag fails the same way every time
+    assert all(proc.poll() is not None for _, proc in cluster.procs)  # everything it started is stopped
