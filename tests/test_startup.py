@@ -59,3 +59,23 @@ def test_a_worker_that_cannot_start_fails_start_up_at_once_with_its_log_lines(mo
     assert "Traceback" not in message
     assert time.monotonic() - started < 60  # no restart loop: a bad flag fails the same way every time
     assert all(proc.poll() is not None for _, proc in cluster.procs)  # everything it started is stopped
+
+
+def test_transfer_pairs_are_set_up_before_the_first_request(model_dir, tmp_path):
+    """Warm pairs: once both workers registered, the router has the decode worker connect its KV pair
+    with the prefill worker; the first request finds it ready (it no longer waits seconds for it)."""
+    spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
+                       worker_args=["--kv-cache-memory", "8MiB", "--remote-prefill-threshold", "4"])
+    log = tmp_path / "logs" / "prefill-0.log"
+    with LocalCluster(spec, log_dir=str(tmp_path / "logs")) as cluster:
+        deadline = time.monotonic() + 60
+        while "KV transfer pairs with decode worker decode-0 (generation 0) are ready" not in log.read_text():
+            assert time.monotonic() < deadline, "the pair was not set up ahead of a request"
+            time.sleep(0.1)
+        api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=60, max_retries=0)
+        choice = api.completions.create(model="tiny", prompt="the quick brown fox jumps over", max_tokens=4,
+                                        extra_body={"ignore_eos": True})
+        assert choice.usage.completion_tokens == 4
+        workers = httpx.get(f"{cluster.url}/workers", timeout=5).json()
+        assert [w["num_routed"] for w in workers if w["role"] == "prefill"] == [1]  # prefilled over that pair
+        assert log.read_text().count("are ready") == 1  # the request reused it

@@ -42,6 +42,8 @@ class MsgKind(enum.IntEnum):
     DRAIN_WORKER = 10
     WORKER_DRAINING = 11
     WORKER_EXITING = 12
+    WARM_KV_PAIR = 13
+    CONNECT_KV_PAIR = 14
 
 
 class WorkerRole(enum.IntEnum):
@@ -506,6 +508,27 @@ class KVStepOps(_Msg):
     resets: list[KVReset] = []
 
 
+class WarmKVPair(_Msg):
+    """Router -> decode worker: a prefill worker you may receive KV from has registered; set up the
+    transfer pair with it now (``ConnectKVPair``), so no request waits for the connection."""
+
+    prefill_worker_id: str
+    prefill_addr: str
+    prefill_layout: KVLayout | None = None
+
+
+class ConnectKVPair(_Msg):
+    """Decode -> prefill: connect your ranks' pairs with mine at ``pair_generation`` (my lanes are
+    listening at the TCPStore ``transfer_host``/``transfer_port``), ahead of any request: what a
+    ``RemotePrefillRequest`` does first, without the request."""
+
+    decode_worker_id: str
+    transfer_host: str
+    transfer_port: int
+    pair_generation: int
+    decode_layout: KVLayout | None = None
+
+
 class ExecuteModel(_Msg):
     """Driver rank -> the other ranks of its worker, once per step (over the worker's own
     torch.distributed gloo group as msgpack bytes, not ZMQ; see ``pdserve.engine.parallel``).
@@ -548,5 +571,7 @@ MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
     MsgKind.DRAIN_WORKER: DrainWorker,
     MsgKind.WORKER_DRAINING: WorkerDraining,
     MsgKind.WORKER_EXITING: WorkerExiting,
+    MsgKind.WARM_KV_PAIR: WarmKVPair,
+    MsgKind.CONNECT_KV_PAIR: ConnectKVPair,
 }
 KIND_OF: dict[type[msgspec.Struct], MsgKind] = {t: k for k, t in MESSAGE_TYPES.items()}

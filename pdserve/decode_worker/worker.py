@@ -29,7 +29,8 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.common.config import WorkerConfig
-from pdserve.common.protocol import (AbortRequest, ErrorKind, GenerateRequest, KVInstall, KVLane, KVLayout,
+from pdserve.common.protocol import (AbortRequest, ConnectKVPair, ErrorKind, GenerateRequest, KVInstall, KVLane,
+                                     KVLayout, WarmKVPair,
                                      KVPieceSum, KVReset, KVStepOps, KVTransferHeader, RankReport,
                                      RankReportKind, RegisterWorker, RemotePrefillDone, RemotePrefillRequest,
                                      RequestDelta, RequestOutputs, RequestTiming, WorkerRole)
@@ -95,8 +96,28 @@ class DecodeWorker(WorkerBase):
         elif isinstance(msg, RankReport):
             if msg.kind == RankReportKind.RECEIVED and msg.request_id is not None:
                 self._remote_progress(msg.request_id, report=msg)
+        elif isinstance(msg, WarmKVPair):
+            self._warm_pair(msg)
         else:
             logger.warning("decode worker ignores %s", type(msg).__name__)
+
+    def _open_lanes(self, prefill_worker_id: str, prefill_layout: KVLayout | None) -> int:
+        """Open our ranks' lanes for ``prefill_worker_id`` at its current pair generation (once); returns it."""
+        generation = self.generations.setdefault(prefill_worker_id, 0)
+        key = (prefill_worker_id, generation)
+        if key not in self._lanes_open:
+            self._lanes_open.add(key)
+            self._ops.lanes.append(KVLane(prefill_worker_id=prefill_worker_id, generation=generation,
+                                          prefill_layout=prefill_layout))
+            self._flush_ops()  # the lanes must be listening before the prefill worker connects
+        return generation
+
+    def _warm_pair(self, msg: WarmKVPair) -> None:
+        """Set up the transfer pair with a prefill worker that just registered, before any request."""
+        generation = self._open_lanes(msg.prefill_worker_id, msg.prefill_layout)
+        self.mailbox.put(msg.prefill_addr, ConnectKVPair(
+            decode_worker_id=self.worker_id, transfer_host=self.pairs.store_host,
+            transfer_port=self.pairs.store_port, pair_generation=generation, decode_layout=self.kv_layout))
 
     def _add(self, msg: GenerateRequest) -> None:
         received = time.time()
@@ -178,13 +199,7 @@ class DecodeWorker(WorkerBase):
         state.sent_at = time.monotonic()
         state.deadline = state.sent_at + self.config.remote_prefill_timeout_s
         first_block = request.num_cached_tokens // self.runner.block_size
-        state.pair_generation = self.generations.setdefault(state.prefill_worker_id, 0)
-        key = (state.prefill_worker_id, state.pair_generation)
-        if key not in self._lanes_open:
-            self._lanes_open.add(key)
-            self._ops.lanes.append(KVLane(prefill_worker_id=state.prefill_worker_id,
-                                          generation=state.pair_generation, prefill_layout=state.prefill_layout))
-            self._flush_ops()  # the lanes must be listening before the prefill worker connects
+        state.pair_generation = self._open_lanes(state.prefill_worker_id, state.prefill_layout)
         self.mailbox.put(state.prefill_addr, RemotePrefillRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, lora=request.lora, decode_worker_id=self.worker_id,

@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 
 from pdserve.common import faults
 from pdserve.common.config import WorkerConfig
-from pdserve.common.protocol import (AbortRequest, KVConnect, KVLayout, KVPieceSum, KVReset, KVSendPlan, KVStepOps,
-                                     KVTransferHeader, RankReport, RankReportKind, RemotePrefillDone,
-                                     RemotePrefillRequest, RequestTiming, TokenLogprob, WorkerRole)
+from pdserve.common.protocol import (AbortRequest, ConnectKVPair, KVConnect, KVLayout, KVPieceSum, KVReset,
+                                     KVSendPlan, KVStepOps, KVTransferHeader, RankReport, RankReportKind,
+                                     RemotePrefillDone, RemotePrefillRequest, RequestTiming, TokenLogprob,
+                                     WorkerRole)
 from pdserve.common.validation import prefill_sampling_params
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import Request
@@ -102,6 +103,8 @@ class PrefillWorker(WorkerBase):
                 self.origin.pop(msg.request_id, None)
         elif isinstance(msg, RankReport):
             self._report(msg)
+        elif isinstance(msg, ConnectKVPair):  # a decode worker warms our pair ahead of its first request
+            self._connect(msg)
         else:
             logger.warning("prefill worker ignores %s", type(msg).__name__)
 
@@ -123,7 +126,7 @@ class PrefillWorker(WorkerBase):
         spec = self.kv_layout_spec
         return pieces_for(spec, layout_spec(decode_layout, spec.num_layers, spec.num_kv_heads))
 
-    def _connect(self, msg: RemotePrefillRequest) -> None:
+    def _connect(self, msg: RemotePrefillRequest | ConnectKVPair) -> None:
         """Ask every rank to connect its pairs with that decode worker's ranks (once per generation)."""
         key = (msg.decode_worker_id, msg.pair_generation)
         if key in self.pairs:
@@ -141,10 +144,14 @@ class PrefillWorker(WorkerBase):
         if report.kind in (RankReportKind.PAIR_READY, RankReportKind.PAIR_FAILED):
             pairs = self.pairs.get((_worker_of(report.peer), report.generation))
             if pairs is not None:
+                was_ready = pairs.is_ready
                 if report.kind == RankReportKind.PAIR_READY:
                     pairs.ready.add((report.rank, report.peer))
                 else:
                     pairs.error = pairs.error or report.error or "KV pair failed"
+                if pairs.is_ready and not was_ready:
+                    logger.info("KV transfer pairs with decode worker %s (generation %d) are ready",
+                                _worker_of(report.peer), report.generation)
             return
         transfer = self.transfers.get(report.request_id) if report.request_id else None
         if transfer is None or report.kind != RankReportKind.SENT:

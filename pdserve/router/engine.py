@@ -57,7 +57,7 @@ import zmq.asyncio
 
 from pdserve.common.protocol import (AbortRequest, DrainWorker, GenerateRequest, Heartbeat, LoRARequest,
                                      RegisterWorker, RequestDelta, RequestOutputs, ResumedChoice, SamplingParams,
-                                     WorkerDraining, WorkerExiting, WorkerRole)
+                                     WarmKVPair, WorkerDraining, WorkerExiting, WorkerRole)
 from pdserve.common.auth import token_matches
 from pdserve.common.transport import ProtocolError, decode
 from pdserve.engine.request import lora_cache_root
@@ -477,6 +477,7 @@ class RouterEngine:
                 return
             replaced = self.registry.register(msg)
             self._sockets.connect(msg.input_addr)  # connect now: a dead worker is seen at once
+            self._warm_pairs(msg.worker_id)
             if msg.role == WorkerRole.DECODE:
                 self._retry_stranded(time.monotonic())
             if replaced is not None:
@@ -485,6 +486,21 @@ class RouterEngine:
                 self._worker_lost(replaced, f"worker {replaced.worker_id} restarted")
         else:
             logger.warning("router got an unexpected %s message; dropped", type(msg).__name__)
+
+    def _warm_pairs(self, worker_id: str) -> None:
+        """A worker registered: have each decode worker set up its KV transfer pair with each prefill
+        worker it could receive from (``WarmKVPair``), so the first request does not wait seconds
+        for the connection. Idempotent on the workers' side (one pair per generation)."""
+        worker = self.registry.get(worker_id)
+        if worker is None:
+            return
+        others = self.registry.live(WorkerRole.DECODE if worker.role == WorkerRole.PREFILL else WorkerRole.PREFILL)
+        for other in others:
+            prefill, decode = (worker, other) if worker.role == WorkerRole.PREFILL else (other, worker)
+            if prefill.kv_compatible(decode):
+                self._send(decode.input_addr, WarmKVPair(prefill_worker_id=prefill.worker_id,
+                                                         prefill_addr=prefill.input_addr,
+                                                         prefill_layout=prefill.kv_layout))
 
     def _deliver(self, delta: RequestDelta, worker_id: str) -> None:
         handle = self._requests.get(delta.request_id)
