@@ -374,15 +374,25 @@ class ModelRunner:
         logger.info("decode step compiled in %.1f s (--enforce-eager turns this off)", time.monotonic() - start)
 
     def _warm_up(self, compiled) -> None:
-        """Compile now: one decode step at batch 1 and one at batch 2 (writing only block 0's slot 0)."""
-        for batch in (1, 2):
-            logger.info("compiling the decode step (batch %s)...", "1" if batch == 1 else "2 and up")
+        """Compile now every graph a decode step can need (writing only block 0's slot 0), so no request
+        pays a recompilation: batch 1 (torch specializes a size of 1), batches 2 to
+        ``KERNEL_MAX_ROWS`` (the decode linear kernel's range, a guard of its own) and larger ones.
+
+        The inputs look like real ones to dynamo's guards: distinct tensors (one tensor passed as
+        input_ids, positions and slot_mapping is an aliasing guard every real step fails) and block
+        tables three wide (two would equal the cache's K/V dimension, a size equality guard that a
+        real step fails as soon as a sequence spans three blocks)."""
+        batches = [1, 2]
+        if decode_linear.build_kernel():  # the kernel takes 1..KERNEL_MAX_ROWS rows; larger batches: torch's GEMM
+            batches.append(decode_linear.KERNEL_MAX_ROWS + 1)
+        for batch in batches:
+            logger.info("compiling the decode step (batch %d)...", batch)
             with torch.inference_mode(False), torch.no_grad():
-                ids = torch.zeros(batch, dtype=torch.int64, device=self.device)
-                # Block tables two wide: torch specializes a dimension of size 1, which would
-                # recompile at the first real step.
-                compiled(ids, ids, self.kv_cache, ids, torch.zeros(batch, 2, dtype=torch.int64, device=self.device),
-                         ids + 1, torch.arange(batch + 1, device=self.device))
+                def zeros(*shape):
+                    return torch.zeros(*shape, dtype=torch.int64, device=self.device)
+
+                compiled(zeros(batch), zeros(batch), self.kv_cache, zeros(batch), zeros(batch, 3),
+                         zeros(batch) + 1, torch.arange(batch + 1, device=self.device))
 
     def broadcast_kv(self, ops: KVStepOps) -> None:
         """Driver: a step with KV transfer work only (every rank's agent does its part now)."""
