@@ -20,6 +20,7 @@ a drained one's actors and group are removed once its driver exits.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -72,6 +73,27 @@ class _Worker:
     removed: bool = False
 
 
+def placement_unfit(bundle: dict[str, float], num_bundles: int, strategy: str,
+                    nodes: list[dict[str, float]]) -> str | None:
+    """Why ``num_bundles`` copies of ``bundle`` can never be placed on these nodes (each node's total
+    resources), or None if they can once the nodes are free. ``STRICT_PACK`` (a worker's tensor-
+    parallel ranks) needs one node holding them all; ``PACK`` may spread them over nodes, a
+    bundle whole on one node. The message names what is missing and how to get it."""
+    need = {k: v * num_bundles for k, v in bundle.items()}
+    if strategy == "STRICT_PACK":
+        if any(all(node.get(k, 0) >= v for k, v in need.items()) for node in nodes):
+            return None
+        best = max((node.get("CPU", 0) for node in nodes), default=0)
+        return (f"it needs {need} on one node (its {num_bundles} tensor-parallel ranks stay together), and the "
+                f"largest node has {best:g} CPU (nodes: {nodes}); add a larger node, lower --threads-per-worker "
+                f"or the tensor-parallel size, or give Ray more logical CPUs (ray start --num-cpus N)")
+    fits = sum(min((int(node.get(k, 0) // v) if v else num_bundles) for k, v in bundle.items()) for node in nodes)
+    if fits >= num_bundles:
+        return None
+    return (f"it needs {num_bundles} bundles of {bundle}, and the nodes hold {fits} (nodes: {nodes}); add nodes, "
+            f"lower --threads-per-worker, or give Ray more logical CPUs (ray start --num-cpus N)")
+
+
 class RayCluster(ClusterLauncher):
     """Start, watch and stop a ``ClusterSpec`` on a Ray cluster.
 
@@ -96,12 +118,26 @@ class RayCluster(ClusterLauncher):
         assert self.router_url is not None
         return self.router_url
 
+    def needed_cpus(self) -> int:
+        """Logical CPUs the spec's workers ask Ray for: every rank of every worker, ``threads_per_worker``
+        each (the router asks for none)."""
+        s = self.spec
+        threads = s.threads_per_worker or 1
+        return sum(getattr(s, f"num_{role}") * s.ranks_per_worker(role) * threads for role in ("prefill", "decode"))
+
     def connect(self) -> None:
-        """Join (or start) the Ray cluster. Ray installs signal handlers here: install yours after."""
+        """Join (or start) the Ray cluster. Ray installs signal handlers here: install yours after.
+
+        A Ray that pdserve starts itself declares at least as many logical CPUs as the workers ask for
+        (``needed_cpus``), as the local launcher oversubscribes cores: Ray's CPUs are a count for
+        placement, not a pinning."""
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=self.address, logging_level=logging.WARNING)
+            if self.address is None:
+                ray.init(num_cpus=max(os.cpu_count() or 1, self.needed_cpus()), logging_level=logging.WARNING)
+            else:
+                ray.init(address=self.address, logging_level=logging.WARNING)
             self._started_ray = self.address is None
 
     def _actor_class(self):
@@ -135,9 +171,18 @@ class RayCluster(ClusterLauncher):
         tp = getattr(s, f"{role}_tensor_parallel_size")
         pp = getattr(s, f"{role}_pipeline_parallel_size")
         bundle = {"CPU": threads, **self.resources[role]}
-        pg = placement_group([dict(bundle) for _ in range(tp * pp)],
-                             strategy="STRICT_PACK" if pp == 1 else "PACK", name=f"pdserve-{name}")
-        ray.get(pg.ready(), timeout=self.ready_timeout_s)
+        strategy = "STRICT_PACK" if pp == 1 else "PACK"
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        if (why := placement_unfit(bundle, tp * pp, strategy, nodes)) is not None:
+            raise RuntimeError(f"{name} cannot be placed on this Ray cluster: {why}")
+        pg = placement_group([dict(bundle) for _ in range(tp * pp)], strategy=strategy, name=f"pdserve-{name}")
+        try:
+            ray.get(pg.ready(), timeout=self.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:  # it fits the cluster, but what it needs stayed taken
+            ray.util.remove_placement_group(pg)
+            raise RuntimeError(f"{name}: its placement group ({tp * pp} x {bundle}) was not granted within "
+                               f"{self.ready_timeout_s:.0f} s; the cluster's resources are held by other work "
+                               f"(free now: {ray.available_resources()})") from None
         worker = _Worker(name, pg)
         actor_cls = self._actor_class()
         for rank in range(tp * pp):
