@@ -79,3 +79,61 @@ def test_transfer_pairs_are_set_up_before_the_first_request(model_dir, tmp_path)
         workers = httpx.get(f"{cluster.url}/workers", timeout=5).json()
         assert [w["num_routed"] for w in workers if w["role"] == "prefill"] == [1]  # prefilled over that pair
         assert log.read_text().count("are ready") == 1  # the request reused it
+
+
+def test_workers_outlive_a_dead_router_and_join_the_next_one(model_dir, tmp_path):
+    """SIGKILL the router mid-stream: after --router-timeout-s the worker drops the orphaned requests
+    (their KV blocks free), keeps registering, and serves the router started in its place."""
+    import re
+    import threading
+
+    spec = ClusterSpec(model=model_dir, num_prefill=0, num_decode=1, port=free_port(), threads_per_worker=1,
+                       worker_args=["--kv-cache-memory", "8MiB", "--router-timeout-s", "1"])
+    cluster = LocalCluster(spec, log_dir=str(tmp_path / "logs"))
+    cluster.start()
+    try:
+        assert cluster.wait_healthy()
+        streaming = threading.Barrier(9)
+
+        def stream(i):  # long requests, cut off when the router dies
+            try:
+                with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=60,
+                                  json={"model": "tiny", "prompt": f"the quick brown fox {i}", "max_tokens": 1500,
+                                        "ignore_eos": True, "stream": True}) as resp:
+                    lines = resp.iter_lines()
+                    next(lines)
+                    streaming.wait(timeout=60)
+                    for _ in lines:
+                        pass
+            except (httpx.HTTPError, threading.BrokenBarrierError):
+                pass
+
+        clients = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(8)]
+        for c in clients:
+            c.start()
+        streaming.wait(timeout=60)  # all 8 are streaming: each has ~1,500 tokens to go
+        cluster.router_proc.send_signal(signal.SIGKILL)
+        cluster.router_proc.wait(timeout=10)
+        log = tmp_path / "logs" / "decode-0.log"
+        deadline = time.monotonic() + 30
+        while not re.search(r"dropped [1-9]\d* requests", log.read_text()):
+            assert time.monotonic() < deadline, "the worker kept the dead router's requests"
+            time.sleep(0.1)
+        assert cluster.workers["decode-0"].handle.poll() is None  # the worker lives on
+        cluster._start_router()  # a new router on the same addresses
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                workers = httpx.get(f"{cluster.url}/workers", timeout=2).json()
+                if workers and workers[0].get("heartbeat_received"):
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the worker did not register with the new router"
+            time.sleep(0.2)
+        assert workers[0]["num_free_blocks"] == workers[0]["num_blocks"]  # the dropped requests' KV is free
+        resp = httpx.post(f"{cluster.url}/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True})
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+    finally:
+        cluster.stop()

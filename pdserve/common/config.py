@@ -37,6 +37,10 @@ class WorkerConfig:
         drain_timeout_s: after SIGTERM (or the router's ``DrainWorker``), how long the worker may take
             to finish what it holds before it hands the rest back (the router migrates them) and exits.
             SIGINT exits at once.
+        router_timeout_s: once the connection to the router has been down this long (its process
+            died, its host went away), the worker drops every request it holds (their client is
+            gone with the router), freeing their KV blocks; it keeps registering, so a router
+            that comes back finds it.
     """
 
     role: str
@@ -52,6 +56,7 @@ class WorkerConfig:
     health_file: str | None = None
     health_stall_s: float = 300.0
     drain_timeout_s: float = 30.0
+    router_timeout_s: float = 10.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -81,6 +86,9 @@ class WorkerConfig:
                        help="touch this file at every heartbeat while the step loop moves (for liveness probes)")
         g.add_argument("--health-stall-s", type=float, default=300.0,
                        help="stop touching --health-file once the step loop has not moved for this long")
+        g.add_argument("--router-timeout-s", type=float, default=10.0, dest="router_timeout_s",
+                       help="drop every request held once the router's connection has been down this long "
+                            "(their client went with the router); keep registering for the next router")
         g.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                        help="SIGTERM drains: the router stops routing here and the worker finishes what it holds "
                             "for up to this many seconds, then exits (SIGINT exits at once)")
@@ -92,4 +100,5 @@ class WorkerConfig:
                    remote_prefill_timeout_s=args.remote_prefill_timeout_s,
                    prefill_failure_policy=args.prefill_failure_policy,
                    cluster_secret=from_env(args.cluster_secret, CLUSTER_SECRET_ENV), health_file=args.health_file,
-                   health_stall_s=args.health_stall_s, drain_timeout_s=args.drain_timeout_s)
+                   health_stall_s=args.health_stall_s, drain_timeout_s=args.drain_timeout_s,
+                   router_timeout_s=args.router_timeout_s)

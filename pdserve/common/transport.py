@@ -16,10 +16,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Sequence
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from pdserve.common.protocol import KIND_OF, MESSAGE_TYPES, MsgKind
 
@@ -91,11 +93,13 @@ class Mailbox:
     _POLL_MS = 100
     _LINGER_MS = 500  # at close, how long queued messages may take to leave (a dead peer: dropped)
 
-    def __init__(self, host: str, port: int | None = None):
+    def __init__(self, host: str, port: int | None = None, watch: str | None = None):
         self._ctx = zmq.Context()
         self._pull, self.address = bind_pull(self._ctx, host, port)
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
+        self._watch = watch  # a peer whose connection is watched (a worker: its router)
+        self._down_since: float | None = time.monotonic() if watch else None  # not connected yet
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._recv_loop, name="mailbox-recv", daemon=True),
@@ -112,6 +116,12 @@ class Mailbox:
 
     def get_nowait(self):
         return self.get(timeout=0) if not self._inbox.empty() else None
+
+    def down_for(self, now: float | None = None) -> float:
+        """Seconds the watched peer's connection has been down (0 while it is up; since creation until
+        it first connects)."""
+        since = self._down_since
+        return 0.0 if since is None else (time.monotonic() if now is None else now) - since
 
     def put(self, addr: str, msg: msgspec.Struct) -> None:
         self._outbox.put((addr, encode(msg)))
@@ -142,21 +152,42 @@ class Mailbox:
 
     def _send_loop(self) -> None:
         sockets: dict[str, zmq.Socket] = {}
+        monitor: zmq.Socket | None = None
         while True:
-            item = self._outbox.get()
+            try:
+                item = self._outbox.get(timeout=self._POLL_MS / 1000 if monitor is not None else None)
+            except queue.Empty:
+                item = ()
+            if monitor is not None:
+                self._read_monitor(monitor)
             if item is None:
                 break
+            if not item:
+                continue
             addr, frames = item
             sock = sockets.get(addr)
             if sock is None:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 100_000)
+                if addr == self._watch:
+                    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
                 sock.connect(addr)
                 sockets[addr] = sock
             sock.send_multipart(frames, copy=False)
+        if monitor is not None:
+            monitor.close(linger=0)
         for sock in sockets.values():
             sock.close(linger=self._LINGER_MS)
+
+    def _read_monitor(self, monitor: zmq.Socket) -> None:
+        """Track the watched peer's TCP connection from its socket monitor's events."""
+        while monitor.poll(0):
+            event = parse_monitor_message(monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._down_since = None
+            elif event == zmq.EVENT_DISCONNECTED and self._down_since is None:
+                self._down_since = time.monotonic()
 
 
 class PushSocket:

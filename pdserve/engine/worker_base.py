@@ -68,7 +68,7 @@ class WorkerBase:
         self.runner = self.core.runner
         self.stats = WorkerStats()
         try:
-            self.mailbox = Mailbox(worker_config.host, worker_config.port)
+            self.mailbox = Mailbox(worker_config.host, worker_config.port, watch=worker_config.router_addr)
         except BaseException:
             self.core.close()
             raise
@@ -81,6 +81,7 @@ class WorkerBase:
         self._drain_deadline: float | None = None  # draining since the loop saw the request
         self._drain_acked = False  # the router sent DrainWorker: nothing new will come
         self._exit_sent = False
+        self._router_lost = False  # this outage of the router's connection was acted on
 
     def attach_kv_agent(self) -> None:
         """Give every rank its KV transfer agent; ranks report back through this worker's mailbox."""
@@ -181,6 +182,22 @@ class WorkerBase:
             self._send_exiting("drain timed out")
             self._stop.set()
 
+    def _check_router(self, now: float) -> None:
+        """Workers outlive routers: once the router's connection has been down ``router_timeout_s``,
+        drop what we hold (its clients went with it; a router restarted from scratch does not know
+        those requests), so no KV block waits for a router that will not ask again. Registration
+        goes on (``_liveness_loop``), so the next router finds this worker."""
+        down = self.mailbox.down_for(now)
+        if down == 0.0:
+            self._router_lost = False
+            return
+        if self._router_lost or down < self.config.router_timeout_s or self.idle():
+            return
+        self._router_lost = True
+        n = self.abandon_all(f"the router at {self.config.router_addr} went away")
+        logger.warning("%s %s: the router's connection has been down %.0f s; dropped %d requests, waiting for a "
+                       "router to register with", self.role.name.lower(), self.worker_id, down, n)
+
     # ---- liveness (IO thread) -----------------------------------------------------
 
     def start_liveness(self) -> None:
@@ -243,6 +260,7 @@ class WorkerBase:
         now = time.monotonic()
         self.periodic(now)
         self._check_drain(now)
+        self._check_router(now)
         if self._stop.is_set():
             return
         busy = self.core.has_unfinished()
