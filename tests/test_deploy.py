@@ -114,6 +114,8 @@ def test_container_arguments_are_real_pdserve_commands(overlay):
             assert parsed.command in ("router", "prefill", "decode")
             if parsed.command != "router":
                 assert parsed.router_addr == "tcp://pdserve-router-zmq:8001" and parsed.host == "10.1.2.3"
+            else:  # /ready waits for the prefill pool the manifests start
+                assert parsed.expect_prefill_workers == int(config["EXPECT_PREFILL_WORKERS"]) == 1
 
 
 def test_dockerfile_parses_and_its_entrypoint_is_pdserve():
