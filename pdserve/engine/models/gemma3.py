@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.layers import RMSNorm, RotaryEmbedding
-from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pdserve.engine.models.qwen3 import Qwen3Attention
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -69,8 +70,10 @@ def _layer_rope(config, layer_type: str) -> tuple[float, dict | None]:
     return float(theta), (params if rope_type not in (None, "default") else None)
 
 
-class Gemma3Attention(LlamaAttention):
-    """``LlamaAttention`` with Gemma's per-head q/k norms, scale and per-layer-type RoPE."""
+class Gemma3Attention(Qwen3Attention):
+    """``Qwen3Attention`` (per-head q/k norms) with Gemma's ``(1 + w)`` norms, scale and per-layer-type RoPE."""
+
+    qk_norm_cls = GemmaRMSNorm
 
     def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
         super().__init__(config, layer_idx, tp_group, dtype, device)
@@ -78,14 +81,8 @@ class Gemma3Attention(LlamaAttention):
             raise NotImplementedError("attention logit soft-capping (attn_logit_softcapping) is not supported: "
                                       "the paged attention kernel does not cap scores")
         self.scale = float(config.query_pre_attn_scalar) ** -0.5
-        layer_type = config.layer_types[layer_idx]
-        theta, scaling = _layer_rope(config, layer_type)
+        theta, scaling = _layer_rope(config, config.layer_types[layer_idx])
         self.rotary_emb = RotaryEmbedding(self.head_dim, theta, scaling, device=device)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
-
-    def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.q_norm(q), self.k_norm(k)
 
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):
@@ -93,12 +90,11 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
 
     attention_cls = Gemma3Attention
     mlp_cls = Gemma3MLP
+    norm_cls = GemmaRMSNorm
 
     def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device, expert_parallel: bool = False):
         super().__init__(config, layer_idx, tp_group, dtype, device, expert_parallel)
         eps, h = config.rms_norm_eps, config.hidden_size
-        self.input_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, device=device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, device=device)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, device=device)
 

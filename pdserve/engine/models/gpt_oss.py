@@ -148,12 +148,7 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
     """Llama's pre-norm block with sinked attention, float32-scaled norms and the biased MoE."""
 
     attention_cls = SinkedAttention
-
-    def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device, expert_parallel: bool = False):
-        super().__init__(config, layer_idx, tp_group, dtype, device, expert_parallel)
-        eps, h = config.rms_norm_eps, config.hidden_size
-        self.input_layernorm = Float32ScaleRMSNorm(h, eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = Float32ScaleRMSNorm(h, eps, dtype=dtype, device=device)
+    norm_cls = Float32ScaleRMSNorm
 
     def make_mlp(self, config, layer_idx: int, tp_group: Any | None, dtype, device) -> nn.Module:
         return GptOssMoE(config, tp_group, dtype, device, self.expert_parallel)

@@ -162,6 +162,7 @@ class LlamaDecoderLayer(nn.Module):
 
     attention_cls: type[LlamaAttention] = LlamaAttention
     mlp_cls: type[nn.Module] = LlamaMLP
+    norm_cls: type[RMSNorm] = RMSNorm  # the block's norms (Gemma: (1 + w); OLMo 2, gpt-oss: float32 scaling)
 
     def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device, expert_parallel: bool = False):
         super().__init__()
@@ -169,8 +170,8 @@ class LlamaDecoderLayer(nn.Module):
         self.expert_parallel = expert_parallel  # read by a MoE family's make_mlp
         self.self_attn = self.attention_cls(config, layer_idx, tp_group, dtype, device)
         self.mlp = self.make_mlp(config, layer_idx, tp_group, dtype, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.input_layernorm = self.norm_cls(config.hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = self.norm_cls(config.hidden_size, eps, dtype=dtype, device=device)
 
     def make_mlp(self, config, layer_idx: int, tp_group: Any | None, dtype, device) -> nn.Module:
         """Layer ``layer_idx``'s feed-forward: ``mlp_cls`` (a MoE family picks per layer)."""
@@ -199,7 +200,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config, tp_group: Any | None, dtype, device, layer_range: tuple[int, int],
                  has_embedding: bool, has_norm: bool, layer_cls: type[nn.Module] = LlamaDecoderLayer,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, norm_cls: type[RMSNorm] = RMSNorm):
         super().__init__()
         if has_embedding:
             weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
@@ -211,7 +212,7 @@ class LlamaModel(nn.Module):
             layer_cls(config, i, tp_group, dtype, device, expert_parallel) if start <= i < end else AbsentModule()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device) \
+        self.norm = norm_cls(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device) \
             if has_norm else AbsentModule()
 
 
@@ -250,9 +251,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         has_embedding = has_embedding or (has_lm_head and self.tie_word_embeddings)
         self.model = LlamaModel(config, tp_group, dtype, device, self.layer_range, has_embedding, has_lm_head,
-                                self.decoder_layer_cls, expert_parallel)
-        if has_lm_head and self.final_norm_cls is not RMSNorm:
-            self.model.norm = self.final_norm_cls(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+                                self.decoder_layer_cls, expert_parallel, self.final_norm_cls)
         self.has_embedding, self.has_lm_head = has_embedding, has_lm_head
         if not has_lm_head:
             self.lm_head = AbsentModule()

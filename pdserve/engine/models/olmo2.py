@@ -79,12 +79,12 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
     """Post-norm block: h = x + norm(attn(x)); out = h + norm(mlp(h))."""
 
     attention_cls = Olmo2Attention
+    norm_cls = Olmo2RMSNorm
 
     def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device, expert_parallel: bool = False):
         super().__init__(config, layer_idx, tp_group, dtype, device, expert_parallel)
-        del self.input_layernorm
+        del self.input_layernorm  # post-norm: nothing before attention
         eps = config.rms_norm_eps
-        self.post_attention_layernorm = Olmo2RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.post_feedforward_layernorm = Olmo2RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
 
     def forward(self, positions, hidden, kv_cache_layer, attn_metadata, layer: int | None = None) -> torch.Tensor:

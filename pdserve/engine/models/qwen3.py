@@ -19,12 +19,15 @@ from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, Llama
 class Qwen3Attention(LlamaAttention):
     """``LlamaAttention`` with q_norm / k_norm: RMSNorm over each head's ``head_dim`` features.
 
-    q (N, H, D), k (N, H_kv, D) -> the same shapes, normalized per (token, head)."""
+    q (N, H, D), k (N, H_kv, D) -> the same shapes, normalized per (token, head). ``qk_norm_cls``:
+    the norm's kind (Gemma 3 subclasses this with its ``(1 + w)`` norm)."""
+
+    qk_norm_cls: type[RMSNorm] = RMSNorm
 
     def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
         super().__init__(config, layer_idx, tp_group, dtype, device)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+        self.q_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+        self.k_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
 
     def normalize_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.q_norm(q), self.k_norm(k)
