@@ -475,9 +475,12 @@ class RouterEngine:
         elif isinstance(msg, RegisterWorker):
             if not self._authentic(msg):
                 return
+            known = self.registry.get(msg.worker_id)
+            refresh = known is not None and known.input_addr == msg.input_addr and known.role == msg.role
             replaced = self.registry.register(msg)
             self._sockets.connect(msg.input_addr)  # connect now: a dead worker is seen at once
-            self._warm_pairs(msg.worker_id)
+            if not refresh:  # a worker new to this router (workers re-register every few seconds)
+                self._warm_pairs(msg.worker_id)
             if msg.role == WorkerRole.DECODE:
                 self._retry_stranded(time.monotonic())
             if replaced is not None:
