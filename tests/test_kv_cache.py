@@ -22,3 +22,20 @@ def test_allocate_and_copy_blocks():
     cache[:, :, 3] = 3.0
     copy_blocks(cache, [(1, 0), (3, 4)])
     assert (cache[:, :, 0] == 1).all() and (cache[:, :, 4] == 3).all() and (cache[:, :, 2] == 0).all()
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def test_a_large_cpu_cache_is_zeroed_and_backed_by_huge_pages():
+    import pathlib
+    thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text() or not pathlib.Path("/proc/self/smaps_rollup").exists():
+        pytest.skip("no transparent huge pages on this machine")
+    before = _anon_huge_kib()
+    cache = allocate_kv_cache(4, 512, 16, 4, 64, torch.float32, "cpu")  # 128 MiB
+    assert not cache.any()
+    # madvise covers the 2 MiB-aligned interior: all but at most two partial huge pages
+    assert _anon_huge_kib() - before >= (cache.numel() * 4 - 4 * 2**20) // 1024
