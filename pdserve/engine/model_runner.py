@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig
 
 from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach, WorkerRole
-from pdserve.common.utils import format_cpu_list, pin_to_cores, resolve_device, resolve_dtype
+from pdserve.common.utils import format_cpu_list, keep_freed_memory, pin_to_cores, resolve_device, resolve_dtype
 from pdserve.engine.attention import AttentionMetadata, select_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
@@ -134,6 +134,7 @@ class ModelRunner:
         kv_name = self.kv_cache_format.name
         logger.info("dtype %s (%s); KV cache %s", str(self.dtype).removeprefix("torch."), why, kv_name)
         if self.device.type == "cpu":
+            keep_freed_memory()
             self.cpu_cores = pin_to_cores(config.cpu_cores, config.num_threads, config.rank, config.parallel.world_size)
             logger.info("%d torch threads on cores %s", torch.get_num_threads(), format_cpu_list(self.cpu_cores))
         # int8: quantized here; compressed-tensors: the checkpoint says so (None on a float checkpoint)
