@@ -1,0 +1,174 @@
+"""A router tier: two routers share one HTTP port and one worker pool (``pdserve up --num-routers 2``).
+
+Real processes, faults by signal: SIGKILL one router mid-stream and the other router's streams
+finish token-exact (against transformers' ``generate``), the workers drop the dead router's
+requests within 2 s (their KV blocks free again), a retry on the shared URL succeeds at once and
+the launcher restarts the router; SIGKILL both and the workers register with the restarted ones.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pdserve.common.config import WorkerConfig, resolve_router_addrs
+from pdserve.common.utils import free_port
+from pdserve.launcher import ClusterSpec, LocalCluster
+from tests.test_cluster import wait_all_blocks_free
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def tier(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("tier-logs")
+    spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
+                       num_routers=2, worker_args=["--kv-cache-memory", "16MiB"])
+    with LocalCluster(spec, log_dir=str(logs)) as cluster:  # supervised: routers are restarted
+        cluster.logs = logs
+        yield cluster
+    assert not [p for _, p in cluster.procs if p.poll() is None], "a cluster process outlived stop()"
+
+
+def complete(url: str, prompt: str, max_tokens: int = 4) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=60,
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+
+
+def wait_router_serves(url: str, timeout_s: float = 40.0) -> None:
+    """Until the router at ``url`` lists both workers (they registered with it) and serves a request."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            health = httpx.get(f"{url}/health", timeout=2).json()
+            if (health["num_prefill"], health["num_decode"]) == (1, 1):
+                break
+        except (httpx.HTTPError, ValueError):
+            pass
+        assert time.monotonic() < deadline, f"the workers did not register with the router at {url}"
+        time.sleep(0.2)
+    resp = complete(url, "hello again")
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+
+
+def test_both_routers_serve_one_pool_and_one_keeps_the_pool_targets(tier):
+    r0, r1 = tier.router_urls()
+    for url, router_id in ((r0, "router-0"), (r1, "router-1")):
+        assert httpx.get(f"{url}/info", timeout=5).json()["router_id"] == router_id
+        workers = httpx.get(f"{url}/workers", timeout=5).json()
+        assert sorted(w["id"] for w in workers) == ["decode-0", "prefill-0"]  # each worker registered with both
+        resp = complete(url, f"served by {router_id}")
+        assert resp.status_code == 200 and resp.json()["id"].startswith(f"cmpl-{router_id}-")
+    # the targets live in router-0: router-1 forwards /admin/scale and /admin/pools there
+    body = httpx.post(f"{r1}/admin/scale", json={"decode": 1}, timeout=10).json()
+    assert body["pools"]["decode"]["desired"] == 1
+    assert httpx.get(f"{r0}/admin/pools", timeout=5).json()["decode"]["desired"] == 1
+    assert httpx.get(f"{tier.url}/admin/pools", timeout=5).json()["decode"]["desired"] == 1
+
+
+def test_a_router_killed_mid_stream_loses_only_its_own_requests(tier, model_dir):
+    r0, r1 = tier.router_urls()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [f"the quick brown fox {i} jumps over" for i in range(4)]
+    wait_all_blocks_free(tier)  # the KV level before: every block free
+
+    doomed_streaming, survivors_streaming = threading.Barrier(5), threading.Barrier(5)
+    texts: dict[int, str] = {}
+    errors: list[str] = []
+
+    def doomed(i):  # long streams on router-1, cut off when it dies
+        try:
+            with httpx.stream("POST", f"{r1}/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": f"a river bank {i}", "max_tokens": 1500,
+                                    "ignore_eos": True, "stream": True}) as resp:
+                lines = resp.iter_lines()
+                next(lines)
+                doomed_streaming.wait(timeout=60)
+                for _ in lines:
+                    pass
+        except (httpx.HTTPError, threading.BrokenBarrierError):
+            pass
+
+    def survivor(i):  # greedy streams on router-0, which must finish untouched
+        try:
+            with httpx.stream("POST", f"{r0}/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": prompts[i], "max_tokens": 48, "temperature": 0,
+                                    "stream": True}) as resp:
+                assert resp.status_code == 200
+                parts, waited = [], False
+                for line in resp.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = httpx.Response(200, content=line[6:]).json()
+                    assert "error" not in chunk, chunk
+                    parts.append(chunk["choices"][0]["text"])
+                    if not waited:
+                        waited = True
+                        survivors_streaming.wait(timeout=60)
+                texts[i] = "".join(parts)
+        except Exception as e:  # noqa: BLE001  reported by the main thread
+            errors.append(f"stream {i}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=doomed, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    doomed_streaming.wait(timeout=60)
+    survivors = [threading.Thread(target=survivor, args=(i,), daemon=True) for i in range(4)]
+    for t in survivors:
+        t.start()
+    survivors_streaming.wait(timeout=60)  # all 8 stream: router-0's 4 are mid-stream
+    victim = tier.routers["router-1"].handle
+    victim.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    victim.wait(timeout=10)
+
+    resp = complete(tier.url, "a client retries")  # the shared port now leads to router-0 alone
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
+
+    log = tier.logs / "decode-0.log"
+    while not re.search(r"router at tcp://127\.0\.0\.1:\d+ has been down [\d.]+ s; dropped [1-4] requests",
+                        log.read_text()):
+        assert time.monotonic() - killed_at < 2.0, "the decode worker kept the dead router's requests"
+        time.sleep(0.05)
+
+    for t in survivors:
+        t.join(timeout=60)
+    assert not errors, errors
+    for i, prompt in enumerate(prompts):
+        ids = tok(prompt).input_ids
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):]
+        assert texts[i] == tok.decode(out, skip_special_tokens=True), f"router-0's stream {i} changed"
+    wait_all_blocks_free(tier)  # router-1's requests are gone from the workers, their KV free
+
+    wait_router_serves(r1)  # the launcher restarted router-1 and the workers registered with it
+    assert tier.routers["router-1"].num_restarts == 1
+    for t in threads:
+        t.join(timeout=10)
+
+
+def test_workers_register_again_when_every_router_restarts(tier):
+    for r in tier.routers.values():
+        r.handle.send_signal(signal.SIGKILL)
+    for r in tier.routers.values():
+        r.handle.wait(timeout=10)
+    for url in tier.router_urls():
+        wait_router_serves(url)  # restarted by the launcher; the workers' next registration finds them
+    assert tier.workers["decode-0"].handle.poll() is None  # the workers lived on
+
+
+def test_router_addresses_are_a_list_or_a_name_resolved_to_every_router():
+    config = WorkerConfig(role="decode", router_addr="tcp://127.0.0.1:8001, tcp://localhost:8002")
+    assert config.router_addrs == ["tcp://127.0.0.1:8001", "tcp://localhost:8002"]
+    assert resolve_router_addrs(config.router_addrs) == ["tcp://127.0.0.1:8001", "tcp://127.0.0.1:8002"]
+    unresolved = "tcp://no-such-router.invalid:8001"  # not resolvable now: ZMQ resolves it when it connects
+    assert resolve_router_addrs([unresolved, "tcp://[::1]:8001"]) == [unresolved, "tcp://[::1]:8001"]
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        WorkerConfig(role="decode", router_addr="tcp://127.0.0.1:8001,http://x:1")
