@@ -172,3 +172,45 @@ def test_router_addresses_are_a_list_or_a_name_resolved_to_every_router():
     assert resolve_router_addrs([unresolved, "tcp://[::1]:8001"]) == [unresolved, "tcp://[::1]:8001"]
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         WorkerConfig(role="decode", router_addr="tcp://127.0.0.1:8001,http://x:1")
+
+
+def test_a_decode_worker_streams_to_each_requests_router_and_drops_a_dead_routers_requests(model_dir):
+    """In this process, two fake routers: each request's outputs go to the router that sent it; the
+    worker registers with both; when one router's socket closes while the other is up, that router's
+    request is dropped (its blocks freed) within ``ROUTER_LOST_S`` and the other one's goes on."""
+    from pdserve.common.protocol import GenerateRequest, RegisterWorker, SamplingParams
+    from pdserve.decode_worker.worker import DecodeWorker
+    from pdserve.engine.worker_base import ROUTER_LOST_S
+    from tests.test_workers_inprocess import FakeRouter, make_worker
+
+    a, b = FakeRouter(), FakeRouter()
+    worker = make_worker(DecodeWorker, model_dir, f"{a.addr},{b.addr}")
+    try:
+        worker.start_liveness()
+        regs = {r.addr: r.wait_for(RegisterWorker)[0] for r in (a, b)}
+        assert {addr: reg.router_addr for addr, reg in regs.items()} == {a.addr: a.addr, b.addr: b.addr}
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        for name, router in (("a", a), ("b", b)):
+            worker.handle(GenerateRequest(request_id=f"from-{name}", prompt_token_ids=[5, 6, 7, 8],
+                                          sampling_params=params, router_addr=router.addr))
+        for _ in range(3):
+            worker.run_once()
+        time.sleep(0.2)  # the deltas on their way
+        assert a.tokens("from-a") and not a.deltas("from-b")
+        assert b.tokens("from-b") and not b.deltas("from-a")
+        blocks = worker.core.block_manager
+        held = lambda rid: len(worker.core.scheduler.requests[rid].block_table)  # noqa: E731
+        assert blocks.num_free_blocks == blocks.num_blocks - held("from-a") - held("from-b")
+        b.close()  # router b dies
+        deadline = time.monotonic() + ROUTER_LOST_S + 2.0
+        while "from-b" in worker.core.scheduler.groups:
+            assert time.monotonic() < deadline, "the dead router's request was kept"
+            worker.run_once()
+        assert "from-a" in worker.core.scheduler.groups  # router a's request goes on
+        assert blocks.num_free_blocks == blocks.num_blocks - held("from-a")  # router b's blocks are free
+        n = len(a.tokens("from-a"))
+        worker.run_once()
+        assert len(a.tokens("from-a")) > n
+    finally:
+        worker.close()
+        a.close()

@@ -23,9 +23,9 @@ SIGTERM drains: the worker tells the router (``WorkerDraining``), which routes
 nothing new to it and, once no request it holds still needs the worker, answers
 ``DrainWorker``; the worker then exits as soon as it is idle. A ``DrainWorker``
 the router sends on its own (``pdserve scale``, ``/admin/workers/ID/drain``)
-starts the same drain; the worker then tells every router (each one stops routing
-to it), and exits once idle and every connected router has sent ``DrainWorker``. Whatever is still unfinished after ``drain_timeout_s``
-is handed back and the worker exits: the router migrates a decode worker's
+starts the same drain; the worker then tells every other router (each stops
+routing to it), and exits once idle and every connected router has sent
+``DrainWorker``. Whatever is still unfinished after ``drain_timeout_s`` is handed back and the worker exits: the router migrates a decode worker's
 requests to another one, and a prefill worker's requests are recomputed by
 their decode workers.
 """
@@ -194,9 +194,10 @@ class WorkerBase:
         self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
         logger.info("%s %s draining (%s): finishing what it holds, at most %.0f s", self.role.name.lower(),
                     self.worker_id, reason, self.config.drain_timeout_s)
-        self.to_routers(WorkerDraining(worker_id=self.worker_id, role=self.role, input_addr=self.mailbox.address,
-                                       auth=self._auth()),
-                        [a for a in self.routers if a not in self._drain_acks])
+        if None not in self._drain_acks:  # (a router that did not name itself is the only one)
+            self.to_routers(WorkerDraining(worker_id=self.worker_id, role=self.role,
+                                           input_addr=self.mailbox.address, auth=self._auth()),
+                            [a for a in self.routers if a not in self._drain_acks])
 
     @property
     def drain_acked(self) -> bool:
