@@ -349,8 +349,9 @@ class ClusterLauncher:
 
         Supervision runs from the first second: a worker that fails meanwhile (before or after it
         registered; a client may already be using the ones that are up) is restarted as it would be
-        while serving, and its requests migrate; start-up fails only as ``check`` says (the
-        router's exit, a worker that cannot start or is out of restarts), with the log lines why.
+        while serving, and its requests migrate; start-up fails only as ``check`` says (a router
+        that exits before it ever answered, a worker that cannot start, a process out of restarts),
+        with the log lines why.
 
         Raises:
             RuntimeError: a fatal exit, or ``ready_timeout_s`` passed.
