@@ -214,3 +214,27 @@ def test_a_decode_worker_streams_to_each_requests_router_and_drops_a_dead_router
     finally:
         worker.close()
         a.close()
+
+
+def test_up_starts_a_tier_sharing_one_port_with_router_0_keeping_the_targets(model_dir, monkeypatch):
+    """What ``pdserve up --num-routers 3`` runs (command lines only; no process is started)."""
+    from pdserve.cli import build_parser
+    from pdserve.router.config import RouterConfig
+
+    args = build_parser().parse_args(["up", "--num-routers", "3", "--ray"])
+    assert args.num_routers == 3  # up --ray takes it too
+    spawned: dict[str, list[str]] = {}
+    monkeypatch.setattr(LocalCluster, "_spawn", lambda self, name, argv: spawned.setdefault(name, argv))
+    cluster = LocalCluster(ClusterSpec(model=model_dir, num_prefill=0, num_decode=1, port=18000, num_routers=3))
+    cluster._start_router(0), cluster._start_router(1), cluster._start_router(2)
+    cluster._start_worker("decode", "decode-0")
+    parser = build_parser()
+    routers = [RouterConfig.from_cli_args(parser.parse_args(spawned[f"router-{i}"])) for i in range(3)]
+    assert [r.port for r in routers] == [18000] * 3 and all(r.reuse_port for r in routers)
+    assert len({r.zmq_port for r in routers}) == len({r.direct_port for r in routers}) == 3
+    assert [r.router_id for r in routers] == ["router-0", "router-1", "router-2"]
+    owner = f"http://127.0.0.1:{routers[0].direct_port}"
+    assert [r.pool_owner for r in routers] == [None, owner, owner]
+    assert cluster.router_urls()[0] == owner and cluster.url == "http://127.0.0.1:18000"
+    worker = parser.parse_args(spawned["decode-0"])
+    assert worker.router_addr == ",".join(f"tcp://127.0.0.1:{r.zmq_port}" for r in routers)
