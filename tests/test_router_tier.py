@@ -238,3 +238,49 @@ def test_up_starts_a_tier_sharing_one_port_with_router_0_keeping_the_targets(mod
     assert cluster.router_urls()[0] == owner and cluster.url == "http://127.0.0.1:18000"
     worker = parser.parse_args(spawned["decode-0"])
     assert worker.router_addr == ",".join(f"tcp://127.0.0.1:{r.zmq_port}" for r in routers)
+
+
+def test_pool_owner_none_refuses_scale_and_an_unreachable_owner_is_a_503(model_dir):
+    from fastapi.testclient import TestClient
+
+    from pdserve.router import RouterConfig, build_app
+
+    with pytest.raises(ValueError, match="pool_owner"):
+        RouterConfig(model=model_dir, pool_owner="router-0")
+    with TestClient(build_app(RouterConfig(model=model_dir, zmq_port=0, pool_owner="none"))) as client:
+        resp = client.post("/admin/scale", json={"decode": 2})
+        assert resp.status_code == 409 and "kubectl scale" in resp.json()["error"]["message"]
+        assert client.get("/admin/pools").json()["decode"]["desired"] is None
+    gone = f"http://127.0.0.1:{free_port()}"
+    with TestClient(build_app(RouterConfig(model=model_dir, zmq_port=0, pool_owner=gone))) as client:
+        resp = client.post("/admin/scale", json={"decode": 2})
+        assert resp.status_code == 503 and gone in resp.json()["error"]["message"]
+
+
+def test_a_drain_waits_for_every_connected_router(model_dir):
+    """DrainWorker from one router: the worker tells the other (WorkerDraining) and exits only once
+    that one has answered DrainWorker too."""
+    from pdserve.common.protocol import DrainWorker, RegisterWorker, WorkerDraining, WorkerExiting
+    from pdserve.decode_worker.worker import DecodeWorker
+    from tests.test_workers_inprocess import FakeRouter, make_worker
+
+    a, b = FakeRouter(), FakeRouter()
+    worker = make_worker(DecodeWorker, model_dir, f"{a.addr},{b.addr}")
+    try:
+        worker.start_liveness()
+        a.wait_for(RegisterWorker), b.wait_for(RegisterWorker)
+        worker.mailbox.inject(DrainWorker(reason="pool scaled to 0", router_addr=a.addr))
+        worker.run_once()
+        assert b.wait_for(WorkerDraining) and not a.of_type(WorkerDraining)
+        for _ in range(5):
+            worker.run_once()
+        assert not worker._stop.is_set()  # idle, but router b has not answered
+        worker.mailbox.inject(DrainWorker(reason="draining", router_addr=b.addr))
+        worker.run_once()  # handles it
+        worker.run_once()  # sees the drain acknowledged by both
+        assert worker._stop.is_set()
+        assert a.wait_for(WorkerExiting) and b.wait_for(WorkerExiting)
+    finally:
+        worker.close()
+        a.close()
+        b.close()

@@ -84,6 +84,8 @@ class Mailbox:
         host: interface to bind the inbound PULL socket on.
         port: inbound port, or None for a free one. ``self.address`` is the
             address peers should push to.
+        watch: peers whose connection is watched (a worker: its routers; more with ``watch``);
+            ``down_for(addr=...)`` says how long each has been down.
 
     ``get(timeout)`` returns the next decoded message or None on timeout.
     ``put(addr, msg)`` queues ``msg`` for the peer at ``addr``; messages to one
