@@ -284,3 +284,34 @@ def test_a_drain_waits_for_every_connected_router(model_dir):
         worker.close()
         a.close()
         b.close()
+
+
+def test_a_prefill_worker_drops_the_requests_of_a_dead_router(model_dir):
+    """A prefill worker knows each request's router (``RemotePrefillRequest.router_addr``): one
+    router's death drops that router's requests here too, and only those."""
+    from pdserve.common.protocol import RegisterWorker, RemotePrefillRequest, SamplingParams
+    from pdserve.engine.worker_base import ROUTER_LOST_S
+    from pdserve.prefill_worker.worker import PrefillWorker
+    from tests.test_workers_inprocess import FakeRouter, make_worker
+
+    a, b = FakeRouter(), FakeRouter()
+    worker = make_worker(PrefillWorker, model_dir, f"{a.addr},{b.addr}", transfer_timeout_s=30.0)
+    try:
+        worker.start_liveness()
+        a.wait_for(RegisterWorker), b.wait_for(RegisterWorker)
+        for name, router in (("a", a), ("b", b)):  # the pairs never connect (no decode worker): they wait
+            worker.handle(RemotePrefillRequest(
+                request_id=f"from-{name}", prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=4),
+                decode_worker_id="decode-x", decode_addr=f"tcp://127.0.0.1:{free_port()}", transfer_host="127.0.0.1",
+                transfer_port=free_port(), pair_generation=0, dest_block_ids=[0], router_addr=router.addr))
+        worker.run_once()
+        assert set(worker.pending_pair) == {"from-a", "from-b"}
+        b.close()
+        deadline = time.monotonic() + ROUTER_LOST_S + 2.0
+        while "from-b" in worker.pending_pair:
+            assert time.monotonic() < deadline, "the dead router's request was kept"
+            worker.run_once()
+        assert set(worker.pending_pair) == {"from-a"}
+    finally:
+        worker.close()
+        a.close()
