@@ -1,9 +1,9 @@
 """The ``pdserve`` command.
 
     pdserve up [--model DIR] [--num-prefill N] [--num-decode M] [--colocated] [--host H] [--port P]
-               [--{prefill,decode}-{tensor,pipeline}-parallel-size K]
-    pdserve router  --model DIR [--host H] [--port P] [--zmq-port Z]
-    pdserve prefill --model DIR --router tcp://HOST:Z
+               [--num-routers R] [--{prefill,decode}-{tensor,pipeline}-parallel-size K]
+    pdserve router  --model DIR [--host H] [--port P] [--zmq-port Z] [--reuse-port --direct-port D --pool-owner URL]
+    pdserve prefill --model DIR --router tcp://HOST:Z[,tcp://HOST2:Z2...]
     pdserve decode  --model DIR --router tcp://HOST:Z [--tensor-parallel-size T] [--pipeline-parallel-size P]
     pdserve rank    --model DIR --rank R --master-addr H --master-port M ...   (one rank of a T x P worker)
     pdserve scale   [--router http://HOST:PORT] [--prefill N] [--decode M] [--wait]   (pools of a running cluster)
@@ -66,7 +66,8 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     spec = ClusterSpec(model=model, num_prefill=num_prefill, num_decode=args.num_decode, host=args.host,
                        port=args.port, zmq_port=args.zmq_port, worker_args=worker_args, router_args=router_args,
                        api_key=from_env(args.api_key, API_KEY_ENV), max_restarts=args.max_restarts,
-                       threads_per_worker=args.threads_per_worker, **pool_parallel_sizes(args))
+                       threads_per_worker=args.threads_per_worker, num_routers=args.num_routers,
+                       **pool_parallel_sizes(args))
     if args.ray:
         from pdserve.launcher import serve_until_stopped
         from pdserve.launcher_ray import RayCluster
@@ -210,6 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--zmq-port", type=int, default=None)
+    up.add_argument("--num-routers", type=int, default=1,
+                    help="routers serving the one worker pool (a router tier): they share --port (SO_REUSEPORT), "
+                         "each has its own ZMQ port, every worker registers with all of them, and a router's "
+                         "death loses only its own requests (it is restarted)")
     up.add_argument("--threads-per-worker", type=int, default=None, help="torch CPU threads per worker rank")
     up.add_argument("--ray", action="store_true",
                     help="run every process as a Ray actor, each worker's ranks in one placement group")

@@ -1,10 +1,16 @@
 """``pdserve up``: a local cluster as separate OS processes.
 
-Starts the router, ``num_prefill`` prefill workers and ``num_decode`` decode
-workers (each ``python -m pdserve <role> ...``), waits until the router reports
-every worker live, prints the URL, starts workers when ``pdserve scale`` grows
-a pool, and on Ctrl-C / SIGTERM (or a process failing) stops all of them, by
-pid.
+Starts ``num_routers`` routers, ``num_prefill`` prefill workers and
+``num_decode`` decode workers (each ``python -m pdserve <role> ...``), waits
+until every router reports every worker live, prints the URL, starts workers
+when ``pdserve scale`` grows a pool, restarts routers and workers that fail, and
+on Ctrl-C / SIGTERM (or a process out of restarts) stops all of them, by pid.
+
+A router tier (``num_routers`` > 1): the routers share the one HTTP port
+(``--reuse-port``: SO_REUSEPORT, the kernel spreads connections over the live
+ones), each has its own ZMQ port and a direct HTTP port of its own, and every
+worker is given every router's ZMQ address. router-0 keeps the pools' targets;
+the others forward ``/admin/pools`` and ``/admin/scale`` to it (``--pool-owner``).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ class ClusterSpec:
     Args:
         model: checkpoint directory.
         num_prefill, num_decode: pool sizes (num_prefill may be 0: decode workers then prefill locally).
-        host, port: the router's HTTP address; zmq_port: the router's ZMQ port (None = free port).
+        host, port: the routers' HTTP address; zmq_port: the first router's ZMQ port (None = free port).
+        num_routers: routers serving the one worker pool (a router tier); they share ``port``.
         worker_args: extra CLI args for every worker (engine flags such as --kv-cache-memory).
         router_args: extra CLI args for the router.
         api_key: the router's ``--api-key`` (the launcher uses it to read ``/admin/pools``).
@@ -63,8 +70,11 @@ class ClusterSpec:
     prefill_pipeline_parallel_size: int = 1
     decode_tensor_parallel_size: int = 1
     decode_pipeline_parallel_size: int = 1
+    num_routers: int = 1
 
     def __post_init__(self):
+        if self.num_routers < 1:
+            raise ValueError("a cluster needs at least one router")
         if self.num_decode < 1:
             raise ValueError("a cluster needs at least one decode worker")
         if self.num_prefill < 0:
@@ -78,6 +88,10 @@ class ClusterSpec:
         """The worker flags that give ``role``'s workers their ranks."""
         return ["--tensor-parallel-size", str(getattr(self, f"{role}_tensor_parallel_size")),
                 "--pipeline-parallel-size", str(getattr(self, f"{role}_pipeline_parallel_size"))]
+
+    def router_names(self) -> list[str]:
+        """The routers' names (their log files): ``router`` alone, else ``router-0`` .. ``router-{N-1}``."""
+        return ["router"] if self.num_routers == 1 else [f"router-{i}" for i in range(self.num_routers)]
 
     def router_auth_args(self) -> list[str]:
         return ["--api-key", self.api_key] if self.api_key else []
@@ -95,12 +109,13 @@ class ClusterSpec:
 
 @dataclass
 class LaunchedWorker:
-    """A worker a launcher started: its name (= ``--worker-id``), pool, and the launcher's handle on it."""
+    """A process a launcher started: a worker (its name = ``--worker-id``, its pool) or a router (role
+    ``router``), and the launcher's handle on it."""
 
     name: str
     role: str
     handle: object  # LocalCluster: the driver's Popen; RayCluster: its actors and placement group
-    seen_registered: bool = False  # the router has listed it at least once
+    seen_registered: bool = False  # the router has listed it at least once (a router: it answered /health)
     started_at: float = field(default_factory=time.monotonic)
     num_restarts: int = 0  # restarts in a row that each ran less than RESTART_RESET_S
     restart_at: float | None = None  # it failed: start it again at this time (time.monotonic())
@@ -110,7 +125,8 @@ class ClusterLauncher:
     """What every launcher shares: the worker bookkeeping, pool reconciliation, health wait, ``with``.
 
     Subclasses set ``spec`` and call ``ClusterLauncher.__init__``; they provide ``url``,
-    ``_start_router()``, ``_start_worker(role, name) -> handle``, ``_router_exit_code()``,
+    ``router_urls()``, ``_start_router(index)`` (which records the router in ``routers``),
+    ``_start_worker(role, name) -> handle``, ``_router_exit_code(handle)``,
     ``_worker_exit_code(handle)``, ``_remove_worker(handle)`` and ``stop()``.
 
     Pools change while serving (``pdserve scale``, ``POST /admin/scale``): the router keeps each
@@ -119,7 +135,10 @@ class ClusterLauncher:
     stopped by SIGINT) has left the cluster and is forgotten. A worker that fails (any other exit,
     a signal included) is restarted under the same name after 1, 2, 4, ... s (at most
     ``MAX_BACKOFF_S``), at most ``spec.max_restarts`` times in a row; the router meanwhile migrates
-    its requests to the survivors. Only the router's exit, or a worker out of restarts, is fatal.
+    its requests to the survivors. Routers are supervised the same way: one that fails (any exit) is
+    restarted on the same ports with the same backoff; the workers, which keep registering with
+    every router, join it within one re-registration. Only a router that exits before it ever
+    answered ``/health``, or a process out of restarts, is fatal.
     ``serve_until_stopped`` runs ``supervise_once`` in its loop; used as a context manager, a
     launcher runs it on a background thread (fatal exits are then kept in ``fatal``).
     """
@@ -133,6 +152,7 @@ class ClusterLauncher:
         self.spec = spec
         self.ready_timeout_s = ready_timeout_s
         self.workers: dict[str, LaunchedWorker] = {}
+        self.routers: dict[str, LaunchedWorker] = {}  # by name, in spec.router_names() order
         self._next_index = {"prefill": 0, "decode": 0}
         self._lock = threading.RLock()  # the worker table: the supervisor thread and callers share it
         self.fatal: list[str] = []
@@ -143,13 +163,27 @@ class ClusterLauncher:
     def url(self) -> str:
         raise NotImplementedError
 
-    def _start_router(self) -> None:
+    def router_urls(self) -> list[str]:
+        """Each router's own HTTP URL, in ``spec.router_names()`` order."""
+        return [self.url]
+
+    def _start_router(self, index: int = 0) -> object:
+        """Start router ``index`` (again, on the same ports, if it ran before), record it in ``routers``
+        and return its handle."""
         raise NotImplementedError
+
+    def _record_router(self, index: int, handle) -> object:
+        name = self.spec.router_names()[index]
+        if name in self.routers:
+            self.routers[name].handle = handle
+        else:
+            self.routers[name] = LaunchedWorker(name, "router", handle)
+        return handle
 
     def _start_worker(self, role: str, name: str) -> object:
         raise NotImplementedError
 
-    def _router_exit_code(self) -> int | None:
+    def _router_exit_code(self, handle) -> int | None:
         raise NotImplementedError
 
     def _worker_exit_code(self, handle) -> int | None:
@@ -173,8 +207,9 @@ class ClusterLauncher:
     # ---- workers ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the router, then ``num_prefill`` prefill and ``num_decode`` decode workers."""
-        self._start_router()
+        """Start the routers, then ``num_prefill`` prefill and ``num_decode`` decode workers."""
+        for index in range(self.spec.num_routers):
+            self._start_router(index)
         for role, count in (("prefill", self.spec.num_prefill), ("decode", self.spec.num_decode)):
             for _ in range(count):
                 self.add_worker(role)
@@ -190,22 +225,19 @@ class ClusterLauncher:
     def dead(self) -> list[str]:
         """Every process that exited, as ``"name (exit code)"`` (exited now; ``check`` decides what is fatal)."""
         out = []
-        if (code := self._router_exit_code()) is not None:
-            out.append(f"router (exit {code})")
-        for w in self.workers.values():
+        for w in [*self.routers.values(), *self.workers.values()]:
             if (code := self._worker_exit_code(w.handle)) is not None:
                 out.append(f"{w.name} (exit {code})")
         return out
 
     def check(self) -> list[str]:
-        """From start-up on: forget workers that left cleanly (exit 0), restart failed ones (with backoff);
-        return the fatal exits (the router's; a worker's once it is out of restarts; a worker that
-        exits with 2, a usage or configuration error, before it ever registered: a restart would only
-        fail again), each with the process's last log lines where the launcher keeps its log."""
-        fatal = []
-        if (code := self._router_exit_code()) is not None:
-            fatal.append(f"router (exit {code}){self._why('router')}")
+        """From start-up on: forget workers that left cleanly (exit 0), restart failed ones and every
+        router that exited (with backoff); return the fatal exits (a router that never answered
+        ``/health``; a process out of restarts; a worker that exits with 2, a usage or configuration
+        error, before it ever registered: a restart would only fail again), each with the process's
+        last log lines where the launcher keeps its log."""
         now = time.monotonic()
+        fatal = self._check_routers(now)
         with self._lock:
             workers = list(self.workers.items())
         for name, w in workers:
@@ -234,6 +266,38 @@ class ClusterLauncher:
             delay = min(self.MAX_BACKOFF_S, 2.0 ** w.num_restarts)
             w.restart_at, w.seen_registered = now + delay, False  # counts as starting for reconcile
             logger.warning("worker %s exited with %s; restarting it in %.0f s", name, code, delay)
+            print(f"pdserve: {name} exited ({code}); restarting it in {delay:.0f} s", flush=True)
+        return fatal
+
+    def _check_routers(self, now: float) -> list[str]:
+        """Restart routers that exited (after 1, 2, 4 .. s); the fatal exits."""
+        fatal = []
+        for index, name in enumerate(self.spec.router_names()):
+            r = self.routers.get(name)
+            if r is None:
+                continue
+            if r.restart_at is not None:
+                if now >= r.restart_at:
+                    r.num_restarts += 1
+                    r.restart_at, r.started_at = None, time.monotonic()
+                    self._start_router(index)
+                    logger.info("router %s restarted (restart %d in a row)", name, r.num_restarts)
+                    print(f"pdserve: {name} restarted", flush=True)
+                continue
+            code = self._router_exit_code(r.handle)
+            if code is None:
+                continue
+            if now - r.started_at >= self.RESTART_RESET_S:
+                r.num_restarts = 0
+            if not r.seen_registered:
+                fatal.append(f"{name} (exit {code} before it ever served){self._why(name)}")
+                continue
+            if r.num_restarts >= self.spec.max_restarts:
+                fatal.append(f"{name} (exit {code}; restarted {r.num_restarts} times in a row){self._why(name)}")
+                continue
+            delay = min(self.MAX_BACKOFF_S, 2.0 ** r.num_restarts)
+            r.restart_at = now + delay
+            logger.warning("router %s exited with %s; restarting it in %.0f s", name, code, delay)
             print(f"pdserve: {name} exited ({code}); restarting it in {delay:.0f} s", flush=True)
         return fatal
 
@@ -280,12 +344,14 @@ class ClusterLauncher:
         return started
 
     def wait_healthy(self, should_stop=lambda: False) -> bool:
-        """Block until /health reports every worker live; False if ``should_stop()`` became true first.
+        """Block until every router's /health reports every worker live; False if ``should_stop()``
+        became true first.
 
         Supervision runs from the first second: a worker that fails meanwhile (before or after it
         registered; a client may already be using the ones that are up) is restarted as it would be
-        while serving, and its requests migrate; start-up fails only as ``check`` says (the
-        router's exit, a worker that cannot start or is out of restarts), with the log lines why.
+        while serving, and its requests migrate; start-up fails only as ``check`` says (a router
+        that exits before it ever answered, a worker that cannot start, a process out of restarts),
+        with the log lines why.
 
         Raises:
             RuntimeError: a fatal exit, or ``ready_timeout_s`` passed.
@@ -297,16 +363,26 @@ class ClusterLauncher:
             self.reconcile()  # marks the workers that registered (and starts any a pool lacks)
             if fatal := self.check():
                 raise RuntimeError(f"cluster process failed during start-up: {'; '.join(fatal)}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                    health = json.load(resp)
-                if (health.get("num_prefill"), health.get("num_decode")) == (self.spec.num_prefill,
-                                                                             self.spec.num_decode):
-                    return True
-            except OSError:
-                pass
+            if self._routers_healthy():
+                return True
             time.sleep(0.25)
         raise RuntimeError(f"cluster not healthy after {self.ready_timeout_s:.0f} s")
+
+    def _routers_healthy(self) -> bool:
+        """Whether every router's /health lists every worker of the spec (marks the routers that answer)."""
+        healthy = True
+        for name, url in zip(self.spec.router_names(), self.router_urls()):
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                    health = json.load(resp)
+            except OSError:
+                healthy = False
+                continue
+            if name in self.routers:
+                self.routers[name].seen_registered = True
+            if (health.get("num_prefill"), health.get("num_decode")) != (self.spec.num_prefill, self.spec.num_decode):
+                healthy = False
+        return healthy
 
     def supervise_once(self) -> list[str]:
         """One supervision round: forget workers that left, start what the pools lack; the fatal exits."""
@@ -347,8 +423,11 @@ class LocalCluster(ClusterLauncher):
 
     def __init__(self, spec: ClusterSpec, log_dir: str | None = None):
         super().__init__(spec)
-        self.zmq_port = spec.zmq_port or free_port(spec.host)
-        self.router_proc: subprocess.Popen | None = None
+        self.zmq_ports = [spec.zmq_port or free_port(spec.host)] + [free_port(spec.host)
+                                                                     for _ in range(spec.num_routers - 1)]
+        self.zmq_port = self.zmq_ports[0]
+        # a tier's routers share spec.port; each also serves alone on a direct port
+        self.direct_ports = [free_port(spec.host) for _ in range(spec.num_routers)] if spec.num_routers > 1 else []
         self.log_dir = log_dir
         self.worker_cores: dict[str, list[int]] = {}  # worker name -> the cores it was pinned to
 
@@ -356,11 +435,26 @@ class LocalCluster(ClusterLauncher):
     def url(self) -> str:
         return f"http://{self.spec.host}:{self.spec.port}"
 
+    def router_urls(self) -> list[str]:
+        if not self.direct_ports:
+            return [self.url]
+        return [f"http://{self.spec.host}:{port}" for port in self.direct_ports]
+
+    @property
+    def router_proc(self) -> subprocess.Popen | None:
+        """The first router's process."""
+        first = self.routers.get(self.spec.router_names()[0])
+        return None if first is None else first.handle
+
+    @property
+    def router_addrs(self) -> str:
+        """What workers get as ``--router``: every router's ZMQ address."""
+        return ",".join(f"tcp://{self.spec.host}:{port}" for port in self.zmq_ports)
+
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
-        """Every process started and not forgotten, router first."""
-        router = [("router", self.router_proc)] if self.router_proc is not None else []
-        return router + [(w.name, w.handle) for w in self.workers.values()]
+        """Every process started and not forgotten, routers first."""
+        return [(w.name, w.handle) for w in [*self.routers.values(), *self.workers.values()]]
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "pdserve", *args]
@@ -370,12 +464,18 @@ class LocalCluster(ClusterLauncher):
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
 
-    def _start_router(self) -> None:
+    def _start_router(self, index: int = 0) -> subprocess.Popen:
         s = self.spec
-        self.router_proc = self._spawn("router", ["router", "--model", s.model, "--host", s.host, "--port",
-                                                  str(s.port), "--zmq-port", str(self.zmq_port),
-                                                  "--expect-prefill-workers", str(s.num_prefill),
-                                                  *s.router_auth_args(), *s.router_args])
+        name = s.router_names()[index]
+        tier = []
+        if s.num_routers > 1:
+            tier = ["--router-id", name, "--reuse-port", "--direct-port", str(self.direct_ports[index])]
+            if index > 0:  # router-0 keeps the pools' targets
+                tier += ["--pool-owner", self.router_urls()[0]]
+        return self._record_router(index, self._spawn(name, [
+            "router", "--model", s.model, "--host", s.host, "--port", str(s.port), "--zmq-port",
+            str(self.zmq_ports[index]), "--expect-prefill-workers", str(s.num_prefill), *tier,
+            *s.router_auth_args(), *s.router_args]))
 
     def _cores_for(self, role: str, name: str) -> tuple[list[int], int]:
         """This worker's cores and threads per rank: an even share of the cores this process may use.
@@ -409,7 +509,7 @@ class LocalCluster(ClusterLauncher):
             cores, threads = self._cores_for(role, name)
             placement = ["--num-threads", str(threads), "--cpu-cores", format_cpu_list(cores)]
         return self._spawn(name, [role, "--worker-id", name, "--model", s.model, "--router",
-                                  f"tcp://{s.host}:{self.zmq_port}", "--host", s.host, *placement,
+                                  self.router_addrs, "--host", s.host, *placement,
                                   *s.worker_args, *s.parallel_args(role), *pool_args])
 
     def log_tail(self, name: str, num_lines: int = 5) -> str:
@@ -424,8 +524,8 @@ class LocalCluster(ClusterLauncher):
             return ""
         return " | ".join(line.strip() for line in lines[-num_lines:] if line.strip())
 
-    def _router_exit_code(self) -> int | None:
-        return None if self.router_proc is None else self.router_proc.poll()
+    def _router_exit_code(self, handle: subprocess.Popen) -> int | None:
+        return handle.poll()
 
     def _worker_exit_code(self, handle: subprocess.Popen) -> int | None:
         return handle.poll()
@@ -451,7 +551,7 @@ def run_cluster(spec: ClusterSpec) -> int:
 
 def serve_until_stopped(cluster) -> int:
     """Start ``cluster`` (a ``LocalCluster`` or ``RayCluster``), wait until every worker is live, and
-    serve until Ctrl-C/SIGTERM, the router's exit, or a worker out of restarts (a worker that exits 0 has
+    serve until Ctrl-C/SIGTERM, or a router or worker out of restarts (a worker that exits 0 has
     left the cluster: drained or scaled away; one that fails is restarted); meanwhile start workers while
     a pool is below the target ``pdserve scale`` set.
     Then stop everything. Returns an exit code.
@@ -474,7 +574,8 @@ def serve_until_stopped(cluster) -> int:
         cluster.start()
         if not cluster.wait_healthy(should_stop=lambda: stopping):
             return 0
-        print(f"pdserve is up: {cluster.url}/v1  (model {spec.model}; "
+        routers = f"{spec.num_routers} routers sharing the port, " if spec.num_routers > 1 else ""
+        print(f"pdserve is up: {cluster.url}/v1  (model {spec.model}; {routers}"
               f"{spec.num_prefill} prefill, {spec.num_decode} decode). Ctrl-C stops it.", flush=True)
         while not stopping:
             if fatal := cluster.supervise_once():

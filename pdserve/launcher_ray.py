@@ -15,6 +15,12 @@ Ray, never hard-coded. Ctrl-C or SIGTERM stops every process, kills the actors
 and removes the placement groups. Pools grow and shrink as for ``pdserve up``
 (``ClusterLauncher.reconcile``): a new worker gets its own placement group, and
 a drained one's actors and group are removed once its driver exits.
+
+``--num-routers N`` starts N router actors (no CPUs asked, so Ray may put them on
+any node): each binds the HTTP port with ``--reuse-port`` (routers on one node
+share it; on different nodes each node serves it), has its own ZMQ port and a
+direct port, and router-0 keeps the pools' targets. A router that exits is
+restarted in its actor on the same ports. ``url`` is router-0's.
 """
 
 from __future__ import annotations
@@ -66,6 +72,13 @@ class PdserveProcess:
 
 
 @dataclass
+class _Router:
+    actor: object
+    args: list[str]  # its command line, the same at every restart
+    url: str  # this router alone (its direct port in a tier)
+
+
+@dataclass
 class _Worker:
     name: str
     placement_group: object
@@ -108,15 +121,17 @@ class RayCluster(ClusterLauncher):
         super().__init__(spec, ready_timeout_s)
         self.address = address
         self.resources = {"prefill": prefill_resources or {}, "decode": decode_resources or {}}
-        self.router = None
         self.router_url: str | None = None
-        self.router_zmq: str | None = None
+        self.router_zmqs: list[str] = []
         self._started_ray = False
 
     @property
     def url(self) -> str:
         assert self.router_url is not None
         return self.router_url
+
+    def router_urls(self) -> list[str]:
+        return [r.handle.url for r in self.routers.values()]
 
     def needed_cpus(self) -> int:
         """Logical CPUs the spec's workers ask Ray for: every rank of every worker, ``threads_per_worker``
@@ -145,20 +160,38 @@ class RayCluster(ClusterLauncher):
 
         return ray.remote(PdserveProcess)
 
-    def _start_router(self) -> None:
+    def _start_router(self, index: int = 0) -> _Router:
+        """Start router ``index`` in an actor of its own (again in the same actor, on the same ports,
+        once it ran before)."""
         import ray
 
         self.connect()
         s = self.spec
-        self.router = self._actor_class().options(num_cpus=0, name="pdserve-router").remote()
-        router_ip = ray.get(self.router.node_ip.remote())
-        zmq_port = ray.get(self.router.free_port.remote())
-        ray.get(self.router.start.remote(["router", "--model", s.model, "--host", router_ip, "--port", str(s.port),
-                                          "--zmq-port", str(zmq_port), "--expect-prefill-workers", str(s.num_prefill),
-                                          *s.router_auth_args(), *s.router_args]))
-        self.router_url = f"http://{router_ip}:{s.port}"
-        self.router_zmq = f"tcp://{router_ip}:{zmq_port}"
-        logger.info("pdserve on Ray: router at %s", self.router_url)
+        name = s.router_names()[index]
+        if name in self.routers:
+            router = self.routers[name].handle
+            ray.get(router.actor.start.remote(router.args))
+            return router
+        actor = self._actor_class().options(num_cpus=0, name=f"pdserve-{name}").remote()
+        ip = ray.get(actor.node_ip.remote())
+        zmq_port = ray.get(actor.free_port.remote())
+        args = ["router", "--model", s.model, "--host", ip, "--port", str(s.port), "--zmq-port", str(zmq_port),
+                "--expect-prefill-workers", str(s.num_prefill)]
+        url = f"http://{ip}:{s.port}"
+        if s.num_routers > 1:
+            direct_port = ray.get(actor.free_port.remote())
+            url = f"http://{ip}:{direct_port}"
+            args += ["--router-id", name, "--reuse-port", "--direct-port", str(direct_port)]
+            if index > 0:  # router-0 keeps the pools' targets
+                args += ["--pool-owner", self.router_urls()[0]]
+        args += [*s.router_auth_args(), *s.router_args]
+        router = _Router(actor, args, url)
+        ray.get(actor.start.remote(args))
+        if index == 0:
+            self.router_url = f"http://{ip}:{s.port}"
+        self.router_zmqs.append(f"tcp://{ip}:{zmq_port}")
+        logger.info("pdserve on Ray: %s at %s", name, url)
+        return self._record_router(index, router)
 
     def _start_worker(self, role: str, name: str) -> _Worker:
         """One placement group (a bundle per rank) and one actor per rank, each running its rank."""
@@ -192,7 +225,7 @@ class RayCluster(ClusterLauncher):
                     placement_group=pg, placement_group_bundle_index=rank)).remote())
         ips = ray.get([a.node_ip.remote() for a in worker.actors])
         master_port = ray.get(worker.actors[0].free_port.remote())
-        common = [role, "--model", s.model, "--router", self.router_zmq, "--num-threads", str(threads),
+        common = [role, "--model", s.model, "--router", ",".join(self.router_zmqs), "--num-threads", str(threads),
                   "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
                   "--master-addr", ips[0], "--master-port", str(master_port), *s.worker_args,
                   *(s.prefill_args if role == "prefill" else s.decode_args)]
@@ -202,10 +235,10 @@ class RayCluster(ClusterLauncher):
         logger.info("pdserve on Ray: %s placed (%d ranks on %s)", name, tp * pp, ", ".join(sorted(set(ips))))
         return worker
 
-    def _router_exit_code(self) -> int | None:
+    def _router_exit_code(self, router: _Router) -> int | None:
         import ray
 
-        return None if self.router is None else ray.get(self.router.poll.remote())
+        return ray.get(router.actor.poll.remote())
 
     def _worker_exit_code(self, worker: _Worker) -> int | None:
         """The driver's exit code once it exited; else the first non-driver rank's that failed."""
@@ -236,9 +269,9 @@ class RayCluster(ClusterLauncher):
         for worker in reversed(list(self.workers.values())):
             self._remove_worker(worker.handle)
         self.workers = {}
-        if self.router is not None:
-            ray.get(self.router.stop.remote())
-            ray.kill(self.router)
-            self.router = None
+        for router in self.routers.values():
+            ray.get(router.handle.actor.stop.remote())
+            ray.kill(router.handle.actor)
+        self.routers = {}
         if self._started_ray:
             ray.shutdown()

@@ -95,6 +95,15 @@ def test_router_pools_autoscalers_and_budgets(overlay):
     assert service["spec"]["selector"] == zmq_service["spec"]["selector"] == router["spec"]["selector"]["matchLabels"]
     # Workers reach a router that is not ready yet (it gets ready once they register): a Service of its own.
     assert zmq_service["spec"]["publishNotReadyAddresses"] and [p["port"] for p in zmq_service["spec"]["ports"]] == [8001]
+    # A router tier: 2+ replicas, a budget that keeps one up through a voluntary disruption, and a headless
+    # ZMQ Service, whose DNS name gives the workers every router pod (a ClusterIP would give them one).
+    router_budget = o[("PodDisruptionBudget", "pdserve-router")]
+    assert router["spec"]["replicas"] >= 2 and 1 <= router_budget["spec"]["minAvailable"] < router["spec"]["replicas"]
+    assert router_budget["spec"]["selector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
+    assert zmq_service["spec"]["clusterIP"] == "None" and "clusterIP" not in service["spec"]
+    anti = router["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    term = anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["labelSelector"]["matchLabels"] == router["spec"]["selector"]["matchLabels"]
     assert [p["port"] for p in service["spec"]["ports"]] == [8000]
     assert o[("ConfigMap", "pdserve-config")]["data"]["ROUTER_ZMQ"] == "tcp://pdserve-router-zmq:8001"  # Service DNS
     assert all(c["image"].startswith("ghcr.io/pdserve/pdserve:") for obj in objects for c in _containers(obj))
@@ -116,6 +125,10 @@ def test_container_arguments_are_real_pdserve_commands(overlay):
                 assert parsed.router_addr == "tcp://pdserve-router-zmq:8001" and parsed.host == "10.1.2.3"
             else:  # /ready waits for the prefill pool the manifests start
                 assert parsed.expect_prefill_workers == int(config["EXPECT_PREFILL_WORKERS"]) == 1
+                # each replica names itself (request ids never collide); pool sizes are the Deployments'
+                assert parsed.router_id == env["POD_NAME"] and parsed.pool_owner == "none"
+                assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in \
+                    container["env"]
 
 
 def test_dockerfile_parses_and_its_entrypoint_is_pdserve():

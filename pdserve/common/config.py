@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import socket
 import uuid
@@ -15,13 +16,39 @@ def _default_worker_id(role: str) -> str:
     return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+def resolve_router_addrs(entries: list[str]) -> list[str]:
+    """The routers behind ``entries`` (``tcp://HOST:PORT`` each): a HOST that is a name becomes one
+    ``tcp://IP:PORT`` per IPv4 address it resolves to (a Kubernetes headless Service names every
+    router pod), an IP stays as it is, and a name that does not resolve now stays as it is (ZMQ
+    resolves it when it connects). Order: as given, each name's addresses sorted; no duplicates.
+    """
+    out: list[str] = []
+    for entry in entries:
+        host, _, port = entry[len("tcp://"):].rpartition(":")
+        try:
+            ipaddress.ip_address(host.strip("[]"))
+            found = [entry]
+        except ValueError:
+            try:
+                infos = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)
+                found = [f"tcp://{ip}:{port}" for ip in sorted({info[4][0] for info in infos})]
+            except (OSError, ValueError):
+                found = [entry]
+        out += [addr for addr in found if addr not in out]
+    return out
+
+
 @dataclass
 class WorkerConfig:
     """How a worker finds the router and its peers.
 
     Args:
         role: ``prefill`` or ``decode``.
-        router_addr: the router's ZMQ address, e.g. ``tcp://127.0.0.1:8001``.
+        router_addr: the routers' ZMQ addresses, comma-separated, e.g. ``tcp://127.0.0.1:8001`` or
+            ``tcp://10.0.0.5:8001,tcp://10.0.0.6:8001``; a name that resolves to several addresses (a
+            Kubernetes headless Service) names every router behind it, re-resolved at each
+            re-registration (``resolve_router_addrs``). The worker registers with, heartbeats to and
+            streams each request's outputs to every router (``router_addrs``).
         host: interface this worker binds and advertises (its ZMQ input and KV store).
         port: ZMQ input port; None picks a free one.
         worker_id: cluster-unique name; generated if empty.
@@ -37,10 +64,11 @@ class WorkerConfig:
         drain_timeout_s: after SIGTERM (or the router's ``DrainWorker``), how long the worker may take
             to finish what it holds before it hands the rest back (the router migrates them) and exits.
             SIGINT exits at once.
-        router_timeout_s: once the connection to the router has been down this long (its process
-            died, its host went away), the worker drops every request it holds (their client is
-            gone with the router), freeing their KV blocks; it keeps registering, so a router
-            that comes back finds it.
+        router_timeout_s: once the connection to every router has been down this long (their
+            processes died, the network went away), the worker drops every request it holds (their
+            clients are gone with the routers), freeing their KV blocks; it keeps registering, so a
+            router that comes back finds it. One router of several that is down while another is
+            up is dead, not cut off: its requests are dropped at once (``ROUTER_LOST_S``).
     """
 
     role: str
@@ -64,15 +92,23 @@ class WorkerConfig:
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if self.prefill_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"prefill_failure_policy must be recompute or fail, got {self.prefill_failure_policy!r}")
-        if not self.router_addr.startswith("tcp://"):
-            raise ValueError(f"router_addr must look like tcp://HOST:PORT, got {self.router_addr!r}")
+        if not self.router_addrs or not all(a.startswith("tcp://") and ":" in a[6:] for a in self.router_addrs):
+            raise ValueError(f"router_addr must look like tcp://HOST:PORT[,tcp://HOST:PORT...], "
+                             f"got {self.router_addr!r}")
         if not self.worker_id:
             self.worker_id = _default_worker_id(self.role)
+
+    @property
+    def router_addrs(self) -> list[str]:
+        """The router entries as given (``router_addr`` split at commas), before DNS resolution."""
+        return [a.strip() for a in self.router_addr.split(",") if a.strip()]
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         g = parser.add_argument_group("worker")
-        g.add_argument("--router", required=True, dest="router_addr", help="router ZMQ address tcp://HOST:PORT")
+        g.add_argument("--router", "--router-addr", required=True, dest="router_addr",
+                       help="the routers' ZMQ addresses, tcp://HOST:PORT[,tcp://HOST:PORT...]; a HOST name that "
+                            "resolves to several addresses (a headless Service) names every router behind it")
         g.add_argument("--host", default="127.0.0.1", help="interface to bind and advertise")
         g.add_argument("--port", type=int, default=None, help="ZMQ input port (default: any free port)")
         g.add_argument("--worker-id", default="")
@@ -87,8 +123,9 @@ class WorkerConfig:
         g.add_argument("--health-stall-s", type=float, default=300.0,
                        help="stop touching --health-file once the step loop has not moved for this long")
         g.add_argument("--router-timeout-s", type=float, default=10.0, dest="router_timeout_s",
-                       help="drop every request held once the router's connection has been down this long "
-                            "(their client went with the router); keep registering for the next router")
+                       help="drop every request held once every router's connection has been down this long "
+                            "(their clients went with the routers); keep registering for the next router. A "
+                            "router down while another is up loses its own requests at once")
         g.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                        help="SIGTERM drains: the router stops routing here and the worker finishes what it holds "
                             "for up to this many seconds, then exits (SIGINT exits at once)")

@@ -14,6 +14,7 @@ Rules (vLLM v1 engine-core style):
 Who sends what:
 
     worker  -> router : RegisterWorker, Heartbeat, RequestOutputs, WorkerDraining, WorkerExiting
+                        (to every router of the tier; RequestOutputs to the request's own router)
     router  -> decode : GenerateRequest, AbortRequest
     router  -> worker : DrainWorker
     decode  -> prefill: RemotePrefillRequest, AbortRequest
@@ -203,6 +204,9 @@ class RegisterWorker(_Msg):
     vocab_size: int | None = None  # token ids the model accepts: [0, vocab_size)
     kv_layout: KVLayout | None = None  # None: one rank holding every layer and KV head
     auth: str | None = None  # with a cluster secret: pdserve.common.auth.registration_token
+    # The router address this copy was pushed to (a worker registers with every router of a tier):
+    # the router names it in each GenerateRequest, so the worker knows where that request's outputs go.
+    router_addr: str | None = None
 
 
 class Heartbeat(_Msg):
@@ -234,6 +238,7 @@ class DrainWorker(_Msg):
     """
 
     reason: str = ""
+    router_addr: str | None = None  # the sending router, as the worker reaches it (RegisterWorker.router_addr)
 
 
 class WorkerDraining(_Msg):
@@ -282,6 +287,9 @@ class GenerateRequest(_Msg):
     prefill_layout: KVLayout | None = None  # the prefill worker's ranks (None: one rank)
     resume: list[ResumedChoice] | None = None
     lora: LoRARequest | None = None  # the adapter applied on both workers (None: the base model)
+    # Where the request's outputs go: the router that took it, as this worker reaches it (the
+    # RegisterWorker.router_addr it registered with). None: the worker's first router.
+    router_addr: str | None = None
 
 
 class AbortRequest(_Msg):
@@ -312,6 +320,7 @@ class RemotePrefillRequest(_Msg):
     # send only blocks from num_cached_tokens // block_size on
     decode_layout: KVLayout | None = None  # the decode worker's ranks (None: one rank)
     lora: LoRARequest | None = None  # the adapter the KV is built with (the decode worker's too)
+    router_addr: str | None = None  # the router that took the request (GenerateRequest.router_addr)
 
 
 class KVTransferHeader(_Msg):

@@ -84,6 +84,8 @@ class Mailbox:
         host: interface to bind the inbound PULL socket on.
         port: inbound port, or None for a free one. ``self.address`` is the
             address peers should push to.
+        watch: peers whose connection is watched (a worker: its routers; more with ``watch``);
+            ``down_for(addr=...)`` says how long each has been down.
 
     ``get(timeout)`` returns the next decoded message or None on timeout.
     ``put(addr, msg)`` queues ``msg`` for the peer at ``addr``; messages to one
@@ -93,13 +95,15 @@ class Mailbox:
     _POLL_MS = 100
     _LINGER_MS = 500  # at close, how long queued messages may take to leave (a dead peer: dropped)
 
-    def __init__(self, host: str, port: int | None = None, watch: str | None = None):
+    def __init__(self, host: str, port: int | None = None, watch: str | Sequence[str] | None = None):
         self._ctx = zmq.Context()
         self._pull, self.address = bind_pull(self._ctx, host, port)
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
-        self._watch = watch  # a peer whose connection is watched (a worker: its router)
-        self._down_since: float | None = time.monotonic() if watch else None  # not connected yet
+        # peers whose connection is watched (a worker: its routers) -> down since (None: connected)
+        self._down_since: dict[str, float | None] = {}
+        for addr in [watch] if isinstance(watch, str) else watch or []:
+            self.watch(addr)
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._recv_loop, name="mailbox-recv", daemon=True),
@@ -117,10 +121,15 @@ class Mailbox:
     def get_nowait(self):
         return self.get(timeout=0) if not self._inbox.empty() else None
 
-    def down_for(self, now: float | None = None) -> float:
-        """Seconds the watched peer's connection has been down (0 while it is up; since creation until
-        it first connects)."""
-        since = self._down_since
+    def watch(self, addr: str) -> None:
+        """Watch the connection to ``addr`` from now on (before the first ``put`` to it); it counts
+        as down until it first connects."""
+        self._down_since.setdefault(addr, time.monotonic())
+
+    def down_for(self, now: float | None = None, addr: str | None = None) -> float:
+        """Seconds the watched peer ``addr``'s connection has been down (default: the first watched;
+        0 while it is up; since ``watch`` until it first connects)."""
+        since = self._down_since.get(addr if addr is not None else next(iter(self._down_since), None))
         return 0.0 if since is None else (time.monotonic() if now is None else now) - since
 
     def put(self, addr: str, msg: msgspec.Struct) -> None:
@@ -152,14 +161,14 @@ class Mailbox:
 
     def _send_loop(self) -> None:
         sockets: dict[str, zmq.Socket] = {}
-        monitor: zmq.Socket | None = None
+        monitors: dict[str, zmq.Socket] = {}
         while True:
             try:
-                item = self._outbox.get(timeout=self._POLL_MS / 1000 if monitor is not None else None)
+                item = self._outbox.get(timeout=self._POLL_MS / 1000 if monitors else None)
             except queue.Empty:
                 item = ()
-            if monitor is not None:
-                self._read_monitor(monitor)
+            for watched, monitor in monitors.items():
+                self._read_monitor(watched, monitor)
             if item is None:
                 break
             if not item:
@@ -170,24 +179,24 @@ class Mailbox:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 100_000)
-                if addr == self._watch:
-                    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                if addr in self._down_since:
+                    monitors[addr] = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
                 sock.connect(addr)
                 sockets[addr] = sock
             sock.send_multipart(frames, copy=False)
-        if monitor is not None:
+        for monitor in monitors.values():
             monitor.close(linger=0)
         for sock in sockets.values():
             sock.close(linger=self._LINGER_MS)
 
-    def _read_monitor(self, monitor: zmq.Socket) -> None:
-        """Track the watched peer's TCP connection from its socket monitor's events."""
+    def _read_monitor(self, addr: str, monitor: zmq.Socket) -> None:
+        """Track a watched peer's TCP connection from its socket monitor's events."""
         while monitor.poll(0):
             event = parse_monitor_message(monitor.recv_multipart())["event"]
             if event == zmq.EVENT_CONNECTED:
-                self._down_since = None
-            elif event == zmq.EVENT_DISCONNECTED and self._down_since is None:
-                self._down_since = time.monotonic()
+                self._down_since[addr] = None
+            elif event == zmq.EVENT_DISCONNECTED and self._down_since.get(addr) is None:
+                self._down_since[addr] = time.monotonic()
 
 
 class PushSocket:

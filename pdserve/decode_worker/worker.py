@@ -19,7 +19,9 @@ this, and every rank's ``KVRankAgent`` receives and installs its own slice:
    recomputes the prompt here (policy ``recompute``) or fails the request
    (policy ``fail``); the pair generation is then replaced.
 4. Every step decodes all running requests as one batch; new ones join and
-   finished ones leave between steps; token deltas go to the router.
+   finished ones leave between steps; token deltas go to the router that sent
+   the request (``GenerateRequest.router_addr``; several routers may share this
+   worker, and one's death drops only its requests, ``abandon_router``).
 """
 
 from __future__ import annotations
@@ -72,12 +74,13 @@ class DecodeWorker(WorkerBase):
         self._lanes_open: set[tuple[str, int]] = set()
         self._ops = KVStepOps()  # KV work for the ranks, flushed at the next step
         self._deltas: list[RequestDelta] = []
+        self.request_router: dict[str, str] = {}  # router request_id -> the router its outputs go to
         # Stamps of each request still on its way to its first token (router request_id); they leave with
         # its first delta. Migrated requests (resume) are not timed.
         self.timings: dict[str, RequestTiming] = {}
 
-    def registration(self) -> RegisterWorker:
-        reg = super().registration()
+    def registration(self, router_addr: str | None = None) -> RegisterWorker:
+        reg = super().registration(router_addr)
         reg.transfer_host = self.pairs.store_host
         reg.transfer_port = self.pairs.store_port
         return reg
@@ -89,6 +92,7 @@ class DecodeWorker(WorkerBase):
             self._add(msg)
         elif isinstance(msg, AbortRequest):
             self._abort(msg.request_id)
+            self.request_router.pop(msg.request_id, None)
         elif isinstance(msg, KVTransferHeader):
             self._header(msg)
         elif isinstance(msg, RemotePrefillDone):
@@ -121,6 +125,7 @@ class DecodeWorker(WorkerBase):
 
     def _add(self, msg: GenerateRequest) -> None:
         received = time.time()
+        self.request_router[msg.request_id] = self.router_of(msg.router_addr)
         remote = msg.prefill_worker_id is not None and msg.prefill_addr is not None and msg.resume is None
         pieces = []
         if remote:
@@ -156,7 +161,18 @@ class DecodeWorker(WorkerBase):
         self._flush()
         return len(group_ids)
 
+    def abandon_router(self, router_addr: str) -> int:
+        """Free the requests ``router_addr`` sent (that router is gone); returns how many."""
+        group_ids = [gid for gid in self.core.scheduler.groups if self.request_router.get(gid) == router_addr]
+        for group_id in group_ids:
+            self._abort(group_id)
+            self.request_router.pop(group_id, None)
+        self._deltas = [d for d in self._deltas if d.request_id not in group_ids]
+        self._flush_ops()
+        return len(group_ids)
+
     def _abort(self, request_id: str) -> None:
+        """Drop a request (the router asked, or is gone), freeing its blocks; tell its prefill worker."""
         state = self.remote.pop(request_id, None)
         if state is not None:
             self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
@@ -206,7 +222,8 @@ class DecodeWorker(WorkerBase):
             decode_addr=self.mailbox.address,
             transfer_host=self.pairs.store_host, transfer_port=self.pairs.store_port,
             pair_generation=state.pair_generation, dest_block_ids=request.block_table[first_block:],
-            num_cached_tokens=request.num_cached_tokens, decode_layout=self.kv_layout))
+            num_cached_tokens=request.num_cached_tokens, decode_layout=self.kv_layout,
+            router_addr=self.request_router.get(request.request_id)))
         timing = self.timings.get(request.request_id)
         if timing is not None:
             timing.remote_prefill_sent = time.time()
@@ -355,6 +372,17 @@ class DecodeWorker(WorkerBase):
             timing=self.timings.pop(request.group_id, None)))
 
     def _flush(self) -> None:
-        if self._deltas:
-            self.mailbox.put(self.config.router_addr, RequestOutputs(worker_id=self.worker_id, deltas=self._deltas))
-            self._deltas = []
+        """Send the pending deltas, one ``RequestOutputs`` per router; forget the routers of requests
+        that are over."""
+        if not self._deltas:
+            return
+        by_router: dict[str, list[RequestDelta]] = {}
+        for delta in self._deltas:
+            by_router.setdefault(self.request_router.get(delta.request_id) or self.router_of(None), []).append(delta)
+        for addr, deltas in by_router.items():
+            self.mailbox.put(addr, RequestOutputs(worker_id=self.worker_id, deltas=deltas))
+        groups = self.core.scheduler.groups
+        for delta in self._deltas:
+            if delta.finish_reason is not None and delta.request_id not in groups:
+                self.request_router.pop(delta.request_id, None)
+        self._deltas = []

@@ -8,14 +8,24 @@ minutes (a long CPU prefill) never makes a healthy worker look dead. Each
 heartbeat carries ``loop_stall_s``, the seconds since the loop last finished an
 iteration, so the router still notices a step that hangs.
 
+A router tier. The worker registers with, heartbeats to and tells its comings
+and goings to every router (``WorkerConfig.router_addr``: a list, or a DNS
+name re-resolved at each re-registration); each request's outputs go to the
+router that sent it (``GenerateRequest.router_addr``). The mailbox watches each
+router's connection: a router whose connection is down for ``ROUTER_LOST_S``
+while another router's is up is dead, and the requests it sent are dropped at
+once (their client went with it), freeing their KV; with every router down, the
+worker waits ``router_timeout_s`` first (the network may come back).
+
 Leaving the cluster. SIGINT (or ``stop()``) exits at once; the router is told
 (``WorkerExiting``) so it drops the worker without waiting for a timeout.
 SIGTERM drains: the worker tells the router (``WorkerDraining``), which routes
 nothing new to it and, once no request it holds still needs the worker, answers
 ``DrainWorker``; the worker then exits as soon as it is idle. A ``DrainWorker``
 the router sends on its own (``pdserve scale``, ``/admin/workers/ID/drain``)
-starts the same drain. Whatever is still unfinished after ``drain_timeout_s``
-is handed back and the worker exits: the router migrates a decode worker's
+starts the same drain; the worker then tells every other router (each stops
+routing to it), and exits once idle and every connected router has sent
+``DrainWorker``. Whatever is still unfinished after ``drain_timeout_s`` is handed back and the worker exits: the router migrates a decode worker's
 requests to another one, and a prefill worker's requests are recomputed by
 their decode workers.
 """
@@ -29,7 +39,7 @@ import threading
 import time
 
 from pdserve.common.auth import registration_token
-from pdserve.common.config import WorkerConfig
+from pdserve.common.config import WorkerConfig, resolve_router_addrs
 from pdserve.common.protocol import (DrainWorker, ErrorKind, FinishReason, Heartbeat, RankAttach, RegisterWorker,
                                      RequestDelta, RequestTiming, WorkerDraining, WorkerExiting, WorkerRole,
                                      WorkerStats)
@@ -42,6 +52,7 @@ from pdserve.engine.core import EngineCore
 logger = logging.getLogger(__name__)
 
 REGISTER_EVERY_S = 5.0
+ROUTER_LOST_S = 0.5  # one router down this long while another is up: it died, its requests go
 _IDLE_WAIT_S = 0.05
 _RANK_PING_S = 1.0
 
@@ -67,8 +78,13 @@ class WorkerBase:
         self.core = EngineCore(engine_config)
         self.runner = self.core.runner
         self.stats = WorkerStats()
+        # The routers this worker serves (resolved; replaced whole at each re-registration) and every
+        # router it ever served (requests may still name one that left the DNS name).
+        self.routers: list[str] = resolve_router_addrs(worker_config.router_addrs)
+        self._all_routers: set[str] = set(self.routers)
+        self._routers_lost: set[str] = set()  # routers whose outage was acted on
         try:
-            self.mailbox = Mailbox(worker_config.host, worker_config.port, watch=worker_config.router_addr)
+            self.mailbox = Mailbox(worker_config.host, worker_config.port, watch=self.routers)
         except BaseException:
             self.core.close()
             raise
@@ -79,9 +95,8 @@ class WorkerBase:
         self._liveness: threading.Thread | None = None
         self._drain_requested = threading.Event()  # SIGTERM (set from the signal handler)
         self._drain_deadline: float | None = None  # draining since the loop saw the request
-        self._drain_acked = False  # the router sent DrainWorker: nothing new will come
+        self._drain_acks: set[str | None] = set()  # routers that sent DrainWorker (None: one that did not say)
         self._exit_sent = False
-        self._router_lost = False  # this outage of the router's connection was acted on
 
     def attach_kv_agent(self) -> None:
         """Give every rank its KV transfer agent; ranks report back through this worker's mailbox."""
@@ -115,16 +130,32 @@ class WorkerBase:
         ``reason`` goes to whoever must take the requests over (a prefill worker's decode workers)."""
         raise NotImplementedError
 
+    def abandon_router(self, router_addr: str) -> int:
+        """Drop, freeing their blocks, the requests the router at ``router_addr`` sent (it is gone, and
+        their client with it); returns how many requests."""
+        raise NotImplementedError
+
+    def router_of(self, router_addr: str | None) -> str:
+        """Where a request's outputs go: the router it names, else the first router."""
+        return router_addr or self.routers[0]
+
     def _auth(self) -> str | None:
         secret = self.config.cluster_secret
         return registration_token(secret, self.worker_id, self.role, self.mailbox.address) if secret else None
 
-    def registration(self) -> RegisterWorker:
+    def registration(self, router_addr: str | None = None) -> RegisterWorker:
+        """This worker's ``RegisterWorker``, for the router this worker reaches at ``router_addr``."""
         limits = self.core.limits
         return RegisterWorker(worker_id=self.worker_id, role=self.role, input_addr=self.mailbox.address,
                               model_name=self.model_name, num_blocks=limits.num_blocks,
                               block_size=limits.block_size, max_model_len=limits.max_model_len,
-                              vocab_size=limits.vocab_size, kv_layout=self.runner.kv_layout(), auth=self._auth())
+                              vocab_size=limits.vocab_size, kv_layout=self.runner.kv_layout(), auth=self._auth(),
+                              router_addr=router_addr)
+
+    def to_routers(self, msg, routers: list[str] | None = None) -> None:
+        """Send ``msg`` to every router (or to ``routers``)."""
+        for addr in self.routers if routers is None else routers:
+            self.mailbox.put(addr, msg)
 
     def close(self) -> None:
         self._stop.set()
@@ -135,10 +166,10 @@ class WorkerBase:
         self.core.close()
 
     def _send_exiting(self, reason: str) -> None:
-        """Tell the router this worker is gone (once), so it leaves the pool at once."""
+        """Tell every router this worker is gone (once), so it leaves the pools at once."""
         if not self._exit_sent:
             self._exit_sent = True
-            self.mailbox.put(self.config.router_addr, WorkerExiting(
+            self.to_routers(WorkerExiting(
                 worker_id=self.worker_id, role=self.role, input_addr=self.mailbox.address, auth=self._auth(),
                 reason=reason))
 
@@ -152,17 +183,30 @@ class WorkerBase:
         """SIGTERM: leave gracefully; the step loop starts the drain at its next iteration."""
         self._drain_requested.set()
 
-    def start_drain(self, reason: str, acked: bool = False) -> None:
-        """Stop taking new work: tell the router (unless it asked), exit once idle and acknowledged."""
-        self._drain_acked = self._drain_acked or acked
+    def start_drain(self, reason: str, acked: bool = False, router_addr: str | None = None) -> None:
+        """Stop taking new work: tell every router (but one that asked, ``acked`` from ``router_addr``;
+        each then routes nothing new here and answers ``DrainWorker`` once it holds nothing that needs
+        this worker), and exit once idle and acknowledged (``drain_acked``)."""
+        if acked:
+            self._drain_acks.add(router_addr)
         if self._drain_deadline is not None:
             return
         self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
         logger.info("%s %s draining (%s): finishing what it holds, at most %.0f s", self.role.name.lower(),
                     self.worker_id, reason, self.config.drain_timeout_s)
-        if not acked:
-            self.mailbox.put(self.config.router_addr, WorkerDraining(
-                worker_id=self.worker_id, role=self.role, input_addr=self.mailbox.address, auth=self._auth()))
+        if None not in self._drain_acks:  # (a router that did not name itself is the only one)
+            self.to_routers(WorkerDraining(worker_id=self.worker_id, role=self.role,
+                                           input_addr=self.mailbox.address, auth=self._auth()),
+                            [a for a in self.routers if a not in self._drain_acks])
+
+    @property
+    def drain_acked(self) -> bool:
+        """Every router whose connection is up sent ``DrainWorker`` (one that did not say which router
+        it is, an older router, counts for all), so nothing new will come."""
+        if not self._drain_acks:
+            return False
+        return None in self._drain_acks or all(a in self._drain_acks for a in self.routers
+                                                if self.mailbox.down_for(addr=a) == 0.0)
 
     def _check_drain(self, now: float) -> None:
         if self._drain_requested.is_set():
@@ -170,7 +214,7 @@ class WorkerBase:
             self.start_drain("SIGTERM")
         if self._drain_deadline is None:
             return
-        if self._drain_acked and self.idle():
+        if self.drain_acked and self.idle():
             logger.info("%s %s drained; exiting", self.role.name.lower(), self.worker_id)
             self._send_exiting("drained")
             self._stop.set()
@@ -183,20 +227,26 @@ class WorkerBase:
             self._stop.set()
 
     def _check_router(self, now: float) -> None:
-        """Workers outlive routers: once the router's connection has been down ``router_timeout_s``,
-        drop what we hold (its clients went with it; a router restarted from scratch does not know
-        those requests), so no KV block waits for a router that will not ask again. Registration
-        goes on (``_liveness_loop``), so the next router finds this worker."""
-        down = self.mailbox.down_for(now)
-        if down == 0.0:
-            self._router_lost = False
-            return
-        if self._router_lost or down < self.config.router_timeout_s or self.idle():
-            return
-        self._router_lost = True
-        n = self.abandon_all(f"the router at {self.config.router_addr} went away")
-        logger.warning("%s %s: the router's connection has been down %.0f s; dropped %d requests, waiting for a "
-                       "router to register with", self.role.name.lower(), self.worker_id, down, n)
+        """Workers outlive routers: drop the requests of a router whose connection is down (its
+        clients went with it; a router restarted from scratch does not know those requests), so no
+        KV block waits for a router that will not ask again. A router down ``ROUTER_LOST_S`` while
+        another one is up is dead; with every router down, wait ``router_timeout_s`` (a network
+        outage may end). Registration goes on (``_liveness_loop``), so a router that comes back
+        finds this worker."""
+        down = {addr: self.mailbox.down_for(now, addr) for addr in self._all_routers}
+        any_up = any(down.get(addr) == 0.0 for addr in self.routers)
+        for addr, down_s in down.items():
+            if down_s == 0.0:
+                self._routers_lost.discard(addr)
+                continue
+            if addr in self._routers_lost or down_s < (ROUTER_LOST_S if any_up else self.config.router_timeout_s):
+                continue
+            self._routers_lost.add(addr)
+            n = self.abandon_router(addr)
+            if n:
+                logger.warning("%s %s: the connection to the router at %s has been down %.1f s%s; dropped %d "
+                               "requests it sent", self.role.name.lower(), self.worker_id, addr, down_s,
+                               "" if any_up else " (every router is down; waiting for one to register with)", n)
 
     # ---- liveness (IO thread) -----------------------------------------------------
 
@@ -212,16 +262,28 @@ class WorkerBase:
             now = time.monotonic()
             if now - last_register >= REGISTER_EVERY_S:
                 last_register = now
-                self.mailbox.put(self.config.router_addr, self.registration())
+                self._resolve_routers()
+                for addr in self.routers:
+                    self.mailbox.put(addr, self.registration(addr))
             try:
                 beat = self.heartbeat()
-                self.mailbox.put(self.config.router_addr, beat)
+                self.to_routers(beat)
                 if self.config.health_file and beat.loop_stall_s < self.config.health_stall_s:
                     pathlib.Path(self.config.health_file).touch()
             except Exception:  # a figure read mid-update must not end liveness
                 logger.exception("building a heartbeat failed")
             if self._stop.wait(self.config.heartbeat_interval_s):
                 return
+
+    def _resolve_routers(self) -> None:
+        """Re-resolve the router entries (a headless Service gains and loses routers); watch new ones."""
+        routers = resolve_router_addrs(self.config.router_addrs)
+        for addr in routers:
+            if addr not in self._all_routers:
+                logger.info("%s %s: router at %s joined", self.role.name.lower(), self.worker_id, addr)
+                self.mailbox.watch(addr)
+                self._all_routers = self._all_routers | {addr}  # replaced, not changed: the loop iterates it
+        self.routers = routers
 
     def heartbeat(self) -> Heartbeat:
         """Load figures, read from the step loop's objects without a lock (ints and lengths only)."""
@@ -280,7 +342,7 @@ class WorkerBase:
         while msg is not None:
             try:
                 if isinstance(msg, DrainWorker):
-                    self.start_drain(msg.reason or "the router asked", acked=True)
+                    self.start_drain(msg.reason or "the router asked", acked=True, router_addr=msg.router_addr)
                 else:
                     self.handle(msg)
             except Exception:  # a bad message must not kill the worker

@@ -17,6 +17,10 @@ For each ``RemotePrefillRequest`` (the driver, rank 0, runs this; every rank's
    (the sends read gathered copies). Each rank reports every piece delivered
    (``SENT``: bytes, checksum); with all pieces in, we tell the decode worker
    ``RemotePrefillDone`` with the first token and the per-piece sums, or the error.
+
+Each ``RemotePrefillRequest`` names the router that took the request
+(``router_addr``): when that router dies, its requests are dropped here too
+(``abandon_router``), as their decode workers drop them.
 """
 
 from __future__ import annotations
@@ -97,10 +101,7 @@ class PrefillWorker(WorkerBase):
             self._connect(msg)
             self.pending_pair[msg.request_id] = msg
         elif isinstance(msg, AbortRequest):
-            self.pending_pair.pop(msg.request_id, None)
-            self.timings.pop(msg.request_id, None)
-            if self.core.abort(msg.request_id):
-                self.origin.pop(msg.request_id, None)
+            self._drop(msg.request_id)
         elif isinstance(msg, RankReport):
             self._report(msg)
         elif isinstance(msg, ConnectKVPair):  # a decode worker warms our pair ahead of its first request
@@ -121,6 +122,23 @@ class PrefillWorker(WorkerBase):
         self.transfers.clear()
         self.timings.clear()
         return len(origins)
+
+    def _drop(self, request_id: str) -> None:
+        """Forget a request (aborted), freeing its blocks; a transfer already under way completes
+        and the decode worker drops what arrives."""
+        self.pending_pair.pop(request_id, None)
+        self.timings.pop(request_id, None)
+        if self.core.abort(request_id):
+            self.origin.pop(request_id, None)
+
+    def abandon_router(self, router_addr: str) -> int:
+        """Drop the requests the router at ``router_addr`` took (it is gone; their decode workers drop
+        them too); returns how many."""
+        origins = {**self.pending_pair, **self.origin}
+        dropped = [rid for rid, o in origins.items() if self.router_of(o.router_addr) == router_addr]
+        for request_id in dropped:
+            self._drop(request_id)
+        return len(dropped)
 
     def _pieces(self, decode_layout: KVLayout | None) -> list[KVPiece]:
         spec = self.kv_layout_spec

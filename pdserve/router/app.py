@@ -131,15 +131,16 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
                           worker_wait_s=config.worker_wait_s, on_migration=metrics.observe_migration,
                           policy=make_policy(config.routing_policy, config.routing_prefix_blocks,
                                              config.routing_balance_factor),
-                          on_route=metrics.observe_route)
+                          on_route=metrics.observe_route, router_id=config.router_id)
     tracer = RequestTracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
     serving = OpenAIServing(config, tokenizer, engine, metrics, tracer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await engine.start()
-        print(f"pdserve router: workers push to {engine.address}; "
-              f"HTTP on http://{config.host}:{config.port}", flush=True)
+        direct = f" (this router alone: port {config.direct_port})" if config.direct_port else ""
+        print(f"pdserve router {config.router_id}: workers push to {engine.address}; "
+              f"HTTP on http://{config.host}:{config.port}{direct}", flush=True)
         if tracer is not None:
             logger.info("exporting one OpenTelemetry trace per request to %s", tracer.endpoint)
         try:
@@ -247,7 +248,7 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
     async def workers():
         return registry.snapshot()
 
-    add_admin_routes(app, engine)
+    add_admin_routes(app, engine, pool_owner=config.pool_owner, api_key=config.api_key)
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request):
@@ -260,7 +261,8 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
         return {"model": config.model, "served_model_name": config.served_model_name,
                 "max_model_len": serving.max_model_len(), "zmq_address": engine.address,
                 "worker_timeout_s": config.worker_timeout_s, "num_inflight": engine.num_inflight,
-                "routing_policy": config.routing_policy}
+                "routing_policy": config.routing_policy, "router_id": config.router_id,
+                "pool_owner": config.pool_owner}
 
     install_openapi(app, api_key_required=config.api_key is not None)
     return app

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import uuid
 
 from pdserve.common.auth import API_KEY_ENV, CLUSTER_SECRET_ENV, from_env
 from pdserve.router.routing import ROUTING_POLICIES
@@ -87,6 +88,16 @@ class RouterConfig:
         otlp_traces_endpoint: export one OpenTelemetry trace per request (a span per hop of its way
             to the first token, ``pdserve.router.tracing``) over OTLP/HTTP protobuf to this URL, e.g.
             ``http://127.0.0.1:4318/v1/traces`` (vLLM's flag). None: no traces. Needs the ``otel`` extra.
+        router_id: this router's name in a router tier (several routers serving one worker pool); it
+            starts every request id, so ids never collide across routers. Default: a random one.
+        reuse_port: bind the HTTP port with ``SO_REUSEPORT``, so several routers on one host share it
+            (the kernel spreads connections over them; one that dies stops getting any).
+        direct_port: also serve HTTP on this port, this router alone (the launcher, the other routers
+            and operators reach one router of a tier here). None: no such port.
+        pool_owner: where the pools' target sizes live (``/admin/scale``): None, this router (a lone
+            router, or the tier's designated one); ``http://HOST:PORT``, the designated router, to
+            which ``GET /admin/pools`` and ``POST /admin/scale`` are forwarded; ``none``, outside
+            pdserve (Kubernetes Deployments' replicas): ``/admin/scale`` answers 409.
     """
 
     model: str
@@ -115,6 +126,10 @@ class RouterConfig:
     lora_modules: list[str] = dataclasses.field(default_factory=list)
     max_lora_rank: int = 16
     otlp_traces_endpoint: str | None = None
+    router_id: str = ""
+    reuse_port: bool = False
+    direct_port: int | None = None
+    pool_owner: str | None = None
 
     def __post_init__(self) -> None:
         if not os.path.isdir(self.model):
@@ -163,6 +178,16 @@ class RouterConfig:
                 raise ValueError(f"otlp_traces_endpoint must be an http(s) URL (OTLP/HTTP), e.g. "
                                  f"http://127.0.0.1:4318/v1/traces; got {self.otlp_traces_endpoint!r}")
             check_otel_installed()
+        if not self.router_id:
+            self.router_id = f"r{uuid.uuid4().hex[:8]}"
+        if not self.router_id.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"router_id must be letters, digits, - and _; got {self.router_id!r}")
+        if self.direct_port is not None and not 0 < self.direct_port <= 65535:
+            raise ValueError(f"direct_port must be in [1, 65535], got {self.direct_port}")
+        if self.pool_owner is not None and self.pool_owner != "none" and \
+                not self.pool_owner.startswith(("http://", "https://")):
+            raise ValueError(f"pool_owner must be an http(s) URL of the router that keeps the pools' targets, "
+                             f"or none; got {self.pool_owner!r}")
         self.lora_modules = list(self.lora_modules or [])
         parse_lora_modules(self.lora_modules)  # a malformed entry fails here
         self.log_level = self.log_level.lower()
@@ -208,6 +233,17 @@ class RouterConfig:
                        help="require Authorization: Bearer KEY on /v1/* and /admin/* (default: $PDSERVE_API_KEY)")
         g.add_argument("--cluster-secret", default=None,
                        help="admit only workers that know this secret (default: $PDSERVE_CLUSTER_SECRET)")
+        t = parser.add_argument_group("router tier (several routers, one worker pool)")
+        t.add_argument("--router-id", default="",
+                       help="this router's name in the tier; it starts every request id (default: random)")
+        t.add_argument("--reuse-port", action="store_true",
+                       help="bind --port with SO_REUSEPORT so several routers on this host share it")
+        t.add_argument("--direct-port", type=int, default=None,
+                       help="also serve HTTP on this port, this router alone (for the launcher and operators)")
+        t.add_argument("--pool-owner", default=None,
+                       help="where the pools' target sizes live: unset = this router; http://HOST:PORT = the "
+                            "designated router (/admin/pools and /admin/scale are forwarded there); none = "
+                            "outside pdserve (Kubernetes: kubectl scale), /admin/scale answers 409")
         add_routing_cli_args(parser)
         add_lora_cli_args(parser)
         add_tracing_cli_args(parser)

@@ -22,6 +22,14 @@ A request's queue yields ``RequestDelta``s from its decode worker, or one
 ``RequestFailed`` if it cannot finish (the router stopped, or no decode worker
 took it over in time).
 
+A router tier: several routers may share one worker pool. Each worker registers
+with every router, saying in ``RegisterWorker.router_addr`` how it reaches this
+one; every request sent to a worker names that address
+(``GenerateRequest.router_addr``), so its outputs come back to this router, the
+one holding its state, and request ids start with this router's ``router_id``,
+so no two routers' ids collide on a worker. When this router dies the workers
+drop its requests; the other routers' requests are untouched.
+
 Migration: when a decode worker is lost (its connection drops, as the PUSH
 socket's monitor sees at once; it exits or re-registers as a new process; it
 goes silent past ``worker_timeout_s``; its step loop is stuck), each request it
@@ -49,6 +57,7 @@ import dataclasses
 import logging
 
 import time
+import uuid
 from collections.abc import Callable
 
 import msgspec
@@ -122,6 +131,7 @@ class RouterEngine:
         on_migration: called with (lost worker id, reason) for each request migrated (metrics).
         policy: picks the workers of new and migrated requests (``routing.py``; default round robin).
         on_route: called with (policy name, role, decision) for each worker picked (metrics).
+        router_id: this router's name in a router tier; it starts every request id (``new_request_id``).
     """
 
     _DRAIN_RESEND_S = 5.0  # a drained worker that has not left gets DrainWorker again this often
@@ -131,8 +141,9 @@ class RouterEngine:
                  worker_stats: WorkerStatsCollector | None = None, cluster_secret: str | None = None,
                  worker_wait_s: float = 30.0, max_migrations: int = 3,
                  on_migration: Callable[[str, str], None] | None = None, policy: RoutingPolicy | None = None,
-                 on_route: Callable[[str, WorkerRole, str], None] | None = None):
+                 on_route: Callable[[str, WorkerRole, str], None] | None = None, router_id: str = "router"):
         self.host = host
+        self.router_id = router_id
         self.policy = policy or RoundRobinPolicy()
         self.on_route = on_route
         self.worker_wait_s = worker_wait_s
@@ -201,6 +212,10 @@ class RouterEngine:
         waiting = [h for h in self._requests.values() if not h.output_token_ids]
         return len(waiting), sum(len(h.prompt_token_ids) for h in waiting)
 
+    def new_request_id(self) -> str:
+        """A request id no other router of the tier makes: this router's id, then a random uuid."""
+        return f"{self.router_id}-{uuid.uuid4().hex}"
+
     def route(self, role: WorkerRole, prompt_token_ids: list[int],
               accepts: Callable[[WorkerInfo], bool] | None = None,
               lora: LoRARequest | None = None) -> WorkerInfo | None:
@@ -247,7 +262,8 @@ class RouterEngine:
             sampling_params=sampling_params,
             prefill_worker_id=prefill_worker.worker_id if prefill_worker else None,
             prefill_addr=prefill_worker.input_addr if prefill_worker else None,
-            prefill_layout=prefill_worker.kv_layout if prefill_worker else None, lora=lora))
+            prefill_layout=prefill_worker.kv_layout if prefill_worker else None, lora=lora,
+            router_addr=decode_worker.router_addr))
         handle.sent_at = time.time()
         return handle
 
@@ -335,7 +351,7 @@ class RouterEngine:
         if worker.drain_sent_at is not None and now - worker.drain_sent_at < self._DRAIN_RESEND_S:
             return
         worker.drain_sent_at = now
-        self._send(worker.input_addr, DrainWorker(reason=worker.drain_reason))
+        self._send(worker.input_addr, DrainWorker(reason=worker.drain_reason, router_addr=worker.router_addr))
 
     def _worker_left(self, msg: WorkerExiting) -> None:
         worker = self.registry.get(msg.worker_id)
@@ -399,7 +415,8 @@ class RouterEngine:
                   for i in range(handle.num_choices) if i not in handle.finished_choices]
         self._send(target.input_addr, GenerateRequest(request_id=handle.request_id,
                                                       prompt_token_ids=handle.prompt_token_ids,
-                                                      sampling_params=params, resume=resume, lora=handle.lora))
+                                                      sampling_params=params, resume=resume, lora=handle.lora,
+                                                      router_addr=target.router_addr))
         self.num_migrations += 1
         if self.on_migration is not None:
             self.on_migration(lost_worker or "", reason)

@@ -69,6 +69,10 @@ class WorkerInfo:
     # Prompt tokens routed here to prefill (a prefill worker's, or a decode worker's own local prefills)
     # whose first token has not come back yet: this worker's prefill queue, for load-aware placement.
     prefill_pending_tokens: int = 0
+    # How this worker reaches this router (``RegisterWorker.router_addr``): named in every request sent
+    # to it so its outputs come back here and not to another router of the tier. None: a worker that
+    # did not say (it sends everything to its one router).
+    router_addr: str | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -184,6 +188,7 @@ class WorkerRegistry:
             old.last_seen = now
             old.num_blocks, old.block_size = msg.num_blocks, msg.block_size
             old.max_model_len, old.vocab_size, old.kv_layout = msg.max_model_len, msg.vocab_size, msg.kv_layout
+            old.router_addr = msg.router_addr
             return None
         if old is not None:
             del self._workers[msg.worker_id]
@@ -191,7 +196,7 @@ class WorkerRegistry:
             worker_id=msg.worker_id, role=WorkerRole(msg.role), input_addr=msg.input_addr,
             model_name=msg.model_name, num_blocks=msg.num_blocks, block_size=msg.block_size,
             max_model_len=msg.max_model_len, registered_at=now, last_seen=now, vocab_size=msg.vocab_size,
-            kv_layout=msg.kv_layout)
+            kv_layout=msg.kv_layout, router_addr=msg.router_addr)
         logger.info("worker %s registered: %s at %s (num_blocks=%d, block_size=%d)", msg.worker_id,
                     WorkerRole(msg.role).name.lower(), msg.input_addr, msg.num_blocks, msg.block_size)
         self._warn_kv_mismatch(self._workers[msg.worker_id])

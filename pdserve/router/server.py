@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import logging
 import signal
+import socket
 import threading
 import time
 
@@ -64,8 +65,32 @@ class _RouterServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port`` for uvicorn to serve on (it calls ``listen``).
+
+    With ``reuse_port``, ``SO_REUSEPORT``: every router of a tier on this host binds the same port
+    this way and the kernel spreads new connections over the live ones, so clients keep one URL
+    (the way multi-process API servers share a port). A router that dies stops getting connections
+    at once; those it had accepted are lost with it.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def run_router(config: RouterConfig) -> None:
     """Serve HTTP and ZMQ until SIGTERM/SIGINT (blocking), then return.
+
+    With ``reuse_port`` the HTTP port is shared with the other routers of the tier on this host
+    (``listen_socket``); ``direct_port`` serves this router alone.
 
     SIGTERM drains first (``/health`` 503, new requests 503, in-flight ones finish within
     ``config.shutdown_timeout_s``). Then, or at once on SIGINT, what is left fails with 503
@@ -89,7 +114,13 @@ def run_router(config: RouterConfig) -> None:
                        timeout_graceful_shutdown=5, timeout_keep_alive=75, access_log=config.log_level == "debug"),
         on_drain=on_drain, on_exit=lambda: engine.abort_all_threadsafe("the router is shutting down"),
         num_inflight=lambda: engine.num_inflight, shutdown_timeout_s=config.shutdown_timeout_s)
-    server.run()
+    if not config.reuse_port and config.direct_port is None:
+        server.run()
+        return
+    sockets = [listen_socket(config.host, config.port, reuse_port=config.reuse_port)]
+    if config.direct_port is not None:
+        sockets.append(listen_socket(config.host, config.direct_port))
+    server.run(sockets=sockets)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,7 +28,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-import uuid
 from typing import AsyncIterator, Callable
 
 import msgspec
@@ -288,7 +287,7 @@ class OpenAIServing:
                 if time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(_WORKER_POLL_S)
-        request_id = uuid.uuid4().hex
+        request_id = self.engine.new_request_id()
         handle = self.engine.submit(request_id, prompt_ids, params, decode_worker, prefill_worker,
                                     lora=lora)
         choices = [ChoiceOutput(i, IncrementalDetokenizer(
