@@ -30,6 +30,7 @@ import dataclasses
 import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -76,18 +77,16 @@ def cpu_seconds(pids: list[int]) -> float:
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict) -> int:
-    """One streamed chat completion; returns the number of content deltas (tokens) received."""
-    n = 0
+    """One streamed chat completion; returns the tokens it streamed (its usage chunk's completion_tokens)."""
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-        async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choices = json.loads(line[6:]).get("choices") or []
-                delta = choices[0].get("delta", {}) if choices else {}
-                if delta.get("content") is not None and "role" not in delta:  # not the opening role chunk
-                    n += 1
+        tail = b""
+        async for chunk in r.aiter_bytes():  # not parsed: the generator must stay cheaper than the router
+            tail = (tail + chunk)[-512:]
+        found = re.search(rb'"completion_tokens":\s*(\d+)', tail)  # the usage chunk (stream_options)
+        n = int(found.group(1)) if found else 0
     return n
 
 
@@ -101,6 +100,7 @@ async def drive(url: str, model: str, max_tokens: int, requests: int, concurrenc
         async def one(i: int) -> int:
             nonlocal errors
             body = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True},
                     "messages": [{"role": "user", "content": f"request {i}: the quick brown fox jumps over"}]}
             async with sem:
                 try:
