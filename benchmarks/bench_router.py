@@ -15,7 +15,7 @@ Fitting ``cpu = a * requests + b * tokens`` over the runs gives the router's cos
 the ZMQ delta, detokenizing, one SSE event). A router is saturated when its CPU use reaches one
 core; ``1 / (a + b * tokens)`` is then its ceiling in requests/s, printed beside what was measured.
 
-``--profile-s`` samples the first router with ``py-spy`` (100 Hz, native frames off) during a run
+``--profile-s`` samples the first router with ``py-spy`` (400 Hz) during a run
 and groups the samples by what the stack is doing: tokenize, detokenize, SSE, ZMQ + msgpack, JSON +
 pydantic, HTTP (uvicorn / h11 / starlette), routing, the asyncio loop itself, other.
 Loopback only; every process it starts, it stops.
@@ -143,7 +143,7 @@ def profile(pid: int, seconds: float) -> subprocess.Popen | None:
         print("py-spy not found: no profile")
         return None
     out = tempfile.NamedTemporaryFile(suffix=".txt", delete=False).name
-    proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "100",
+    proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "400",
                              "--format", "raw", "--output", out, "--nonblocking"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proc.out_path = out  # type: ignore[attr-defined]
