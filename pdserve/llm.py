@@ -28,6 +28,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from tqdm.auto import tqdm
@@ -266,15 +267,20 @@ class LLM:
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True,
-             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them.
 
         Each conversation goes through the tokenizer's chat template, as the router's
         /v1/chat/completions does. ``RequestOutput.prompt`` is the templated text.
-        ``lora_request``: as ``generate``'s.
+        ``lora_request``: as ``generate``'s. ``continue_final_message`` and ``chat_template_kwargs``
+        (e.g. ``{"enable_thinking": False}``): as vLLM's (``pdserve.tokenizer.chat.render_chat_prompt``;
+        ValueError for a reserved key or both flags set).
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encoded = [render_chat_prompt(self.tokenizer, conversation, add_generation_prompt)
+        encoded = [render_chat_prompt(self.tokenizer, conversation, add_generation_prompt, continue_final_message,
+                                      chat_template_kwargs)
                    for conversation in conversations]
         return self._generate(encoded, sampling_params, use_tqdm, lora_request)
 

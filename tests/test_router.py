@@ -1074,3 +1074,58 @@ def test_ready_means_a_request_can_be_served_end_to_end(model_dir, tok):
             assert client.post("/v1/completions", json={**COMPLETION, "max_tokens": 1}).status_code == 200
         finally:
             worker.close()
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and "
+                     "not enable_thinking %}<no-think>{% endif %}{% endif %}")
+
+
+@pytest.fixture
+def thinking_model_dir(model_dir, tmp_path):
+    """The tiny checkpoint with a chat template that reads ``enable_thinking`` (as Qwen3's does)."""
+    import shutil
+    out = tmp_path / "thinking"
+    shutil.copytree(model_dir, out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = THINKING_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    for extra in out.glob("chat_template.jinja"):
+        extra.unlink()
+    return str(out)
+
+
+def test_chat_template_kwargs_and_continue_final_message_reach_the_template(thinking_model_dir):
+    tok = AutoTokenizer.from_pretrained(thinking_model_dir)
+    config = RouterConfig(model=thinking_model_dir, zmq_port=0, worker_timeout_s=1.0, worker_wait_s=0)
+    with TestClient(build_app(config)) as client:
+        w = FakeDecodeWorker(client.get("/info").json()["zmq_address"])
+        try:
+            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
+            w.script = tok.encode("ok")
+            name = client.get("/v1/models").json()["data"][0]["id"]
+            messages = [{"role": "user", "content": "hi"}]
+            for kwargs, expected in ((None, "<|user|>hi<|end|><|assistant|>"),
+                                     ({"enable_thinking": False}, "<|user|>hi<|end|><|assistant|><no-think>")):
+                body = {"model": name, "messages": messages, "max_tokens": 2}
+                if kwargs is not None:
+                    body["chat_template_kwargs"] = kwargs
+                assert client.post("/v1/chat/completions", json=body).status_code == 200
+                assert w.requests()[-1].prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+            # continue the assistant's own opening instead of starting a new turn
+            body = {"model": name, "max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True,
+                    "messages": messages + [{"role": "assistant", "content": "Sure,"}]}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            assert w.requests()[-1].prompt_token_ids == tok.encode("<|user|>hi<|end|><|assistant|>Sure,",
+                                                                   add_special_tokens=False)
+            # bad combinations: 400s naming the field, nothing sent to the worker
+            sent = len(w.requests())
+            err = error_of(client.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}), 400)
+            assert err["param"] == "continue_final_message" and "cannot both" in err["message"]
+            err = error_of(client.post("/v1/chat/completions", json={
+                "model": name, "messages": messages, "chat_template_kwargs": {"tokenize": True}}), 400)
+            assert err["param"] == "chat_template_kwargs" and "tokenize" in err["message"]
+            assert len(w.requests()) == sent
+        finally:
+            w.close()

@@ -127,7 +127,9 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool = True  # extension
+    add_generation_prompt: bool = True  # extensions (vLLM's): how the chat template is applied
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables, e.g. {"enable_thinking": false}
 
 
 # --- responses -----------------------------------------------------------------------------

@@ -90,10 +90,14 @@ def chat_prompt_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
         if message.name is not None:
             entry["name"] = message.name
         messages.append(entry)
+    param = ("chat_template_kwargs" if req.chat_template_kwargs else "messages")
+    if req.continue_final_message and req.add_generation_prompt:
+        param = "continue_final_message"
     try:
-        _, ids = render_chat_prompt(tokenizer, messages, req.add_generation_prompt)
+        _, ids = render_chat_prompt(tokenizer, messages, req.add_generation_prompt, req.continue_final_message,
+                                    req.chat_template_kwargs)
     except ValueError as e:
-        raise bad_request(str(e), "messages") from e
+        raise bad_request(str(e), param) from e
     return ids
 
 
