@@ -59,13 +59,15 @@ def test_compiled_decode_step_over_an_int8_cache_matches_eager(model_dir):
 
 def test_no_request_pays_a_recompilation(model_dir):
     """Start-up compiles every graph a decode step can need: batches of 1, of the decode linear
-    kernel's 2-16 rows and of more, over contexts of any block count, run on them without a new
+    kernel's 2 to KERNEL_MAX_ROWS rows and of more, over contexts of any block count, run on them without a new
     graph (a recompilation costs a request about a second)."""
     import torch._dynamo.utils
 
-    with LLM(model_dir, kv_cache_memory="4MiB", enforce_eager=False, max_num_seqs=32) as llm:
+    from pdserve.engine.decode_linear import KERNEL_MAX_ROWS
+
+    with LLM(model_dir, kv_cache_memory="4MiB", enforce_eager=False, max_num_seqs=2 * KERNEL_MAX_ROWS) as llm:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)  # contexts past 3 blocks of 16
-        for batch in (1, 3, 20):
+        for batch in (1, 3, KERNEL_MAX_ROWS + 4):
             llm.generate([[5 + i, 17, 300, 41 + i] for i in range(batch)], params, use_tqdm=False)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

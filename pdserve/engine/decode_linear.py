@@ -5,11 +5,12 @@ A decode step multiplies one row per sequence by every weight matrix, so at smal
 bound by how fast the weights stream from memory. torch's CPU GEMMs (MKL for float32, oneDNN for
 bfloat16) read them at half the bandwidth or less for 1-16 rows; the kernel loads each weight row
 once and multiplies it by every row of x while it is in registers (bfloat16: 32 pairs per AVX-512
-BF16 instruction). Measured on the bench preset's 49 weight matrices and its LM head (one AVX-512
-core, weights cold, as in a step), float32: 1 row 25 -> 19 ms, 4 rows 37 -> 23 ms, 8 rows 48 -> 32 ms,
-16 rows 59 -> 50 ms; bfloat16: 1 row 21 -> 15 ms, 8 rows 27 -> 19 ms, 16 rows 33 -> 29 ms. From
-``KERNEL_MAX_ROWS`` rows up the library GEMM is as fast or faster, so those calls (prefill) keep it
-(docs/benchmarks.md, "Decode at the memory roofline").
+BF16 instruction), prefetching the next weight rows into L2. Measured on the bench preset's 84 weight
+matrices and its LM head (one AVX-512 core, weights cold, as in a step), kernel against library,
+float32: 1 row 14.0-14.9 against 25 ms, 4 rows 15 against 37, 16 rows 42 against 59, 32 rows 81-84
+against 86-91, 48 rows 124 against 116; bfloat16: 1 row 9.6 against 19.9 ms, 8 rows 12.8 against 25.2,
+32 rows 40.7 against 44.1. From ``KERNEL_MAX_ROWS`` rows up the library GEMM is as fast or faster, so
+those calls (prefill, large decode batches) keep it (docs/benchmarks.md).
 
 An output's summation order does not depend on the number of rows (see the kernel's header). The
 kernel is the operator ``torch.ops.pdserve.decode_linear`` so the compiled decode step calls it as
@@ -23,7 +24,7 @@ import torch
 from pdserve.engine.kernels import load_decode_linear
 
 # Up to this many rows a CPU linear goes through the kernel (decode); more rows take torch's GEMM.
-KERNEL_MAX_ROWS = 16
+KERNEL_MAX_ROWS = 32
 # The kernel's unit of K (input features) per dtype: one vector of float32, one AVX-512 BF16 pair-vector.
 _K_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}
 

@@ -26,7 +26,9 @@
 // vector in registers: 32 zmm registers with AVX-512, GCC splits them into ymm pairs on AVX2).
 // Threads split the output features (N) in blocks of NB rows; inside a block, x's rows go through
 // in tiles of 8 (3 weight rows each), then 4 (6 weight rows) and up to 3 (8 weight rows), while the
-// block's weight rows stay in L1/L2, so W is read from memory once.
+// block's weight rows stay in L1/L2, so W is read from memory once. The next tile's weight rows are
+// prefetched into L2 (prefetcht1), not non-temporally: on a Zen 4 core that read W at 24 GB/s instead
+// of 19 at one row and 23 instead of 15 at four (bench preset's 85 matrices, cold).
 
 #include <cstdint>
 #include <cstring>
@@ -58,7 +60,7 @@ inline void tile(float* out, const float* x, const float* w, int64_t m0, int64_t
     v16 wv[C];
     for (int c = 0; c < C; ++c) {
       wv[c] = load16(w + (n0 + c) * K + k);
-      __builtin_prefetch(w + (n0 + c + C) * K + k, 0, 0);  // the next tile's rows, streamed
+      __builtin_prefetch(w + (n0 + c + C) * K + k, 0, 1);  // the next tile's rows, into L2
     }
     for (int r = 0; r < R; ++r) {
       const v16 xv = load16(x + (m0 + r) * K + k);
@@ -90,7 +92,7 @@ inline void tile(uint16_t* out, const uint16_t* x, const uint16_t* w, int64_t m0
     __m512bh wv[C];
     for (int c = 0; c < C; ++c) {
       wv[c] = (__m512bh)_mm512_loadu_si512(w + (n0 + c) * K + k);
-      __builtin_prefetch(w + (n0 + c + C) * K + k, 0, 0);
+      __builtin_prefetch(w + (n0 + c + C) * K + k, 0, 1);
     }
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (m0 + r) * K + k);
