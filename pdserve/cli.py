@@ -126,10 +126,12 @@ def _exit_now(code: int) -> None:
 
 
 def _cmd_rank(args: argparse.Namespace) -> int:
+    from pdserve.common.auth import CLUSTER_SECRET_ENV, from_env
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.ranks import serve_rank
 
-    _exit_now(serve_rank(EngineConfig.from_cli_args(args)))
+    secret = from_env(args.cluster_secret, CLUSTER_SECRET_ENV)
+    _exit_now(serve_rank(EngineConfig.from_cli_args(args), cluster_secret=secret))
     return 0  # not reached
 
 
@@ -144,6 +146,10 @@ def _cmd_worker(role: str, args: argparse.Namespace) -> int:
     if engine_config.rank != 0:  # a rank of a multi-rank worker started by hand (or by Ray / Kubernetes)
         return _cmd_rank(args)
     worker_config = WorkerConfig.from_cli_args(role, args)
+    if worker_config.cluster_secret:  # the ranks this driver starts inherit it (never on their command line)
+        from pdserve.common.auth import CLUSTER_SECRET_ENV
+
+        os.environ[CLUSTER_SECRET_ENV] = worker_config.cluster_secret
     if role == "prefill":
         from pdserve.prefill_worker.worker import PrefillWorker as Worker
     else:
@@ -239,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Joins the driver at --master-addr:--master-port and runs the steps it "
                                       "broadcasts. Drivers start these themselves unless given a rendezvous.")
     EngineConfig.add_cli_args(rank)
+    rank.add_argument("--cluster-secret", default=None,
+                      help="the cluster's secret, for the CURVE keys of the rank's reports to its driver "
+                           "(default: $PDSERVE_CLUSTER_SECRET)")
     for role in ("prefill", "decode"):
         p = sub.add_parser(role, help=f"start one {role} worker")
         EngineConfig.add_cli_args(p)

@@ -30,6 +30,7 @@ import time
 
 from pdserve.common.auth import registration_token
 from pdserve.common.config import WorkerConfig
+from pdserve.common.curve import cluster_keys, warn_unauthenticated
 from pdserve.common.protocol import (DrainWorker, ErrorKind, FinishReason, Heartbeat, RankAttach, RegisterWorker,
                                      RequestDelta, RequestTiming, WorkerDraining, WorkerExiting, WorkerRole,
                                      WorkerStats)
@@ -68,7 +69,9 @@ class WorkerBase:
         self.runner = self.core.runner
         self.stats = WorkerStats()
         try:
-            self.mailbox = Mailbox(worker_config.host, worker_config.port, watch=worker_config.router_addr)
+            warn_unauthenticated(worker_config.cluster_secret, f"worker {self.worker_id}")
+            self.mailbox = Mailbox(worker_config.host, worker_config.port, watch=worker_config.router_addr,
+                                   keys=cluster_keys(worker_config.cluster_secret))
         except BaseException:
             self.core.close()
             raise
