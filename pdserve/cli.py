@@ -5,7 +5,8 @@
     pdserve router  --model DIR [--host H] [--port P] [--zmq-port Z]
     pdserve prefill --model DIR --router tcp://HOST:Z
     pdserve decode  --model DIR --router tcp://HOST:Z [--tensor-parallel-size T] [--pipeline-parallel-size P]
-    pdserve rank    --model DIR --rank R --master-addr H --master-port M ...   (one rank of a T x P worker)
+    pdserve rank    --model DIR --rank R --master-addr H --master-port M [--cluster-secret S] ...
+                    (one rank of a T x P worker)
     pdserve scale   [--router http://HOST:PORT] [--prefill N] [--decode M] [--wait]   (pools of a running cluster)
     pdserve default-model [OUT_DIR]   (the built-in trained model: its path, or a copy at OUT_DIR)
     pdserve tiny-model OUT_DIR [--preset tiny|bench]
@@ -228,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="restart a failed worker (backoff 1, 2, 4.. s) at most this many times in a row")
     up.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/* "
                                                     "(or set $PDSERVE_API_KEY)")
-    up.add_argument("--cluster-secret", default=None, help="secret the workers prove to join the router's pools "
+    up.add_argument("--cluster-secret", default=None, help="secret the workers prove to join the router's pools, "
+                                                           "and the key of every ZMQ socket's CurveZMQ "
                                                            "(or set $PDSERVE_CLUSTER_SECRET)")
     for kind in ("tensor", "pipeline"):
         up.add_argument(f"--{kind}-parallel-size", type=int, default=None,
