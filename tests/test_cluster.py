@@ -26,7 +26,7 @@ from pdserve.launcher import ClusterSpec, LocalCluster
 pytestmark = pytest.mark.cluster
 
 SECRET = "test-cluster-secret"
-FORGED_RUN_TOKENS = 300  # long enough to be still streaming when the forged abort has arrived
+FORGED_RUN_TOKENS = 600  # long enough (> 1 s) to be still streaming when the forged abort has arrived
 WORDS = ("the quick brown fox jumps over lazy dogs while seven wizards quietly pack boxes of liquor "
          "near a river bank in autumn light").split()
 
@@ -286,23 +286,26 @@ def test_workers_survive_malformed_requests_sent_past_the_router(cluster):
     wait_all_blocks_free(cluster)
 
 
-def _forge(ctx, addrs: list[str], msgs: list) -> None:
+def _forge(ctx, addrs: list[str], msgs: list) -> list:
     """Send each of ``msgs`` to each of ``addrs`` as two processes without the cluster secret would: over
     plain TCP, and over CURVE with the keys of another secret. Each message goes out on a socket of its own,
     so that it is queued and offered at a handshake (a PUSH socket whose handshake failed has no connection
-    left to queue on)."""
+    left to queue on). Returns the sockets: hold them until the end (a socket collected early drops what
+    it has not sent yet)."""
     import zmq
 
     from pdserve.common.transport import encode
 
+    socks = []
     for addr in addrs:
         for msg in msgs:
             for keys in (None, cluster_keys("not-the-cluster-secret")):
                 sock = ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
                 secure_client(sock, keys)
                 sock.connect(addr)
                 sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+                socks.append(sock)
+    return socks
 
 
 def test_strangers_can_neither_inject_nor_abort_requests(cluster):
@@ -325,12 +328,12 @@ def test_strangers_can_neither_inject_nor_abort_requests(cluster):
         to_workers = [w["address"] for w in ws]
         steps = {w["id"]: w["num_steps"] for w in workers(cluster)}
         started = time.monotonic()
-        _forge(ctx, to_workers, [
+        held = _forge(ctx, to_workers, [
             GenerateRequest(request_id="forged-gen", prompt_token_ids=[5, 6, 7, 8], sampling_params=params),
             RemotePrefillRequest(request_id="forged-pre", prompt_token_ids=[5, 6, 7, 8], sampling_params=params,
                                  decode_worker_id=decode[0]["id"], decode_addr=decode[0]["address"],
                                  transfer_host="127.0.0.1", transfer_port=1, pair_generation=0, dest_block_ids=[0])])
-        _forge(ctx, [router_zmq], [
+        held += _forge(ctx, [router_zmq], [
             RegisterWorker(worker_id="forged-d9", role=WorkerRole.DECODE, input_addr="tcp://127.0.0.1:9",
                            model_name="tiny", num_blocks=10**6, block_size=16, max_model_len=0),
             *(WorkerExiting(worker_id=w["id"], role=WorkerRole[w["role"].upper()], input_addr=w["address"])
@@ -361,11 +364,11 @@ def test_strangers_can_neither_inject_nor_abort_requests(cluster):
                 chunk = json.loads(line[len("data: "):])
                 if not text and not finish:  # the request's id is on the wire: abort it, end it falsely
                     request_id = chunk["id"].removeprefix("cmpl-")
-                    _forge(ctx, to_workers, [AbortRequest(request_id=request_id)])
-                    _forge(ctx, [router_zmq], [RequestOutputs(worker_id=w["id"], deltas=[RequestDelta(
+                    held += _forge(ctx, to_workers, [AbortRequest(request_id=request_id)])
+                    held += _forge(ctx, [router_zmq], [RequestOutputs(worker_id=w["id"], deltas=[RequestDelta(
                         request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
                         error="forged")]) for w in decode])
-                    time.sleep(0.5)
+                    time.sleep(0.2)  # loopback: delivered and acted on in milliseconds, had they been admitted
                     inflight = httpx.get(f"{cluster.url}/info", timeout=10).json()["num_inflight"]
                     assert inflight == 1, "the request ended before the forged messages could have mattered"
                 text.append(chunk["choices"][0]["text"])
