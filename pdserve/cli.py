@@ -5,7 +5,8 @@
     pdserve router  --model DIR [--host H] [--port P] [--zmq-port Z] [--reuse-port --direct-port D --pool-owner URL]
     pdserve prefill --model DIR --router tcp://HOST:Z[,tcp://HOST2:Z2...]
     pdserve decode  --model DIR --router tcp://HOST:Z [--tensor-parallel-size T] [--pipeline-parallel-size P]
-    pdserve rank    --model DIR --rank R --master-addr H --master-port M ...   (one rank of a T x P worker)
+    pdserve rank    --model DIR --rank R --master-addr H --master-port M [--cluster-secret S] ...
+                    (one rank of a T x P worker)
     pdserve scale   [--router http://HOST:PORT] [--prefill N] [--decode M] [--wait]   (pools of a running cluster)
     pdserve default-model [OUT_DIR]   (the built-in trained model: its path, or a copy at OUT_DIR)
     pdserve tiny-model OUT_DIR [--preset tiny|bench]
@@ -127,10 +128,12 @@ def _exit_now(code: int) -> None:
 
 
 def _cmd_rank(args: argparse.Namespace) -> int:
+    from pdserve.common.auth import CLUSTER_SECRET_ENV, from_env
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.ranks import serve_rank
 
-    _exit_now(serve_rank(EngineConfig.from_cli_args(args)))
+    secret = from_env(args.cluster_secret, CLUSTER_SECRET_ENV)
+    _exit_now(serve_rank(EngineConfig.from_cli_args(args), cluster_secret=secret))
     return 0  # not reached
 
 
@@ -145,6 +148,10 @@ def _cmd_worker(role: str, args: argparse.Namespace) -> int:
     if engine_config.rank != 0:  # a rank of a multi-rank worker started by hand (or by Ray / Kubernetes)
         return _cmd_rank(args)
     worker_config = WorkerConfig.from_cli_args(role, args)
+    if worker_config.cluster_secret:  # the ranks this driver starts inherit it (never on their command line)
+        from pdserve.common.auth import CLUSTER_SECRET_ENV
+
+        os.environ[CLUSTER_SECRET_ENV] = worker_config.cluster_secret
     if role == "prefill":
         from pdserve.prefill_worker.worker import PrefillWorker as Worker
     else:
@@ -227,7 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="restart a failed worker (backoff 1, 2, 4.. s) at most this many times in a row")
     up.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on /v1/* "
                                                     "(or set $PDSERVE_API_KEY)")
-    up.add_argument("--cluster-secret", default=None, help="secret the workers prove to join the router's pools "
+    up.add_argument("--cluster-secret", default=None, help="secret the workers prove to join the router's pools, "
+                                                           "and the key of every ZMQ socket's CurveZMQ "
                                                            "(or set $PDSERVE_CLUSTER_SECRET)")
     for kind in ("tensor", "pipeline"):
         up.add_argument(f"--{kind}-parallel-size", type=int, default=None,
@@ -244,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Joins the driver at --master-addr:--master-port and runs the steps it "
                                       "broadcasts. Drivers start these themselves unless given a rendezvous.")
     EngineConfig.add_cli_args(rank)
+    rank.add_argument("--cluster-secret", default=None,
+                      help="the cluster's secret, for the CURVE keys of the rank's reports to its driver "
+                           "(default: $PDSERVE_CLUSTER_SECRET)")
     for role in ("prefill", "decode"):
         p = sub.add_parser(role, help=f"start one {role} worker")
         EngineConfig.add_cli_args(p)

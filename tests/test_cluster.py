@@ -1,7 +1,9 @@
 """The whole cluster as real processes: router + 2 prefill + 2 decode workers.
 
 Driven by the real ``openai`` client; greedy output is compared with Hugging Face
-``generate`` on the same checkpoint (a reference no one here wrote).
+``generate`` on the same checkpoint (a reference no one here wrote). The cluster
+runs with a cluster secret, so every ZMQ socket in it is CurveZMQ
+(``pdserve.common.curve``); strangers' forged messages are shown to change nothing.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pdserve.common.curve import cluster_keys, secure_client
 from pdserve.common.utils import free_port
 from pdserve.launcher import ClusterSpec, LocalCluster
 
 pytestmark = pytest.mark.cluster
 
+SECRET = "test-cluster-secret"
+FORGED_RUN_TOKENS = 600  # long enough (> 1 s) to be still streaming when the forged abort has arrived
 WORDS = ("the quick brown fox jumps over lazy dogs while seven wizards quietly pack boxes of liquor "
          "near a river bank in autumn light").split()
 
@@ -29,8 +34,9 @@ WORDS = ("the quick brown fox jumps over lazy dogs while seven wizards quietly p
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     spec = ClusterSpec(model=model_dir, num_prefill=2, num_decode=2, port=free_port(),
-                       worker_args=["--kv-cache-memory", "16MiB", "--max-num-seqs", "32"],
-                       threads_per_worker=1)
+                       worker_args=["--kv-cache-memory", "16MiB", "--max-num-seqs", "32",
+                                    "--cluster-secret", SECRET],
+                       router_args=["--cluster-secret", SECRET], threads_per_worker=1)
     with LocalCluster(spec, log_dir=str(tmp_path_factory.mktemp("logs"))) as c:
         yield c
     assert not [p for _, p in c.procs if p.poll() is None], "a cluster process outlived stop()"
@@ -259,10 +265,12 @@ def test_workers_survive_malformed_requests_sent_past_the_router(cluster):
     ctx = zmq.Context()
     try:
         to_decode = ctx.socket(zmq.PUSH)
+        secure_client(to_decode, cluster_keys(SECRET))  # an insider's bad input: the cluster's own keys
         to_decode.connect(decode["address"])
         to_decode.send_multipart(encode(GenerateRequest(request_id="bad-ids", prompt_token_ids=[1, 10**9],
                                                         sampling_params=SamplingParams())))
         to_prefill = ctx.socket(zmq.PUSH)
+        secure_client(to_prefill, cluster_keys(SECRET))
         to_prefill.connect(prefill["address"])
         to_prefill.send_multipart(encode(RemotePrefillRequest(
             request_id="bad-empty", prompt_token_ids=[], sampling_params=SamplingParams(),
@@ -275,4 +283,101 @@ def test_workers_survive_malformed_requests_sent_past_the_router(cluster):
                                              temperature=0)
     assert out.usage.completion_tokens == 4
     assert not cluster.dead(), f"a worker died: {cluster.dead()}"
+    wait_all_blocks_free(cluster)
+
+
+def _forge(ctx, addrs: list[str], msgs: list) -> list:
+    """Send each of ``msgs`` to each of ``addrs`` as two processes without the cluster secret would: over
+    plain TCP, and over CURVE with the keys of another secret. Each message goes out on a socket of its own,
+    so that it is queued and offered at a handshake (a PUSH socket whose handshake failed has no connection
+    left to queue on). Returns the sockets: hold them until the end (a socket collected early drops what
+    it has not sent yet)."""
+    import zmq
+
+    from pdserve.common.transport import encode
+
+    socks = []
+    for addr in addrs:
+        for msg in msgs:
+            for keys in (None, cluster_keys("not-the-cluster-secret")):
+                sock = ctx.socket(zmq.PUSH)
+                secure_client(sock, keys)
+                sock.connect(addr)
+                sock.send_multipart(encode(msg), flags=zmq.NOBLOCK)
+                socks.append(sock)
+    return socks
+
+
+def test_strangers_can_neither_inject_nor_abort_requests(cluster):
+    """Well-formed protocol messages from outside the cluster: a request and a prefill straight to the
+    workers, a registration and a worker's exit at the router, then, mid-stream, an abort at the request's
+    decode and prefill workers and a fake final delta at the router. None of it is heard: no worker ran a
+    step, the pools are unchanged, and the request streams to its end as an undisturbed run does."""
+    import zmq
+
+    from pdserve.common.protocol import (AbortRequest, FinishReason, GenerateRequest, RegisterWorker,
+                                         RemotePrefillRequest, RequestDelta, RequestOutputs, SamplingParams,
+                                         WorkerExiting, WorkerRole)
+
+    ws = workers(cluster)
+    decode = [w for w in ws if w["role"] == "decode"]
+    router_zmq = httpx.get(f"{cluster.url}/info", timeout=10).json()["zmq_address"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ctx = zmq.Context()
+    try:
+        to_workers = [w["address"] for w in ws]
+        steps = {w["id"]: w["num_steps"] for w in workers(cluster)}
+        started = time.monotonic()
+        held = _forge(ctx, to_workers, [
+            GenerateRequest(request_id="forged-gen", prompt_token_ids=[5, 6, 7, 8], sampling_params=params),
+            RemotePrefillRequest(request_id="forged-pre", prompt_token_ids=[5, 6, 7, 8], sampling_params=params,
+                                 decode_worker_id=decode[0]["id"], decode_addr=decode[0]["address"],
+                                 transfer_host="127.0.0.1", transfer_port=1, pair_generation=0, dest_block_ids=[0])])
+        held += _forge(ctx, [router_zmq], [
+            RegisterWorker(worker_id="forged-d9", role=WorkerRole.DECODE, input_addr="tcp://127.0.0.1:9",
+                           model_name="tiny", num_blocks=10**6, block_size=16, max_model_len=0),
+            *(WorkerExiting(worker_id=w["id"], role=WorkerRole[w["role"].upper()], input_addr=w["address"])
+              for w in ws)])
+
+        def fresh() -> list[dict]:  # every worker heartbeated 1 s or more after the forged messages
+            while time.monotonic() < started + 15:
+                now = workers(cluster)
+                if all(w["last_seen_s_ago"] < time.monotonic() - started - 1.0 for w in now):
+                    return now
+                time.sleep(0.2)
+            pytest.fail(f"no fresh heartbeats: {json.dumps(workers(cluster))}")
+
+        after = fresh()
+        assert sorted(w["id"] for w in after) == sorted(w["id"] for w in ws)  # no one joined, no one left
+        assert {w["id"]: w["num_steps"] for w in after} == steps  # no worker ran anything of theirs
+        assert all(w["num_running"] == w["num_waiting"] == 0 for w in after)
+
+        prompt = "seven wizards pack boxes near a river bank"
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": FORGED_RUN_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        text, finish = [], None
+        with httpx.stream("POST", f"{cluster.url}/v1/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if not text and not finish:  # the request's id is on the wire: abort it, end it falsely
+                    request_id = chunk["id"].removeprefix("cmpl-")
+                    held += _forge(ctx, to_workers, [AbortRequest(request_id=request_id)])
+                    held += _forge(ctx, [router_zmq], [RequestOutputs(worker_id=w["id"], deltas=[RequestDelta(
+                        request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR,
+                        error="forged")]) for w in decode])
+                    time.sleep(0.2)  # loopback: delivered and acted on in milliseconds, had they been admitted
+                    inflight = httpx.get(f"{cluster.url}/info", timeout=10).json()["num_inflight"]
+                    assert inflight == 1, "the request ended before the forged messages could have mattered"
+                text.append(chunk["choices"][0]["text"])
+                finish = chunk["choices"][0]["finish_reason"] or finish
+    finally:
+        ctx.destroy(linger=0)
+    assert finish == "length"
+    undisturbed = client(cluster).completions.create(model="tiny", prompt=prompt, max_tokens=FORGED_RUN_TOKENS,
+                                                     temperature=0, extra_body={"ignore_eos": True})
+    assert "".join(text) == undisturbed.choices[0].text and undisturbed.usage.completion_tokens == FORGED_RUN_TOKENS
+    assert not cluster.dead()
     wait_all_blocks_free(cluster)

@@ -69,20 +69,25 @@ def test_tp2_decode_worker_serves_exactly_and_a_killed_rank_removes_it(model_dir
 BLOCK_BYTES = 8192
 
 
-@pytest.mark.parametrize("prefill,decode", [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (1, 1)), ((2, 2), (1, 2))],
-                         ids=["P-TP2-to-D-TP1", "P-TP1-to-D-TP2", "P-PP2-to-D-PP1", "P-TP2xPP2-to-D-PP2"])
+@pytest.mark.parametrize("prefill,decode,secret", [((2, 1), (1, 1), "s3cret"), ((1, 1), (2, 1), "s3cret"),
+                                                   ((1, 2), (1, 1), None), ((2, 2), (1, 2), None)],
+                         ids=["P-TP2-to-D-TP1-curve", "P-TP1-to-D-TP2-curve", "P-PP2-to-D-PP1", "P-TP2xPP2-to-D-PP2"])
 def test_mixed_layouts_transfer_exactly_under_preemption_and_partial_prefix_hits(model_dir, tmp_path, prefill,
-                                                                                  decode):
+                                                                                  decode, secret):
     """Each decode rank receives exactly its slice from the prefill ranks that hold it (several senders to one
     receiver, or one sender to several), while the decode cache is too small for the load (preemption) and
-    a shared prefix is already cached on the decode side (only the missing blocks travel)."""
+    a shared prefix is already cached on the decode side (only the missing blocks travel). With a cluster
+    ``secret`` every ZMQ socket is CURVE, the non-driver ranks' reports to their driver included (a report
+    lost would fail the transfers)."""
     from tests.test_cluster_engine import metric_totals, wait_metric_increase
 
     decode_ranks = decode[0] * decode[1]
+    secret_args = ["--cluster-secret", secret] if secret else []
     spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
                        prefill_tensor_parallel_size=prefill[0], prefill_pipeline_parallel_size=prefill[1],
                        decode_tensor_parallel_size=decode[0], decode_pipeline_parallel_size=decode[1],
-                       worker_args=["--max-num-batched-tokens", "64", "--transfer-timeout", "20"],
+                       worker_args=["--max-num-batched-tokens", "64", "--transfer-timeout", "20", *secret_args],
+                       router_args=secret_args,
                        decode_args=["--kv-cache-memory", str(16 * BLOCK_BYTES // decode_ranks)])
     tok = AutoTokenizer.from_pretrained(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -20,6 +20,7 @@ from pdserve.common.protocol import (AbortRequest, DrainWorker, ErrorKind, Finis
                                      RegisterWorker, RequestDelta, RequestOutputs, TokenLogprob,
                                      WorkerDraining, WorkerExiting, WorkerRole, WorkerStats)
 from pdserve.common.auth import registration_token
+from pdserve.common.curve import Gatekeeper, cluster_keys, secure_client
 from pdserve.common.transport import bind_pull, decode, encode
 from pdserve.common.validation import num_blocks_needed
 from pdserve.router import RouterConfig, build_app
@@ -212,11 +213,13 @@ class FakeDecodeWorker:
     ``sampling_params.logprobs`` set, each token carries ``fake_logprob``."""
 
     def __init__(self, router_addr, worker_id="fake-d0", num_blocks=1000, block_size=16, max_model_len=0,
-                 vocab_size=None, script=()):
+                 vocab_size=None, script=(), keys=None):
         self.ctx = zmq.Context()
-        self.pull, self.addr = bind_pull(self.ctx, "127.0.0.1")
+        self.gatekeeper = Gatekeeper(self.ctx, keys)  # keys: a cluster's CURVE keys (pdserve.common.curve)
+        self.pull, self.addr = bind_pull(self.ctx, "127.0.0.1", keys=keys)
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
+        secure_client(self.push, keys)
         self.push.connect(router_addr)
         self.worker_id, self.num_blocks, self.block_size = worker_id, num_blocks, block_size
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
@@ -316,6 +319,7 @@ class FakeDecodeWorker:
     def close(self):
         self._stop.set()
         self._thread.join(timeout=5)
+        self.gatekeeper.stop()
         self.ctx.destroy(linger=0)
 
 
@@ -845,11 +849,13 @@ def test_api_key_from_the_environment(model_dir, monkeypatch):
 
 
 class _SecretWorker(FakeDecodeWorker):
-    """A fake decode worker whose registration carries ``auth`` (None, wrong or right)."""
+    """A fake decode worker whose registration carries ``auth`` (None, wrong or right), and whose sockets
+    use the CURVE keys of ``curve_secret`` (default: the same secret; None: plain TCP)."""
 
-    def __init__(self, router_addr, auth_secret, **kw):
+    def __init__(self, router_addr, auth_secret, curve_secret="same", **kw):
         self.auth_secret = auth_secret
-        super().__init__(router_addr, **kw)
+        super().__init__(router_addr, keys=cluster_keys(auth_secret if curve_secret == "same" else curve_secret),
+                         **kw)
 
     def _send(self, msg):
         if isinstance(msg, RegisterWorker) and self.auth_secret is not None:
@@ -861,13 +867,16 @@ def test_workers_must_know_the_cluster_secret_to_join(model_dir):
     config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=2.0, cluster_secret="s3cret")
     with TestClient(build_app(config)) as client:
         addr = client.get("/info").json()["zmq_address"]
-        strangers = [_SecretWorker(addr, None, worker_id="stranger-d0"),
-                     _SecretWorker(addr, "guess", worker_id="stranger-d1")]
+        strangers = [_SecretWorker(addr, None, worker_id="stranger-d0"),  # plain TCP: no handshake
+                     _SecretWorker(addr, "guess", worker_id="stranger-d1"),  # another secret's keys: no handshake
+                     _SecretWorker(addr, "guess", curve_secret="s3cret", worker_id="stranger-d2")]  # keys, no token
         member = None
         try:
-            wait_for(lambda: client.app.state.engine.num_refused_registrations >= 2)
-            time.sleep(0.3)
-            assert client.get("/health").json()["num_decode"] == 0  # their heartbeats are ignored too
+            wait_for(lambda: client.app.state.engine.num_refused_registrations >= 1)
+            time.sleep(0.5)
+            # only the one that got past CURVE was heard at all (and refused); heartbeats are ignored too
+            assert client.app.state.engine.num_refused_registrations == 1
+            assert client.get("/health").json()["num_decode"] == 0
             member = _SecretWorker(addr, "s3cret", worker_id="member-d0")
             wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
             assert [w["id"] for w in client.get("/workers").json()] == ["member-d0"]

@@ -8,6 +8,8 @@
   role and input address under the secret. The router admits only registrations
   whose token matches, so a stranger on the network cannot join a pool and be
   sent prompts, and a token seen on the wire cannot register another address.
+  The same secret keys CurveZMQ on every socket (``pdserve.common.curve``), so
+  a stranger's messages do not reach any socket's reader in the first place.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ class WorkerConfig:
         prefill_failure_policy: decode worker: ``recompute`` the prompt locally or ``fail`` the request
             when the remote prefill fails or times out.
         cluster_secret: shared with the router, which admits only workers that prove they know it
-            (``pdserve.common.auth``); default ``$PDSERVE_CLUSTER_SECRET``.
+            (``pdserve.common.auth``), and the key of every ZMQ socket's CurveZMQ (``pdserve.common.curve``);
+            default ``$PDSERVE_CLUSTER_SECRET``.
         health_file: touched at every heartbeat while the step loop moves (loop stalled less than
             ``health_stall_s``), for process supervisors' probes (Kubernetes ``exec`` liveness); None: none.
         drain_timeout_s: after SIGTERM (or the router's ``DrainWorker``), how long the worker may take
@@ -117,7 +118,8 @@ class WorkerConfig:
         g.add_argument("--remote-prefill-timeout", type=float, default=60.0, dest="remote_prefill_timeout_s")
         g.add_argument("--prefill-failure-policy", choices=["recompute", "fail"], default="recompute")
         g.add_argument("--cluster-secret", default=None,
-                       help="secret shared with the router to join its pools (default: $PDSERVE_CLUSTER_SECRET)")
+                       help="the cluster's secret: proves this worker to the router and makes every ZMQ socket "
+                            "CurveZMQ (default: $PDSERVE_CLUSTER_SECRET)")
         g.add_argument("--health-file", default=None,
                        help="touch this file at every heartbeat while the step loop moves (for liveness probes)")
         g.add_argument("--health-stall-s", type=float, default=300.0,

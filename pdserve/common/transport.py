@@ -6,7 +6,8 @@ decoder from the kind byte, so a payload is only ever decoded as the struct its
 kind names (msgpack only, no untyped fallback).
 
 ``Mailbox`` is what a worker uses: one PULL socket bound on the worker's input
-address and one PUSH socket per peer address, owned by two IO threads. The step
+address and one PUSH socket per peer address, owned by two IO threads (CURVE
+server and clients under a cluster secret: ``pdserve.common.curve``). The step
 loop only touches the mailbox's queues (``get``/``put``), never a socket, so it
 never blocks on the network (vLLM v1's engine-core busy loop works the same way).
 """
@@ -23,6 +24,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from pdserve.common.curve import HANDSHAKE_FAILED, CurveKeys, Gatekeeper, secure_client, secure_server
 from pdserve.common.protocol import KIND_OF, MESSAGE_TYPES, MsgKind
 
 logger = logging.getLogger(__name__)
@@ -66,10 +68,14 @@ def decode(frames: Sequence[bytes]) -> msgspec.Struct:
         raise ProtocolError(f"bad {kind.name} payload: {e}") from e
 
 
-def bind_pull(ctx: zmq.Context, host: str, port: int | None = None) -> tuple[zmq.Socket, str]:
-    """Bind a PULL socket on ``host`` (``port`` None = any free port); return it and its address."""
+def bind_pull(ctx: zmq.Context, host: str, port: int | None = None,
+              keys: CurveKeys | None = None) -> tuple[zmq.Socket, str]:
+    """Bind a PULL socket on ``host`` (``port`` None = any free port); return it and its address.
+
+    With ``keys`` it is a CURVE server (``pdserve.common.curve``; ``ctx`` needs its ``Gatekeeper``)."""
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
+    secure_server(sock, keys)
     if port is None:
         port = sock.bind_to_random_port(f"tcp://{host}")
     else:
@@ -86,6 +92,8 @@ class Mailbox:
             address peers should push to.
         watch: peers whose connection is watched (a worker: its routers; more with ``watch``);
             ``down_for(addr=...)`` says how long each has been down.
+        keys: the cluster's CURVE keys (``pdserve.common.curve``): only holders may push
+            here, and every outbound socket presents them. None: plain TCP.
 
     ``get(timeout)`` returns the next decoded message or None on timeout.
     ``put(addr, msg)`` queues ``msg`` for the peer at ``addr``; messages to one
@@ -95,15 +103,24 @@ class Mailbox:
     _POLL_MS = 100
     _LINGER_MS = 500  # at close, how long queued messages may take to leave (a dead peer: dropped)
 
-    def __init__(self, host: str, port: int | None = None, watch: str | Sequence[str] | None = None):
+    def __init__(self, host: str, port: int | None = None, watch: str | Sequence[str] | None = None,
+                 keys: CurveKeys | None = None):
         self._ctx = zmq.Context()
-        self._pull, self.address = bind_pull(self._ctx, host, port)
+        self._keys = keys
+        self._gatekeeper = Gatekeeper(self._ctx, keys)
+        try:
+            self._pull, self.address = bind_pull(self._ctx, host, port, keys)
+        except BaseException:
+            self._gatekeeper.stop()
+            self._ctx.destroy(linger=0)
+            raise
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
         # peers whose connection is watched (a worker: its routers) -> down since (None: connected)
         self._down_since: dict[str, float | None] = {}
         for addr in [watch] if isinstance(watch, str) else watch or []:
             self.watch(addr)
+        self._refused: set[str] = set()  # watched peers that refused a handshake (each said once)
         self._stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._recv_loop, name="mailbox-recv", daemon=True),
@@ -145,6 +162,7 @@ class Mailbox:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=2)
+        self._gatekeeper.stop()
         self._ctx.destroy(linger=0)
 
     def _recv_loop(self) -> None:
@@ -179,8 +197,10 @@ class Mailbox:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 100_000)
+                secure_client(sock, self._keys)
                 if addr in self._down_since:
-                    monitors[addr] = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                    events = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED
+                    monitors[addr] = sock.get_monitor_socket(events)
                 sock.connect(addr)
                 sockets[addr] = sock
             sock.send_multipart(frames, copy=False)
@@ -197,6 +217,9 @@ class Mailbox:
                 self._down_since[addr] = None
             elif event == zmq.EVENT_DISCONNECTED and self._down_since.get(addr) is None:
                 self._down_since[addr] = time.monotonic()
+            elif event & HANDSHAKE_FAILED and addr not in self._refused:
+                self._refused.add(addr)
+                logger.warning("%s refused this process's handshake: does it have the same --cluster-secret?", addr)
 
 
 class PushSocket:
@@ -205,10 +228,11 @@ class PushSocket:
     For the few messages a non-driver rank sends its driver; workers use ``Mailbox``.
     """
 
-    def __init__(self, addr: str):
+    def __init__(self, addr: str, keys: CurveKeys | None = None):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 1000)
+        secure_client(self._sock, keys)
         self._sock.connect(addr)
         self._lock = threading.Lock()
 

@@ -205,6 +205,7 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.total_kv_heads = self.model.total_kv_heads  # the cache's KV heads over all TP ranks (MLA: 1 latent)
         self.kv_agent = None  # KVRankAgent once a worker attaches one (pdserve.kvtransfer.agent)
+        self.report_keys = None  # non-driver rank: CURVE keys of its reports to the driver (serve_rank's)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s, %d layers, %d KV heads)",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20,
                     kv_name, self.device, self.num_layers, self.num_kv_heads)
@@ -411,7 +412,7 @@ class ModelRunner:
             return
         rank = self.ranks.rank if self.ranks is not None else 0
         if report is None:
-            report = PushSocket(attach.driver_addr).send
+            report = PushSocket(attach.driver_addr, keys=self.report_keys).send
         layout = KVLayoutSpec(self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
                               self.model.config.num_hidden_layers, self.total_kv_heads)
         self.kv_agent = KVRankAgent(attach, rank, layout, self.kv_cache, report, attach.transfer_timeout_s,
@@ -429,9 +430,13 @@ class ModelRunner:
                         num_layers=self.model.config.num_hidden_layers, num_kv_heads=self.total_kv_heads,
                         kv_cache_dtype=self.kv_cache_format.name, quantization=self.quantization or "none")
 
-    def serve_rank(self) -> None:
-        """A non-driver rank's whole life: run each step the driver broadcasts until ``shutdown``."""
+    def serve_rank(self, report_keys=None) -> None:
+        """A non-driver rank's whole life: run each step the driver broadcasts until ``shutdown``.
+
+        ``report_keys``: the cluster's CURVE keys (``pdserve.common.curve``) for the socket its KV agent
+        reports to the driver's mailbox on; None without a cluster secret."""
         assert self.ranks is not None and not self.ranks.is_driver
+        self.report_keys = report_keys
         try:
             while True:
                 step = self.ranks.broadcast_step(None)

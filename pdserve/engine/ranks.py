@@ -65,11 +65,13 @@ def start_ranks(config: EngineConfig) -> tuple[RankGroup | None, list[subprocess
     return ranks, procs
 
 
-def serve_rank(config: EngineConfig) -> int:
+def serve_rank(config: EngineConfig, cluster_secret: str | None = None) -> int:
     """A non-driver rank: join the driver's group, load this rank's share, run steps until told to stop.
 
+    ``cluster_secret``: the cluster's, for the CURVE keys of what the rank sends its driver's mailbox.
     Returns the process exit code (1 if the group broke: a rank died or timed out).
     """
+    from pdserve.common.curve import cluster_keys
     from pdserve.engine.model_runner import ModelRunner  # torch-heavy; only ranks need it
 
     if config.rank == 0:
@@ -80,7 +82,7 @@ def serve_rank(config: EngineConfig) -> int:
                                                         config.rank_timeout_s), rank_device(config, config.rank))
     try:
         runner = ModelRunner(config, ranks)
-        runner.serve_rank()
+        runner.serve_rank(cluster_keys(cluster_secret))
         return 0
     except Exception as e:  # noqa: BLE001  the driver or a peer rank is gone: leave, do not hang
         logger.error("rank %d leaves: %s", config.rank, e)

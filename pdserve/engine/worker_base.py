@@ -40,6 +40,7 @@ import time
 
 from pdserve.common.auth import registration_token
 from pdserve.common.config import WorkerConfig, resolve_router_addrs
+from pdserve.common.curve import cluster_keys, warn_unauthenticated
 from pdserve.common.protocol import (DrainWorker, ErrorKind, FinishReason, Heartbeat, RankAttach, RegisterWorker,
                                      RequestDelta, RequestTiming, WorkerDraining, WorkerExiting, WorkerRole,
                                      WorkerStats)
@@ -84,7 +85,9 @@ class WorkerBase:
         self._all_routers: set[str] = set(self.routers)
         self._routers_lost: set[str] = set()  # routers whose outage was acted on
         try:
-            self.mailbox = Mailbox(worker_config.host, worker_config.port, watch=self.routers)
+            warn_unauthenticated(worker_config.cluster_secret, f"worker {self.worker_id}")
+            self.mailbox = Mailbox(worker_config.host, worker_config.port, watch=self.routers,
+                                   keys=cluster_keys(worker_config.cluster_secret))
         except BaseException:
             self.core.close()
             raise

@@ -64,8 +64,9 @@ class RouterConfig:
         log_level: uvicorn / logging level name.
         api_key: clients must send ``Authorization: Bearer <api_key>`` on ``/v1/*`` (None: open);
             default ``$PDSERVE_API_KEY``.
-        cluster_secret: workers must prove they know it to register (None: any worker may);
-            default ``$PDSERVE_CLUSTER_SECRET``. See ``pdserve.common.auth``.
+        cluster_secret: workers must prove they know it to register, and every ZMQ connection is CurveZMQ
+            keyed by it (None: any process may send); default ``$PDSERVE_CLUSTER_SECRET``. See
+            ``pdserve.common.auth`` and ``pdserve.common.curve``.
         routing_policy: how a request's workers are picked, one of ``round_robin``,
             ``least_loaded``, ``prefix_aware`` (``pdserve/router/routing.py``). Default
             ``prefix_aware``: with prefix caching on the workers, requests sharing a prefix land
@@ -232,7 +233,8 @@ class RouterConfig:
         g.add_argument("--api-key", default=None,
                        help="require Authorization: Bearer KEY on /v1/* and /admin/* (default: $PDSERVE_API_KEY)")
         g.add_argument("--cluster-secret", default=None,
-                       help="admit only workers that know this secret (default: $PDSERVE_CLUSTER_SECRET)")
+                       help="admit only workers that know this secret, and only CurveZMQ connections keyed by it "
+                            "(default: $PDSERVE_CLUSTER_SECRET)")
         t = parser.add_argument_group("router tier (several routers, one worker pool)")
         t.add_argument("--router-id", default="",
                        help="this router's name in the tier; it starts every request id (default: random)")

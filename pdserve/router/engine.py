@@ -64,6 +64,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pdserve.common.curve import Gatekeeper, cluster_keys, secure_server, warn_unauthenticated
 from pdserve.common.protocol import (AbortRequest, DrainWorker, GenerateRequest, Heartbeat, LoRARequest,
                                      RegisterWorker, RequestDelta, RequestOutputs, ResumedChoice, SamplingParams,
                                      WarmKVPair, WorkerDraining, WorkerExiting, WorkerRole)
@@ -125,7 +126,8 @@ class RouterEngine:
             ``address`` is the bound ``tcp://host:port`` once ``start`` returned.
         registry: the worker registry to feed and route with.
         worker_stats: where heartbeats' ``WorkerStats`` go for ``/metrics`` (optional).
-        cluster_secret: admit only registrations whose token proves the secret (``pdserve.common.auth``).
+        cluster_secret: admit only registrations whose token proves the secret (``pdserve.common.auth``),
+            and only connections that prove it (CurveZMQ on every socket, ``pdserve.common.curve``).
         worker_wait_s: how long a request that lost its decode worker waits for another.
         max_migrations: a request is migrated at most this many times, then fails.
         on_migration: called with (lost worker id, reason) for each request migrated (metrics).
@@ -158,6 +160,7 @@ class RouterEngine:
         self.address: str | None = None
         self._requests: dict[str, RequestHandle] = {}
         self._ctx: zmq.asyncio.Context | None = None
+        self._gatekeeper: Gatekeeper | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._sockets: WorkerSockets | None = None  # PUSH sockets to the workers, once started
         self._tasks: list[asyncio.Task] = []
@@ -170,15 +173,19 @@ class RouterEngine:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._ctx = zmq.asyncio.Context()
+        keys = cluster_keys(self.cluster_secret)
+        warn_unauthenticated(self.cluster_secret, "router")
+        self._gatekeeper = Gatekeeper(self._ctx, keys)  # its own thread: handshakes never wait on the event loop
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        secure_server(self._pull, keys)
         if self.zmq_port == 0:
             port = self._pull.bind_to_random_port(f"tcp://{self.host}")
         else:
             port = self.zmq_port
             self._pull.bind(f"tcp://{self.host}:{port}")
         self.address = f"tcp://{self.host}:{port}"
-        self._sockets = WorkerSockets(self._ctx, on_disconnect=self._connection_lost)
+        self._sockets = WorkerSockets(self._ctx, on_disconnect=self._connection_lost, keys=keys)
         self._tasks = [asyncio.create_task(coro, name=name) for name, coro in (
             ("router-recv", self._recv_loop()),
             ("router-send", self._sockets.send_loop()),
@@ -197,6 +204,9 @@ class RouterEngine:
         self._tasks = []
         if self._sockets is not None:
             self._sockets.close_all(linger=100)
+        if self._gatekeeper is not None:
+            self._gatekeeper.stop()
+            self._gatekeeper = None
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None

@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from pdserve.common.curve import CurveKeys, secure_client
 from pdserve.common.transport import encode
 
 logger = logging.getLogger(__name__)
@@ -31,12 +32,15 @@ class WorkerSockets:
     Args:
         ctx: the router's asyncio ZMQ context.
         on_disconnect: called (in the event loop) with the address whose connection dropped.
+        keys: the cluster's CURVE keys: every socket is a CURVE client (``pdserve.common.curve``). None: plain.
     """
 
     SNDHWM = 100_000
 
-    def __init__(self, ctx: zmq.asyncio.Context, on_disconnect: Callable[[str], None]):
+    def __init__(self, ctx: zmq.asyncio.Context, on_disconnect: Callable[[str], None],
+                 keys: CurveKeys | None = None):
         self._ctx = ctx
+        self._keys = keys
         self._on_disconnect = on_disconnect
         self._push: dict[str, zmq.asyncio.Socket] = {}
         self._monitors: dict[str, asyncio.Task] = {}
@@ -53,6 +57,7 @@ class WorkerSockets:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self.SNDHWM)
+            secure_client(sock, self._keys)
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(addr)
             self._push[addr] = sock
