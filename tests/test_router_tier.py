@@ -209,9 +209,13 @@ def test_a_decode_worker_streams_to_each_requests_router_and_drops_a_dead_router
             time.sleep(0.01)  # a few hundred steps at most: router a's request must still be running after
         assert "from-a" in worker.core.scheduler.groups  # router a's request goes on
         assert blocks.num_free_blocks == blocks.num_blocks - held("from-a")  # router b's blocks are free
+        time.sleep(0.2)  # the deltas already sent arrive
         n = len(a.tokens("from-a"))
         worker.run_once()
-        assert len(a.tokens("from-a")) > n
+        deadline = time.monotonic() + 5.0
+        while len(a.tokens("from-a")) <= n:  # the new token's delta on its way to router a
+            assert time.monotonic() < deadline, "router a's request stopped streaming"
+            time.sleep(0.01)
     finally:
         worker.close()
         a.close()
