@@ -115,17 +115,25 @@ def test_llm_greedy_tokens_and_logprobs_match_transformers(family, family_dirs):
 @pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: nothing is compiled")
 @pytest.mark.parametrize("family", ["qwen3_moe", "gemma3", "deepseek_v3", "gpt_oss"])
 def test_compiled_decode_step_gives_the_eager_tokens(family, family_dirs):
+    """The compiled step is one graph (MoE experts and attention are opaque operators, not graph
+    breaks), stays compiled however many models this process has compiled before, and gives the
+    eager step's tokens."""
+    import torch._dynamo.utils
+
     path = family_dirs[family]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = [list(range(5, 30)), [7, 300, 41, 9]]
     tokens = {}
     for eager in (True, False):
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
         llm = LLM(path, enforce_eager=eager)
         try:
             assert (llm.core.runner._compiled_decode is None) == eager
             tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         finally:
             llm.close()
+        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks, \
+            dict(torch._dynamo.utils.counters["graph_break"])
     assert tokens[False] == tokens[True]
 
 

@@ -105,6 +105,9 @@ def flatten_step(spans: list[tuple[Request, int, int]], block_size: int) -> Exec
     return step
 
 
+_RECOMPILE_LIMIT = 64  # graphs of the compiled decode step per process (see compile_decode_step)
+
+
 class ModelRunner:
     """This rank's model share and KV cache; builds step inputs and runs the forward.
 
@@ -365,6 +368,10 @@ class ModelRunner:
         if self.ranks is not None or self.attention_backend != "paged":
             logger.info("decode step runs eagerly (compiled only for single-rank workers on the paged backend)")
             return
+        # Dynamo keys its graphs by code object, and every runner's _decode_forward is the same one:
+        # a process with several models (tests, benchmarks, LLM objects side by side) adds ~3 graphs per
+        # model, and at the default limit of 8 the later models' steps would quietly run eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
         compiled = torch.compile(self._decode_forward, dynamic=True)
         start = time.monotonic()
         try:

@@ -23,7 +23,9 @@ counts exchanged first); it moves the same [N, hidden] as TP's.
 
 from __future__ import annotations
 
+import itertools
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -95,6 +97,8 @@ class FusedExperts(nn.Module):
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        self.op_key = next(_EXPERT_KEYS)  # how the opaque operator finds this module (see moe_experts)
+        _EXPERT_MODULES[self.op_key] = self
 
     def expected_shards(self, param_name: str) -> list[tuple[int, int]]:
         """The checkpoint tensors ``param_name`` (``w13_weight`` / ``w2_weight``) is filled from."""
@@ -137,6 +141,15 @@ class FusedExperts(nn.Module):
         return _matmul(F.silu(gate_up[:, :i]) * gate_up[:, i:], self.w2_weight[expert], self.batch_invariant)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.pdserve.moe_experts(x, topk_ids, topk_weights, self.op_key)
+        if self.tp_size > 1:
+            dist.all_reduce(y, group=self.tp_group)
+        return y
+
+    def grouped_forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """This rank's share of ``forward`` (no all-reduce): the pairs grouped by expert, one GEMM pair
+        per expert with tokens. The group sizes come to the host, so it runs inside the opaque
+        operator ``pdserve::moe_experts``."""
         n, k = topk_ids.shape
         flat = topk_ids.reshape(-1)  # (N*k,) pair p = token p // k, its (p % k)-th choice
         if self.expert_parallel:  # this rank's experts as 0..E_local-1; every other expert as E_local (dropped)
@@ -158,9 +171,33 @@ class FusedExperts(nn.Module):
         scaled = out * topk_weights.reshape(-1, 1).index_select(0, order)  # each row by its routing weight
         y = torch.zeros_like(x)
         y.index_add_(0, token_of, scaled.to(x.dtype))
-        if self.tp_size > 1:
-            dist.all_reduce(y, group=self.tp_group)
         return y
+
+
+# The grouped experts as one opaque operator, as the decode attention is: the compiled decode step
+# (torch.compile) calls it as one node. Traced, its host-side group sizes (``bincount(...).tolist()``,
+# a shape that depends on data) broke the graph at every MoE layer, and the step fell back to eager
+# layer by layer after dynamo's recompile limit. The operator takes the module's ``op_key`` (an int),
+# not its weights: the weights are the module's, read inside, never graph inputs.
+_EXPERT_KEYS = itertools.count()
+_EXPERT_MODULES: "weakref.WeakValueDictionary[int, FusedExperts]" = weakref.WeakValueDictionary()
+_LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
+_LIBRARY.define("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, int op_key) -> Tensor")
+
+
+def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, op_key: int) -> torch.Tensor:
+    """``torch.ops.pdserve.moe_experts``: ``FusedExperts.grouped_forward`` of the module ``op_key`` names:
+    x [N, H], topk_ids [N, k] int64, topk_weights [N, k] -> [N, H] (this rank's experts' sum)."""
+    return _EXPERT_MODULES[op_key].grouped_forward(x, topk_ids, topk_weights)
+
+
+for _key in ("CPU", "CUDA"):
+    _LIBRARY.impl("moe_experts", moe_experts, _key)
+
+
+@torch.library.register_fake("pdserve::moe_experts")
+def _(x, topk_ids, topk_weights, op_key):
+    return torch.empty_like(x)
 
 
 class MoeRouter(nn.Module):
