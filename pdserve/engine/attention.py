@@ -404,7 +404,7 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     num_rep = num_heads // num_kv_heads
     if plan.fresh and metadata.kv_cache_dtype is not None:  # the new K/V as the cache holds them
         fmt = kv_cache_format(metadata.kv_cache_dtype)
-        flat = kv_cache_layer.view(kv_slots, -1, num_kv_heads, kv_cache_layer.shape[-1])  # (slots, num_slots, H_kv, D + 4)
+        flat = kv_cache_layer.view(kv_slots, -1, num_kv_heads, kv_cache_layer.shape[-1])  # (slots, S, H_kv, D + 4)
         kv_new = dequantize_rows(flat[:, metadata.slot_mapping], fmt, query.dtype)  # (slots, N, H_kv, D)
         key, value = kv_new[0], kv_new[-1][..., :v_dim]  # a latent row's value: its first v_dim values
     for begin, end in plan.fresh:  # causal attention over the sequence's own new K/V

@@ -106,7 +106,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 
 
 def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
-    """Copy whole blocks (all layers, every slot: K and V, or the latent): ``kv_cache[:, :, dst] = kv_cache[:, :, src]``.
+    """Copy whole blocks (all layers, every slot): ``kv_cache[:, :, dst] = kv_cache[:, :, src]``.
 
     Used for copy-on-write before a request writes into a block it shares. Quantized rows
     carry their scales, so a copy moves both.

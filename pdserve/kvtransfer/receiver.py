@@ -231,7 +231,8 @@ class DecodePairs:
                 diff = wire.describe_meta_mismatch(expected, meta)
                 raise KVTransferError(f"request {rid}: header and KV stream from prefill worker "
                                       f"{header.prefill_worker_id} disagree ({diff})")
-            kv = self.staging.take((header.num_layers, header.kv_slots, header.num_blocks, header.block_size, header.num_kv_heads,
+            kv = self.staging.take((header.num_layers, header.kv_slots, header.num_blocks, header.block_size,
+                                    header.num_kv_heads,
                                     wire.row_len(header.dtype, header.head_dim)),  # + 4 scale bytes when quantized
                                    wire.dtype_from_name(header.dtype), self.device)
             # Every layer's receive is posted at once; each layer is checksummed as soon as it is in,
