@@ -39,3 +39,21 @@ def test_a_large_cpu_cache_is_zeroed_and_backed_by_huge_pages():
     assert not cache.any()
     # madvise covers the 2 MiB-aligned interior: all but at most two partial huge pages
     assert _anon_huge_kib() - before >= (cache.numel() * 4 - 4 * 2**20) // 1024
+
+
+def test_a_latent_cache_has_one_slot_per_token_and_half_the_block_bytes():
+    """kv_slots=1 (MLA's latent): one row per token and layer, so a block costs half a K/V block of the
+    same row width and a budget holds twice the blocks."""
+    # 2 layers * 1 slot * 16 slots * 1 head * (32 + 8) values * 4 bytes
+    assert kv_cache_block_bytes(2, 16, 1, 40, torch.float32, kv_slots=1) == 5120
+    assert kv_cache_block_bytes(2, 16, 1, 40, torch.float32) == 2 * 5120
+    assert kv_cache_block_bytes(2, 16, 1, 40, "int8", kv_slots=1) == 2 * 16 * 44  # one scale per latent row
+    budget = 10 * 2 * 5120
+    assert num_blocks_for_budget(budget, 5120) == 2 * num_blocks_for_budget(budget, 2 * 5120) == 20
+    cache = allocate_kv_cache(2, 5, 4, 1, 40, torch.float32, "cpu", kv_slots=1)
+    assert cache.shape == (2, 1, 5, 4, 1, 40) and cache.nbytes == 5 * kv_cache_block_bytes(2, 4, 1, 40, "float32", 1)
+    cache[:, :, 1] = 1.0
+    copy_blocks(cache, [(1, 3)])
+    assert (cache[:, :, 3] == 1).all() and (cache[:, :, 2] == 0).all()
+    with pytest.raises(ValueError, match="kv_slots"):
+        allocate_kv_cache(2, 5, 4, 1, 40, torch.float32, "cpu", kv_slots=3)

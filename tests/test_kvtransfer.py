@@ -32,20 +32,20 @@ SEED = 1234
 PLAN = [[("r0", [3, 7, 1]), ("r1", [0, 5])], [("r2", [2, 4, 6, 8, 11])]]
 
 
-def make_cache(dtype: torch.dtype) -> list[torch.Tensor]:
-    """P's paged cache: NUM_LAYERS x [2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]."""
+def make_cache(dtype: torch.dtype, kv_slots: int = 2) -> list[torch.Tensor]:
+    """P's paged cache: NUM_LAYERS x [kv_slots, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]."""
     g = torch.Generator().manual_seed(SEED)
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (kv_slots, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     return [torch.randn(shape, generator=g).to(dtype) for _ in range(NUM_LAYERS)]
 
 
 def make_header(request_id: str, block_ids: list[int], generation: int, dtype: torch.dtype,
-                prefill_worker_id: str = "P", num_blocks: int | None = None) -> KVTransferHeader:
+                prefill_worker_id: str = "P", num_blocks: int | None = None, kv_slots: int = 2) -> KVTransferHeader:
     return KVTransferHeader(
         request_id=request_id, prefill_worker_id=prefill_worker_id, pair_generation=generation,
         num_layers=NUM_LAYERS, num_blocks=len(block_ids) if num_blocks is None else num_blocks,
         block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype_name(dtype),
-        num_tokens=len(block_ids) * BLOCK_SIZE)
+        num_tokens=len(block_ids) * BLOCK_SIZE, kv_slots=kv_slots)
 
 
 def as_bytes(t: torch.Tensor) -> bytes:
@@ -94,7 +94,8 @@ def decode_main(ctrl, out, timeout_s: float) -> None:
 
 
 def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: str, timeout_s: float,
-                 die_at_layer: int | None = None, bad_header: str | None = None, early_meta: bool = False) -> None:
+                 die_at_layer: int | None = None, bad_header: str | None = None, early_meta: bool = False,
+                 kv_slots: int = 2) -> None:
     """A prefill worker: pairs with D, sends ``plan``'s requests, reports on_done results.
     ``early_meta``: every request's meta goes out (``OutgoingKV.start``) before any of its batch's
     layers, as the agent does before a forward."""
@@ -108,12 +109,12 @@ def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: st
         time.sleep(0.01)
     done: queue.Queue = queue.Queue()
     completer = SendCompleter(timeout_s, lambda out, *rest: done.put((out.request_id, *rest)))
-    cache = make_cache(dtype_t)
+    cache = make_cache(dtype_t, kv_slots)
     for batch in plan:
         outgoing = []
         for rid, block_ids in batch:
             n = len(block_ids) + 1 if rid == bad_header else None
-            header = make_header(rid, block_ids, generation, dtype_t, num_blocks=n)
+            header = make_header(rid, block_ids, generation, dtype_t, num_blocks=n, kv_slots=kv_slots)
             headers.put(("header", msgspec.msgpack.encode(header)))
             outgoing.append((OutgoingKV(pair, rid, NUM_LAYERS), block_ids))
             if early_meta:
@@ -224,10 +225,12 @@ def test_checksum_same_on_cuda():
 # -- end to end ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,early_meta", [(torch.float32, False), (torch.bfloat16, True)])
-def test_end_to_end_layer_by_layer(dtype, early_meta):
+@pytest.mark.parametrize("dtype,early_meta,kv_slots", [(torch.float32, False, 2), (torch.bfloat16, True, 2),
+                                                       (torch.float32, True, 1)])
+def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots):
     """Requests interleaved layer by layer arrive whole and checked, in staging buffers the pools
-    reuse (sender and receiver); with ``early_meta`` every meta of a batch goes out before its layers."""
+    reuse (sender and receiver); with ``early_meta`` every meta of a batch goes out before its layers.
+    ``kv_slots`` 1: a latent cache (MLA) ships one row per token, half the bytes of K and V."""
     ctrl, out_d, out_p = CTX.Queue(), CTX.Queue(), CTX.Queue()
     d = CTX.Process(target=decode_main, args=(ctrl, out_d, 10.0), daemon=True)
     d.start()
@@ -238,23 +241,24 @@ def test_end_to_end_layer_by_layer(dtype, early_meta):
         _, generation = out_d.get(timeout=5)
         t0 = time.monotonic()
         p = CTX.Process(target=prefill_main, args=(port, generation, ctrl, out_p, PLAN, dtype_name(dtype), 10.0,
-                                                   None, None, early_meta), daemon=True)
+                                                   None, None, early_meta, kv_slots), daemon=True)
         p.start()
         procs.append(p)
         requests = [r for batch in PLAN for r in batch]
         received = {m[1]: m for m in (out_d.get(timeout=20) for _ in requests)}
         done = {m[1]: m for m in (out_p.get(timeout=20) for _ in requests)}
         print(f"\n{dtype}: {len(requests)} requests received {time.monotonic() - t0:.2f}s after P started")
-        cache = make_cache(dtype)
+        cache = make_cache(dtype, kv_slots)
         for rid, block_ids in requests:
             kind, _, kv_bytes, shape, kv_dtype, num_bytes, checksum = received[rid]
             assert kind == "received", received[rid]
-            expected = torch.stack([layer[:, block_ids] for layer in cache])  # [L, 2, nb, bs, H, D]
+            expected = torch.stack([layer[:, block_ids] for layer in cache])  # [L, kv_slots, nb, bs, H, D]
             assert shape == list(expected.shape) and kv_dtype == str(dtype)
             assert kv_bytes == as_bytes(expected)
             _, _, sent_bytes, sent_checksum, error = done[rid]
             assert error is None
-            assert num_bytes == sent_bytes == expected.nbytes
+            assert num_bytes == sent_bytes == expected.nbytes == kv_slots * NUM_LAYERS * len(block_ids) * \
+                BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
             assert checksum == sent_checksum
             reference = KVChecksum()
             for layer in expected:
@@ -428,3 +432,17 @@ def test_decode_dies_mid_transfer_sender_fails_fast():
         completer.close()
         pairs.close()
         stop(d)
+
+
+def test_meta_carries_kv_slots_and_a_mismatch_is_named():
+    """A latent layer's meta says 1 slot; a header that expects K and V disagrees by name, before any
+    layer receive is posted (gloo would abort on the size)."""
+    from pdserve.kvtransfer import wire
+
+    layer = torch.zeros(1, 3, BLOCK_SIZE, 1, HEAD_DIM)
+    meta = wire.make_meta("r", NUM_LAYERS, layer)
+    header = msgspec.structs.replace(make_header("r", [0, 1, 2], 0, torch.float32, kv_slots=1),
+                                     num_kv_heads=1, num_layers=NUM_LAYERS)
+    assert meta.tolist()[8] == 1 and torch.equal(meta, wire.expected_meta(header, torch.device("cpu")))
+    expected = wire.expected_meta(msgspec.structs.replace(header, kv_slots=2), torch.device("cpu"))
+    assert wire.describe_meta_mismatch(expected, meta) == "kv_slots: header 2, stream 1"

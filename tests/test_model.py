@@ -114,7 +114,7 @@ def make_checkpoint(name, tmp_path):
 
 
 def new_cache(model, dtype=torch.float32):
-    shape = (model.num_layers, 2, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    shape = (model.num_layers, model.kv_slots, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
     return torch.full(shape, float("nan"), dtype=dtype)
 
 

@@ -132,3 +132,73 @@ def test_loading_the_kernel_leaves_float_state_alone():
     tiny = sys.float_info.min / 2  # a subnormal double
     assert tiny > 0.0
     assert torch.tensor([1e-40], dtype=torch.float32).mul(1.0).item() > 0.0
+
+
+def _dense_latent(q, rows, v_dim, scale):
+    """Causal attention of q [q_len, H, D] (the last q_len positions) over one latent row per position,
+    rows [ctx, 1, D]: key = the row, value = its first v_dim values. Returns [q_len, H, v_dim]."""
+    q_len, ctx = q.shape[0], rows.shape[0]
+    k = rows[:, 0]  # (ctx, D)
+    scores = torch.einsum("qhd,kd->hqk", q, k) * scale  # (H, q_len, ctx)
+    pos = torch.arange(ctx - q_len, ctx)[:, None]
+    scores = scores.masked_fill(torch.arange(ctx)[None, :] > pos, float("-inf"))
+    return torch.einsum("hqk,kv->qhv", scores.softmax(-1), k[:, :v_dim])
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_latent_cache_values_are_the_key_rows_head(kv_dtype, batch_invariant):
+    """A latent cache (one slot per token, as DeepSeek's MLA): the kernel reads V from the K rows, only
+    their first v_dim < head_dim columns (a quantized row's one scale for both), and matches the
+    reference path and, in float32, dense attention; only one row per token is written."""
+    from pdserve.common.kv_quant import kv_cache_format, quantize_rows
+
+    head_dim, v_dim, num_heads, block_size, num_blocks = 40, 32, 8, 16, 64
+    rng = random.Random(4)
+    torch.manual_seed(4)
+    shapes = [(1, 1), (1, 9), (1, 30), (5, 13), (6, 6), (11, 11), (1, 4), (3, 25)]
+    tables, computed, new = _batch(rng, shapes, block_size, num_blocks)
+    fmt = kv_cache_format(kv_dtype or "float32")
+    rows = [torch.randn(c + n, 1, head_dim) for c, n in zip(computed, new)]  # each sequence's latent rows
+    if fmt.quantized:
+        cache = torch.full((1, num_blocks, block_size, 1, head_dim + 4), 255, dtype=torch.uint8)  # NaN scales
+    else:
+        cache = torch.full((1, num_blocks, block_size, 1, head_dim), float("nan"), dtype=fmt.storage_dtype)
+    for table, c, r in zip(tables, computed, rows):
+        for pos in range(c):
+            row = quantize_rows(r[pos], fmt) if fmt.quantized else r[pos].to(fmt.storage_dtype)
+            cache[0, table[pos // block_size], pos % block_size] = row
+    key = torch.cat([r[c:] for r, c in zip(rows, computed)])  # (N, 1, D)
+    q = torch.randn(key.shape[0], num_heads, head_dim)
+    scale = head_dim**-0.5
+    outs, caches = {}, {}
+    for backend in ("reference", "paged"):
+        caches[backend] = cache.clone()
+        md = AttentionMetadata.build(tables, computed, new, block_size, backend=backend, kv_cache_dtype=kv_dtype)
+        md.batch_invariant = batch_invariant
+        outs[backend] = paged_attention(q, key, key[..., :v_dim], caches[backend], md, scale)
+    assert outs["paged"].shape == (key.shape[0], num_heads, v_dim)
+    assert not outs["paged"].isnan().any()
+    # bfloat16: a fresh prefill's SDPA takes the float32 new rows, the reference their bfloat16 copies
+    tol = {None: 1e-5, "bfloat16": 2e-2, "int8": 2e-6, "fp8_e4m3": 2e-6}[kv_dtype]
+    torch.testing.assert_close(outs["paged"], outs["reference"], atol=tol, rtol=tol)
+    assert torch.equal(caches["paged"].view(torch.uint8), caches["reference"].view(torch.uint8))
+    if kv_dtype is None:  # against dense attention, sequence by sequence
+        starts = [0]
+        for n in new:
+            starts.append(starts[-1] + n)
+        for i, (r, n) in enumerate(zip(rows, new)):
+            want = _dense_latent(q[starts[i]:starts[i + 1]], r, v_dim, scale)
+            torch.testing.assert_close(outs["paged"][starts[i]:starts[i + 1]], want, atol=1e-5, rtol=1e-5)
+
+
+def test_latent_decode_op_writes_one_row_and_reads_values_from_it():
+    """The compiled decode op (``paged_decode_attention``) over a latent cache: one new row per token is
+    written into the single slot, and a decode over one cached token returns that row's head."""
+    cache = torch.zeros(2, 1, 4, 4, 1, 24)  # [num_layers, kv_slots=1, num_blocks, block_size, 1, head_dim]
+    row = torch.randn(1, 1, 24)
+    md = AttentionMetadata.build([[2]], [0], [1], 4, backend="paged")
+    out = paged_attention(torch.randn(1, 3, 24), row, row[..., :16], cache, md, 0.5, layer=1)
+    assert out.shape == (1, 3, 16)
+    torch.testing.assert_close(out, row[..., :16].expand(1, 3, 16))  # one key: softmax weight 1
+    assert torch.equal(cache[1, 0, 2, 0], row[0]) and cache[0].abs().sum() == 0

@@ -2,15 +2,18 @@
 
 A quantized format stores the cache as ``torch.uint8`` of shape
 
-    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim + 4]
+    kv_cache: [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim + 4]
 
-where each (token, KV head) row is ``head_dim`` quantized bytes followed by that row's
-float32 scale (4 bytes, native byte order): per-token, per-head scales, stored beside the
-values they scale. Keeping scales inside the rows, and the rows inside one cache tensor,
-leaves everything that moves blocks unchanged: copy-on-write block copies, prefix caching,
-the layer-wise KV transfer (a block's bytes carry their scales, so the wire ships them as
-they are) and the tensor-parallel slicing of KV heads (a head's scale lives in its row).
-``head_dim`` is a multiple of 4 for every model here, so every scale is 4-byte aligned.
+where each (token, KV head) row is ``head_dim`` quantized bytes followed by that row's float32
+scale (4 bytes, native byte order): per-token, per-head scales, stored beside the values they
+scale. A latent cache (``kv_slots = 1``, MLA) quantizes its one row per token, [c, k_pe], with
+one scale; the values, its first ``kv_lora_rank`` entries, are read with that same scale (the K
+row's), so a latent row costs ``head_dim + 4`` bytes in all. Keeping scales inside the rows,
+and the rows inside one cache tensor, leaves everything that moves blocks unchanged:
+copy-on-write block copies, prefix caching, the layer-wise KV transfer (a block's bytes carry
+their scales, so the wire ships them as they are) and the tensor-parallel slicing of KV heads
+(a head's scale lives in its row). ``head_dim`` is a multiple of 4 for every model here, so
+every scale is 4-byte aligned.
 
 Quantization is symmetric, per (token, head) row: ``scale = amax(|x|) / qmax`` and
 ``q = x / scale`` rounded to the format (int8: round to nearest, clamped to [-127, 127];
@@ -65,7 +68,7 @@ class KVCacheFormat:
         return row_len - SCALE_BYTES if self.quantized else row_len
 
     def bytes_per_row(self, head_dim: int) -> int:
-        """Bytes of one (token, KV head) row of K or V, scale included."""
+        """Bytes of one (token, KV head) row of K or V (or of a latent), scale included."""
         return self.row_len(head_dim) * torch.empty((), dtype=self.storage_dtype).element_size()
 
 

@@ -327,11 +327,12 @@ class KVTransferHeader(_Msg):
     """Prefill -> decode, sent just before the KV tensors of one request.
 
     The tensors follow on the pair's process group, one per layer, in layer
-    order, each of shape ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+    order, each of shape ``[kv_slots, num_blocks, block_size, num_kv_heads, head_dim]``
     and dtype ``dtype``: the KV cache dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``,
     or a quantized ``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, whose tensors are uint8 with a last
     axis of ``head_dim + 4`` bytes: the quantized row, then its float32 scale). ``head_dim`` is
-    always the model's (``pdserve.kvtransfer.wire``).
+    always the model's (``pdserve.kvtransfer.wire``). ``kv_slots``: 2 (K and V) or 1 (a latent
+    cache, MLA: one row per token whose first kv_lora_rank values are its value).
     """
 
     request_id: str
@@ -352,6 +353,7 @@ class KVTransferHeader(_Msg):
     decode_rank: int = 0
     first_layer: int = 0
     first_kv_head: int = 0
+    kv_slots: int = 2  # rows per token and KV head in each layer tensor: 2 (K, V) or 1 (a latent)
 
 
 class KVPieceSum(_Msg):

@@ -200,12 +200,13 @@ class DecodeWorker(WorkerBase):
         num_blocks = len(request.block_table) - request.num_cached_tokens // self.runner.block_size
         want = None if piece is None else (piece.slice.layer_start, piece.slice.num_layers, piece.slice.head_start,
                                            piece.slice.num_heads, num_blocks, self.runner.block_size,
-                                           self.runner.head_dim, dtype_name(self.runner.kv_cache_format.name))
+                                           self.runner.head_dim, dtype_name(self.runner.kv_cache_format.name),
+                                           self.runner.kv_slots)
         got = (header.first_layer, header.num_layers, header.first_kv_head, header.num_kv_heads, header.num_blocks,
-               header.block_size, header.head_dim, header.dtype)
+               header.block_size, header.head_dim, header.dtype, header.kv_slots)
         if got != want:
             return (f"KV piece {header.prefill_rank}->{header.decode_rank} (layers, KV heads, blocks, block size, "
-                    f"head dim, dtype) {got} does not match this worker's {want}")
+                    f"head dim, dtype, KV slots) {got} does not match this worker's {want}")
         return None
 
     # ---- remote prefill -----------------------------------------------------------

@@ -2,9 +2,15 @@
 
 The KV cache of one worker rank is a single tensor
 
-    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (index 0 = K, 1 = V)
+    kv_cache: [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]
 
-and one layer's slice is ``kv_cache_layer: [2, num_blocks, block_size, num_kv_heads, head_dim]``.
+and one layer's slice is ``kv_cache_layer: [kv_slots, num_blocks, block_size, num_kv_heads, head_dim]``.
+With ``kv_slots`` 2 (per-head K/V attention) index 0 is K and 1 is V. With ``kv_slots`` 1 (a
+latent cache: DeepSeek's MLA) each token has one row, its key, and its value is the first
+``v_dim`` values of that same row (``v_dim`` is ``value.shape[-1]``, the latent's
+``kv_lora_rank``; the rest of the row is the rotary key); the output is then
+``[num_tokens, num_heads, v_dim]``. Nothing but the cache's shape says which: every function
+here reads ``kv_slots`` from ``kv_cache_layer.shape[0]``.
 A token's K/V lives at slot ``s = block_id * block_size + offset``. A sequence's
 ``block_table`` lists the block ids that hold its tokens, in order.
 
@@ -128,13 +134,20 @@ def write_kv_cache(
 ) -> None:
     """Scatter new K/V into the paged cache in place (quantizing them for a quantized cache).
 
-    key, value: [num_tokens, num_kv_heads, head_dim];
-    kv_cache_layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (contiguous), or for a
-    quantized ``kv_cache_dtype`` uint8 [2, num_blocks, block_size, num_kv_heads, head_dim + 4];
+    key: [num_tokens, num_kv_heads, head_dim]; value: [num_tokens, num_kv_heads, v_dim];
+    kv_cache_layer: [kv_slots, num_blocks, block_size, num_kv_heads, head_dim] (contiguous), or for a
+    quantized ``kv_cache_dtype`` uint8 [kv_slots, num_blocks, block_size, num_kv_heads, head_dim + 4];
     slot_mapping: [num_tokens] int64, every entry a valid slot.
+    A latent cache (kv_slots 1) stores the key rows only: ``value`` is then the keys' first v_dim
+    values (the caller's promise) and is not written.
     """
-    _, _, _, num_kv_heads, row_len = kv_cache_layer.shape
-    flat = kv_cache_layer.view(2, -1, num_kv_heads, row_len)  # (2, num_slots, H_kv, D or D + 4)
+    kv_slots, _, _, num_kv_heads, row_len = kv_cache_layer.shape
+    flat = kv_cache_layer.view(kv_slots, -1, num_kv_heads, row_len)  # (kv_slots, num_slots, H_kv, D or D + 4)
+    if kv_slots == 1:
+        fmt = kv_cache_format(kv_cache_dtype) if kv_cache_dtype is not None else None
+        rows = quantize_rows(key, fmt) if fmt is not None and fmt.quantized else key.to(flat.dtype)
+        flat[0].index_copy_(0, slot_mapping, rows)
+        return
     if kv_cache_dtype is not None:
         fmt = kv_cache_format(kv_cache_dtype)
         if fmt.quantized:
@@ -211,11 +224,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write new K/V into the cache, then attend causally over each sequence's whole context.
 
-    query: [num_tokens, num_heads, head_dim]; key/value: [num_tokens, num_kv_heads, head_dim];
-    kv_cache_layer: [2, num_blocks, block_size, num_kv_heads, head_dim], or, with ``layer``
-    given, the whole cache [num_layers, 2, ...] of which layer ``layer`` is used (so that a
-    compiled graph hands the opaque decode op its input tensor itself, never a view of it).
-    Returns [num_tokens, num_heads, head_dim].
+    query: [num_tokens, num_heads, head_dim]; key: [num_tokens, num_kv_heads, head_dim];
+    value: [num_tokens, num_kv_heads, v_dim] (v_dim = head_dim, or for a latent cache the keys'
+    first v_dim values); kv_cache_layer: [kv_slots, num_blocks, block_size, num_kv_heads, head_dim], or,
+    with ``layer`` given, the whole cache [num_layers, kv_slots, ...] of which layer ``layer`` is used
+    (so that a compiled graph hands the opaque decode op its input tensor itself, never a view of it).
+    Returns [num_tokens, num_heads, v_dim].
     sinks: [num_heads] float32 attention-sink logits (gpt-oss; Xiao et al., "Efficient Streaming
     Language Models with Attention Sinks", 2023, learned per head): each head's softmax gets one
     more term, exp(sink), in its denominator, with no value; None: plain softmax.
@@ -240,22 +254,23 @@ def paged_attention(
         g = groups[0]
         return _attend_padded(query, kv_cache_layer, metadata.block_tables, metadata.seq_lens,
                               g.query_start_loc, g.max_query_len, g.max_seq_len, scale, sliding_window, kv_dtype,
-                              sinks)
-    out = torch.empty_like(query)  # (N, H, D)
+                              sinks, value.shape[-1])
+    out = query.new_empty(*query.shape[:2], value.shape[-1])  # (N, H, V)
     for g in groups:
         part = _attend_padded(query[g.token_ids], kv_cache_layer, metadata.block_tables[g.seq_ids],
                               metadata.seq_lens[g.seq_ids], g.query_start_loc, g.max_query_len,
-                              g.max_seq_len, scale, sliding_window, kv_dtype, sinks)
+                              g.max_seq_len, scale, sliding_window, kv_dtype, sinks, value.shape[-1])
         out.index_copy_(0, g.token_ids, part)
     return out
 
 
-def select_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | str, head_dim: int = 64) -> str:
+def select_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype | str, head_dim: int = 64,
+                   v_dim: int | None = None) -> str:
     """The attention backend for ``name`` (``auto`` | ``paged`` | ``reference``) on this device.
 
     ``auto`` is ``paged`` on CPU when the native kernel builds and supports the KV dtype
-    (a torch dtype or KV dtype name: float32, bfloat16, int8, fp8_e4m3, fp8_e5m2) and
-    head_dim (a multiple of 8), else ``reference``.
+    (a torch dtype or KV dtype name: float32, bfloat16, int8, fp8_e4m3, fp8_e5m2),
+    head_dim and the value width v_dim (None: head_dim; both multiples of 8), else ``reference``.
 
     Raises:
         ValueError: an unknown name, or ``paged`` where it cannot run.
@@ -265,7 +280,7 @@ def select_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype 
     if name == "reference":
         return name
     kv_name = str(kv_cache_dtype).removeprefix("torch.")
-    usable = device.type == "cpu" and kv_name in KV_DTYPE_CODES and head_dim % 8 == 0
+    usable = device.type == "cpu" and kv_name in KV_DTYPE_CODES and head_dim % 8 == 0 and (v_dim or head_dim) % 8 == 0
     if usable and load_paged_attention() is None:
         usable = False
     if name == "paged" and not usable:
@@ -330,7 +345,7 @@ def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     """Decode-only paged attention as one torch op (``torch.ops.pdserve.paged_decode_attention``):
     writes the new K/V into layer ``layer`` of ``kv_cache`` and attends through the native kernel.
 
-    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] (for a quantized
+    kv_cache: [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim] (for a quantized
     ``kv_cache_dtype``, uint8 with head_dim + 4 bytes per row); other shapes as ``paged_attention``
     with one query token per sequence; sliding_window 0 = none; kv_cache_dtype "" = a plain cache;
     sinks: [num_heads] float32 attention-sink logits or None. An op of
@@ -352,7 +367,7 @@ _LIBRARY.impl("paged_decode_attention", paged_decode_attention, "CPU")
 @torch.library.register_fake("pdserve::paged_decode_attention")
 def _(query, key, value, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale,
       sliding_window, kv_cache_dtype="", sinks=None):
-    return query.new_empty(query.shape)  # contiguous, as the real op's output (whatever query's strides)
+    return query.new_empty(*query.shape[:2], value.shape[-1])  # (N, H, V), contiguous as the real op's output
 
 
 def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor,
@@ -361,16 +376,18 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """The ``paged`` backend (CPU): shapes as ``paged_attention``; K/V are already in the cache.
 
     A fresh prefill's SDPA takes its K/V as the cache holds them: for a quantized cache, its
-    rows read back and dequantized (so it sees what the kernel, and a decode worker, would)."""
+    rows read back and dequantized (so it sees what the kernel, and a decode worker, would);
+    for a latent cache, its values are the keys' first v_dim values."""
     num_tokens, num_heads, head_dim = query.shape
-    _, num_blocks, block_size, num_kv_heads, _ = kv_cache_layer.shape
+    v_dim = value.shape[-1] if value is not None else head_dim  # None: every row is cached already
+    kv_slots, num_blocks, block_size, num_kv_heads, _ = kv_cache_layer.shape
     if not (kv_cache_layer.is_contiguous() and metadata.block_tables.is_contiguous()
             and metadata.seq_lens.is_contiguous() and metadata.query_start_loc.is_contiguous()):
         raise ValueError("the paged kernel reads the cache and the metadata as contiguous tensors")
     plan = _native_plan(metadata, sliding_window, sinks is not None)
     q = query.to(torch.float32).contiguous()
     sink_rows = sinks.to(torch.float32).contiguous() if sinks is not None else None  # (H,)
-    out = torch.empty_like(q)  # (N, H, D) float32
+    out = q.new_empty(num_tokens, num_heads, v_dim)  # (N, H, V) float32
     num_seqs = metadata.seq_lens.shape[0]
     if len(plan.fresh) < num_seqs:
         tables, seq_lens, qsl = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
@@ -379,24 +396,24 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                 out.data_ptr(), q.data_ptr(), kv_cache_layer.data_ptr(), _kernel_dtype_code(kv_cache_layer, metadata),
                 tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(),
                 plan.skip.data_ptr() if plan.skip is not None else None, num_seqs, num_heads, num_kv_heads,
-                head_dim, block_size, num_blocks, scale, sliding_window or 0,
+                head_dim, v_dim, kv_slots, block_size, num_blocks, scale, sliding_window or 0,
                 sink_rows.data_ptr() if sink_rows is not None else None, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"paged attention kernel rejected its inputs (code {rc}): {num_heads} heads, "
-                             f"{num_kv_heads} KV heads")
+                             f"{num_kv_heads} KV heads, head_dim {head_dim}, v_dim {v_dim}, {kv_slots} KV slots")
     num_rep = num_heads // num_kv_heads
     if plan.fresh and metadata.kv_cache_dtype is not None:  # the new K/V as the cache holds them
         fmt = kv_cache_format(metadata.kv_cache_dtype)
-        flat = kv_cache_layer.view(2, -1, num_kv_heads, kv_cache_layer.shape[-1])  # (2, num_slots, H_kv, D + 4)
-        kv_new = dequantize_rows(flat[:, metadata.slot_mapping], fmt, query.dtype)  # (2, N, H_kv, D)
-        key, value = kv_new[0], kv_new[1]
+        flat = kv_cache_layer.view(kv_slots, -1, num_kv_heads, kv_cache_layer.shape[-1])  # (slots, S, H_kv, D + 4)
+        kv_new = dequantize_rows(flat[:, metadata.slot_mapping], fmt, query.dtype)  # (slots, N, H_kv, D)
+        key, value = kv_new[0], kv_new[-1][..., :v_dim]  # a latent row's value: its first v_dim values
     for begin, end in plan.fresh:  # causal attention over the sequence's own new K/V
         # 4-D inputs with the KV heads repeated: that is what reaches torch's flash kernel on CPU
         # (3-D inputs or enable_gqa fall back to the math path, 3-4x slower on a 512-token prompt).
         q_s = query[begin:end].transpose(0, 1)[None]  # (1, H, L, D)
         k_s = key[begin:end].transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]  # (1, H, L, D)
         v_s = value[begin:end].transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]
-        o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale)  # (1, H, L, D)
+        o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale)  # (1, H, L, V)
         out[begin:end] = o_s[0].transpose(0, 1)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
@@ -421,10 +438,12 @@ def _attend_padded(
     sliding_window: int | None,
     kv_cache_dtype: str | None = None,
     sinks: torch.Tensor | None = None,
+    v_dim: int | None = None,
 ) -> torch.Tensor:
     """Attention for num_seqs sequences whose K/V are already in the cache.
 
-    query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+    query: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, v_dim] (v_dim None: head_dim;
+    a latent cache, one slot, takes its values from the key rows' first v_dim values).
     A quantized ``kv_cache_dtype``'s gathered rows are dequantized to the query's dtype.
     Queries are padded to (num_seqs, max_query_len), each sequence's context is gathered
     through its block table (one gather for the whole batch), and a boolean mask allows key
@@ -434,7 +453,8 @@ def _attend_padded(
     score is the sink logit (a float mask bias over a zero key) and whose value is zero.
     """
     num_tokens, num_heads, head_dim = query.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
+    kv_slots, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
+    v_dim = v_dim or head_dim
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     num_rep = num_heads // num_kv_heads
@@ -462,18 +482,18 @@ def _attend_padded(
     # Gather every sequence's context through its block table (only the columns in use).
     num_blocks_used = -(-max_seq_len // block_size)
     tables = block_tables[:, :num_blocks_used]  # (S, B)
-    kv = kv_cache_layer[:, tables]  # (2, S, B, block_size, H_kv, D): a fresh contiguous copy
-    if kv_cache_dtype is not None:  # (2, S, B, block_size, H_kv, D + 4) uint8 -> (..., D) query dtype
+    kv = kv_cache_layer[:, tables]  # (kv_slots, S, B, block_size, H_kv, D): a fresh contiguous copy
+    if kv_cache_dtype is not None:  # (kv_slots, S, B, block_size, H_kv, D + 4) uint8 -> (..., D) query dtype
         kv = dequantize_rows(kv, kv_cache_format(kv_cache_dtype), query.dtype)
     max_k = num_blocks_used * block_size
-    kv = kv.view(2, num_seqs, max_k, num_kv_heads, head_dim)  # (2, S, Tk, H_kv, D)
+    kv = kv.view(kv_slots, num_seqs, max_k, num_kv_heads, head_dim)  # (kv_slots, S, Tk, H_kv, D)
     # Slots past a sequence's length (tail of its last block, padded table entries) hold stale
     # or uninitialized data; zero them in the copy so a NaN there cannot leak through 0 * NaN.
     k_pos = torch.arange(max_k, device=device)  # (Tk,)
     beyond = k_pos[None, :] >= seq_lens[:, None]  # (S, Tk)
     kv.masked_fill_(beyond[None, :, :, None, None], 0)
-    kv = kv.transpose(2, 3).to(query.dtype)  # (2, S, H_kv, Tk, D)
-    k_ctx, v_ctx = kv[0], kv[1]  # (S, H_kv, Tk, D) each
+    kv = kv.transpose(2, 3).to(query.dtype)  # (kv_slots, S, H_kv, Tk, D)
+    k_ctx, v_ctx = kv[0], kv[-1][..., :v_dim]  # (S, H_kv, Tk, D), (S, H_kv, Tk, V): a latent's V is its K's head
 
     # Causal mask with an offset: query j of seq i is at position seq_len_i - q_len_i + j.
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=device)  # (S, Tq)
@@ -488,11 +508,11 @@ def _attend_padded(
         mask = torch.cat([bias.expand(num_seqs, num_kv_heads, num_rep * max_q, max_k),
                           sink.reshape(num_seqs, num_kv_heads, num_rep * max_q, 1)], dim=-1)  # (S, H_kv, R*Tq, Tk+1)
         k_ctx = torch.cat([k_ctx, k_ctx.new_zeros(num_seqs, num_kv_heads, 1, head_dim)], dim=2)
-        v_ctx = torch.cat([v_ctx, v_ctx.new_zeros(num_seqs, num_kv_heads, 1, head_dim)], dim=2)
+        v_ctx = torch.cat([v_ctx, v_ctx.new_zeros(num_seqs, num_kv_heads, 1, v_dim)], dim=2)
 
     out = F.scaled_dot_product_attention(
         q_pad, k_ctx, v_ctx, attn_mask=mask, scale=scale
-    )  # (S, H_kv, R*Tq, D)
-    out = out.view(num_seqs, num_kv_heads, num_rep, max_q, head_dim)  # (S, H_kv, R, Tq, D)
-    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, num_heads, head_dim)  # (S, Tq, H, D)
-    return out.view(num_tokens, num_heads, head_dim) if one_per_seq else out[seq_idx, tok_idx]  # (N, H, D)
+    )  # (S, H_kv, R*Tq, V)
+    out = out.view(num_seqs, num_kv_heads, num_rep, max_q, v_dim)  # (S, H_kv, R, Tq, V)
+    out = out.permute(0, 3, 1, 2, 4).reshape(num_seqs, max_q, num_heads, v_dim)  # (S, Tq, H, V)
+    return out.view(num_tokens, num_heads, v_dim) if one_per_seq else out[seq_idx, tok_idx]  # (N, H, V)

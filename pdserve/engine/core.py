@@ -56,7 +56,8 @@ class EngineCore:
 
     Attributes:
         runner: ``ModelRunner``; its ``kv_cache`` is
-            ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+            ``[num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]``
+            (kv_slots 2: K and V; 1: a latent).
         block_manager, scheduler: the pure-Python halves.
         limits: ``EngineLimits`` (max_model_len, vocab_size, num_blocks, block_size),
             what workers advertise to the router.

@@ -2,13 +2,20 @@
 
 Layout (one tensor per worker rank)::
 
-    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-               index 1 of dim 1: 0 = K, 1 = V
+    kv_cache: [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]
+
+``kv_slots`` is what the model's attention caches per token and KV head (its ``kv_slots``):
+
+* 2 for per-head K/V attention (Llama, Qwen3, Gemma3, gpt-oss, ...): index 0 = K, 1 = V;
+* 1 for a latent cache (DeepSeek's MLA): one row per token, the attention's key, whose first
+  ``v_dim`` values are also its value (``v_dim = kv_lora_rank``; vLLM's and SGLang's MLA cache).
 
 A quantized cache (``--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2``) is ``torch.uint8`` with
 rows of ``head_dim + 4`` bytes: the quantized values, then the row's float32 scale
 (``pdserve.common.kv_quant``). Token slot ``s = block_id * block_size + offset`` addresses
 ``kv_cache[layer, :, block_id, offset]``; see ``pdserve.engine.attention``.
+Every function here takes ``kv_slots`` (default 2) and counts real bytes: a latent cache's
+block is half a K/V cache's of the same row width.
 """
 
 from __future__ import annotations
@@ -22,13 +29,14 @@ from pdserve.common.kv_quant import kv_cache_format
 
 
 def kv_cache_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                         dtype: torch.dtype | str) -> int:
-    """Bytes one block takes across all layers (K and V), scales included.
+                         dtype: torch.dtype | str, kv_slots: int = 2) -> int:
+    """Bytes one block takes across all layers (each of its ``kv_slots`` rows), scales included.
 
-    dtype: a torch dtype or a KV cache dtype name (``int8``, ``fp8_e4m3``, ...).
+    dtype: a torch dtype or a KV cache dtype name (``int8``, ``fp8_e4m3``, ...);
+    kv_slots: 2 (K and V) or 1 (a latent cache).
     Raises ValueError for an unknown name.
     """
-    return num_layers * 2 * block_size * num_kv_heads * kv_cache_format(dtype).bytes_per_row(head_dim)
+    return num_layers * kv_slots * block_size * num_kv_heads * kv_cache_format(dtype).bytes_per_row(head_dim)
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
@@ -54,14 +62,18 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype | str,
     device: torch.device | str,
+    kv_slots: int = 2,
 ) -> torch.Tensor:
-    """Preallocate the zeroed cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """Preallocate the zeroed cache ``[num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]``.
 
     dtype: a torch dtype or a KV cache dtype name; a quantized one gives
-    ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim + 4]`` uint8 (zero rows, scale 0).
+    ``[num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim + 4]`` uint8 (zero rows, scale 0).
+    kv_slots: 2 (K and V) or 1 (a latent cache).
     """
+    if kv_slots not in (1, 2):
+        raise ValueError(f"kv_slots must be 1 (a latent cache) or 2 (K and V), got {kv_slots}")
     fmt = kv_cache_format(dtype)
-    shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, fmt.row_len(head_dim))
+    shape = (num_layers, kv_slots, num_blocks, block_size, num_kv_heads, fmt.row_len(head_dim))
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=fmt.storage_dtype, device=device)
     cache = torch.empty(shape, dtype=fmt.storage_dtype)  # pages not touched yet
@@ -94,7 +106,7 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 
 
 def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
-    """Copy whole blocks (all layers, K and V): ``kv_cache[:, :, dst] = kv_cache[:, :, src]``.
+    """Copy whole blocks (all layers, every slot): ``kv_cache[:, :, dst] = kv_cache[:, :, src]``.
 
     Used for copy-on-write before a request writes into a block it shares. Quantized rows
     carry their scales, so a copy moves both.

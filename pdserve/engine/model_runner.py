@@ -117,8 +117,9 @@ class ModelRunner:
             single-rank worker. Only the driver (rank 0) samples.
 
     Attributes:
-        kv_cache: this rank's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-            (its pipeline stage's layers, its TP rank's KV heads); with a quantized
+        kv_cache: this rank's [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]
+            (its pipeline stage's layers, its TP rank's KV heads); ``kv_slots`` is the model's: 2
+            (K and V) or 1 (an MLA latent, whose value is its first ``kv_v_dim`` values); with a quantized
             ``--kv-cache-dtype``, uint8 rows of head_dim + 4 bytes (``pdserve.common.kv_quant``).
         kv_cache_format: the cache's ``KVCacheFormat``; ``kv_cache_format.name`` is the KV dtype
             name peers see (transfer headers, ``KVLayout``).
@@ -168,17 +169,19 @@ class ModelRunner:
         self.num_layers = self.model.num_layers
         self.num_kv_heads = self.model.num_kv_heads
         self.head_dim = self.model.head_dim
+        self.kv_slots, self.kv_v_dim = self.model.kv_slots, self.model.kv_v_dim
         block_bytes = kv_cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
-                                           kv_name)  # real bytes: a quantized row's scale included
+                                           kv_name, self.kv_slots)  # real bytes: scales included, one latent slot
         self.num_blocks = num_blocks_for_budget(config.kv_cache_memory, block_bytes)
         if ranks is not None:  # block ids are the driver's: every rank must have every block
             self.num_blocks = ranks.min_over_ranks(self.num_blocks)
         self.kv_cache = allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
-                                          self.head_dim, kv_name, self.device)
+                                          self.head_dim, kv_name, self.device, self.kv_slots)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         # What attention needs to know of the cache's rows: a quantized format's name, else None.
         self._attn_kv_dtype = kv_name if self.kv_cache_format.quantized else None
-        self.attention_backend = select_backend(config.attention_backend, self.device, kv_name, self.head_dim)
+        self.attention_backend = select_backend(config.attention_backend, self.device, kv_name, self.head_dim,
+                                                self.kv_v_dim)
         logger.info("attention backend: %s", self.attention_backend)
         if config.batch_invariant and self.attention_backend != "paged":
             raise ValueError("--batch-invariant needs the paged attention kernel, which cannot run here (here: "
@@ -209,9 +212,10 @@ class ModelRunner:
         self.total_kv_heads = self.model.total_kv_heads  # the cache's KV heads over all TP ranks (MLA: 1 latent)
         self.kv_agent = None  # KVRankAgent once a worker attaches one (pdserve.kvtransfer.agent)
         self.report_keys = None  # non-driver rank: CURVE keys of its reports to the driver (serve_rank's)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s, %d layers, %d KV heads)",
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s, %d layers, %d KV heads, %s)",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20,
-                    kv_name, self.device, self.num_layers, self.num_kv_heads)
+                    kv_name, self.device, self.num_layers, self.num_kv_heads,
+                    "K and V" if self.kv_slots == 2 else "one latent row")
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
                        block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:

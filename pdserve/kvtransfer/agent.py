@@ -101,7 +101,8 @@ class KVRankAgent:
     Args:
         attach: whom the rank works for (worker id, role, driver mailbox, transfer host, store).
         rank: this rank; layout: the worker's ``KVLayoutSpec``.
-        kv_cache: this rank's cache [num_local_layers, 2, num_blocks, block_size, local_kv_heads, head_dim].
+        kv_cache: this rank's cache [num_local_layers, kv_slots, num_blocks, block_size, local_kv_heads,
+            head_dim] (kv_slots 2: K and V; 1: a latent, which every piece ships and installs the same way).
         report: where ``RankReport``s go (the driver's mailbox, or in-process on the driver).
         timeout_s: every pair wait.
         kv_cache_dtype: the cache's KV dtype name (a quantized cache is uint8: its name says which
@@ -238,7 +239,7 @@ class KVRankAgent:
             self._outgoing.append(_Outgoing(send, piece, block_ids))
 
     def _piece_layer(self, piece: KVPiece, local_layer: int) -> torch.Tensor:
-        """``piece``'s KV heads of this rank's layer ``local_layer``: a view, [2, num_blocks, block_size,
+        """``piece``'s KV heads of this rank's layer ``local_layer``: a view, [kv_slots, num_blocks, block_size,
         piece heads, head_dim (+ 4 quantized)]."""
         s = piece.slice
         return self.kv_cache[local_layer][:, :, :, s.head_start - self.slice.head_start:s.head_end - self.slice.head_start]
@@ -312,7 +313,7 @@ class KVRankAgent:
         with self._lock:
             staged = self._staged.pop(request_id, [])
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        for header, kv in staged:  # kv: [piece layers, 2, len(block_ids), block_size, piece heads, head_dim]
+        for header, kv in staged:  # kv: [piece layers, kv_slots, len(block_ids), block_size, piece heads, head_dim]
             l0 = header.first_layer - self.slice.layer_start
             h0 = header.first_kv_head - self.slice.head_start
             self.kv_cache[l0:l0 + header.num_layers, :, index, :, h0:h0 + header.num_kv_heads] = kv.to(self.device)

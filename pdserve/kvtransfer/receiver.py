@@ -1,7 +1,7 @@
 """Decode side: host the rendezvous, receive each request's KV into a staging tensor.
 
 The receiver never writes D's KV cache. Each request's KV lands in a staging
-tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` lent
+tensor ``[num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]`` lent
 by the pairs' ``StagingPool`` and handed to ``on_received``; D's step loop
 copies it into the request's blocks if the request is still waiting, so blocks
 freed by a timed-out request can never be overwritten by a late transfer. Once
@@ -38,7 +38,7 @@ _JOIN_S = 0.5  # how long close() waits for each lane thread (seconds); lanes ar
 
 @dataclass
 class ReceivedKV:
-    """A request's KV, received whole. ``kv``: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    """A request's KV, received whole. ``kv``: [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]
     (a staging tensor: hand it back with ``DecodePairs.release`` once it is copied out)."""
 
     request_id: str
@@ -231,7 +231,8 @@ class DecodePairs:
                 diff = wire.describe_meta_mismatch(expected, meta)
                 raise KVTransferError(f"request {rid}: header and KV stream from prefill worker "
                                       f"{header.prefill_worker_id} disagree ({diff})")
-            kv = self.staging.take((header.num_layers, 2, header.num_blocks, header.block_size, header.num_kv_heads,
+            kv = self.staging.take((header.num_layers, header.kv_slots, header.num_blocks, header.block_size,
+                                    header.num_kv_heads,
                                     wire.row_len(header.dtype, header.head_dim)),  # + 4 scale bytes when quantized
                                    wire.dtype_from_name(header.dtype), self.device)
             # Every layer's receive is posted at once; each layer is checksummed as soon as it is in,

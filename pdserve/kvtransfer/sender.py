@@ -53,7 +53,7 @@ class OutgoingKV:
         self.num_bytes = 0  # KV bytes handed to the pair so far
         self._next_layer = 0
         self._index: torch.Tensor | None = None  # [num_blocks] int64 block ids, on the cache's device
-        # [num_layers, 2, num_blocks, block_size, H, row_len] from pair.staging: layer i is gathered into
+        # [num_layers, kv_slots, num_blocks, block_size, H, row_len] from pair.staging: layer i is gathered into
         # _staging[i] and sent from there, so P may reuse its blocks once the request is done.
         self._staging: torch.Tensor | None = None
         self._checksum = KVChecksum()  # over each gathered layer, as it is gathered
@@ -80,10 +80,10 @@ class OutgoingKV:
         """
         if self._staging is not None or self._error is not None:
             return
-        if kv_layer.dim() != 5 or kv_layer.shape[0] != 2:
-            raise KVTransferError(f"request {self.request_id}: kv_layer must be [2, num_blocks, block_size, H, D], "
-                                  f"got {list(kv_layer.shape)}")
-        shape = (self.num_layers, 2, len(block_ids), *kv_layer.shape[2:])
+        if kv_layer.dim() != 5 or kv_layer.shape[0] not in (1, 2):
+            raise KVTransferError(f"request {self.request_id}: kv_layer must be [kv_slots (1 or 2), num_blocks, "
+                                  f"block_size, H, D], got {list(kv_layer.shape)}")
+        shape = (self.num_layers, kv_layer.shape[0], len(block_ids), *kv_layer.shape[2:])
         staging = self.pair.staging.take(shape, kv_layer.dtype, kv_layer.device)
         meta = wire.make_meta(self.request_id, self.num_layers, staging[0], self.kv_dtype)
         self._index = torch.tensor(block_ids, dtype=torch.int64, device=kv_layer.device)
@@ -95,9 +95,9 @@ class OutgoingKV:
     def send_layer(self, layer_idx: int, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
         """Gather ``kv_layer[:, block_ids]`` and start sending it; returns without waiting.
 
-        ``kv_layer``: this layer of P's paged cache, [2, num_blocks_total, block_size, num_kv_heads, head_dim]
-        (any strides: a TP piece's head range is a view). The blocks are gathered into this request's
-        staging buffer (one contiguous [2, len(block_ids), block_size, num_kv_heads, head_dim] per layer),
+        ``kv_layer``: this layer of P's paged cache, [kv_slots, num_blocks_total, block_size, num_kv_heads,
+        head_dim] (any strides: a TP piece's head range is a view). The blocks are gathered into this request's
+        staging buffer (one contiguous [kv_slots, len(block_ids), block_size, num_kv_heads, head_dim] per layer),
         which is what goes on the wire; it is checksummed there once its send is issued, still in cache.
         The ``block_ids`` of ``start`` (or of layer 0) hold for every layer. A failed pair is not raised
         here (``wait`` reports it); misuse (layer order, shape change) raises KVTransferError.
@@ -105,17 +105,19 @@ class OutgoingKV:
         if layer_idx != self._next_layer:
             raise KVTransferError(
                 f"request {self.request_id}: send_layer({layer_idx}) out of order, expected layer {self._next_layer}")
-        if kv_layer.dim() != 5 or kv_layer.shape[0] != 2:
-            raise KVTransferError(f"request {self.request_id}: kv_layer must be [2, num_blocks, block_size, H, D], "
-                                  f"got {list(kv_layer.shape)}")
+        if kv_layer.dim() != 5 or kv_layer.shape[0] not in (1, 2):
+            raise KVTransferError(f"request {self.request_id}: kv_layer must be [kv_slots (1 or 2), num_blocks, "
+                                  f"block_size, H, D], got {list(kv_layer.shape)}")
         self._next_layer += 1
         self.start(kv_layer, block_ids)
         if self._error is not None:
             return
-        staged = self._staging[layer_idx]  # [2, num_blocks, block_size, H, D], contiguous
-        if kv_layer.shape[2:] != staged.shape[2:] or kv_layer.dtype != staged.dtype:
-            raise KVTransferError(f"request {self.request_id}: layer {layer_idx} is {list(kv_layer.shape[2:])} "
-                                  f"{kv_layer.dtype} per block, layer 0 was {list(staged.shape[2:])} {staged.dtype}")
+        staged = self._staging[layer_idx]  # [kv_slots, num_blocks, block_size, H, D], contiguous
+        if (kv_layer.shape[0], *kv_layer.shape[2:]) != (staged.shape[0], *staged.shape[2:]) \
+                or kv_layer.dtype != staged.dtype:
+            raise KVTransferError(f"request {self.request_id}: layer {layer_idx} is {kv_layer.shape[0]} x "
+                                  f"{list(kv_layer.shape[2:])} {kv_layer.dtype} per block, layer 0 was "
+                                  f"{staged.shape[0]} x {list(staged.shape[2:])} {staged.dtype}")
         torch.index_select(kv_layer, 1, self._index, out=staged)
         self.num_bytes += staged.nbytes
         tensors = [staged]

@@ -5,7 +5,7 @@ time it is written: about 0.4 ms per MiB on the bench machine, as much as
 moving the bytes over loopback gloo. So each side keeps the buffers of
 finished transfers and hands them out again::
 
-    kv = pool.take((num_layers, 2, num_blocks, block_size, H, row_len), dtype, device)
+    kv = pool.take((num_layers, kv_slots, num_blocks, block_size, H, row_len), dtype, device)
     ... fill it, send it or hand it on ...
     pool.give(kv)       # the very tensor take returned, once nothing reads or writes it any more
 

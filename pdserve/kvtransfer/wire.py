@@ -4,9 +4,13 @@ A pair's group carries one ordered stream (a single tag), rank 0 -> rank 1:
 
     hello   int64[4]  once per pair: [MAGIC, generation, crc32(prefill_id), crc32(decode_id)]
     then per request, in the order the KVTransferHeaders were sent:
-    meta    int64[8]  [MAGIC, crc32(request_id), num_layers, num_blocks,
-                       block_size, num_kv_heads, head_dim, dtype_code]
-    layer i           [2, num_blocks, block_size, num_kv_heads, row_len], i = 0..num_layers-1
+    meta    int64[9]  [MAGIC, crc32(request_id), num_layers, num_blocks,
+                       block_size, num_kv_heads, head_dim, dtype_code, kv_slots]
+    layer i           [kv_slots, num_blocks, block_size, num_kv_heads, row_len], i = 0..num_layers-1
+
+``kv_slots`` is what the model caches per token and KV head: 2 (K, then V) or 1 (a latent
+row, DeepSeek's MLA, whose value is its own first kv_lora_rank values): a latent layer is
+half the bytes of a K/V layer of the same row width, and it is shipped as the cache holds it.
 
 ``dtype_code`` names the KV cache dtype (``_DTYPE_CODES``), and ``head_dim`` is
 always the model's head_dim. For a plain cache (float32, bfloat16, float16) a
@@ -45,7 +49,8 @@ _DTYPE_CODES: dict[str, int] = {
     "fp8_e4m3": 9,
     "fp8_e5m2": 10,
 }
-_META_FIELDS = ("magic", "request", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype")
+_META_FIELDS = ("magic", "request", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype",
+                "kv_slots")
 
 
 class KVTransferError(RuntimeError):
@@ -84,18 +89,18 @@ def row_len(name: str, head_dim: int) -> int:
 
 
 def make_meta(request_id: str, num_layers: int, layer: torch.Tensor, kv_dtype: str | None = None) -> torch.Tensor:
-    """The ``meta`` message for ``layer`` [2, num_blocks, block_size, H, row_len], on its device.
+    """The ``meta`` message for ``layer`` [kv_slots, num_blocks, block_size, H, row_len], on its device.
 
     kv_dtype: the KV dtype name; None takes the layer's torch dtype (a plain cache). The meta's
     head_dim is the model's (row_len less a quantized row's 4 scale bytes)."""
     name = dtype_name(kv_dtype if kv_dtype is not None else layer.dtype)
     if layer.dtype != dtype_from_name(name):
         raise KVTransferError(f"a {name} KV layer must be {dtype_from_name(name)}, got {layer.dtype}")
-    _, num_blocks, block_size, num_kv_heads, last = layer.shape
+    kv_slots, num_blocks, block_size, num_kv_heads, last = layer.shape
     fmt = KV_CACHE_FORMATS.get(name)
     head_dim = fmt.head_dim_of(last) if fmt is not None else last
     values = [MAGIC, crc(request_id), num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-              _DTYPE_CODES[name]]
+              _DTYPE_CODES[name], kv_slots]
     return torch.tensor(values, dtype=torch.int64, device=layer.device)
 
 
@@ -103,7 +108,7 @@ def expected_meta(header: KVTransferHeader, device: torch.device) -> torch.Tenso
     """The ``meta`` a sender of ``header`` must put on the wire (KVTransferError for an unknown dtype)."""
     dtype_from_name(header.dtype)
     values = [MAGIC, crc(header.request_id), header.num_layers, header.num_blocks, header.block_size,
-              header.num_kv_heads, header.head_dim, _DTYPE_CODES[header.dtype]]
+              header.num_kv_heads, header.head_dim, _DTYPE_CODES[header.dtype], header.kv_slots]
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 

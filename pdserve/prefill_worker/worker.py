@@ -288,7 +288,8 @@ class PrefillWorker(WorkerBase):
                     pair_generation=origin.pair_generation, num_layers=s.num_layers, num_blocks=num_blocks,
                     block_size=runner.block_size, num_kv_heads=s.num_heads, head_dim=runner.head_dim, dtype=dtype,
                     num_tokens=request.num_tokens, first_block=first_block, prefill_rank=piece.prefill_rank,
-                    decode_rank=piece.decode_rank, first_layer=s.layer_start, first_kv_head=s.head_start))
+                    decode_rank=piece.decode_rank, first_layer=s.layer_start, first_kv_head=s.head_start,
+                    kv_slots=runner.kv_slots))
             faults.mark_kv_send(request.request_id, origin.prompt_token_ids)
             self.transfers[request.request_id] = _Transfer(origin, pieces, time.monotonic())
             plans.append(KVSendPlan(request_id=request.request_id, seq_index=seq_index, first_block=first_block,

@@ -116,7 +116,7 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 def load_paged_attention() -> ctypes.CDLL | None:
     """The compiled paged-attention library, or None where it cannot be built here (logged once)."""
     return _load("paged_attention",
-                 [_P, _P, _P, ctypes.c_int, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64,
+                 [_P, _P, _P, ctypes.c_int, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                   ctypes.c_float, _I64, _P, ctypes.c_int],
                  "paged-attention", "paged attention runs on the plain-torch (gathering) path")
 

@@ -16,11 +16,14 @@
 // ctypes; plain C ABI, no torch headers (it compiles in about a second).
 //
 // Layouts (all contiguous, row-major):
-//   out, query:    [num_tokens, num_heads, head_dim] float32 (head_dim a multiple of 8)
-//   kv_cache:      [2, num_blocks, block_size, num_kv_heads, row_len], element type kv_dtype
+//   query:         [num_tokens, num_heads, head_dim] float32 (head_dim a multiple of 8)
+//   out:           [num_tokens, num_heads, v_dim] float32 (v_dim a multiple of 8, <= head_dim)
+//   kv_cache:      [kv_slots, num_blocks, block_size, num_kv_heads, row_len], element type kv_dtype
 //                  (0 = float32, 1 = bfloat16: row_len = head_dim elements; 2 = int8, 3 = fp8 e4m3,
 //                  4 = fp8 e5m2: row_len = head_dim + 4 bytes, head_dim quantized values followed by the
-//                  row's float32 scale, see pdserve/common/kv_quant.py); index 0 is K, 1 is V
+//                  row's float32 scale, see pdserve/common/kv_quant.py). kv_slots 2: index 0 is K, 1 is
+//                  V (v_dim = head_dim). kv_slots 1, a latent cache (MLA): the one row is the key, and
+//                  its first v_dim values are the value (a quantized row's one scale serves both).
 //   block_tables:  [num_seqs, max_blocks_per_seq] int64
 //   seq_lens:      [num_seqs] int64, context length after this step (cached + new tokens)
 //   query_start_loc: [num_seqs + 1] int64, cumulative new-token counts
@@ -233,15 +236,15 @@ inline void softmax(float* x, int64_t n, float sink) {
   for (; i < n; ++i) x[i] *= inv;
 }
 
-// acc += sum_t p[t] * v_t over `run` rows (head_dim a multiple of 8); a quantized row's scale
-// multiplies p[t].
+// acc += sum_t p[t] * v_t[:v_dim] over `run` rows (v_dim a multiple of 8); a quantized row's scale
+// (after its head_dim values) multiplies p[t].
 template <typename T>
-inline void block_values(const float* p, const T* vrow, int64_t slot_stride, int64_t run, int64_t head_dim,
-                         float* acc) {
+inline void block_values(const float* p, const T* vrow, int64_t slot_stride, int64_t run, int64_t v_dim,
+                         int64_t head_dim, float* acc) {
   int64_t d0 = 0;
   // 64 columns at a time: eight independent FMA chains keep both FMA ports busy (four chains
   // left half of them idle waiting on the previous FMA). Each lane still sums over t in order.
-  for (; d0 + 64 <= head_dim; d0 += 64) {
+  for (; d0 + 64 <= v_dim; d0 += 64) {
     v8 a[8];
     for (int i = 0; i < 8; ++i) a[i] = load8(acc + d0 + i * 8);
     for (int64_t t = 0; t < run; ++t) {
@@ -251,8 +254,8 @@ inline void block_values(const float* p, const T* vrow, int64_t slot_stride, int
     }
     for (int i = 0; i < 8; ++i) store8(acc + d0 + i * 8, a[i]);
   }
-  for (; d0 < head_dim; d0 += 32) {  // what is left: 4 vectors of accumulators in registers
-    const int64_t w = std::min<int64_t>(32, head_dim - d0);
+  for (; d0 < v_dim; d0 += 32) {  // what is left: 4 vectors of accumulators in registers
+    const int64_t w = std::min<int64_t>(32, v_dim - d0);
     v8 a[4];
     for (int i = 0; i < 4; ++i) a[i] = (i * 8 < w) ? load8(acc + d0 + i * 8) : v8{};
     for (int64_t t = 0; t < run; ++t) {
@@ -290,14 +293,16 @@ template <typename T>
 void attend(float* out, const float* query, const T* kv_cache, const int64_t* block_tables,
             int64_t max_blocks_per_seq, const int64_t* seq_lens, const int64_t* query_start_loc,
             const uint8_t* skip, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-            int64_t block_size, int64_t num_blocks, float scale, int64_t sliding_window, const float* sinks,
-            int num_threads) {
+            int64_t v_dim, int64_t kv_slots, int64_t block_size, int64_t num_blocks, float scale,
+            int64_t sliding_window, const float* sinks, int num_threads) {
   const int64_t rep = num_heads / num_kv_heads;
   const int64_t token_stride = num_heads * head_dim;
+  const int64_t out_stride = num_heads * v_dim;
   const int64_t row_len = Packed<T>::value ? head_dim + 4 : head_dim;  // elements of one (slot, KV head) row
   const int64_t slot_stride = num_kv_heads * row_len;
   const T* k_cache = kv_cache;
-  const T* v_cache = kv_cache + num_blocks * block_size * slot_stride;
+  // A latent cache (kv_slots 1) reads its values from the key rows.
+  const T* v_cache = kv_slots == 2 ? kv_cache + num_blocks * block_size * slot_stride : kv_cache;
   // Work items: (sequence, group of KV heads). A sequence's heads stay together (its blocks are
   // read front to back, all heads at once) unless there are too few sequences to share out.
   const int64_t head_groups = num_seqs >= 2 * num_threads ? 1 : num_kv_heads;
@@ -307,7 +312,7 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> scores;  // [heads_per_item * rep, n]
-    std::vector<float> acc;     // [heads_per_item * rep, head_dim]
+    std::vector<float> acc;     // [heads_per_item * rep, v_dim]
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const int64_t s = item / head_groups;
@@ -324,8 +329,8 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
         const int64_t k_end = pos + 1;
         const int64_t n = k_end - k_begin;
         const float* q = query + (q_begin + j) * token_stride + h0 * rep * head_dim;  // [rows, head_dim]
-        float* o = out + (q_begin + j) * token_stride + h0 * rep * head_dim;
-        if (n <= 0) { std::fill(o, o + rows * head_dim, 0.f); continue; }
+        float* o = out + (q_begin + j) * out_stride + h0 * rep * v_dim;  // [rows, v_dim]
+        if (n <= 0) { std::fill(o, o + rows * v_dim, 0.f); continue; }
         scores.resize(rows * n);
         walk_blocks(k_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run) {
           for (int64_t hh = 0; hh < heads_per_item; ++hh)
@@ -337,16 +342,16 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
         });
         for (int64_t row = 0; row < rows; ++row)
           softmax(scores.data() + row * n, n, sinks != nullptr ? sinks[h0 * rep + row] : -INFINITY);
-        acc.assign(rows * head_dim, 0.f);
+        acc.assign(rows * v_dim, 0.f);
         walk_blocks(v_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run) {
           for (int64_t hh = 0; hh < heads_per_item; ++hh)
             for (int64_t r = 0; r < rep; ++r) {
               const int64_t row = hh * rep + r;
               block_values(scores.data() + row * n + (k - k_begin), base + (h0 + hh) * row_len, slot_stride, run,
-                           head_dim, acc.data() + row * head_dim);
+                           v_dim, head_dim, acc.data() + row * v_dim);
             }
         });
-        std::memcpy(o, acc.data(), sizeof(float) * rows * head_dim);
+        std::memcpy(o, acc.data(), sizeof(float) * rows * v_dim);
       }
     }
   }
@@ -357,20 +362,24 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
 extern "C" {
 
 // Returns 0 on success, 1 for an unsupported kv_dtype, 2 for bad head counts, 3 for a head_dim
-// that is not a multiple of 8. sinks: [num_heads] float32 attention-sink logits, or null.
+// or v_dim that is not a multiple of 8, 4 for kv_slots other than 1 or 2, 5 for v_dim != head_dim
+// with two slots or v_dim > head_dim. sinks: [num_heads] float32 attention-sink logits, or null.
 int pdserve_paged_attention(float* out, const float* query, const void* kv_cache, int kv_dtype,
                             const int64_t* block_tables, int64_t max_blocks_per_seq, const int64_t* seq_lens,
                             const int64_t* query_start_loc, const uint8_t* skip, int64_t num_seqs,
-                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            int64_t num_blocks, float scale, int64_t sliding_window, const float* sinks,
-                            int num_threads) {
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t v_dim,
+                            int64_t kv_slots, int64_t block_size, int64_t num_blocks, float scale,
+                            int64_t sliding_window, const float* sinks, int num_threads) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return 2;
-  if (head_dim % 8 != 0) return 3;
+  if (head_dim % 8 != 0 || v_dim % 8 != 0 || v_dim <= 0) return 3;
+  if (kv_slots != 1 && kv_slots != 2) return 4;
+  if (v_dim > head_dim || (kv_slots == 2 && v_dim != head_dim)) return 5;
   if (num_threads < 1) num_threads = 1;
   // One instantiation of attend per element type; kv_dtype picks it.
   auto run = [&](const auto* cache) {
     attend(out, query, cache, block_tables, max_blocks_per_seq, seq_lens, query_start_loc, skip, num_seqs,
-           num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, sliding_window, sinks, num_threads);
+           num_heads, num_kv_heads, head_dim, v_dim, kv_slots, block_size, num_blocks, scale, sliding_window, sinks,
+           num_threads);
     return 0;
   };
   switch (kv_dtype) {

@@ -7,12 +7,12 @@ come from one latent ``c`` of ``kv_lora_rank`` values (``kv_a_proj_with_mqa`` th
 ``kv_b_proj`` [H * (nope + v), kv_lora_rank] expands c into each head's key (W_UK) and value
 (W_UV). We run it in its absorbed form, as vLLM and SGLang do for decode: the query's
 non-rotary part is folded into latent space (q_nope @ W_UK), so attention is multi-query
-attention over one "KV head" per token whose key is [c, k_pe] and whose value is c (padded to
-the key's width); each head's output latent is then expanded by W_UV. The paged cache thus
-holds ``kv_lora_rank + qk_rope_head_dim`` values per token and layer, for every head at once,
-in its K slot, and c again in the V slot (2x the ideal latent cache; a cache with one slot per
-layer kind is not built yet). The KV transfer ships those rows like any cache with one KV head:
-replicated over TP ranks, each decode rank gets them once.
+attention over one "KV head" per token whose key is [c, k_pe] and whose value is c, the key's
+first ``kv_lora_rank`` values; each head's output latent is then expanded by W_UV. The paged
+cache is a latent cache (``kv_slots = 1``, as vLLM's and SGLang's MLA): one row of
+``kv_lora_rank + qk_rope_head_dim`` values per token and layer, for every head at once, and
+attention reads the value from that same row (``kv_v_dim = kv_lora_rank``). The KV transfer ships
+those rows like any cache with one KV head: replicated over TP ranks, each decode rank gets them once.
 
 The MoE (DeepSeek-V3, 2024): sigmoid router scores; experts chosen by score plus
 ``e_score_correction_bias``, only within the ``topk_group`` of ``n_group`` expert groups whose
@@ -64,8 +64,9 @@ class MLAttention(nn.Module):
     """Multi-head latent attention over the paged cache, absorbed (see the module doc).
 
     hidden [N, hidden_size] -> [N, hidden_size]. This TP rank holds num_heads / tp query heads;
-    the latent projections and norms are replicated. The cache row per token is
-    ``head_dim = kv_lora_rank + qk_rope_head_dim`` with ``num_kv_heads = 1``.
+    the latent projections and norms are replicated. The cache holds one row per token
+    (``kv_slots = 1``, ``num_kv_heads = 1``) of ``head_dim = kv_lora_rank + qk_rope_head_dim``
+    values: [c, k_pe], the key, whose first ``kv_v_dim = kv_lora_rank`` values are the value.
     """
 
     def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
@@ -78,6 +79,7 @@ class MLAttention(nn.Module):
         self.num_heads = _divide(heads, tp_size, "num_attention_heads")
         self.num_kv_heads, self.total_kv_heads = 1, 1
         self.head_dim = self.kv_lora_rank + self.rope
+        self.kv_slots, self.kv_v_dim = 1, self.kv_lora_rank  # one latent row: V is K's first kv_lora_rank values
         self.sliding_window = None
         bias = bool(getattr(config, "attention_bias", False))
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
@@ -116,9 +118,9 @@ class MLAttention(nn.Module):
         q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w[:, :self.nope])  # (N, H, C): q_nope folded by W_UK
         query = torch.cat([q_latent, q_pe], dim=-1)  # (N, H, C + R)
         key = torch.cat([latent, k_pe], dim=-1)  # (N, 1, C + R)
-        value = torch.cat([latent, latent.new_zeros(n, 1, self.rope)], dim=-1)  # c, padded to the key's width
-        out = paged_attention(query, key, value, kv_cache_layer, attn_metadata, self.scale, None, layer)
-        o = torch.einsum("nhc,hvc->nhv", out[..., :c], w[:, self.nope:])  # (N, H, V): expanded by W_UV
+        # (N, H, C): the value is the latent, the key row's first C values (the cache stores the key row only)
+        out = paged_attention(query, key, latent, kv_cache_layer, attn_metadata, self.scale, None, layer)
+        o = torch.einsum("nhc,hvc->nhv", out, w[:, self.nope:])  # (N, H, V): expanded by W_UV
         return self.o_proj(o.reshape(n, h * self.v_head_dim))
 
 

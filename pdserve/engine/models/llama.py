@@ -80,6 +80,9 @@ class LlamaAttention(nn.Module):
     hidden [num_tokens, hidden_size] -> [num_tokens, hidden_size]. Heads are split across
     TP ranks: this rank holds num_heads / tp query heads and max(1, num_kv_heads / tp) KV
     heads (``kv_head_layout``).
+
+    What it caches per token (read by the KV cache, the admission checks and the transfer):
+    ``kv_slots`` = 2 rows per KV head, K and V, each ``head_dim`` wide (``kv_v_dim = head_dim``).
     """
 
     def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
@@ -89,6 +92,7 @@ class LlamaAttention(nn.Module):
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(config, "head_dim", None) or hidden // total_heads
+        self.kv_slots, self.kv_v_dim = 2, self.head_dim  # per-head K and V rows
         if total_heads % tp_size:
             raise ValueError(f"num_attention_heads={total_heads} must be divisible by the TP size {tp_size}")
         self.num_heads = total_heads // tp_size
@@ -225,9 +229,9 @@ class LlamaForCausalLM(nn.Module):
     ``lm_head``) are replicated, not vocab-parallel: the embedding lives where the
     first stage runs, the head on the driver only (``has_lm_head``), which samples.
 
-    Attributes num_layers (this rank's), num_kv_heads (per TP rank; ``total_kv_heads`` over all
-    ranks) and head_dim size the KV cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
-    head_dim]``;
+    Attributes num_layers (this rank's), kv_slots (2: K and V; 1: a latent), num_kv_heads (per TP
+    rank; ``total_kv_heads`` over all ranks) and head_dim size the KV cache ``[num_layers, kv_slots,
+    num_blocks, block_size, num_kv_heads, head_dim]``, whose value rows are kv_v_dim wide;
     ``layer_range`` says which global layers those are.
 
     ``expert_parallel``: a MoE family splits its routed experts whole across the TP ranks
@@ -267,6 +271,10 @@ class LlamaForCausalLM(nn.Module):
         self.num_kv_heads: int = first_attn.num_kv_heads
         self.total_kv_heads: int = first_attn.total_kv_heads
         self.head_dim: int = first_attn.head_dim
+        # What the cache holds per token and KV head: kv_slots rows (2: K and V; 1: an MLA latent) of
+        # head_dim values, the value being the first kv_v_dim of them (= head_dim for K and V).
+        self.kv_slots: int = first_attn.kv_slots
+        self.kv_v_dim: int = first_attn.kv_v_dim
         self.vocab_size: int = config.vocab_size
 
     def set_batch_invariant(self, enabled: bool = True) -> None:
@@ -305,7 +313,7 @@ class LlamaForCausalLM(nn.Module):
 
         input_ids, positions: [num_tokens] int64 (input_ids are embedded when ``hidden`` is None,
         i.e. on the first pipeline stage); hidden: [num_tokens, hidden_size] from the previous stage.
-        kv_cache: this rank's [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim],
+        kv_cache: this rank's [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim],
         updated in place. Returns hidden states [num_tokens, hidden_size] after this rank's last
         layer (before the final norm, which ``compute_logits`` applies).
 
