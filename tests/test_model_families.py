@@ -9,6 +9,7 @@ budget, the compiled decode step, and a disaggregated 1P+1D cluster.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import httpx
@@ -236,11 +237,15 @@ def test_an_unsupported_architecture_is_one_line_before_anything_starts(command,
 
 
 def test_pipeline_parallel_and_speculative_decoding_give_transformers_tokens(family_dirs):
-    """A MoE model in two pipeline stages, and n-gram speculative decoding on Gemma 3's windows."""
+    """A MoE model in two pipeline stages, n-gram speculative decoding on Gemma 3's windows, and a
+    DeepSeek draft model (its own one-slot latent cache) for a DeepSeek target."""
     repetitive = "a b c d a b c d a b c d a b c d a b"
     for family, kwargs in (("qwen3_moe", dict(pipeline_parallel_size=2)),
                            ("gemma3", dict(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, '
-                                                              '"prompt_lookup_max": 3}'))):
+                                                              '"prompt_lookup_max": 3}')),
+                           ("deepseek_v3", dict(speculative_config=json.dumps(  # a draft with a latent cache
+                               {"method": "draft_model", "model": family_dirs["deepseek_v3"],
+                                "num_speculative_tokens": 2})))):
         path = family_dirs[family]
         tok = AutoTokenizer.from_pretrained(path)
         prompt_ids = [tok(p).input_ids for p in [*PROMPTS, repetitive]]

@@ -54,11 +54,15 @@ class DraftModelProposer:
         if int(hf.vocab_size) != target.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({hf.vocab_size}) differs from the target's "
                              f"({target.vocab_size}); drafts must be the target's tokens")
-        num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
-        head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+        if getattr(hf, "kv_lora_rank", None):  # MLA: one latent row (plus the rope key) per token, one slot
+            num_kv_heads, head_dim, kv_slots = 1, int(hf.kv_lora_rank) + int(hf.qk_rope_head_dim), 1
+        else:
+            num_kv_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+            head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads)
+            kv_slots = 2
         kv_name = target.kv_cache_format.name  # the draft's cache is the target's format (quantized or not)
         block_bytes = kv_cache_block_bytes(int(hf.num_hidden_layers), target.block_size, num_kv_heads, head_dim,
-                                           kv_name)
+                                           kv_name, kv_slots)
         dtype = str(target.dtype).removeprefix("torch.")
         config = dataclasses.replace(
             target.config, model=model, dtype=dtype, kv_cache_dtype=kv_name,
