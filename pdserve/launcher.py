@@ -255,19 +255,30 @@ class ClusterLauncher:
                 with self._lock:
                     self.workers.pop(name, None)
                 continue
-            if now - w.started_at >= self.RESTART_RESET_S:
-                w.num_restarts = 0
-            if code == 2 and not w.seen_registered:
-                fatal.append(f"{name} (exit 2 before it ever registered: bad flags or model){self._why(name)}")
-                continue
-            if w.num_restarts >= self.spec.max_restarts:
-                fatal.append(f"{name} (exit {code}; restarted {w.num_restarts} times in a row){self._why(name)}")
-                continue
-            delay = min(self.MAX_BACKOFF_S, 2.0 ** w.num_restarts)
-            w.restart_at, w.seen_registered = now + delay, False  # counts as starting for reconcile
-            logger.warning("worker %s exited with %s; restarting it in %.0f s", name, code, delay)
-            print(f"pdserve: {name} exited ({code}); restarting it in {delay:.0f} s", flush=True)
+            never_up = "exit 2 before it ever registered: bad flags or model" \
+                if code == 2 and not w.seen_registered else None
+            if (why := self._schedule_restart(w, "worker", code, now, never_up)) is not None:
+                fatal.append(why)
+            else:
+                w.seen_registered = False  # counts as starting for reconcile
         return fatal
+
+    def _schedule_restart(self, proc, kind: str, code: int, now: float, never_up: str | None) -> str | None:
+        """The one restart rule for routers and workers: a process that ran ``RESTART_RESET_S`` starts
+        its count again; one that never came up (``never_up`` says how) or is out of restarts is fatal
+        (the returned message); otherwise it restarts after 1, 2, 4 .. s (``proc.restart_at``)."""
+        name = proc.name
+        if now - proc.started_at >= self.RESTART_RESET_S:
+            proc.num_restarts = 0
+        if never_up is not None:
+            return f"{name} ({never_up}){self._why(name)}"
+        if proc.num_restarts >= self.spec.max_restarts:
+            return f"{name} (exit {code}; restarted {proc.num_restarts} times in a row){self._why(name)}"
+        delay = min(self.MAX_BACKOFF_S, 2.0 ** proc.num_restarts)
+        proc.restart_at = now + delay
+        logger.warning("%s %s exited with %s; restarting it in %.0f s", kind, name, code, delay)
+        print(f"pdserve: {name} exited ({code}); restarting it in {delay:.0f} s", flush=True)
+        return None
 
     def _check_routers(self, now: float) -> list[str]:
         """Restart routers that exited (after 1, 2, 4 .. s); the fatal exits."""
@@ -287,18 +298,9 @@ class ClusterLauncher:
             code = self._router_exit_code(r.handle)
             if code is None:
                 continue
-            if now - r.started_at >= self.RESTART_RESET_S:
-                r.num_restarts = 0
-            if not r.seen_registered:
-                fatal.append(f"{name} (exit {code} before it ever served){self._why(name)}")
-                continue
-            if r.num_restarts >= self.spec.max_restarts:
-                fatal.append(f"{name} (exit {code}; restarted {r.num_restarts} times in a row){self._why(name)}")
-                continue
-            delay = min(self.MAX_BACKOFF_S, 2.0 ** r.num_restarts)
-            r.restart_at = now + delay
-            logger.warning("router %s exited with %s; restarting it in %.0f s", name, code, delay)
-            print(f"pdserve: {name} exited ({code}); restarting it in {delay:.0f} s", flush=True)
+            never_up = None if r.seen_registered else f"exit {code} before it ever served"
+            if (why := self._schedule_restart(r, "router", code, now, never_up)) is not None:
+                fatal.append(why)
         return fatal
 
     def _restart(self, w: LaunchedWorker) -> None:
