@@ -38,6 +38,7 @@ import time
 
 import httpx
 import psutil
+import torch
 
 from pdserve.common.utils import free_port
 from pdserve.default_model.tiny_model import ensure_default_model
@@ -117,16 +118,17 @@ async def drive(url: str, model: str, max_tokens: int, requests: int, concurrenc
 
 
 def fit(runs: list[Run]) -> tuple[float, float]:
-    """Least squares of ``cpu = a * requests + b * tokens`` over the runs: (a, b) in CPU seconds."""
-    srr = sum(r.requests ** 2 for r in runs)
-    stt = sum(r.tokens ** 2 for r in runs)
-    srt = sum(r.requests * r.tokens for r in runs)
-    src = sum(r.requests * r.router_cpu_s for r in runs)
-    stc = sum(r.tokens * r.router_cpu_s for r in runs)
-    det = srr * stt - srt * srt
-    if abs(det) < 1e-12:
+    """Least squares of ``cpu = a * requests + b * tokens`` over the runs: (a, b) in CPU seconds.
+
+    Raises:
+        ValueError: fewer than two runs with different tokens per request (the costs cannot be split).
+    """
+    if len({r.tokens / r.requests for r in runs}) < 2:
         raise ValueError("need runs with different tokens per request to separate the two costs")
-    return (src * stt - stc * srt) / det, (srr * stc - srt * src) / det
+    design = torch.tensor([[r.requests, r.tokens] for r in runs], dtype=torch.float64)
+    cpu = torch.tensor([[r.router_cpu_s] for r in runs], dtype=torch.float64)
+    a, b = torch.linalg.lstsq(design, cpu).solution.flatten().tolist()
+    return a, b
 
 
 def categorize(stack: str) -> str:
