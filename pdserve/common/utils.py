@@ -92,8 +92,9 @@ def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory for reuse instead of handing it back to the kernel.
 
     A CPU forward allocates and frees tensors of megabytes every layer (activations, attention
-    scores). By default glibc serves those with fresh ``mmap`` pages and returns them at
-    ``free``, so every layer pays page faults on first write: a tenth of a float32 prefill's
+    scores). By default glibc serves those with fresh ``mmap`` pages, or trims them off the
+    heap top once the free top exceeds twice the largest freed chunk, handing them back to the
+    kernel, so every layer pays page faults on first write: a tenth of a float32 prefill's
     time went to elementwise ops that were mostly faulting. Raising the mmap threshold to its
     maximum (32 MiB) and never trimming the heap makes later allocations reuse warm pages, as
     vLLM's CPU backend gets by preloading tcmalloc. The cost: the process keeps its peak heap.
