@@ -200,6 +200,7 @@ class RegisterWorker(_Msg):
     transfer_port: int | None = None
     num_blocks: int = 0
     block_size: int = 0
+    max_seq_blocks: int | None = None  # a sliding window's cap on one sequence's blocks (EngineLimits)
     max_model_len: int = 0
     vocab_size: int | None = None  # token ids the model accepts: [0, vocab_size)
     kv_layout: KVLayout | None = None  # None: one rank holding every layer and KV head
@@ -318,6 +319,8 @@ class RemotePrefillRequest(_Msg):
     dest_block_ids: list[int]
     num_cached_tokens: int = 0  # the decode worker already holds these tokens' KV (prefix cache, whole blocks):
     # send only blocks from num_cached_tokens // block_size on
+    first_block: int | None = None  # the first logical block to send, when later than the cache hits: a
+    # sliding window's first live block (blocks before it are never read); None: num_cached_tokens // block_size
     decode_layout: KVLayout | None = None  # the decode worker's ranks (None: one rank)
     lora: LoRARequest | None = None  # the adapter the KV is built with (the decode worker's too)
     router_addr: str | None = None  # the router that took the request (GenerateRequest.router_addr)

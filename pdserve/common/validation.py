@@ -53,12 +53,15 @@ class EngineLimits:
         vocab_size: rows of the model's embedding; token ids lie in [0, vocab_size).
         num_blocks: KV cache blocks (None: unknown, no capacity check).
         block_size: tokens per KV block.
+        max_seq_blocks: the most blocks one sequence ever holds (a sliding window frees the
+            rest as it moves; ``KVCacheManager``), or None: its whole length.
     """
 
     max_model_len: int
     vocab_size: int
     num_blocks: int | None = None
     block_size: int = 16
+    max_seq_blocks: int | None = None
 
     @property
     def num_kv_tokens(self) -> int | None:
@@ -185,6 +188,8 @@ def check_kv_capacity(num_prompt_tokens: int, max_tokens: int, limits: EngineLim
         return
     num_tokens = num_kv_tokens_needed(num_prompt_tokens, max_tokens, limits.max_model_len)
     needed = num_blocks_needed(num_tokens, limits.block_size)
+    if limits.max_seq_blocks is not None:
+        needed = min(needed, limits.max_seq_blocks)
     if needed > limits.num_blocks:
         raise ValidationError(
             f"This request needs {needed} KV cache blocks of {limits.block_size} tokens ({num_prompt_tokens} "

@@ -38,6 +38,7 @@ from pdserve.common.protocol import (AbortRequest, ConnectKVPair, ErrorKind, Gen
                                      RequestDelta, RequestOutputs, RequestTiming, WorkerRole)
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.outputs import EngineCoreOutput
+from pdserve.engine.kv_cache_manager import NULL_BLOCK
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.common.sharding import KVPiece
 from pdserve.engine.worker_base import WorkerBase, error_delta, rejection_delta, stamp_prefill
@@ -197,7 +198,7 @@ class DecodeWorker(WorkerBase):
             return "request is no longer waiting for KV"
         piece = next((p for p in state.pieces if (p.prefill_rank, p.decode_rank) ==
                       (header.prefill_rank, header.decode_rank)), None)
-        num_blocks = len(request.block_table) - request.num_cached_tokens // self.runner.block_size
+        num_blocks = len(request.block_table) - self._first_sent_block(request)
         want = None if piece is None else (piece.slice.layer_start, piece.slice.num_layers, piece.slice.head_start,
                                            piece.slice.num_heads, num_blocks, self.runner.block_size,
                                            self.runner.head_dim, dtype_name(self.runner.kv_cache_format.name),
@@ -211,11 +212,18 @@ class DecodeWorker(WorkerBase):
 
     # ---- remote prefill -----------------------------------------------------------
 
+    def _first_sent_block(self, request: Request) -> int:
+        """The first of ``request``'s blocks the prefill worker fills: after the prefix-cache hits and the
+        blocks a sliding window left unreserved (``NULL_BLOCK``, always a prefix of the table)."""
+        table = request.block_table
+        num_null = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
+        return max(request.num_cached_tokens // self.runner.block_size, num_null)
+
     def _send_remote_prefill(self, request: Request) -> None:
         state = self.remote[request.request_id]
         state.sent_at = time.monotonic()
         state.deadline = state.sent_at + self.config.remote_prefill_timeout_s
-        first_block = request.num_cached_tokens // self.runner.block_size
+        first_block = self._first_sent_block(request)
         state.pair_generation = self._open_lanes(state.prefill_worker_id, state.prefill_layout)
         self.mailbox.put(state.prefill_addr, RemotePrefillRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
@@ -223,7 +231,7 @@ class DecodeWorker(WorkerBase):
             decode_addr=self.mailbox.address,
             transfer_host=self.pairs.store_host, transfer_port=self.pairs.store_port,
             pair_generation=state.pair_generation, dest_block_ids=request.block_table[first_block:],
-            num_cached_tokens=request.num_cached_tokens, decode_layout=self.kv_layout,
+            num_cached_tokens=request.num_cached_tokens, first_block=first_block, decode_layout=self.kv_layout,
             router_addr=self.request_router.get(request.request_id)))
         timing = self.timings.get(request.request_id)
         if timing is not None:
@@ -253,7 +261,7 @@ class DecodeWorker(WorkerBase):
             self._remote_failed(request_id, error, reset_pair=True)
             return
         request = self.core.scheduler.waiting_for_remote_kvs[request_id]
-        first_block = request.num_cached_tokens // self.runner.block_size  # blocks before it were cache hits
+        first_block = self._first_sent_block(request)  # blocks before it were cache hits or out of the window
         self._ops.installs.append(KVInstall(request_id=request_id, block_ids=request.block_table[first_block:]))
         self._flush_ops()  # every rank copies its pieces into the blocks before the next forward
         del self.remote[request_id]

@@ -86,14 +86,15 @@ class EngineCore:
                             remote_prefill_threshold=config.remote_prefill_threshold,
                             policy=config.scheduling_policy,
                             max_loras=config.max_loras if config.enable_lora else 0),
-            self.block_manager)
+            self.block_manager, sliding_window=self.runner.sliding_window)
         self.proposer = None
         spec = config.speculative
         if spec is not None:
             self.proposer = self._make_proposer(spec)
             self.scheduler.proposer = self.proposer
         self.limits = EngineLimits(max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
-                                   num_blocks=self.runner.num_blocks, block_size=self.runner.block_size)
+                                   num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
+                                   max_seq_blocks=self.scheduler.kv.max_seq_blocks(config.max_num_batched_tokens))
         # Structured outputs: grammars compiled against the model's tokenizer (loaded on first use).
         self.structured_output = StructuredOutputManager(config.model, self.runner.eos_token_ids)
         self.num_steps = 0

@@ -99,7 +99,9 @@ def flatten_step(spans: list[tuple[Request, int, int]], block_size: int) -> Exec
         step.seq_lens.append(end)
         step.query_start_loc.append(step.query_start_loc[-1] + end - start)
     width = max((len(r.block_table) for r, _, _ in spans), default=0)
-    step.block_tables = [r.block_table + [0] * (width - len(r.block_table)) for r, _, _ in spans]
+    # entries freed out of a sliding window (NULL_BLOCK, always a prefix) read block 0: the window masks them
+    step.block_tables = [(r.block_table if not r.block_table or r.block_table[0] >= 0 else
+                          [max(b, 0) for b in r.block_table]) + [0] * (width - len(r.block_table)) for r, _, _ in spans]
     step.max_query_len = max((end - start for _, start, end in spans), default=0)
     step.max_seq_len = max(step.seq_lens, default=0)
     return step
@@ -166,6 +168,7 @@ class ModelRunner:
         self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{kv_name}|"
                                             f"{self.quantization}|{hf_config.to_json_string()}".encode())
         self.block_size = config.block_size
+        self.sliding_window = self._uniform_sliding_window(config)
         self.num_layers = self.model.num_layers
         self.num_kv_heads = self.model.num_kv_heads
         self.head_dim = self.model.head_dim
@@ -216,6 +219,32 @@ class ModelRunner:
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20,
                     kv_name, self.device, self.num_layers, self.num_kv_heads,
                     "K and V" if self.kv_slots == 2 else "one latent row")
+
+    def _uniform_sliding_window(self, config) -> int | None:
+        """The attention window every layer of the model shares, in tokens, or None: the scheduler then frees
+        blocks that slide out of it (``KVCacheManager``). None for full attention, mixed layers (Gemma 3,
+        gpt-oss: logged), pipeline stages (a stage sees only its own layers) and a draft model (its
+        own layers attend over the whole context through the same block tables)."""
+        windows = {m.sliding_window for m in self.model.modules() if hasattr(m, "sliding_window")}
+        if not windows or None in windows:
+            if len(windows) > 1:
+                logger.info("sliding-window layers keep every KV block: the model mixes windows %s with full "
+                            "attention (freeing them needs a block table per layer kind, not built)",
+                            sorted(w for w in windows if w is not None))
+            return None
+        if len(windows) > 1:
+            logger.info("KV blocks kept: the model's layers have different windows %s", sorted(windows))
+            return None
+        window = windows.pop()
+        if config.parallel.pipeline_parallel_size > 1:
+            logger.info("KV blocks outside the %d-token window are kept: pipeline stages", window)
+            return None
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model":
+            logger.info("KV blocks outside the %d-token window are kept: a draft model reads the whole context", window)
+            return None
+        logger.info("sliding window of %d tokens: KV blocks that leave it are freed", window)
+        return window
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
                        block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:

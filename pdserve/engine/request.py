@@ -63,6 +63,8 @@ class Request:
         self.max_model_len = max_model_len
         self.output_token_ids: list[int] = []
         self.block_table: list[int] = []
+        self.keep_blocks_from: int | None = None  # prefill worker: blocks from here on are sent, so a sliding
+        # window never frees them (KVCacheManager.free_out_of_window)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.arrival_time = time.monotonic()

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.validation import num_blocks_needed, num_kv_tokens_needed
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_queue import SCHEDULING_POLICIES, make_waiting_queue, priority_key
@@ -121,10 +121,10 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, step by step, which requests compute how many tokens."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, sliding_window: int | None = None):
         self.config = config
         self.block_manager = block_manager
-        self.kv = KVCacheManager(block_manager)
+        self.kv = KVCacheManager(block_manager, sliding_window)  # the window: see KVCacheManager
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.waiting_for_remote_kvs: dict[str, Request] = {}
@@ -161,6 +161,9 @@ class Scheduler:
         num_tokens = num_kv_tokens_needed(request.num_tokens, request.sampling_params.max_tokens,
                                           self.config.max_model_len)
         needed = num_blocks_needed(num_tokens, self.block_manager.block_size)
+        cap = self.kv.max_seq_blocks(self.config.max_num_batched_tokens)  # a sliding window frees the rest
+        if cap is not None:
+            needed = min(needed, cap)
         if needed > self.block_manager.num_blocks:
             raise ValueError(f"request {request.group_id} needs {needed} KV blocks; "
                              f"the cache has {self.block_manager.num_blocks}")
@@ -234,9 +237,11 @@ class Scheduler:
             if request.remote_prefill and self._prefill_locally(request, hit):
                 request.remote_prefill = False
                 self.stats.num_local_prefills += 1
-            if request.remote_prefill:
-                if not self.kv.allocate_slots(request, request.num_tokens, out.block_copies, hit):
+            if request.remote_prefill:  # the KV lands in the blocks its first decode query can read
+                if not self.kv.allocate_slots(request, request.num_tokens, out.block_copies, hit,
+                                              next_position=request.num_tokens):
                     return
+                self.kv.free_out_of_window(request, request.num_tokens)  # hits that lie before the window
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.waiting_for_remote_kvs[request.request_id] = request
                 out.remote_prefills.append(request)
@@ -247,6 +252,7 @@ class Scheduler:
                 if not self.kv.allocate_slots(request, num_cached + num_new, out.block_copies, hit):
                     return
                 request.num_computed_tokens = num_cached
+                self.kv.free_out_of_window(request)  # hits that lie before the window
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)
                 out.scheduled.append((request, num_new))
@@ -353,6 +359,8 @@ class Scheduler:
                 if logprobs is None and request.request_id in runner_output.logprobs:
                     logprobs = [runner_output.logprobs[request.request_id]]
                 results.append(self._append(request, [*accepted, token_id], logprobs))
+            if not request.status.is_finished:
+                self.kv.free_out_of_window(request)  # after caching and forking: both still saw every block
         return results
 
     def _append(self, request: Request, token_ids: list[int], logprobs=None) -> EngineCoreOutput:
@@ -409,6 +417,9 @@ class Scheduler:
             return False
         request.remote_prefill = False
         request.num_computed_tokens = request.num_cached_tokens  # prefix hits are still valid
+        if NULL_BLOCK in request.block_table:  # blocks before the window were never reserved: start afresh
+            self.kv.free(request)
+            request.num_computed_tokens = request.num_cached_tokens = 0
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return True

@@ -80,6 +80,11 @@ class _Transfer:
     error: str | None = None
 
 
+
+def _first_sent_block(origin: RemotePrefillRequest, block_size: int) -> int:
+    """The first logical block of ``origin``'s prompt that goes to the decode worker."""
+    return origin.num_cached_tokens // block_size if origin.first_block is None else origin.first_block
+
 class PrefillWorker(WorkerBase):
     role = WorkerRole.PREFILL
 
@@ -224,8 +229,9 @@ class PrefillWorker(WorkerBase):
                 self._fail(origin, pairs.error if pairs is not None else "KV pair generation superseded")
                 continue
             try:  # only the first token is sampled here; the decode worker produces the rest
-                self.core.add_request(request_id, origin.prompt_token_ids,
-                                      prefill_sampling_params(origin.sampling_params), lora=origin.lora)
+                request = self.core.add_request(request_id, origin.prompt_token_ids,
+                                                prefill_sampling_params(origin.sampling_params), lora=origin.lora)
+                request.keep_blocks_from = _first_sent_block(origin, self.runner.block_size)
             except ValueError as e:  # ValidationError included: D then recomputes or fails it
                 self._fail(origin, str(e))
                 continue
@@ -278,7 +284,7 @@ class PrefillWorker(WorkerBase):
             if request.num_computed_tokens + num_new != request.num_tokens:
                 continue  # an earlier chunk: nothing to send yet
             origin = self.origin[request.request_id]
-            first_block = origin.num_cached_tokens // runner.block_size
+            first_block = _first_sent_block(origin, runner.block_size)
             num_blocks = len(request.block_table) - first_block
             pieces = self._pieces(origin.decode_layout)
             for piece in pieces:  # header order = each pair's stream order (the agents send in this order)
