@@ -52,7 +52,8 @@ def main() -> int:
             bs = args.block_size
             print(f"window {args.window} tokens, blocks of {bs}, prefill chunks of {args.max_num_batched_tokens}; "
                   f"one request of {args.prompt} + {args.output} tokens")
-            print("| after step | tokens computed | blocks held | blocks if all kept | Mistral-7B KV held | if all kept |")
+            print("| after step | tokens computed | blocks held between steps | blocks if all kept | Mistral-7B KV held | "
+                  "if all kept |")
             print("|---|---|---|---|---|---|")
             peak, step = 0, 0
             while core.has_unfinished():
@@ -68,8 +69,9 @@ def main() -> int:
                     print(f"| {step} | {request.num_computed_tokens} | {held} | {kept} | {held / mib:.0f} MiB | "
                           f"{kept / mib:.0f} MiB |")
             total = -(-(args.prompt + args.output) // bs)
-            print(f"peak: {peak} blocks held against {total} with every block kept "
-                  f"({peak / total:.0%}); engine cap per sequence: {core.limits.max_seq_blocks} blocks; "
+            print(f"peak between steps: {peak} blocks held against {total} with every block kept ({peak / total:.0%}); "
+                  f"while a prefill chunk computes it holds up to the window and the chunk, at most "
+                  f"{core.limits.max_seq_blocks} blocks (the engine's cap per sequence); "
                   f"free blocks at the end: {core.block_manager.num_free_blocks}/{core.block_manager.num_blocks}")
         finally:
             core.close()
