@@ -36,13 +36,6 @@ SUFFIXES = ("_blocks", "_scales")
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-def is_mxfp4(quantization_config) -> bool:
-    """Whether a config's ``quantization_config`` (a dict, an object or None) is MXFP4."""
-    qc = quantization_config or {}
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    return str(getattr(method, "value", method)) == QUANT_METHOD
-
-
 def split_name(hf_name: str) -> tuple[str, str] | None:
     """``...gate_up_proj_blocks`` -> (``...gate_up_proj``, ``"_blocks"``); None for other names."""
     for suffix in SUFFIXES:
