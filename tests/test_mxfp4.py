@@ -163,12 +163,22 @@ def test_tensor_parallel_2_shards_the_dequantized_experts(mxfp4_dir, prompt_ids,
     _check(outputs, reference)
 
 
-def test_an_unsupported_quant_method_is_named_in_the_error(mxfp4_dir, tmp_path):
-    bad = shutil.copytree(mxfp4_dir, tmp_path / "fp8")
-    with open(bad / "config.json") as f:
+def _with_quantization_config(src: str, dst, quantization_config: dict) -> str:
+    shutil.copytree(src, dst)
+    with open(dst / "config.json") as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    with open(bad / "config.json", "w") as f:
+    config["quantization_config"] = quantization_config
+    with open(dst / "config.json", "w") as f:
         json.dump(config, f)
+    return str(dst)
+
+
+def test_an_unsupported_quant_method_is_named_in_the_error(mxfp4_dir, model_dir, tmp_path):
+    fp8 = _with_quantization_config(mxfp4_dir, tmp_path / "fp8", {"quant_method": "fp8",
+                                                                   "weight_block_size": [128, 128]})
     with pytest.raises(ValueError, match="quant_method='fp8' is not supported"):
-        LLM(str(bad))
+        LLM(fp8)
+    llama = _with_quantization_config(model_dir, tmp_path / "llama_mxfp4", QUANTIZATION_CONFIG)
+    with pytest.raises(ValueError, match="'mxfp4' is supported for gpt-oss's MoE experts only, not for model_type "
+                                         "'llama'"):
+        LLM(llama)

@@ -18,10 +18,13 @@ holds value 2j in its low nibble and value 2j + 1 in its high nibble. Dequantize
 
 Why dequantize: CPU torch has no MXFP4 matmul, so the experts are widened once, at load, to
 the model dtype, and run as the float experts do. That costs memory: MXFP4 is 17 bytes per 32
-values (4.25 bits); bfloat16 takes 3.8x that and float32 7.5x (gpt-oss-20b's experts, about
-19.1e9 values, are about 10 GiB packed, 36 GiB in bfloat16). On CUDA, vLLM runs MXFP4 natively
-with Marlin / Triton kernels (and transformers with OpenAI's Triton kernels); pdserve has none
-of those.
+values (4.25 bits); bfloat16 takes 3.8x that and float32 7.5x. gpt-oss-20b's experts (24 layers
+x 32 experts x 24.9e6 values, 19.1e9) are 9.5 GiB packed and 35.6 GiB in bfloat16; gpt-oss-120b's
+(36 x 128 experts, 114.7e9 values) 56.7 GiB packed and 213.6 GiB in bfloat16, split over the
+ranks by TP or expert parallelism. Each rank dequantizes a whole tensor (every expert) and keeps
+its share, so loading needs, beyond the rank's weights, one layer's dequantized ``gate_up_proj``
+(20b: 1.0 GiB in bfloat16; 120b: 4.0 GiB). On CUDA, vLLM runs MXFP4 natively with Marlin /
+Triton kernels (and transformers with OpenAI's Triton kernels); pdserve has none of those.
 """
 
 from __future__ import annotations
