@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.mxfp4 import QUANT_METHOD as MXFP4_METHOD
+
 QUANT_METHOD = "compressed-tensors"
 CHECKPOINT_SCALE = "checkpoint_weight_scale"  # attribute a quantized linear holds until quantize_model
 _SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
@@ -51,8 +53,9 @@ class CompressedTensorsConfig:
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> "CompressedTensorsConfig | None":
-        """The checkpoint's scheme; None when it is not a compressed-tensors checkpoint. Raises
-        ValueError for another quantization method or a scheme this loader does not run."""
+        """The checkpoint's scheme; None when it is not a compressed-tensors checkpoint (a float one,
+        or gpt-oss's MXFP4 experts, which ``pdserve.engine.mxfp4`` loads). Raises ValueError for
+        another quantization method or a scheme this loader does not run."""
         try:
             with open(os.path.join(model_dir, "config.json")) as f:
                 qc = json.load(f).get("quantization_config")
@@ -61,9 +64,12 @@ class CompressedTensorsConfig:
         if not qc:
             return None
         method = qc.get("quant_method")
+        if method == MXFP4_METHOD:
+            return None
         if method != QUANT_METHOD:
-            raise ValueError(f"{model_dir} is quantized with {method!r}; pdserve loads compressed-tensors "
-                             "checkpoints (W8A16 / W4A16) or quantizes float ones with --quantization int8")
+            raise ValueError(f"{model_dir}: quantization_config.quant_method={method!r} is not supported; pdserve "
+                             "loads compressed-tensors checkpoints (W8A16 / W4A16) and gpt-oss's MXFP4 experts, or "
+                             "quantizes float ones with --quantization int8")
         groups = list((qc.get("config_groups") or {}).values())
         schemes = {json.dumps(g.get("weights"), sort_keys=True) for g in groups}
         if len(schemes) != 1:

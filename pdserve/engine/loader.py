@@ -23,6 +23,11 @@ A compressed-tensors checkpoint (W8A16 / W4A16, ``pdserve.engine.compressed_tens
 quantized linear as ``weight_packed`` / ``weight_scale`` / ``weight_shape``: it is dequantized and
 loaded as above, and its scale, sharded the same way, stays on the layer as
 ``checkpoint_weight_scale`` for ``quantization.quantize_model``.
+
+An MXFP4 checkpoint (gpt-oss as released, ``pdserve.engine.mxfp4``) stores each MoE expert tensor
+as ``<name>_blocks`` / ``<name>_scales``: once both halves are read, the pair is dequantized to
+the model dtype in transformers' float layout and loaded as ``<name>`` (whole, before the
+family's weight loader takes this rank's TP slice or EP experts). No MXFP4 kernel runs here.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from pdserve.engine import mxfp4
 from pdserve.engine.compressed_tensors import CHECKPOINT_SCALE, CompressedTensorsConfig
 from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
 from pdserve.engine.models.llama import LlamaForCausalLM
@@ -137,17 +143,24 @@ def load_model(
     model without experts ignores it (logged).
 
     Raises UnsupportedArchitecture (a ValueError) for an architecture pdserve has no model for,
-    ValueError when the checkpoint has missing or unexpected weights, FileNotFoundError when
-    there are no safetensors files.
+    ValueError when the checkpoint has missing or unexpected weights, a quantization_config
+    whose quant_method is neither compressed-tensors nor mxfp4 (or mxfp4 on a model other than
+    gpt-oss), or malformed MXFP4 tensors, FileNotFoundError when there are no safetensors files.
     """
     config = AutoConfig.from_pretrained(model_dir)
     model_type = getattr(config, "model_type", None)
     cls = model_class(config, model_dir)
     qc = getattr(config, "quantization_config", None) or {}
     method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    if method is not None and method != "compressed-tensors":  # e.g. gpt-oss's released mxfp4 weights
+    method = getattr(method, "value", method)
+    if method is not None and method not in ("compressed-tensors", mxfp4.QUANT_METHOD):
         raise ValueError(f"{model_dir}: quantization_config.quant_method={method!r} is not supported (pdserve loads "
-                         "float checkpoints and compressed-tensors W8A16/W4A16); dequantize the checkpoint first")
+                         "float checkpoints, compressed-tensors W8A16/W4A16 and gpt-oss's MXFP4 experts); "
+                         "dequantize the checkpoint first")
+    is_mxfp4 = method == mxfp4.QUANT_METHOD
+    if is_mxfp4 and model_type != "gpt_oss":
+        raise ValueError(f"{model_dir}: quantization_config.quant_method='mxfp4' is supported for gpt-oss's MoE "
+                         f"experts only, not for model_type {model_type!r}")
     files = _checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
@@ -162,6 +175,8 @@ def load_model(
     unexpected: list[str] = []
     compressed = CompressedTensorsConfig.from_model_dir(model_dir)
     pending: dict[str, dict[str, torch.Tensor]] = {}  # compressed-tensors: linear's HF name -> its tensors
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # mxfp4: expert tensor's HF name -> its _blocks / _scales
+    mx_bytes = [0, 0, 0]  # mxfp4: tensors dequantized, packed bytes read, dequantized bytes made
 
     split_fused = tuple(f".{m}." for m in getattr(model, "split_fused", ()))
     modules = dict(model.named_modules())
@@ -209,6 +224,20 @@ def load_model(
                 if not model.holds(hf_name):
                     continue  # another pipeline stage's layer, or the driver's head
                 tensor = f.get_tensor(hf_name)
+                if is_mxfp4 and (split := mxfp4.split_name(hf_name)) is not None:
+                    prefix, suffix = split
+                    packed.setdefault(prefix, {})[suffix] = tensor
+                    if len(packed[prefix]) == len(mxfp4.SUFFIXES):  # both halves read: dequantize and load
+                        parts = packed.pop(prefix)
+                        try:
+                            weight = mxfp4.dequantize_experts(parts["_blocks"], parts["_scales"], dtype)
+                        except ValueError as e:
+                            raise ValueError(f"cannot load the MXFP4 tensor {prefix} from {path}: {e}") from e
+                        mx_bytes[0] += 1
+                        mx_bytes[1] += sum(t.numel() * t.element_size() for t in parts.values())
+                        mx_bytes[2] += weight.numel() * weight.element_size()
+                        load(prefix, weight, path)
+                    continue
                 if compressed is not None and compressed.is_quantized_tensor(hf_name, tensor):
                     prefix, _, suffix = hf_name.rpartition(".")
                     pending.setdefault(prefix, {})[suffix] = tensor
@@ -228,6 +257,15 @@ def load_model(
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             _place_scale(module, scale, shard_id)
 
+    unexpected.extend(f"{prefix}{suffix}" for prefix, parts in packed.items()  # half an MXFP4 pair
+                      for suffix in mxfp4.SUFFIXES if suffix in parts)
+    if mx_bytes[0]:
+        held = sum(p.numel() * p.element_size() for m in model.modules() if hasattr(m, "expected_shards")
+                   for n, p in m.named_parameters(recurse=False) if n.endswith("_weight"))
+        logger.info("MoE experts dequantized from MXFP4 to %s at load (%d tensors: %.1f MiB packed -> %.1f MiB; "
+                    "this rank holds %.1f MiB of expert weights): no MXFP4 matmul on CPU, they run as float experts",
+                    str(dtype).removeprefix("torch."), mx_bytes[0], mx_bytes[1] / 2**20, mx_bytes[2] / 2**20,
+                    held / 2**20)
     missing = sorted(f"{n}" + ("" if s is None else f"[part {s}]") for n, s in expected - loaded)
     if missing or unexpected:
         raise ValueError(

@@ -15,7 +15,8 @@ Checkpoints as transformers writes them hold the experts fused: ``mlp.experts.ga
 [E, H, 2I] with gate and up interleaved column by column, its bias [E, 2I], ``down_proj``
 [E, I, H] and its bias [E, H]; they are de-interleaved and transposed into ``FusedExperts``'
 layout at load. MXFP4-quantized checkpoints (the released weights: ``*_blocks`` /
-``*_scales``) are refused by the loader as unexpected tensors: dequantize them first.
+``*_scales``) are dequantized by the loader (``pdserve.engine.mxfp4``) into that same fused
+layout first, so they reach ``GptOssExperts.weight_loader`` as float tensors.
 """
 
 from __future__ import annotations
