@@ -160,8 +160,11 @@ def test_rotary_matches_transformers_per_request(kind, rope_dirs):
 def test_llm_matches_transformers_alone_and_batched(name, rope_dirs):
     """Each case alone, then all three in one batch (their prefills share a step, then their decodes):
     transformers' tokens and logprobs every time, with the decode step compiled."""
+    import torch._dynamo.utils
+
     path = rope_dirs[name]
     want = {case: _reference(name, path, case) for case in CASES}
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     params = {case: SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, ignore_eos=True)
               for case, (_, n) in CASES.items()}
     with LLM(path, max_model_len=4 * ORIGINAL, kv_cache_memory="2MiB", enforce_eager=False) as llm:
@@ -172,6 +175,9 @@ def test_llm_matches_transformers_alone_and_batched(name, rope_dirs):
         outs = llm.generate([PROMPTS[c] for c in CASES], [params[c] for c in CASES], use_tqdm=False)
         for case, out in zip(CASES, outs):
             _assert_matches(out, want[case], f"{name} {case} batched")
+    # one graph: the per-request length is tensor arithmetic, no data-dependent branch
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks, \
+        dict(torch._dynamo.utils.counters["graph_break"])
 
 
 def test_phi3_generate_recomputes_at_the_crossing(rope_dirs):
