@@ -258,7 +258,10 @@ class RotaryEmbedding(nn.Module):
     takes its own length, each decode step position + 1, and keys already cached keep the
     frequencies they were computed with (a sequence that grows past the original length has
     short-factor keys before and long-factor ones after). A request's tokens never see another
-    request's length. vLLM instead picks per position (long factor for positions at or above the
+    request's length. One exception: transformers' Phi-3 ``generate`` (``prepare_inputs_for_generation``)
+    drops its cache on the step that first exceeds the original length and recomputes every key with
+    the long factor; pdserve keeps the cached keys, so its tokens match transformers' step-by-step
+    forward there, not that ``generate`` (tests/test_rope_scaling.py keeps the difference visible). vLLM instead picks per position (long factor for positions at or above the
     original length, so a key's rotation never depends on the sequence); we follow transformers,
     the reference implementation the model authors shipped and evaluated. Consequence: a prompt
     split over several steps (chunked prefill), recomputed after preemption, or reused from the
