@@ -261,9 +261,12 @@ class RotaryEmbedding(nn.Module):
     request's length. One exception: transformers' Phi-3 ``generate`` (``prepare_inputs_for_generation``)
     drops its cache on the step that first exceeds the original length and recomputes every key with
     the long factor; pdserve keeps the cached keys, so its tokens match transformers' step-by-step
-    forward there, not that ``generate`` (tests/test_rope_scaling.py keeps the difference visible). vLLM instead picks per position (long factor for positions at or above the
-    original length, so a key's rotation never depends on the sequence); we follow transformers,
-    the reference implementation the model authors shipped and evaluated. Consequence: a prompt
+    forward there, not that ``generate`` (tests/test_rope_scaling.py keeps the difference visible).
+    vLLM instead decides from the positions alone: its ``Phi3LongRoPEScaledRotaryEmbedding`` (in the
+    versions we read) takes the long factor for every token of a forward when any position in it
+    exceeds the original length (``torch.any(positions > original)``), so a short request batched with
+    a long one changes; we follow transformers, the reference implementation the model authors
+    shipped and evaluated, per request so that batching changes nothing. Consequence: a prompt
     split over several steps (chunked prefill), recomputed after preemption, or reused from the
     prefix cache keeps the frequencies of the step that computed it, which transformers' one-shot
     prefill would not have used when the split straddles the original length.
