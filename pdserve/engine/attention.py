@@ -74,6 +74,24 @@ class AttentionMetadata:
     # Derived once per forward by paged_attention and shared by all layers (see _plan, _native_plan).
     _groups: list["_Group"] | None = field(default=None, init=False, repr=False, compare=False)
     _native: "_NativePlan | None" = field(default=None, init=False, repr=False, compare=False)
+    _token_seq_lens: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+
+    def token_seq_lens(self, positions: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] int64: for each new token, its sequence's length after this step (its request's
+        largest position in this step + 1), what a length-dependent RoPE (longrope, dynamic NTK;
+        ``RotaryEmbedding``) reads. Computed once per forward, only when such a RoPE asks.
+
+        positions: [num_tokens] int64. A step of at most one new token per sequence (a decode step, the
+        compiled one included) takes positions + 1, no gather; others repeat each ``seq_lens`` entry
+        over its sequence's ``query_start_loc`` range."""
+        if self._token_seq_lens is None:
+            if self.max_query_len == 1:
+                self._token_seq_lens = positions + 1
+            else:
+                counts = self.query_start_loc[1:] - self.query_start_loc[:-1]
+                self._token_seq_lens = torch.repeat_interleave(self.seq_lens, counts,
+                                                               output_size=positions.shape[0])
+        return self._token_seq_lens
 
     @classmethod
     def build(

@@ -101,7 +101,8 @@ class MLAttention(nn.Module):
                                         device=device)
         theta, scaling = _rope_settings(config)
         self.rotary_emb = RotaryEmbedding(self.rope, theta, scaling, device=device,
-                                          interleaved=bool(getattr(config, "rope_interleave", True)))
+                                          interleaved=bool(getattr(config, "rope_interleave", True)),
+                                          max_position_embeddings=getattr(config, "max_position_embeddings", None))
         self.scale = self.qk_head_dim**-0.5
         if scaling and scaling.get("mscale_all_dim"):  # YaRN's softmax temperature, applied twice (q and k)
             self.scale *= _mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
@@ -113,7 +114,7 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.view(n, h, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([c, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent).view(n, 1, c)  # (N, 1, C)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.reshape(n, 1, self.rope))
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.reshape(n, 1, self.rope), attn_metadata)
         w = self.kv_b_proj.weight.view(h, self.nope + self.v_head_dim, c)
         q_latent = torch.einsum("nhd,hdc->nhc", q_nope, w[:, :self.nope])  # (N, H, C): q_nope folded by W_UK
         query = torch.cat([q_latent, q_pe], dim=-1)  # (N, H, C + R)

@@ -82,7 +82,8 @@ class Gemma3Attention(Qwen3Attention):
                                       "the paged attention kernel does not cap scores")
         self.scale = float(config.query_pre_attn_scalar) ** -0.5
         theta, scaling = _layer_rope(config, config.layer_types[layer_idx])
-        self.rotary_emb = RotaryEmbedding(self.head_dim, theta, scaling, device=device)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, theta, scaling, device=device,
+                                          max_position_embeddings=getattr(config, "max_position_embeddings", None))
 
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):

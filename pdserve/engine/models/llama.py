@@ -49,6 +49,9 @@ def _rope_settings(config) -> tuple[float, dict | None]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     theta = getattr(config, "rope_theta", None) or params.get("rope_theta") or 10000.0
     rope_type = params.get("rope_type", params.get("type"))
+    if rope_type == "longrope" and getattr(config, "original_max_position_embeddings", None) is not None:
+        # Phi-3 keeps the pretraining length as a config field, which transformers prefers to the dict's
+        params = {**params, "original_max_position_embeddings": config.original_max_position_embeddings}
     return float(theta), (params if rope_type not in (None, "default") else None)
 
 
@@ -112,7 +115,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_size, hidden, bias=o_bias, tp_group=tp_group, dtype=dtype, device=device)
         theta, scaling = _rope_settings(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, theta, scaling, device=device,
-                                          rotary_dim=_rotary_dim(config, self.head_dim))
+                                          rotary_dim=_rotary_dim(config, self.head_dim),
+                                          max_position_embeddings=getattr(config, "max_position_embeddings", None))
 
     def forward(
         self,
@@ -131,7 +135,7 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (N, H_kv, D)
         q, k = self.normalize_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, attn_metadata)  # metadata: read by length-dependent RoPE only
         out = paged_attention(q, k, v, kv_cache_layer, attn_metadata, self.scale, self.sliding_window, layer,
                               getattr(self, "sinks", None))  # per-head attention-sink logits (gpt-oss's)
         return self.o_proj(out.reshape(-1, q_local))  # (N, H*D) -> (N, hidden)

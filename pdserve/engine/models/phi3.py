@@ -5,8 +5,11 @@ Abdin et al., "Phi-3 Technical Report" (Microsoft, 2024). The checkpoint stores 
 fused names); the loader cuts each into its parts (``split_fused``) so every TP rank takes
 its rows of q, k and v, or of gate and up, as for Llama. ``partial_rotary_factor`` rotates
 only the first features of each head (Phi-4-mini); ``sliding_window`` applies to every
-layer, as in Mistral. LongRoPE scaling (the 128k models) is not implemented: the
-RoPE layer refuses it at load time.
+layer, as in Mistral. LongRoPE scaling (the 128k models: Phi-3-mini-128k, Phi-3.5, Phi-4-mini)
+is ``RotaryEmbedding``'s ``longrope``: short or long factors per request, by its length in the step.
+transformers' Phi-3 ``generate`` also drops its KV cache and recomputes the whole sequence on the
+step that first exceeds ``original_max_position_embeddings``; pdserve does not (the keys cached
+before keep the short factor), so from that step on its tokens can differ from ``generate``'s.
 """
 
 from __future__ import annotations
