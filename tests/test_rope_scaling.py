@@ -190,3 +190,21 @@ def test_phi3_generate_recomputes_at_the_crossing(rope_dirs):
     crossing = ORIGINAL + 1 - len(ids)  # the first token sampled from a forward longer than the original
     assert generated[0][:crossing] == incremental[0][:crossing]
     assert generated[0] != incremental[0]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_chunked_prefill_takes_the_whole_prompts_length_and_prefix_caching_is_off(name, rope_dirs):
+    """A 44-token prompt prefilled in 8-token chunks: its first chunks lie below the original length, yet
+    they take the whole prompt's frequencies, as transformers' one-shot prefill does (each chunk's own end
+    would give the unscaled ones). A repeated prompt is never a prefix hit: a block's K depends on the
+    length of the request that computed it."""
+    path = rope_dirs[name]
+    want = _reference(name, path, "above")
+    params = SamplingParams(max_tokens=CASES["above"][1], temperature=0.0, logprobs=0, ignore_eos=True)
+    with LLM(path, max_model_len=4 * ORIGINAL, kv_cache_memory="2MiB", max_num_batched_tokens=8,
+             enable_prefix_caching=True) as llm:
+        assert not llm.core.block_manager.enable_prefix_caching
+        for _ in range(2):
+            [out] = llm.generate([PROMPTS["above"]], params, use_tqdm=False)
+            _assert_matches(out, want, f"{name} chunked")
+            assert out.num_cached_tokens == 0

@@ -71,26 +71,30 @@ class AttentionMetadata:
     # The cache's KV dtype name when it is quantized (int8, fp8_e4m3, fp8_e5m2; see kv_quant); None: the
     # cache tensor's own dtype (a plain float cache).
     kv_cache_dtype: str | None = None
+    # [num_seqs] int64: each sequence's known length (prompt + outputs, drafts included), for a RoPE whose
+    # frequencies depend on the length (longrope, dynamic NTK); None: seq_lens (see token_seq_lens).
+    rope_seq_lens: torch.Tensor | None = None
     # Derived once per forward by paged_attention and shared by all layers (see _plan, _native_plan).
     _groups: list["_Group"] | None = field(default=None, init=False, repr=False, compare=False)
     _native: "_NativePlan | None" = field(default=None, init=False, repr=False, compare=False)
     _token_seq_lens: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
 
     def token_seq_lens(self, positions: torch.Tensor) -> torch.Tensor:
-        """[num_tokens] int64: for each new token, its sequence's length after this step (its request's
-        largest position in this step + 1), what a length-dependent RoPE (longrope, dynamic NTK;
-        ``RotaryEmbedding``) reads. Computed once per forward, only when such a RoPE asks.
+        """[num_tokens] int64: for each new token, its sequence's known length (``rope_seq_lens``: the
+        whole prompt while a chunk of it computes, position + 1 in a decode step; without it, the length
+        after this step), what a length-dependent RoPE (longrope, dynamic NTK; ``RotaryEmbedding``)
+        reads. Computed once per forward, only when such a RoPE asks.
 
-        positions: [num_tokens] int64. A step of at most one new token per sequence (a decode step, the
-        compiled one included) takes positions + 1, no gather; others repeat each ``seq_lens`` entry
-        over its sequence's ``query_start_loc`` range."""
+        positions: [num_tokens] int64. A step of one new token per sequence without ``rope_seq_lens``
+        (the compiled decode step) takes positions + 1, no gather; others repeat each sequence's length
+        over its ``query_start_loc`` range."""
         if self._token_seq_lens is None:
-            if self.max_query_len == 1:
+            if self.max_query_len == 1 and self.rope_seq_lens is None:
                 self._token_seq_lens = positions + 1
             else:
+                lens = self.seq_lens if self.rope_seq_lens is None else self.rope_seq_lens
                 counts = self.query_start_loc[1:] - self.query_start_loc[:-1]
-                self._token_seq_lens = torch.repeat_interleave(self.seq_lens, counts,
-                                                               output_size=positions.shape[0])
+                self._token_seq_lens = torch.repeat_interleave(lens, counts, output_size=positions.shape[0])
         return self._token_seq_lens
 
     @classmethod

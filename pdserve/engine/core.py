@@ -76,8 +76,14 @@ class EngineCore:
         except BaseException:
             self.close()
             raise
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and self.runner.rope_needs_lengths:
+            # a block's K then depends on the length of the request that computed it, not only on its tokens
+            logger.info("prefix caching is off: the model's RoPE (longrope / dynamic) scales with each request's "
+                        "length, so equal tokens do not mean equal KV")
+            prefix_caching = False
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          enable_prefix_caching=prefix_caching,
                                           salt=self.runner.model_fingerprint)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,

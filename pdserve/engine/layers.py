@@ -252,24 +252,25 @@ class RotaryEmbedding(nn.Module):
       theta * (factor * L / M - (factor - 1)) ** (R / (R - 2)); shorter ones keep theta.
 
     The length is taken per request, from ``attn_metadata`` (``AttentionMetadata.token_seq_lens``):
-    a token's is its request's largest position in this forward + 1. That is what transformers
-    does for one sequence (``dynamic_rope_update``: its forward's max(position_ids) + 1), so a
-    request's ``generate`` alone is reproduced token for token: a prompt prefilled in one step
-    takes its own length, each decode step position + 1, and keys already cached keep the
-    frequencies they were computed with (a sequence that grows past the original length has
-    short-factor keys before and long-factor ones after). A request's tokens never see another
-    request's length. One exception: transformers' Phi-3 ``generate`` (``prepare_inputs_for_generation``)
-    drops its cache on the step that first exceeds the original length and recomputes every key with
-    the long factor; pdserve keeps the cached keys, so its tokens match transformers' step-by-step
-    forward there, not that ``generate`` (tests/test_rope_scaling.py keeps the difference visible).
-    vLLM instead decides from the positions alone: its ``Phi3LongRoPEScaledRotaryEmbedding`` (in the
-    versions we read) takes the long factor for every token of a forward when any position in it
-    exceeds the original length (``torch.any(positions > original)``), so a short request batched with
-    a long one changes; we follow transformers, the reference implementation the model authors
-    shipped and evaluated, per request so that batching changes nothing. Consequence: a prompt
-    split over several steps (chunked prefill), recomputed after preemption, or reused from the
-    prefix cache keeps the frequencies of the step that computed it, which transformers' one-shot
-    prefill would not have used when the split straddles the original length.
+    a token's is its request's known length when the step runs (the whole prompt while any chunk of
+    it computes; position + 1 in a decode step). That is what transformers does for one sequence
+    (``dynamic_rope_update``: its forward's max(position_ids) + 1), so a request's ``generate`` alone
+    is reproduced token for token, with its prompt prefilled in one step or in chunks; keys already
+    cached keep the frequencies they were computed with (a sequence that grows past the original
+    length has short-factor keys before and long-factor ones after). A request's tokens never see
+    another request's length. One exception: transformers' Phi-3 ``generate``
+    (``prepare_inputs_for_generation``) drops its cache on the step that first exceeds the original
+    length and recomputes every key with the long factor; pdserve keeps the cached keys, so its tokens
+    match transformers' step-by-step forward there, not that ``generate`` (tests/test_rope_scaling.py
+    keeps the difference visible). vLLM instead decides from the positions alone: its
+    ``Phi3LongRoPEScaledRotaryEmbedding`` (in the versions we read) takes the long factor for every
+    token of a forward when any position in it exceeds the original length
+    (``torch.any(positions > original)``), so a short request batched with a long one changes; we
+    follow transformers, the reference implementation the model authors shipped and evaluated, per
+    request so that batching changes nothing. A request recomputed after preemption takes its whole
+    known length (as that Phi-3 ``generate`` recomputes). Because a block's K then depends on the
+    length of the request that computed it, not only on its tokens, the engine turns prefix caching
+    off for these two kinds (logged).
     Without ``attn_metadata`` all tokens count as one sequence (max(positions) + 1).
     transformers' dynamic kind also keeps a cached length across calls (``max_seq_len_cached``, reset
     when a forward is shorter than M); for a single growing sequence that is the stateless rule above.

@@ -97,6 +97,7 @@ def flatten_step(spans: list[tuple[Request, int, int]], block_size: int) -> Exec
         step.positions.extend(range(start, end))
         step.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         step.seq_lens.append(end)
+        step.rope_seq_lens.append(max(end, request.num_tokens))  # a prompt's chunks: the whole prompt's length
         step.query_start_loc.append(step.query_start_loc[-1] + end - start)
     width = max((len(r.block_table) for r, _, _ in spans), default=0)
     # entries freed out of a sliding window (NULL_BLOCK, always a prefix) read block 0: the window masks them
@@ -169,6 +170,8 @@ class ModelRunner:
                                             f"{self.quantization}|{hf_config.to_json_string()}".encode())
         self.block_size = config.block_size
         self.sliding_window = self._uniform_sliding_window(config)
+        # longrope / dynamic NTK RoPE: frequencies follow each request's length (RotaryEmbedding.length_scaling)
+        self.rope_needs_lengths = any(getattr(m, "length_scaling", None) for m in self.model.modules())
         self.num_layers = self.model.num_layers
         self.num_kv_heads = self.model.num_kv_heads
         self.head_dim = self.model.head_dim
@@ -277,6 +280,7 @@ class ModelRunner:
             backend=self.attention_backend,
             batch_invariant=self.config.batch_invariant,
             kv_cache_dtype=self._attn_kv_dtype,
+            rope_seq_lens=as_tensor(step.rope_seq_lens) if self.rope_needs_lengths and step.rope_seq_lens else None,
         )
         return ModelInput(as_tensor(step.input_ids), as_tensor(step.positions), metadata,
                           as_tensor(step.sample_indices))
@@ -352,7 +356,8 @@ class ModelRunner:
         try:
             md = inp.attn_metadata
             compiled = self._compiled_decode is not None and not step.lora_slots  # adapters: eager
-            if compiled and md.max_query_len == 1 and on_layer_done is None:
+            if (compiled and md.max_query_len == 1 and on_layer_done is None  # decode-only: its RoPE length is
+                    and (md.rope_seq_lens is None or torch.equal(md.rope_seq_lens, md.seq_lens))):  # position + 1
                 tables = md.block_tables
                 if tables.shape[1] < 2:  # at least two wide, as compiled (the kernel reads only seq_lens' worth)
                     tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
