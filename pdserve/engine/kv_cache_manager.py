@@ -1,4 +1,4 @@
-"""Per-request KV block bookkeeping on top of the block manager (no torch).
+"""Per-request KV block bookkeeping on top of the block manager (no torch import).
 
 The scheduler decides *who* runs; this module decides *which blocks* they use:
 
@@ -28,12 +28,43 @@ block table per layer kind (vLLM's hybrid KV cache manager), not built.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from pdserve.engine.block_manager import BlockManager, chain_hash
 from pdserve.engine.request import Request
 
 NULL_BLOCK = -1  # a block_table entry whose block slid out of the attention window and was freed
+
+logger = logging.getLogger(__name__)
+
+
+def uniform_sliding_window(model, config) -> int | None:
+    """The attention window every layer of ``model`` (an ``nn.Module`` whose attention modules carry
+    ``sliding_window``) shares, in tokens, or None: the scheduler then frees blocks that slide out of
+    it (``KVCacheManager``). None for full attention, mixed layers (Gemma 3, gpt-oss: logged),
+    pipeline stages (``config``, an ``EngineConfig``: a stage sees only its own layers) and a draft
+    model (its own layers attend over the whole context through the same block tables)."""
+    windows = {m.sliding_window for m in model.modules() if hasattr(m, "sliding_window")}
+    if not windows or None in windows:
+        if len(windows) > 1:
+            logger.info("sliding-window layers keep every KV block: the model mixes windows %s with full "
+                        "attention (freeing them needs a block table per layer kind, not built)",
+                        sorted(w for w in windows if w is not None))
+        return None
+    if len(windows) > 1:
+        logger.info("KV blocks kept: the model's layers have different windows %s", sorted(windows))
+        return None
+    window = windows.pop()
+    if config.parallel.pipeline_parallel_size > 1:
+        logger.info("KV blocks outside the %d-token window are kept: pipeline stages", window)
+        return None
+    spec = config.speculative
+    if spec is not None and spec.method == "draft_model":
+        logger.info("KV blocks outside the %d-token window are kept: a draft model reads the whole context", window)
+        return None
+    logger.info("sliding window of %d tokens: KV blocks that leave it are freed", window)
+    return window
 
 
 @dataclass

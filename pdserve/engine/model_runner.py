@@ -24,8 +24,10 @@ from transformers import AutoConfig
 from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach, WorkerRole
 from pdserve.common.utils import format_cpu_list, keep_freed_memory, pin_to_cores, resolve_device, resolve_dtype
 from pdserve.engine.attention import AttentionMetadata, select_backend
+from pdserve.engine.compiled_step import CompiledDecodeStep
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
+from pdserve.engine.kv_cache_manager import uniform_sliding_window
 from pdserve.common.kv_quant import resolve_kv_cache_format
 from pdserve.engine.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
@@ -108,7 +110,6 @@ def flatten_step(spans: list[tuple[Request, int, int]], block_size: int) -> Exec
     return step
 
 
-_RECOMPILE_LIMIT = 64  # graphs of the compiled decode step per process (see compile_decode_step)
 
 
 class ModelRunner:
@@ -169,7 +170,7 @@ class ModelRunner:
         self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{kv_name}|"
                                             f"{self.quantization}|{hf_config.to_json_string()}".encode())
         self.block_size = config.block_size
-        self.sliding_window = self._uniform_sliding_window(config)
+        self.sliding_window = uniform_sliding_window(self.model, config)
         # longrope / dynamic NTK RoPE: frequencies follow each request's length (RotaryEmbedding.length_scaling)
         self.rope_needs_lengths = any(getattr(m, "length_scaling", None) for m in self.model.modules())
         self.num_layers = self.model.num_layers
@@ -203,7 +204,7 @@ class ModelRunner:
             # decode-sized matmuls stream each weight once (pdserve.engine.decode_linear)
             logger.info("decode linear kernel (few-row matmuls): %s",
                         "on" if decode_linear.build_kernel() else "unavailable")
-        self._compiled_decode = None  # the decode step's forward under torch.compile (see compile_decode_step)
+        self._compiled_decode = None  # CompiledDecodeStep: decode-only steps' forward under torch.compile
         if config.batch_invariant:  # inductor fuses and reorders reductions by batch size: not shown invariant
             logger.info("decode step runs eagerly: --batch-invariant (a compiled step is not shown invariant)")
         elif self.quantization is not None and not (self.dtype == torch.float32 and build_kernel()):
@@ -212,7 +213,7 @@ class ModelRunner:
             logger.info("decode step runs eagerly: --quantization %s without the int8 kernel (float32 activations "
                         "and a C++ compiler; see pdserve.engine.int8_linear)", self.quantization)
         elif not config.enforce_eager:
-            self.compile_decode_step()
+            self._compiled_decode = CompiledDecodeStep.build(self)
         self.sampler = Sampler(config.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.total_kv_heads = self.model.total_kv_heads  # the cache's KV heads over all TP ranks (MLA: 1 latent)
@@ -222,32 +223,6 @@ class ModelRunner:
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20,
                     kv_name, self.device, self.num_layers, self.num_kv_heads,
                     "K and V" if self.kv_slots == 2 else "one latent row")
-
-    def _uniform_sliding_window(self, config) -> int | None:
-        """The attention window every layer of the model shares, in tokens, or None: the scheduler then frees
-        blocks that slide out of it (``KVCacheManager``). None for full attention, mixed layers (Gemma 3,
-        gpt-oss: logged), pipeline stages (a stage sees only its own layers) and a draft model (its
-        own layers attend over the whole context through the same block tables)."""
-        windows = {m.sliding_window for m in self.model.modules() if hasattr(m, "sliding_window")}
-        if not windows or None in windows:
-            if len(windows) > 1:
-                logger.info("sliding-window layers keep every KV block: the model mixes windows %s with full "
-                            "attention (freeing them needs a block table per layer kind, not built)",
-                            sorted(w for w in windows if w is not None))
-            return None
-        if len(windows) > 1:
-            logger.info("KV blocks kept: the model's layers have different windows %s", sorted(windows))
-            return None
-        window = windows.pop()
-        if config.parallel.pipeline_parallel_size > 1:
-            logger.info("KV blocks outside the %d-token window are kept: pipeline stages", window)
-            return None
-        spec = config.speculative
-        if spec is not None and spec.method == "draft_model":
-            logger.info("KV blocks outside the %d-token window are kept: a draft model reads the whole context", window)
-            return None
-        logger.info("sliding window of %d tokens: KV blocks that leave it are freed", window)
-        return window
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
                        block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:
@@ -358,13 +333,7 @@ class ModelRunner:
             compiled = self._compiled_decode is not None and not step.lora_slots  # adapters: eager
             if (compiled and md.max_query_len == 1 and on_layer_done is None  # decode-only: its RoPE length is
                     and (md.rope_seq_lens is None or torch.equal(md.rope_seq_lens, md.seq_lens))):  # position + 1
-                tables = md.block_tables
-                if tables.shape[1] < 2:  # at least two wide, as compiled (the kernel reads only seq_lens' worth)
-                    tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
-                with torch.inference_mode(False), torch.no_grad():  # inference tensors do not mix with compile
-                    hidden = self._compiled_decode(inp.input_ids.clone(), inp.positions.clone(), self.kv_cache,
-                                                   md.slot_mapping.clone(), tables.clone(),
-                                                   md.seq_lens.clone(), md.query_start_loc.clone())
+                hidden = self._compiled_decode(inp, self.kv_cache)
             else:
                 hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, md, on_layer_done, hidden=hidden_in)
         except Exception as e:
@@ -379,67 +348,6 @@ class ModelRunner:
             ranks.send_hidden(hidden)
         rows = hidden[inp.sample_indices] if ranks.is_last_stage else None
         return ranks.exchange_sample_rows(rows, (len(step.sample_indices), self.hidden_size), self.dtype)
-
-    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                        slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        query_start_loc: torch.Tensor) -> torch.Tensor:
-        """The model forward of a decode-only step (one new token per sequence), from plain tensors."""
-        metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=1,
-                                     max_seq_len=0, backend=self.attention_backend,
-                                     kv_cache_dtype=self._attn_kv_dtype)
-        model = self.model
-        hidden = model.model.embed_tokens(input_ids)
-        start, end = model.layer_range
-        for i in range(end - start):
-            hidden = model.model.layers[start + i](positions, hidden, kv_cache, metadata, layer=i)
-        return hidden
-
-    def compile_decode_step(self) -> None:
-        """Compile the decode step's forward with torch.compile (inductor) and warm it up now.
-
-        One graph with a symbolic batch size serves every decode batch (torch specializes batch
-        1 on its own, so both are compiled here, at start-up). Inductor's cache
-        (``$TORCHINDUCTOR_CACHE_DIR``) makes a restart's compile a cache hit. Only a single-rank
-        worker whose attention runs through the opaque ``pdserve::paged_decode_attention`` op
-        compiles; others stay eager (logged).
-        """
-        if self.ranks is not None or self.attention_backend != "paged":
-            logger.info("decode step runs eagerly (compiled only for single-rank workers on the paged backend)")
-            return
-        # Dynamo keys its graphs by code object, and every runner's _decode_forward is the same one:
-        # a process with several models (tests, benchmarks, LLM objects side by side) adds ~3 graphs per
-        # model, and at the default limit of 8 the later models' steps would quietly run eagerly.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, _RECOMPILE_LIMIT)
-        compiled = torch.compile(self._decode_forward, dynamic=True)
-        start = time.monotonic()
-        try:
-            self._warm_up(compiled)
-        except Exception as e:  # noqa: BLE001  an inductor failure costs speed, never the worker
-            logger.warning("could not compile the decode step (%s: %s); running it eagerly", type(e).__name__, e)
-            return
-        self._compiled_decode = compiled
-        logger.info("decode step compiled in %.1f s (--enforce-eager turns this off)", time.monotonic() - start)
-
-    def _warm_up(self, compiled) -> None:
-        """Compile now every graph a decode step can need (writing only block 0's slot 0), so no request
-        pays a recompilation: batch 1 (torch specializes a size of 1), batches 2 to
-        ``KERNEL_MAX_ROWS`` (the decode linear kernel's range, a guard of its own) and larger ones.
-
-        The inputs look like real ones to dynamo's guards: distinct tensors (one tensor passed as
-        input_ids, positions and slot_mapping is an aliasing guard every real step fails) and block
-        tables three wide (two would equal the cache's K/V dimension, a size equality guard that a
-        real step fails as soon as a sequence spans three blocks)."""
-        batches = [1, 2]
-        if decode_linear.build_kernel():  # the kernel takes 1..KERNEL_MAX_ROWS rows; larger batches: torch's GEMM
-            batches.append(decode_linear.KERNEL_MAX_ROWS + 1)
-        for batch in batches:
-            logger.info("compiling the decode step (batch %d)...", batch)
-            with torch.inference_mode(False), torch.no_grad():
-                def zeros(*shape):
-                    return torch.zeros(*shape, dtype=torch.int64, device=self.device)
-
-                compiled(zeros(batch), zeros(batch), self.kv_cache, zeros(batch), zeros(batch, 3),
-                         zeros(batch) + 1, torch.arange(batch + 1, device=self.device))
 
     def broadcast_kv(self, ops: KVStepOps) -> None:
         """Driver: a step with KV transfer work only (every rank's agent does its part now)."""

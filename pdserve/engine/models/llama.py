@@ -14,7 +14,7 @@ Other families subclass these modules and swap a part through class attributes:
 ``LlamaForCausalLM.decoder_layer_cls``, ``LlamaDecoderLayer.attention_cls`` / ``mlp_cls``,
 and ``LlamaAttention.normalize_qk`` (per-head q/k norms). Every decoder layer keeps the
 call ``layer(positions, hidden, kv_cache_layer, attn_metadata, layer=None)``, which the
-compiled decode step (``ModelRunner._decode_forward``) relies on.
+compiled decode step (``CompiledDecodeStep._forward``) relies on.
 """
 
 from __future__ import annotations

@@ -1,0 +1,120 @@
+"""The decode step's forward under torch.compile (inductor), compiled and warmed at start-up.
+
+A decode-only step (one new token per sequence) is the step a decode worker runs thousands of
+times a second's worth: its forward is traced once with a symbolic batch size (torch
+specializes batch 1 on its own) and replayed, so the Python of every layer, the elementwise
+ops inductor fuses and the small tensors between them cost nothing per step. Attention
+(``pdserve::paged_decode_attention``), the MoE experts (``pdserve::moe_experts``) and the
+decode linear kernel are opaque operators inside the graph. Steps with longer queries
+(prefill chunks, speculative verification), LoRA adapters, a layer hook (KV sends) or several
+ranks run eagerly (``ModelRunner._run_forward`` decides). Prefill stays eager: MKL's GEMMs
+already take ~85% of a float32 prefill here, and in one try (2026-11-25, the bench preset, 288
+tokens, one core) the same forward compiled with a dynamic sequence length took 10 s against
+0.55 s eager, inductor generating its own kernels for part of the graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.engine import decode_linear
+from pdserve.engine.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pdserve.engine.model_runner import ModelInput, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+RECOMPILE_LIMIT = 64  # graphs of the compiled decode step per process (see CompiledDecodeStep.build)
+
+
+class CompiledDecodeStep:
+    """A runner's decode-only forward, compiled.
+
+    ``step(inp, kv_cache) -> hidden [num_seqs, hidden_size]`` for a ``ModelInput`` whose every
+    sequence has one new token (``max_query_len == 1``). Build it with ``build``.
+    """
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self._compiled = None
+
+    @classmethod
+    def build(cls, runner: ModelRunner) -> CompiledDecodeStep | None:
+        """Compile ``runner``'s decode step and warm it up now; None where it stays eager (logged).
+
+        One graph with a symbolic batch size serves every decode batch (torch specializes batch 1 on
+        its own, so both are compiled here, at start-up). Inductor's cache
+        (``$TORCHINDUCTOR_CACHE_DIR``) makes a restart's compile a cache hit. Only a single-rank
+        worker whose attention runs through the opaque ``pdserve::paged_decode_attention`` op
+        compiles. An inductor failure costs speed, never the worker: it is logged and the step
+        runs eagerly.
+        """
+        if runner.ranks is not None or runner.attention_backend != "paged":
+            logger.info("decode step runs eagerly (compiled only for single-rank workers on the paged backend)")
+            return None
+        # Dynamo keys its graphs by code object, and every step's _forward is the same one: a process
+        # with several models (tests, benchmarks, LLM objects side by side) adds ~3 graphs per model, and
+        # at the default limit of 8 the later models' steps would quietly run eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        step = cls(runner)
+        compiled = torch.compile(step._forward, dynamic=True)
+        start = time.monotonic()
+        try:
+            step._warm_up(compiled)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not compile the decode step (%s: %s); running it eagerly", type(e).__name__, e)
+            return None
+        step._compiled = compiled
+        logger.info("decode step compiled in %.1f s (--enforce-eager turns this off)", time.monotonic() - start)
+        return step
+
+    def __call__(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor:
+        md = inp.attn_metadata
+        tables = md.block_tables
+        if tables.shape[1] < 2:  # at least two wide, as compiled (the kernel reads only seq_lens' worth)
+            tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
+        with torch.inference_mode(False), torch.no_grad():  # inference tensors do not mix with compile
+            return self._compiled(inp.input_ids.clone(), inp.positions.clone(), kv_cache, md.slot_mapping.clone(),
+                                  tables.clone(), md.seq_lens.clone(), md.query_start_loc.clone())
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor) -> torch.Tensor:
+        """The model forward of a decode-only step (one new token per sequence), from plain tensors."""
+        runner = self.runner
+        metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=1,
+                                     max_seq_len=0, backend=runner.attention_backend,
+                                     kv_cache_dtype=runner._attn_kv_dtype)
+        model = runner.model
+        hidden = model.model.embed_tokens(input_ids)
+        start, end = model.layer_range
+        for i in range(end - start):
+            hidden = model.model.layers[start + i](positions, hidden, kv_cache, metadata, layer=i)
+        return hidden
+
+    def _warm_up(self, compiled) -> None:
+        """Compile now every graph a decode step can need (writing only block 0's slot 0), so no request
+        pays a recompilation: batch 1 (torch specializes a size of 1), batches 2 to
+        ``KERNEL_MAX_ROWS`` (the decode linear kernel's range, a guard of its own) and larger ones.
+
+        The inputs look like real ones to dynamo's guards: distinct tensors (one tensor passed as
+        input_ids, positions and slot_mapping is an aliasing guard every real step fails) and block
+        tables three wide (two would equal the cache's K/V dimension, a size equality guard that a
+        real step fails as soon as a sequence spans three blocks)."""
+        device = self.runner.device
+        batches = [1, 2]
+        if decode_linear.build_kernel():  # the kernel takes 1..KERNEL_MAX_ROWS rows; larger batches: torch's GEMM
+            batches.append(decode_linear.KERNEL_MAX_ROWS + 1)
+        for batch in batches:
+            logger.info("compiling the decode step (batch %d)...", batch)
+            with torch.inference_mode(False), torch.no_grad():
+                def zeros(*shape):
+                    return torch.zeros(*shape, dtype=torch.int64, device=device)
+
+                compiled(zeros(batch), zeros(batch), self.runner.kv_cache, zeros(batch), zeros(batch, 3),
+                         zeros(batch) + 1, torch.arange(batch + 1, device=device))
