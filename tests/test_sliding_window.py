@@ -153,3 +153,24 @@ def test_disaggregated_prefill_ships_only_the_window(window_model, tmp_path):
             time.sleep(0.2)
     # both sides moved exactly the live blocks (the whole prompts would be 12 + 4 + 18 = 34 blocks)
     assert moved == {"prefill": live * block_bytes, "decode": live * block_bytes}
+
+
+def test_speculative_decoding_with_a_window(window_model):
+    """n-gram drafts over a repetitive prompt: rejected drafts roll ``num_computed_tokens`` back, and the
+    window then frees from the verified position only; transformers' tokens. A draft model (it reads the
+    whole context through the same block tables) turns the freeing off."""
+    prompt = [11, 12, 13, 14, 15] * 12
+    [want] = _reference(window_model, [prompt], 24)
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(window_model, block_size=BLOCK, speculative_config=ngram) as llm:
+        assert llm.core.scheduler.kv.sliding_window == WINDOW
+        [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        assert llm.core.scheduler.stats.spec_decode_num_draft_tokens > 0
+        assert llm.core.block_manager.num_free_blocks == llm.core.block_manager.num_blocks
+    assert out.outputs[0].token_ids == want
+    draft = f'{{"method": "draft_model", "model": "{window_model}", "num_speculative_tokens": 2}}'
+    with LLM(window_model, block_size=BLOCK, speculative_config=draft) as llm:
+        assert llm.core.scheduler.kv.sliding_window is None
+        [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == want
