@@ -219,9 +219,9 @@ def test_unsupported_model_type_raises(tmp_path):
 def test_an_unsupported_checkpoint_quantization_is_refused_by_name(tmp_path):
     make_checkpoint("gpt_oss", tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    cfg["quantization_config"] = {"quant_method": "awq"}  # mxfp4 loads (tests/test_mxfp4.py); AWQ does not
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="quant_method='mxfp4' is not supported"):
+    with pytest.raises(ValueError, match="quant_method='awq' is not supported"):
         load_model(str(tmp_path), torch.float32, "cpu")
 
 
