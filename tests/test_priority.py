@@ -108,37 +108,3 @@ def test_llm_priority_argument_and_fcfs_refusal(model_dir):
             llm.generate(["alpha"], SamplingParams(max_tokens=2, priority=3), use_tqdm=False)
         assert e.value.param == "priority"
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-
-
-def test_sjf_queue_orders_by_tokens_left_with_a_bounded_wait():
-    """Fewest tokens left first (ties: arrival); a preempted request counts what it must recompute; a
-    request that waited max_wait_s goes before shorter ones, the longest-waiting first."""
-    from pdserve.engine.request_queue import ShortestFirstQueue
-
-    now = [10.0]
-    q = ShortestFirstQueue(max_wait_s=3.0, clock=lambda: now[0])
-    for rid, n, t in [("long", 500, 9.0), ("short", 64, 9.5), ("mid", 200, 9.2), ("short-later", 64, 9.8)]:
-        q.add(req(rid, n, arrival=t))
-    assert [r.request_id for r in q] == ["short", "short-later", "mid", "long"]
-    preempted = req("preempted", 40, arrival=8.0)
-    preempted.output_token_ids = list(range(100))  # prompt and outputs are recomputed: 140 tokens
-    q.prepend(preempted)
-    assert [r.request_id for r in q] == ["short", "short-later", "preempted", "mid", "long"]
-    now[0] = 12.1  # "long" (9.0) and "preempted" (8.0) have waited 3 s: they go first, oldest first
-    assert [r.request_id for r in q] == ["preempted", "long", "short", "short-later", "mid"]
-    assert q.pop().request_id == "preempted" and q.peek().request_id == "long" and len(q) == 4
-
-
-def test_sjf_scheduler_admits_the_shortest_prompt_first():
-    """One long prompt queued before two short ones under a 64-token budget: the short ones prefill
-    first (fcfs would start the long one), and every request still finishes."""
-    for policy, first in (("sjf", "short-a"), ("fcfs", "long")):
-        sched, bm = make(policy, budget=64)
-        for rid, n in (("long", 120), ("short-a", 20), ("short-b", 30)):
-            sched.add_request(req(rid, n))
-        out = sched.schedule()
-        assert out.scheduled[0][0].request_id == first
-        if policy == "sjf":
-            assert [r.request_id for r, _ in out.scheduled] == ["short-a", "short-b", "long"]
-        run_to_completion(sched)
-        assert bm.num_free_blocks == bm.num_blocks

@@ -6,30 +6,20 @@
   value runs sooner, and among equal priorities the earlier arrival. A
   preempted request keeps its arrival time, so it returns to its place in that
   order rather than to the head.
-* ``sjf``: shortest job first, for prefill workers: ordered by the tokens a
-  request still has to compute (its prompt, or prompt and outputs after a
-  preemption), then arrival. A prefill's cost is known when it arrives, and
-  serving the short ones first lowers the mean time to first token of a
-  queue (the M/G/1 result behind SJF; DistServe's and Splitwise's prefill
-  instances face exactly this queue). A request that has waited
-  ``SJF_MAX_WAIT_S`` goes before every shorter one, in arrival order, so a
-  long prompt is delayed a bounded time, never starved.
 
-All keep the deque-like interface the scheduler uses (``add``, ``prepend``,
+Both keep the deque-like interface the scheduler uses (``add``, ``prepend``,
 ``peek``, ``pop``, ``remove``, ``len``, iteration in admission order).
 """
 
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
 from collections.abc import Iterator
 
 from pdserve.engine.request import Request
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "sjf")
-SJF_MAX_WAIT_S = 3.0  # sjf: a request waiting this long (seconds) goes before shorter ones
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def priority_key(request: Request) -> tuple[int, float]:
@@ -102,45 +92,8 @@ class PriorityQueue:
         return iter(self._requests)
 
 
-class ShortestFirstQueue(PriorityQueue):
-    """Sorted by the tokens left to compute, then arrival (``sjf``); requests waiting ``max_wait_s``
-    or longer come first, in arrival order. ``clock``: seconds, comparable with ``Request.arrival_time``."""
-
-    def __init__(self, max_wait_s: float = SJF_MAX_WAIT_S, clock=time.monotonic):
-        super().__init__()
-        self.max_wait_s = max_wait_s
-        self._clock = clock
-
-    def add(self, request: Request) -> None:
-        key = (request.num_tokens - request.num_computed_tokens, request.arrival_time, self._seq)
-        self._seq += 1
-        i = bisect.bisect_right(self._keys, key)
-        self._keys.insert(i, key)
-        self._requests.insert(i, request)
-
-    prepend = add  # a preempted request: ordered by what it must recompute
-
-    def _order(self) -> list[Request]:
-        deadline = self._clock() - self.max_wait_s
-        overdue = sorted((r for r in self._requests if r.arrival_time <= deadline), key=lambda r: r.arrival_time)
-        if not overdue:
-            return self._requests
-        return overdue + [r for r in self._requests if r.arrival_time > deadline]
-
-    def peek(self) -> Request:
-        return self._order()[0]
-
-    def pop(self) -> Request:
-        request = self.peek()
-        self.remove(request)
-        return request
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(list(self._order()))
-
-
 def make_waiting_queue(policy: str) -> FCFSQueue | PriorityQueue:
-    """The waiting queue of ``policy`` (``fcfs``, ``priority`` or ``sjf``).
+    """The waiting queue of ``policy`` (``fcfs`` or ``priority``).
 
     Raises:
         ValueError: an unknown policy.
@@ -149,6 +102,4 @@ def make_waiting_queue(policy: str) -> FCFSQueue | PriorityQueue:
         return FCFSQueue()
     if policy == "priority":
         return PriorityQueue()
-    if policy == "sjf":
-        return ShortestFirstQueue()
     raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")

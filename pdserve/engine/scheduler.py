@@ -317,8 +317,8 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         """Take the running request to preempt out of ``running``: the most recently admitted
-        (``fcfs``, ``sjf``), or the largest ``(priority, arrival)`` (``priority``; vLLM v1's choice)."""
-        if self.config.policy in ("fcfs", "sjf"):
+        (``fcfs``), or the largest ``(priority, arrival)`` (``priority``; vLLM v1's choice)."""
+        if self.config.policy == "fcfs":
             return self.running.pop()
         victim = max(self.running, key=priority_key)
         self.running.remove(victim)
