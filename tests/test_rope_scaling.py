@@ -5,9 +5,9 @@ Two tiny random checkpoints written by transformers itself: a Phi-3 with LongRoP
 dynamic NTK scaling (max_position_embeddings 32, factor 4). Three prompts per model: one whose
 generation stays within the original length, one longer than it from the start, and one whose
 generation crosses it (transformers then uses the scaled frequencies for the new tokens while the
-cached keys keep the unscaled ones). pdserve must give each transformers' single-sequence
-``generate`` tokens, alone and batched with the others (the length is per request), with the
-decode step compiled.
+cached keys keep the unscaled ones; Phi-3's ``generate`` instead recomputes the whole sequence at
+that step). pdserve must give each transformers' single-sequence ``generate`` tokens, alone and
+batched with the others (the length is per request), with the decode step compiled.
 """
 
 from __future__ import annotations
@@ -85,8 +85,7 @@ def _hf_generate(path: str, ids: list[int], max_tokens: int) -> tuple[list[int],
 def _hf_incremental(path: str, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy decoding through transformers' model forward with its KV cache, one token per step:
     what ``generate`` does minus Phi-3's ``prepare_inputs_for_generation``, which drops the cache and
-    recomputes the whole sequence on the step that first exceeds ``original_max_position_embeddings``
-    (pdserve keeps the cached keys, see ``RotaryEmbedding``)."""
+    recomputes the whole sequence on the step that first exceeds ``original_max_position_embeddings``."""
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokens, logprobs = [], []
     with torch.no_grad():
@@ -102,11 +101,8 @@ def _hf_incremental(path: str, ids: list[int], max_tokens: int) -> tuple[list[in
 
 
 def _reference(name: str, path: str, case: str) -> tuple[list[int], list[float]]:
-    """transformers' tokens and logprobs for one case: ``generate``, except for a Phi-3 whose generation
-    crosses the original length (there: the step-by-step forward; see ``_hf_incremental``)."""
+    """transformers' ``generate`` tokens and logprobs for one case."""
     ids, n = PROMPTS[case], CASES[case][1]
-    if name == "phi3_longrope" and case == "crossing":
-        return _hf_incremental(path, ids, n)
     return _hf_generate(path, ids, n)
 
 
@@ -180,16 +176,28 @@ def test_llm_matches_transformers_alone_and_batched(name, rope_dirs):
         dict(torch._dynamo.utils.counters["graph_break"])
 
 
-def test_phi3_generate_recomputes_at_the_crossing(rope_dirs):
-    """A known difference, kept visible: transformers' Phi-3 ``generate`` drops its cache on the step that
-    first exceeds the original length and recomputes every key with the long factor, so its tokens from
-    that step on differ from the cached-keys decoding pdserve does (and from transformers' own forward
-    step by step). When transformers stops doing that, this fails: revisit ``RotaryEmbedding``."""
+def test_phi3_recomputes_its_sequence_at_the_crossing_as_generate_does(rope_dirs):
+    """transformers' Phi-3 ``generate`` drops its cache on the step that first exceeds the original length
+    and recomputes every key with the long factor; its tokens then differ from keeping the short-factor
+    keys (the step-by-step forward), so the crossing case above checks pdserve's recompute. Here: that
+    difference is real, and pdserve's request recomputed exactly once (also under 8-token chunks)."""
     path, ids, n = rope_dirs["phi3_longrope"], PROMPTS["crossing"], CASES["crossing"][1]
     generated, incremental = _hf_generate(path, ids, n), _hf_incremental(path, ids, n)
     crossing = ORIGINAL + 1 - len(ids)  # the first token sampled from a forward longer than the original
     assert generated[0][:crossing] == incremental[0][:crossing]
     assert generated[0] != incremental[0]
+    params = SamplingParams(max_tokens=n, temperature=0.0, logprobs=0, ignore_eos=True)
+    with LLM(path, max_model_len=4 * ORIGINAL, kv_cache_memory="2MiB", max_num_batched_tokens=8) as llm:
+        assert llm.core.scheduler.config.recompute_past_len == ORIGINAL
+        llm.core.add_request("r", ids, params)
+        request = llm.core.scheduler.requests["r"]
+        computed = []
+        while llm.core.has_unfinished():
+            llm.core.step()
+            computed.append(request.num_computed_tokens)
+        assert request.rope_recomputed
+    drops = [i for i in range(1, len(computed)) if computed[i] < computed[i - 1]]
+    assert len(drops) == 1 and computed[drops[0] - 1] == ORIGINAL  # dropped once, from 32 cached tokens
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

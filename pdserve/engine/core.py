@@ -91,7 +91,8 @@ class EngineCore:
                             max_model_len=self.runner.max_model_len,
                             remote_prefill_threshold=config.remote_prefill_threshold,
                             policy=config.scheduling_policy,
-                            max_loras=config.max_loras if config.enable_lora else 0),
+                            max_loras=config.max_loras if config.enable_lora else 0,
+                            recompute_past_len=self.runner.recompute_past_len),
             self.block_manager, sliding_window=self.runner.sliding_window)
         self.proposer = None
         spec = config.speculative

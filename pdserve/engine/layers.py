@@ -258,11 +258,10 @@ class RotaryEmbedding(nn.Module):
     is reproduced token for token, with its prompt prefilled in one step or in chunks; keys already
     cached keep the frequencies they were computed with (a sequence that grows past the original
     length has short-factor keys before and long-factor ones after). A request's tokens never see
-    another request's length. One exception: transformers' Phi-3 ``generate``
-    (``prepare_inputs_for_generation``) drops its cache on the step that first exceeds the original
-    length and recomputes every key with the long factor; pdserve keeps the cached keys, so its tokens
-    match transformers' step-by-step forward there, not that ``generate`` (tests/test_rope_scaling.py
-    keeps the difference visible). vLLM instead decides from the positions alone: its
+    another request's length. transformers' Phi-3 ``generate`` (``prepare_inputs_for_generation``)
+    also drops its cache on the step that first exceeds the original length and recomputes every key
+    with the long factor; pdserve's scheduler does the same for Phi-3
+    (``SchedulerConfig.recompute_past_len``), so that ``generate`` is matched too. vLLM instead decides from the positions alone: its
     ``Phi3LongRoPEScaledRotaryEmbedding`` (in the versions we read) takes the long factor for every
     token of a forward when any position in it exceeds the original length
     (``torch.any(positions > original)``), so a short request batched with a long one changes; we

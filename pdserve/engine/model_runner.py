@@ -173,6 +173,11 @@ class ModelRunner:
         self.sliding_window = uniform_sliding_window(self.model, config)
         # longrope / dynamic NTK RoPE: frequencies follow each request's length (RotaryEmbedding.length_scaling)
         self.rope_needs_lengths = any(getattr(m, "length_scaling", None) for m in self.model.modules())
+        # transformers' Phi-3 generate recomputes a sequence once at LongRoPE's switch (Phi3ForCausalLM)
+        self.recompute_past_len = None
+        if getattr(self.model, "recompute_at_longrope_switch", False):
+            self.recompute_past_len = next((m.original_max_len for m in self.model.modules()
+                                            if getattr(m, "length_scaling", None) == "longrope"), None)
         self.num_layers = self.model.num_layers
         self.num_kv_heads = self.model.num_kv_heads
         self.head_dim = self.model.head_dim

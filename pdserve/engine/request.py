@@ -63,6 +63,7 @@ class Request:
         self.max_model_len = max_model_len
         self.output_token_ids: list[int] = []
         self.block_table: list[int] = []
+        self.rope_recomputed = False  # SchedulerConfig.recompute_past_len: done once for this request
         self.keep_blocks_from: int | None = None  # prefill worker: blocks from here on are sent, so a sliding
         # window never frees them (KVCacheManager.free_out_of_window)
         self.num_computed_tokens = 0

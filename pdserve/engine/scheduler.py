@@ -62,6 +62,9 @@ class SchedulerConfig:
         policy: ``fcfs`` or ``priority`` (the waiting order and the preemption victim).
         max_loras: most distinct LoRA adapters among the requests in flight (each step's batch
             must fit the model runner's LoRA slots); 0: no LoRA.
+        recompute_past_len: a decoding request whose cached tokens are at most this many while its
+            sequence has grown past it drops its KV and recomputes every token, once (transformers'
+            Phi-3 ``generate`` at LongRoPE's switch from short to long factors); None: never.
     """
 
     max_num_seqs: int = 64
@@ -70,6 +73,7 @@ class SchedulerConfig:
     remote_prefill_threshold: int = 0
     policy: str = "fcfs"
     max_loras: int = 0
+    recompute_past_len: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -193,6 +197,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            self._recompute_past_switch(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_new += self._schedule_drafts(request, num_new, budget, out)
             if not self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out):
@@ -204,6 +209,19 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
+
+    def _recompute_past_switch(self, request: Request) -> None:
+        """``recompute_past_len``: the first time a decoding request's sequence grows past it with at most
+        that many tokens cached, drop its KV; this step then recomputes the whole sequence (chunked under
+        the budget), whose RoPE now takes the long factor everywhere."""
+        limit = self.config.recompute_past_len
+        if (limit is None or request.rope_recomputed or request.num_output_tokens == 0
+                or not 0 < request.num_computed_tokens <= limit < request.num_tokens):
+            return
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_draft_computed_tokens = 0
+        request.rope_recomputed = True
 
     def _schedule_drafts(self, request: Request, num_new: int, budget: int, out: SchedulerOutput) -> int:
         """Draft tokens to verify with a decoding request this step (0: none), their slots allocated."""

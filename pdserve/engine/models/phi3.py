@@ -8,8 +8,9 @@ only the first features of each head (Phi-4-mini); ``sliding_window`` applies to
 layer, as in Mistral. LongRoPE scaling (the 128k models: Phi-3-mini-128k, Phi-3.5, Phi-4-mini)
 is ``RotaryEmbedding``'s ``longrope``: short or long factors per request, by its length in the step.
 transformers' Phi-3 ``generate`` also drops its KV cache and recomputes the whole sequence on the
-step that first exceeds ``original_max_position_embeddings``; pdserve does not (the keys cached
-before keep the short factor), so from that step on its tokens can differ from ``generate``'s.
+step that first exceeds ``original_max_position_embeddings`` (its keys cached with the short factor
+would otherwise stay); pdserve's scheduler does the same (``SchedulerConfig.recompute_past_len``),
+so its tokens are ``generate``'s on both sides of the switch.
 """
 
 from __future__ import annotations
@@ -24,3 +25,4 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     layers load one by one (``pdserve.engine.loader``)."""
 
     split_fused = ("self_attn.qkv_proj", "mlp.gate_up_proj")
+    recompute_at_longrope_switch = True  # see the module docstring
