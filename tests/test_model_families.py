@@ -10,7 +10,6 @@ budget, the compiled decode step, and a disaggregated 1P+1D cluster.
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import openai
@@ -23,6 +22,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
 from pdserve.engine.kernels import load_paged_attention
 from pdserve.launcher import ClusterSpec, LocalCluster
+from tests.checkpoints import write_checkpoint
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=3, vocab_size=2048, max_position_embeddings=512, initializer_range=0.1,
@@ -45,7 +45,6 @@ FAMILIES = {
     "gpt_oss": lambda: GptOssConfig(**{**COMMON, "intermediate_size": 32}, head_dim=16, sliding_window=8,
                                     num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 PROMPTS = [
     "def parse(path):\n    with open(path) as f:\n        return",
     "def parse(path):\n    with open(path) as f:\n        for line in f:",  # shares a prefix with the first
@@ -55,20 +54,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def family_dirs(model_dir, tmp_path_factory) -> dict[str, str]:
-    dirs = {}
-    for name, make_config in FAMILIES.items():
-        path = tmp_path_factory.mktemp(name)
-        torch.manual_seed(0)
-        hf = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32).eval()
-        with torch.no_grad():
-            for pname, p in hf.named_parameters():
-                if "norm" in pname or pname.endswith("bias"):
-                    p.add_(0.1 * torch.randn_like(p))
-        hf.save_pretrained(path)
-        for f in TOKENIZER_FILES:
-            shutil.copy(f"{model_dir}/{f}", path / f)
-        dirs[name] = str(path)
-    return dirs
+    return {name: write_checkpoint(make_config(), tmp_path_factory.mktemp(name), model_dir)
+            for name, make_config in FAMILIES.items()}
 
 
 def hf_reference(model_path: str, prompt_ids: list[list[int]], max_tokens: int):

@@ -12,7 +12,6 @@ batched with the others (the length is per request), with the decode step compil
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.kernels import load_paged_attention
 from pdserve.engine.layers import RotaryEmbedding
 from pdserve.engine.models.llama import _rope_settings, _rotary_dim
+from tests.checkpoints import write_checkpoint
 
 ORIGINAL = 32  # the pretraining length of both checkpoints (longrope's original, dynamic's max_position_embeddings)
 COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=2, num_key_value_heads=1,
@@ -40,7 +40,6 @@ CONFIGS = {
         **COMMON, max_position_embeddings=ORIGINAL,
         rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}),
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # (prompt length, new tokens): below the original length throughout; longer from the start; crossing it
 CASES = {"below": (10, 16), "above": (44, 10), "crossing": (24, 20)}
 
@@ -55,20 +54,8 @@ PROMPTS = {name: _prompt(n, seed) for seed, (name, (n, _)) in enumerate(CASES.it
 
 @pytest.fixture(scope="module")
 def rope_dirs(model_dir, tmp_path_factory) -> dict[str, str]:
-    dirs = {}
-    for name, make_config in CONFIGS.items():
-        path = tmp_path_factory.mktemp(name)
-        torch.manual_seed(0)
-        hf = AutoModelForCausalLM.from_config(make_config(), dtype=torch.float32).eval()
-        with torch.no_grad():
-            for pname, p in hf.named_parameters():
-                if "norm" in pname:
-                    p.add_(0.1 * torch.randn_like(p))
-        hf.save_pretrained(path)
-        for f in TOKENIZER_FILES:
-            shutil.copy(f"{model_dir}/{f}", path / f)
-        dirs[name] = str(path)
-    return dirs
+    return {name: write_checkpoint(make_config(), tmp_path_factory.mktemp(name), model_dir, perturb_biases=False)
+            for name, make_config in CONFIGS.items()}
 
 
 def _hf_generate(path: str, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:

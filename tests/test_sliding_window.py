@@ -9,7 +9,6 @@ back, and a disaggregated prefill ships only the live blocks.
 from __future__ import annotations
 
 import re
-import shutil
 import time
 
 import httpx
@@ -22,10 +21,10 @@ from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
 from pdserve.engine.kv_cache_manager import NULL_BLOCK
 from pdserve.launcher import ClusterSpec, LocalCluster
+from tests.checkpoints import write_checkpoint
 
 WINDOW, BLOCK = 10, 4
 PROMPT_LENGTHS = (45, 13, 70)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _prompts() -> list[list[int]]:
@@ -34,15 +33,10 @@ def _prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def window_model(model_dir, tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("mistral_window")
-    torch.manual_seed(0)
     config = MistralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                            num_hidden_layers=2, vocab_size=2048, max_position_embeddings=512, sliding_window=WINDOW,
                            initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    for f in TOKENIZER_FILES:
-        shutil.copy(f"{model_dir}/{f}", path / f)
-    return str(path)
+    return write_checkpoint(config, tmp_path_factory.mktemp("mistral_window"), model_dir)
 
 
 def _reference(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
