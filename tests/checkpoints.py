@@ -25,3 +25,16 @@ def write_checkpoint(config, path: Path, tokenizer_dir: str, perturb_biases: boo
     for f in TOKENIZER_FILES:
         shutil.copy(f"{tokenizer_dir}/{f}", Path(path) / f)
     return str(path)
+
+
+def greedy_reference(hf, prompt_ids: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """transformers' own greedy ``generate`` on a loaded model, one prompt at a time: (tokens, each chosen
+    token's logprob) per prompt."""
+    out = []
+    for ids in prompt_ids:
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+        tokens = gen.sequences[0, len(ids):].tolist()
+        out.append((tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, tokens)]))
+    return out

@@ -22,7 +22,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
 from pdserve.engine.kernels import load_paged_attention
 from pdserve.launcher import ClusterSpec, LocalCluster
-from tests.checkpoints import write_checkpoint
+from tests.checkpoints import greedy_reference, write_checkpoint
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               num_hidden_layers=3, vocab_size=2048, max_position_embeddings=512, initializer_range=0.1,
@@ -60,16 +60,8 @@ def family_dirs(model_dir, tmp_path_factory) -> dict[str, str]:
 
 def hf_reference(model_path: str, prompt_ids: list[list[int]], max_tokens: int):
     """transformers' greedy tokens and each chosen token's logprob, per prompt."""
-    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    out = []
-    for ids in prompt_ids:
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)
-        tokens = gen.sequences[0, len(ids):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, tokens)]
-        out.append((tokens, logprobs))
-    return out
+    return greedy_reference(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval(),
+                            prompt_ids, max_tokens)
 
 
 def _block_bytes(cfg, block_size: int = 16, element_size: int = 4) -> int:

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM, Mxfp4Co
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine import mxfp4
-from tests.checkpoints import TOKENIZER_FILES
+from tests.checkpoints import TOKENIZER_FILES, greedy_reference
 from tests.test_model_families import PROMPTS
 
 CONFIG = dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -95,14 +95,7 @@ def reference(mxfp4_dir, prompt_ids):
                                            quantization_config=Mxfp4Config(dequantize=True)).eval()
     experts = hf.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == torch.float32 and experts.gate_up_proj.shape == (4, 64, 64)
-    out = []
-    for ids in prompt_ids:
-        with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                              output_logits=True, return_dict_in_generate=True)
-        tokens = gen.sequences[0, len(ids):].tolist()
-        out.append((tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(gen.logits, tokens)]))
-    return out
+    return greedy_reference(hf, prompt_ids, MAX_TOKENS)
 
 
 def _check(outputs, reference) -> None:
