@@ -108,3 +108,53 @@ def test_llm_priority_argument_and_fcfs_refusal(model_dir):
             llm.generate(["alpha"], SamplingParams(max_tokens=2, priority=3), use_tqdm=False)
         assert e.value.param == "priority"
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+def test_srpt_queue_orders_by_tokens_left_with_a_bounded_wait():
+    """Fewest tokens left first (ties: arrival); a preempted request counts what it must recompute; a
+    request that waited max_wait_s goes before shorter ones, the longest-waiting first."""
+    from pdserve.engine.request_queue import ShortestFirstQueue
+
+    now = [10.0]
+    q = ShortestFirstQueue(max_wait_s=3.0, clock=lambda: now[0])
+    for rid, n, t in [("long", 500, 9.0), ("short", 64, 9.5), ("mid", 200, 9.2), ("short-later", 64, 9.8)]:
+        q.add(req(rid, n, arrival=t))
+    assert [r.request_id for r in q] == ["short", "short-later", "mid", "long"]
+    preempted = req("preempted", 40, arrival=8.0)
+    preempted.output_token_ids = list(range(100))  # prompt and outputs are recomputed: 140 tokens
+    q.prepend(preempted)
+    assert [r.request_id for r in q] == ["short", "short-later", "preempted", "mid", "long"]
+    now[0] = 12.1  # "long" (9.0) and "preempted" (8.0) have waited 3 s: they go first, oldest first
+    assert [r.request_id for r in q] == ["preempted", "long", "short", "short-later", "mid"]
+    assert q.pop().request_id == "preempted" and q.peek().request_id == "long" and len(q) == 4
+
+
+def _run(sched, out, token=7):
+    """Pretend the model ran ``out``: sample ``token`` wherever a token is due."""
+    from pdserve.engine.outputs import ModelRunnerOutput
+
+    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
+    return sched.update_from_output(out, ModelRunnerOutput(sampled))
+
+
+def test_srpt_scheduler_runs_the_fewest_tokens_left_first():
+    """A 120-token prompt queued before two short ones, 64-token budget: under srpt the short ones prefill
+    first (fcfs starts the long one). Then, while the long prompt is being prefilled in chunks, a 10-token
+    prompt arrives: srpt gives it the next step ahead of the long prompt's next chunk (fcfs continues the
+    long one first). Every request finishes and every block comes back."""
+    for policy in ("srpt", "fcfs"):
+        sched, bm = make(policy, budget=64)
+        for rid, n in (("long", 120), ("short-a", 20), ("short-b", 30)):
+            sched.add_request(req(rid, n, max_tokens=1))
+        out = sched.schedule()
+        assert [r.request_id for r, _ in out.scheduled] == \
+            (["short-a", "short-b", "long"] if policy == "srpt" else ["long"])
+        _run(sched, out)
+        long = sched.requests["long"]
+        assert 0 < long.num_computed_tokens < long.num_prompt_tokens, "the long prompt is mid-prefill"
+        sched.add_request(req("late-short", 10, max_tokens=1))
+        out = sched.schedule()
+        assert out.scheduled[0][0].request_id == ("late-short" if policy == "srpt" else "long")
+        _run(sched, out)
+        run_to_completion(sched)
+        assert bm.num_free_blocks == bm.num_blocks
