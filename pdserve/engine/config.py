@@ -58,9 +58,8 @@ class EngineConfig:
         attention_backend: ``auto`` | ``paged`` (native CPU kernel) | ``reference`` (plain torch);
             see ``pdserve.engine.attention.select_backend``.
         cpu_cores: the CPU cores this worker's threads run on (``"0-3"``, ``"0,2"``); None: all.
-        scheduling_policy: ``fcfs`` (arrival order), ``priority`` (requests' ``priority``, lower
-            sooner; preemption evicts the largest first) or ``srpt`` (fewest tokens left to compute
-            first, running or waiting, with a bounded wait; for prefill workers); see ``pdserve.engine.request_queue``.
+        scheduling_policy: ``fcfs`` (arrival order) or ``priority`` (requests' ``priority``, lower
+            sooner; preemption evicts the largest first); see ``pdserve.engine.request_queue``.
         speculative_config: vLLM's ``--speculative-config`` JSON (``{"method": "ngram",
             "num_speculative_tokens": 4, "prompt_lookup_max": 4}`` or ``{"method": "draft_model",
             "model": DIR, "num_speculative_tokens": 4}``); None: off. Decoding engines only (a
@@ -120,8 +119,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be positive")
         if self.cpu_cores is not None:
             parse_cpu_list(self.cpu_cores)  # a bad list fails here, before any rank starts
-        if self.scheduling_policy not in ("fcfs", "priority", "srpt"):
-            raise ValueError(f"scheduling_policy must be fcfs, priority or srpt, got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.speculative_config is not None:
             self.speculative  # noqa: B018  a bad config fails here, before any rank starts
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
@@ -207,11 +206,9 @@ class EngineConfig:
         g.add_argument("--attention-backend", default="auto", choices=["auto", "paged", "reference"],
                        help="paged: native CPU kernel reading K/V through block tables; reference: gather + "
                             "SDPA in plain torch (any device); auto: paged where it runs")
-        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "srpt"],
-                       help="waiting order: fcfs (arrival), priority (the request's priority field, lower "
-                            "sooner; preemption evicts the lowest priority first) or srpt (fewest tokens left "
-                            "to compute first, running prefills included; a request waiting 3 s before "
-                            "shorter ones; for prefill workers)")
+        g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                       help="waiting order: fcfs (arrival) or priority (the request's priority field, lower "
+                            "sooner; preemption evicts the lowest priority first)")
         g.add_argument("--speculative-config", default=None,
                        help='speculative decoding (vLLM\'s JSON): \'{"method": "ngram", "num_speculative_tokens": '
                             '4, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": DIR, '

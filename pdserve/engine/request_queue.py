@@ -6,32 +6,20 @@
   value runs sooner, and among equal priorities the earlier arrival. A
   preempted request keeps its arrival time, so it returns to its place in that
   order rather than to the head.
-* ``srpt``: shortest remaining processing time, for prefill workers, whose
-  jobs' sizes are known on arrival: the waiting queue is ordered by the tokens
-  a request still has to compute (its prompt, or prompt and outputs after a
-  preemption), then arrival, and the scheduler gives a step's budget to the
-  requests with the fewest tokens left, running or waiting, so a short prompt
-  that arrives while a long one is being prefilled in chunks goes first. This
-  minimises the mean time in queue of an M/G/1 server (Schrage, 1968); the
-  prefill instances of DistServe and Splitwise are such servers. A request
-  that has waited ``SRPT_MAX_WAIT_S`` since it arrived counts as shortest, in
-  arrival order, so a long prompt is delayed a bounded time, never starved.
 
-All keep the deque-like interface the scheduler uses (``add``, ``prepend``,
+Both keep the deque-like interface the scheduler uses (``add``, ``prepend``,
 ``peek``, ``pop``, ``remove``, ``len``, iteration in admission order).
 """
 
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
 from collections.abc import Iterator
 
 from pdserve.engine.request import Request
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "srpt")
-SRPT_MAX_WAIT_S = 3.0  # srpt: a request waiting this long (seconds) since arrival goes before shorter ones
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def priority_key(request: Request) -> tuple[int, float]:
@@ -104,52 +92,8 @@ class PriorityQueue:
         return iter(self._requests)
 
 
-class ShortestFirstQueue(PriorityQueue):
-    """Sorted by the tokens left to compute, then arrival (``srpt``); requests waiting ``max_wait_s``
-    or longer come first, in arrival order. ``clock``: seconds, comparable with ``Request.arrival_time``."""
-
-    def __init__(self, max_wait_s: float = SRPT_MAX_WAIT_S, clock=time.monotonic):
-        super().__init__()
-        self.max_wait_s = max_wait_s
-        self._clock = clock
-
-    def add(self, request: Request) -> None:
-        key = (request.num_tokens - request.num_computed_tokens, request.arrival_time, self._seq)
-        self._seq += 1
-        i = bisect.bisect_right(self._keys, key)
-        self._keys.insert(i, key)
-        self._requests.insert(i, request)
-
-    prepend = add  # a preempted request: ordered by what it must recompute
-
-    def _order(self) -> list[Request]:
-        deadline = self._clock() - self.max_wait_s
-        overdue = sorted((r for r in self._requests if r.arrival_time <= deadline), key=lambda r: r.arrival_time)
-        if not overdue:
-            return self._requests
-        return overdue + [r for r in self._requests if r.arrival_time > deadline]
-
-    def peek(self) -> Request:
-        return self._order()[0]
-
-    def pop(self) -> Request:
-        request = self.peek()
-        self.remove(request)
-        return request
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(list(self._order()))
-
-
-def srpt_key(request: Request, now: float, max_wait_s: float = SRPT_MAX_WAIT_S) -> tuple[int, float]:
-    """The ``srpt`` order of a running or waiting request at time ``now``: tokens left to compute (0 once it
-    has waited ``max_wait_s`` since arrival), then arrival."""
-    overdue = now - request.arrival_time >= max_wait_s
-    return (0 if overdue else request.num_tokens - request.num_computed_tokens), request.arrival_time
-
-
 def make_waiting_queue(policy: str) -> FCFSQueue | PriorityQueue:
-    """The waiting queue of ``policy`` (``fcfs``, ``priority`` or ``srpt``).
+    """The waiting queue of ``policy`` (``fcfs`` or ``priority``).
 
     Raises:
         ValueError: an unknown policy.
@@ -158,6 +102,4 @@ def make_waiting_queue(policy: str) -> FCFSQueue | PriorityQueue:
         return FCFSQueue()
     if policy == "priority":
         return PriorityQueue()
-    if policy == "srpt":
-        return ShortestFirstQueue()
     raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")

@@ -40,7 +40,6 @@ verification only the accepted tokens count as computed.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from pdserve.common.validation import num_blocks_needed, num_kv_tokens_needed
@@ -48,7 +47,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.request_queue import SCHEDULING_POLICIES, make_waiting_queue, priority_key, srpt_key
+from pdserve.engine.request_queue import SCHEDULING_POLICIES, make_waiting_queue, priority_key
 
 
 @dataclass
@@ -195,17 +194,9 @@ class Scheduler:
         """Pick this step's batch. Never raises for lack of blocks: it preempts or waits."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        srpt = self.config.policy == "srpt"
-        if srpt:  # fewest tokens left first; preemption then takes the longest (running's tail)
-            now = time.monotonic()
-            self.running.sort(key=lambda r: srpt_key(r, now))
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if srpt and self._admit_shorter(out, budget, request, now):
-                budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
-                i = self.running.index(request)
-                continue  # one waiting request went before ``request``
             self._recompute_past_switch(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_new += self._schedule_drafts(request, num_new, budget, out)
@@ -218,19 +209,6 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
-
-    def _admit_shorter(self, out: SchedulerOutput, budget: int, before: Request, now: float) -> bool:
-        """``srpt``: admit the first ready waiting request if it sorts before the running request ``before``,
-        placing it just ahead of it in ``running``; False when none does or it cannot start now."""
-        head = self._next_ready()
-        if head is None or not srpt_key(head, now) < srpt_key(before, now) \
-                or self.num_running >= self.config.max_num_seqs:
-            return False
-        num_waiting, num_running = len(self.waiting), len(self.running)
-        self._admit_waiting(out, budget, limit=1)
-        if len(self.running) > num_running:  # prefilling here: it runs ahead of the longer ones
-            self.running.insert(self.running.index(before), self.running.pop())
-        return len(self.waiting) < num_waiting
 
     def _recompute_past_switch(self, request: Request) -> None:
         """``recompute_past_len``: the first time a decoding request's sequence grows past it with at most
@@ -267,12 +245,8 @@ class Scheduler:
             request.spec_token_ids = []
         return k
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, limit: int | None = None) -> None:
-        """Admit ready waiting requests in the policy's order while budget, slots and blocks last (at most
-        ``limit``): each is prefilled here (running) or, on a decode worker, sent to a prefill worker."""
-        while self.waiting and self.num_running < self.config.max_num_seqs and limit != 0:
-            if limit is not None:
-                limit -= 1
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and self.num_running < self.config.max_num_seqs:
             request = self._next_ready()
             if request is None:
                 return
@@ -361,8 +335,8 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         """Take the running request to preempt out of ``running``: the most recently admitted
-        (``fcfs``, ``srpt``), or the largest ``(priority, arrival)`` (``priority``; vLLM v1's choice)."""
-        if self.config.policy in ("fcfs", "srpt"):
+        (``fcfs``), or the largest ``(priority, arrival)`` (``priority``; vLLM v1's choice)."""
+        if self.config.policy == "fcfs":
             return self.running.pop()
         victim = max(self.running, key=priority_key)
         self.running.remove(victim)
