@@ -117,6 +117,19 @@ def test_prefix_hits_forks_and_preemption_with_a_window(window_model):
     assert [o.outputs[0].token_ids for o in small] == want
 
 
+def test_tensor_parallel_ranks_share_the_freed_tables(window_model):
+    """TP 2: the driver's tables, NULL_BLOCK entries included, reach the other rank; transformers' tokens."""
+    prompts = _prompts()
+    want = _reference(window_model, prompts, 12)
+    with LLM(window_model, block_size=BLOCK, max_num_batched_tokens=16, tensor_parallel_size=2,
+             kv_cache_memory="2MiB") as llm:
+        assert llm.core.scheduler.kv.sliding_window == WINDOW
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert llm.core.block_manager.num_free_blocks == llm.core.block_manager.num_blocks
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
 @pytest.mark.cluster
 def test_disaggregated_prefill_ships_only_the_window(window_model, tmp_path):
     """1P+1D: the decode worker reserves, and the prefill worker sends, only the blocks the first decode
