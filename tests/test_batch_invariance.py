@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from pdserve.common.protocol import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.layers import INVARIANT_ROW_MULTIPLE, RMSNorm, RotaryEmbedding, SiluAndMul, \
-    batch_invariant_linear, pad_rows
+from pdserve.engine.layers import INVARIANT_ROW_MULTIPLE, RMSNorm, SiluAndMul, batch_invariant_linear, pad_rows
+from pdserve.engine.rotary import RotaryEmbedding
 from pdserve.llm import LLM
 
 # (M, position of the probe row) pairs: every M in 1..40 and a few prefill-sized ones.

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.layers import RMSNorm, RotaryEmbedding
+from pdserve.engine.layers import RMSNorm
+from pdserve.engine.rotary import RotaryEmbedding
 from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from pdserve.engine.models.qwen3 import Qwen3Attention
 

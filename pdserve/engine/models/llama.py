@@ -31,12 +31,12 @@ from pdserve.common.sharding import kv_head_layout
 from pdserve.engine.layers import (
     ColumnParallelLinear,
     RMSNorm,
-    RotaryEmbedding,
     RowParallelLinear,
     SiluAndMul,
     pad_rows,
     tp_rank_and_size,
 )
+from pdserve.engine.rotary import RotaryEmbedding
 
 LOGITS_CHUNK = 1024  # vocabulary rows per LM-head slice on CPU (see compute_logits)
 
