@@ -560,7 +560,7 @@ class ExecuteModel(_Msg):
     slot_mapping: list[int] = []
     block_tables: list[list[int]] = []
     seq_lens: list[int] = []
-    rope_seq_lens: list[int] = []  # [num_seqs] each request's known length (AttentionMetadata.rope_seq_lens)
+    rope_seq_lens: list[int] = []  # [num_seqs] each request's known length, for a length-dependent RoPE only; [] = none
     query_start_loc: list[int] = []
     max_query_len: int = 0
     max_seq_len: int = 0

@@ -88,10 +88,11 @@ def _checkpoint_dtype(model_dir: str) -> str | None:
     return cfg.get("torch_dtype") or cfg.get("dtype")
 
 
-def flatten_step(spans: list[tuple[Request, int, int]], block_size: int) -> ExecuteModel:
+def flatten_step(spans: list[tuple[Request, int, int]], block_size: int, rope_lengths: bool = False) -> ExecuteModel:
     """One forward's flattened inputs for ``(request, start, end)`` spans: each computes the tokens at
     positions [start, end) (prompt, output, then drafts) into its ``block_table``'s slots and attends
-    over positions [0, end). ``sample_indices`` is left empty for the caller."""
+    over positions [0, end). ``sample_indices`` is left empty for the caller. ``rope_lengths``: also each
+    request's known length (``rope_seq_lens``), for a model whose RoPE reads it."""
     step = ExecuteModel(query_start_loc=[0])
     for request, start, end in spans:
         table = request.block_table
@@ -99,7 +100,8 @@ def flatten_step(spans: list[tuple[Request, int, int]], block_size: int) -> Exec
         step.positions.extend(range(start, end))
         step.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         step.seq_lens.append(end)
-        step.rope_seq_lens.append(max(end, request.num_tokens))  # a prompt's chunks: the whole prompt's length
+        if rope_lengths:  # a prompt's chunks: the whole prompt's length
+            step.rope_seq_lens.append(max(end, request.num_tokens))
         step.query_start_loc.append(step.query_start_loc[-1] + end - start)
     width = max((len(r.block_table) for r, _, _ in spans), default=0)
     # entries freed out of a sliding window (NULL_BLOCK, always a prefix) read block 0: the window masks them
@@ -234,7 +236,7 @@ class ModelRunner:
         """The flattened step for ``(request, num_new_tokens)`` pairs, and the requests it samples
         (in ``sample_indices`` order; a request with ``k`` drafts owns ``k + 1`` rows)."""
         spans = [(r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
-        step = flatten_step(spans, self.block_size)
+        step = flatten_step(spans, self.block_size, self.rope_needs_lengths)
         step.block_copies = list(block_copies)
         if self.lora is not None:
             step.lora_loads, step.lora_slots = self.lora.plan([r.lora for r, _ in scheduled])
@@ -260,7 +262,7 @@ class ModelRunner:
             backend=self.attention_backend,
             batch_invariant=self.config.batch_invariant,
             kv_cache_dtype=self._attn_kv_dtype,
-            rope_seq_lens=as_tensor(step.rope_seq_lens) if self.rope_needs_lengths and step.rope_seq_lens else None,
+            rope_seq_lens=as_tensor(step.rope_seq_lens) if step.rope_seq_lens else None,
         )
         return ModelInput(as_tensor(step.input_ids), as_tensor(step.positions), metadata,
                           as_tensor(step.sample_indices))

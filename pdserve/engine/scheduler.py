@@ -356,6 +356,7 @@ class Scheduler:
         """
         results = []
         sampled = runner_output.sampled_token_ids
+        window = self.kv.sliding_window is not None
         for request, num_new in out.scheduled:
             if request.status.is_finished:  # aborted while the step ran
                 continue
@@ -377,7 +378,7 @@ class Scheduler:
                 if logprobs is None and request.request_id in runner_output.logprobs:
                     logprobs = [runner_output.logprobs[request.request_id]]
                 results.append(self._append(request, [*accepted, token_id], logprobs))
-            if not request.status.is_finished:
+            if window and not request.status.is_finished:
                 self.kv.free_out_of_window(request)  # after caching and forking: both still saw every block
         return results
 

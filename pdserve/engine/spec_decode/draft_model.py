@@ -111,7 +111,7 @@ class DraftModelProposer:
         for r, _ in active:
             end = r.num_tokens + len(r.spec_token_ids)  # through the newest draft (first: the last sampled token)
             spans.append((r, r.num_draft_computed_tokens if first else end - 1, end))
-        step = flatten_step(spans, self.runner.block_size)
+        step = flatten_step(spans, self.runner.block_size, self.runner.rope_needs_lengths)
         step.sample_indices = [last_row - 1 for last_row in step.query_start_loc[1:]]
         hidden = self.runner.run_step(step)
         return self.runner.model.compute_logits(hidden)
