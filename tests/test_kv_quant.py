@@ -169,21 +169,32 @@ def test_kernel_decodes_every_fp8_code_as_torch_does(name):
 # ---- the engine ------------------------------------------------------------------------------------
 
 
-def test_llm_int8_cache_agrees_with_float32_and_bounds_the_logit_error(model_dir):
+def kv_dtype_runs(model: str, check_int8_runner):
+    """Six seeded random prompts through ``model`` with float32, int8 and fp8_e4m3 KV caches (``LLM``, 4 MiB, no
+    prefix caching): (prompts, float32's greedy outputs, int8's, and each dtype's teacher-forced logits
+    [rows, vocab] over float32's sequences, the same rows for all). ``check_int8_runner(runner)`` looks at the
+    int8 engine's model runner while it is open."""
     rng = random.Random(5)
     prompts = [[rng.randrange(5, 2000) for _ in range(rng.randint(4, 40))] for _ in range(6)]
-    llms = {name: LLM(model_dir, kv_cache_dtype=name, kv_cache_memory="4MiB", enable_prefix_caching=False)
+    llms = {name: LLM(model, kv_cache_dtype=name, kv_cache_memory="4MiB", enable_prefix_caching=False)
             for name in ("float32", "int8", "fp8_e4m3")}
     try:
-        runner = llms["int8"].core.runner
-        assert (runner.kv_cache.dtype, runner.kv_cache_format.name) == (torch.uint8, "int8")
+        check_int8_runner(llms["int8"].core.runner)
         base, int8 = greedy_outputs(llms["float32"], prompts, 12), greedy_outputs(llms["int8"], prompts, 12)
-        sequences = [p + out for p, out in zip(prompts, base)]  # scored teacher-forced: the same rows for all
-        ref, logits, fp8 = (torch.cat(teacher_forced_logits(llms[name], sequences))  # [rows, vocab]
-                            for name in ("float32", "int8", "fp8_e4m3"))
+        sequences = [p + out for p, out in zip(prompts, base)]
+        logits = {name: torch.cat(teacher_forced_logits(llm, sequences)) for name, llm in llms.items()}
     finally:
         for llm in llms.values():
             llm.close()
+    return prompts, base, int8, logits
+
+
+def test_llm_int8_cache_agrees_with_float32_and_bounds_the_logit_error(model_dir):
+    def check(runner):
+        assert (runner.kv_cache.dtype, runner.kv_cache_format.name) == (torch.uint8, "int8")
+
+    prompts, base, int8, by_dtype = kv_dtype_runs(model_dir, check)
+    ref, logits, fp8 = by_dtype["float32"], by_dtype["int8"], by_dtype["fp8_e4m3"]
     # The tiny model's random weights leave near-ties (top-2 logit gaps down to 0.01), so greedy runs do
     # part; most of each output is float32's, up to where they part.
     agreed = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(base, int8)]

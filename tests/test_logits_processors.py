@@ -132,30 +132,22 @@ def test_logit_bias_forces_and_bad_words_ban(llm, hf):
 
 def test_router_builds_the_params(model_dir):
     """OpenAI/vLLM request fields -> wire SamplingParams (no model needed: a fake decode worker)."""
-    from fastapi.testclient import TestClient
-
-    from pdserve.router.app import build_app
     from pdserve.router.config import RouterConfig
-    from tests.test_router import FakeDecodeWorker, wait_for
+    from tests.test_router import fake_worker_router
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=1.0, worker_wait_s=0)
-    with TestClient(build_app(config)) as router:
-        worker = FakeDecodeWorker(router.get("/info").json()["zmq_address"])
-        try:
-            wait_for(lambda: router.get("/health").json()["num_decode"] == 1)
-            worker.script = tok.encode(" done", add_special_tokens=False)
-            resp = router.post("/v1/completions", json={
-                "model": "tiny", "prompt": "hello", "max_tokens": 0, "echo": True, "logprobs": 1,
-                "repetition_penalty": 1.2, "logit_bias": {"7": 300, "9": -2.5}, "bad_words": ["fox"]})
-            assert resp.status_code == 200, resp.text
-            assert resp.json()["choices"][0]["text"] == "hello"  # echo, max_tokens 0: the prompt alone
-            sp = worker.requests()[-1].sampling_params
-            assert (sp.max_tokens, sp.repetition_penalty, sp.logit_bias) == (1, 1.2, {7: 100.0, 9: -2.5})
-            assert sp.prompt_logprobs == 1  # echo + logprobs: prompt_logprobs defaults to logprobs (vLLM)
-            assert sp.bad_words_token_ids == bad_words_token_ids(tok, ["fox"])
-            resp = router.post("/v1/chat/completions", json={
-                "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 3})
-            assert resp.status_code == 200 and worker.requests()[-1].sampling_params.prompt_logprobs == 3
-        finally:
-            worker.close()
+    with fake_worker_router(config) as (router, worker):
+        worker.script = tok.encode(" done", add_special_tokens=False)
+        resp = router.post("/v1/completions", json={
+            "model": "tiny", "prompt": "hello", "max_tokens": 0, "echo": True, "logprobs": 1,
+            "repetition_penalty": 1.2, "logit_bias": {"7": 300, "9": -2.5}, "bad_words": ["fox"]})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["text"] == "hello"  # echo, max_tokens 0: the prompt alone
+        sp = worker.requests()[-1].sampling_params
+        assert (sp.max_tokens, sp.repetition_penalty, sp.logit_bias) == (1, 1.2, {7: 100.0, 9: -2.5})
+        assert sp.prompt_logprobs == 1  # echo + logprobs: prompt_logprobs defaults to logprobs (vLLM)
+        assert sp.bad_words_token_ids == bad_words_token_ids(tok, ["fox"])
+        resp = router.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 3})
+        assert resp.status_code == 200 and worker.requests()[-1].sampling_params.prompt_logprobs == 3

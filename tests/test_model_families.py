@@ -297,25 +297,14 @@ def test_deepseek_int8_cache_agrees_with_float32_and_bounds_the_logit_error(fami
     ~60) and near-ties (median top-2 gap 0.13), so the bounds are on agreement and mean error; measured:
     next token 92% as float32's, mean |error| 0.025 (fp8 0.054) against a logit std of 0.80, the same
     as the earlier cache with a separate V row."""
-    from pdserve.bench.agreement import greedy_outputs, teacher_forced_logits
-    import random
+    from tests.test_kv_quant import kv_dtype_runs
 
-    path = family_dirs["deepseek_v3"]
-    rng = random.Random(5)
-    prompts = [[rng.randrange(5, 2000) for _ in range(rng.randint(4, 40))] for _ in range(6)]
-    llms = {name: LLM(path, kv_cache_dtype=name, kv_cache_memory="4MiB", enable_prefix_caching=False)
-            for name in ("float32", "int8", "fp8_e4m3")}
-    try:
-        runner = llms["int8"].core.runner
+    def check(runner):
         assert (runner.kv_cache.dtype, runner.kv_cache.shape[1], runner.kv_cache.shape[-1]) == \
             (torch.uint8, 1, runner.head_dim + 4)
-        base, int8 = greedy_outputs(llms["float32"], prompts, 12), greedy_outputs(llms["int8"], prompts, 12)
-        sequences = [p + out for p, out in zip(prompts, base)]  # scored teacher-forced: the same rows for all
-        ref, logits, fp8 = (torch.cat(teacher_forced_logits(llms[name], sequences))
-                            for name in ("float32", "int8", "fp8_e4m3"))
-    finally:
-        for llm in llms.values():
-            llm.close()
+
+    prompts, base, int8, by_dtype = kv_dtype_runs(family_dirs["deepseek_v3"], check)
+    ref, logits, fp8 = by_dtype["float32"], by_dtype["int8"], by_dtype["fp8_e4m3"]
     assert sum(a == b for a, b in zip(base, int8)) >= len(prompts) // 3, (base, int8)
     assert (logits.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.85
     errors = {"int8": (logits - ref).abs().mean().item(), "fp8_e4m3": (fp8 - ref).abs().mean().item()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import zmq
@@ -336,6 +337,19 @@ def wait_for(pred, timeout_s=5.0):
     raise AssertionError("condition not met in time")
 
 
+@contextmanager
+def fake_worker_router(config: RouterConfig):
+    """A router app (``TestClient``) built from ``config`` with one ``FakeDecodeWorker`` registered and live:
+    yields (client, worker); the worker is closed after."""
+    with TestClient(build_app(config)) as client:
+        worker = FakeDecodeWorker(client.get("/info").json()["zmq_address"])
+        try:
+            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
+            yield client, worker
+        finally:
+            worker.close()
+
+
 @pytest.fixture
 def router(model_dir):
     config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=1.0, worker_wait_s=0)
@@ -599,30 +613,25 @@ def test_deltas_for_forgotten_requests_are_aborted_at_their_worker(router, worke
 def test_stuck_step_loop_fails_inflight_requests_and_takes_no_more(model_dir, tok):
     # no other decode worker to migrate to: the request fails once worker_wait_s has passed
     config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=5.0, step_timeout_s=0.5, worker_wait_s=0.5)
-    with TestClient(build_app(config)) as client:
-        w = FakeDecodeWorker(client.get("/info").json()["zmq_address"])
-        try:
-            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
-            w.script = tok.encode("never arrives")
-            w.delay_s = 60.0  # the first token comes only after the stall is noticed
-            result = {}
-            thread = threading.Thread(target=lambda: result.update(
-                resp=client.post("/v1/completions", json=COMPLETION)))
-            thread.start()
-            wait_for(lambda: w.requests())
-            w.loop_stall_s = 2.0  # heartbeats keep coming: the loop, not the process, is stuck
-            thread.join(timeout=10)
-            err = error_of(result["resp"], 503)
-            assert "step loop has not moved" in err["message"] and "no other decode worker" in err["message"]
-            assert w.aborted  # the stuck worker must not keep the request's blocks when it wakes up
-            assert client.get("/health").json()["num_decode"] == 0
-            assert client.get("/workers").json()[0]["stalled"] is True
-            assert error_of(client.post("/v1/completions", json=COMPLETION), 503)
-            w.loop_stall_s, w.delay_s = 0.0, 0.0  # it recovers
-            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
-            assert client.post("/v1/completions", json=COMPLETION).status_code == 200
-        finally:
-            w.close()
+    with fake_worker_router(config) as (client, w):
+        w.script = tok.encode("never arrives")
+        w.delay_s = 60.0  # the first token comes only after the stall is noticed
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(
+            resp=client.post("/v1/completions", json=COMPLETION)))
+        thread.start()
+        wait_for(lambda: w.requests())
+        w.loop_stall_s = 2.0  # heartbeats keep coming: the loop, not the process, is stuck
+        thread.join(timeout=10)
+        err = error_of(result["resp"], 503)
+        assert "step loop has not moved" in err["message"] and "no other decode worker" in err["message"]
+        assert w.aborted  # the stuck worker must not keep the request's blocks when it wakes up
+        assert client.get("/health").json()["num_decode"] == 0
+        assert client.get("/workers").json()[0]["stalled"] is True
+        assert error_of(client.post("/v1/completions", json=COMPLETION), 503)
+        w.loop_stall_s, w.delay_s = 0.0, 0.0  # it recovers
+        wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
+        assert client.post("/v1/completions", json=COMPLETION).status_code == 200
 
 
 def test_worker_timeout_fails_inflight_requests(router, worker, tok):
@@ -1007,51 +1016,41 @@ def test_a_worker_shutting_down_asks_to_drain_and_strangers_cannot_remove_it(mod
 
 def test_bounded_admission_answers_503_with_retry_after_at_once(model_dir, tok):
     config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=30, max_num_waiting_requests=2)
-    with TestClient(build_app(config)) as client:
-        worker = FakeDecodeWorker(client.get("/info").json()["zmq_address"])
-        try:
-            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
-            worker.script = tok.encode(" one two")
-            worker.heartbeating = False  # holds every request before its first token
-            results = []
-            threads = [threading.Thread(target=lambda: results.append(client.post(
-                "/v1/completions", json={**COMPLETION, "max_tokens": 2}))) for _ in range(2)]
-            for t in threads:
-                t.start()
-            wait_for(lambda: len(worker.requests()) == 2)
-            started = time.monotonic()
-            resp = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
-            assert time.monotonic() - started < 1.0  # refused at once, not queued
-            err = error_of(resp, 503)
-            assert "overloaded" in err["message"] and resp.headers["retry-after"] == "1"
-            assert len(worker.requests()) == 2  # the refused request never reached a worker
-            assert 'pdserve:requests_rejected_total{model_name="tiny"} 1.0' in client.get("/metrics").text
-            worker.heartbeating = True
-            for t in threads:
-                t.join(timeout=10)
-            assert [r.status_code for r in results] == [200, 200]
-            assert client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2}).status_code == 200
-        finally:
-            worker.close()
+    with fake_worker_router(config) as (client, worker):
+        worker.script = tok.encode(" one two")
+        worker.heartbeating = False  # holds every request before its first token
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(client.post(
+            "/v1/completions", json={**COMPLETION, "max_tokens": 2}))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(worker.requests()) == 2)
+        started = time.monotonic()
+        resp = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2})
+        assert time.monotonic() - started < 1.0  # refused at once, not queued
+        err = error_of(resp, 503)
+        assert "overloaded" in err["message"] and resp.headers["retry-after"] == "1"
+        assert len(worker.requests()) == 2  # the refused request never reached a worker
+        assert 'pdserve:requests_rejected_total{model_name="tiny"} 1.0' in client.get("/metrics").text
+        worker.heartbeating = True
+        for t in threads:
+            t.join(timeout=10)
+        assert [r.status_code for r in results] == [200, 200]
+        assert client.post("/v1/completions", json={**COMPLETION, "max_tokens": 2}).status_code == 200
 
 
 def test_request_timeout_aborts_at_the_worker_and_answers_504(model_dir, tok):
     config = RouterConfig(model=model_dir, zmq_port=0, request_timeout_s=0.5)
-    with TestClient(build_app(config)) as client:
-        worker = FakeDecodeWorker(client.get("/info").json()["zmq_address"])
-        try:
-            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
-            worker.script, worker.delay_s = tok.encode(" one two three"), 1.0  # 2 s: past the timeout
-            started = time.monotonic()
-            err = error_of(client.post("/v1/completions", json={**COMPLETION, "max_tokens": 3}), 504)
-            assert "--request-timeout" in err["message"] and time.monotonic() - started < 2.0
-            wait_for(lambda: len(worker.aborted) == 1)  # its blocks are freed at the worker
-            body = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 3, "stream": True}).text
-            assert body.count("data: ") >= 2 and '"code":504' in body.replace(" ", "")
-            worker.delay_s = 0.0
-            assert client.post("/v1/completions", json={**COMPLETION, "max_tokens": 3}).status_code == 200
-        finally:
-            worker.close()
+    with fake_worker_router(config) as (client, worker):
+        worker.script, worker.delay_s = tok.encode(" one two three"), 1.0  # 2 s: past the timeout
+        started = time.monotonic()
+        err = error_of(client.post("/v1/completions", json={**COMPLETION, "max_tokens": 3}), 504)
+        assert "--request-timeout" in err["message"] and time.monotonic() - started < 2.0
+        wait_for(lambda: len(worker.aborted) == 1)  # its blocks are freed at the worker
+        body = client.post("/v1/completions", json={**COMPLETION, "max_tokens": 3, "stream": True}).text
+        assert body.count("data: ") >= 2 and '"code":504' in body.replace(" ", "")
+        worker.delay_s = 0.0
+        assert client.post("/v1/completions", json={**COMPLETION, "max_tokens": 3}).status_code == 200
 
 
 def test_body_and_list_bounds_are_400_or_413_with_clear_messages(router):
@@ -1112,33 +1111,28 @@ def thinking_model_dir(model_dir, tmp_path):
 def test_chat_template_kwargs_and_continue_final_message_reach_the_template(thinking_model_dir):
     tok = AutoTokenizer.from_pretrained(thinking_model_dir)
     config = RouterConfig(model=thinking_model_dir, zmq_port=0, worker_timeout_s=1.0, worker_wait_s=0)
-    with TestClient(build_app(config)) as client:
-        w = FakeDecodeWorker(client.get("/info").json()["zmq_address"])
-        try:
-            wait_for(lambda: client.get("/health").json()["num_decode"] == 1)
-            w.script = tok.encode("ok")
-            name = client.get("/v1/models").json()["data"][0]["id"]
-            messages = [{"role": "user", "content": "hi"}]
-            for kwargs, expected in ((None, "<|user|>hi<|end|><|assistant|>"),
-                                     ({"enable_thinking": False}, "<|user|>hi<|end|><|assistant|><no-think>")):
-                body = {"model": name, "messages": messages, "max_tokens": 2}
-                if kwargs is not None:
-                    body["chat_template_kwargs"] = kwargs
-                assert client.post("/v1/chat/completions", json=body).status_code == 200
-                assert w.requests()[-1].prompt_token_ids == tok.encode(expected, add_special_tokens=False)
-            # continue the assistant's own opening instead of starting a new turn
-            body = {"model": name, "max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True,
-                    "messages": messages + [{"role": "assistant", "content": "Sure,"}]}
+    with fake_worker_router(config) as (client, w):
+        w.script = tok.encode("ok")
+        name = client.get("/v1/models").json()["data"][0]["id"]
+        messages = [{"role": "user", "content": "hi"}]
+        for kwargs, expected in ((None, "<|user|>hi<|end|><|assistant|>"),
+                                 ({"enable_thinking": False}, "<|user|>hi<|end|><|assistant|><no-think>")):
+            body = {"model": name, "messages": messages, "max_tokens": 2}
+            if kwargs is not None:
+                body["chat_template_kwargs"] = kwargs
             assert client.post("/v1/chat/completions", json=body).status_code == 200
-            assert w.requests()[-1].prompt_token_ids == tok.encode("<|user|>hi<|end|><|assistant|>Sure,",
-                                                                   add_special_tokens=False)
-            # bad combinations: 400s naming the field, nothing sent to the worker
-            sent = len(w.requests())
-            err = error_of(client.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}), 400)
-            assert err["param"] == "continue_final_message" and "cannot both" in err["message"]
-            err = error_of(client.post("/v1/chat/completions", json={
-                "model": name, "messages": messages, "chat_template_kwargs": {"tokenize": True}}), 400)
-            assert err["param"] == "chat_template_kwargs" and "tokenize" in err["message"]
-            assert len(w.requests()) == sent
-        finally:
-            w.close()
+            assert w.requests()[-1].prompt_token_ids == tok.encode(expected, add_special_tokens=False)
+        # continue the assistant's own opening instead of starting a new turn
+        body = {"model": name, "max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True,
+                "messages": messages + [{"role": "assistant", "content": "Sure,"}]}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert w.requests()[-1].prompt_token_ids == tok.encode("<|user|>hi<|end|><|assistant|>Sure,",
+                                                               add_special_tokens=False)
+        # bad combinations: 400s naming the field, nothing sent to the worker
+        sent = len(w.requests())
+        err = error_of(client.post("/v1/chat/completions", json={**body, "add_generation_prompt": True}), 400)
+        assert err["param"] == "continue_final_message" and "cannot both" in err["message"]
+        err = error_of(client.post("/v1/chat/completions", json={
+            "model": name, "messages": messages, "chat_template_kwargs": {"tokenize": True}}), 400)
+        assert err["param"] == "chat_template_kwargs" and "tokenize" in err["message"]
+        assert len(w.requests()) == sent

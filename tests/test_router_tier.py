@@ -22,6 +22,7 @@ from pdserve.common.config import WorkerConfig, resolve_router_addrs
 from pdserve.common.utils import free_port
 from pdserve.launcher import ClusterSpec, LocalCluster
 from tests.test_cluster import wait_all_blocks_free
+from tests.test_startup import stream_until_cut
 
 pytestmark = pytest.mark.cluster
 
@@ -84,19 +85,6 @@ def test_a_router_killed_mid_stream_loses_only_its_own_requests(tier, model_dir)
     texts: dict[int, str] = {}
     errors: list[str] = []
 
-    def doomed(i):  # long streams on router-1, cut off when it dies
-        try:
-            with httpx.stream("POST", f"{r1}/v1/completions", timeout=60,
-                              json={"model": "tiny", "prompt": f"a river bank {i}", "max_tokens": 1500,
-                                    "ignore_eos": True, "stream": True}) as resp:
-                lines = resp.iter_lines()
-                next(lines)
-                doomed_streaming.wait(timeout=60)
-                for _ in lines:
-                    pass
-        except (httpx.HTTPError, threading.BrokenBarrierError):
-            pass
-
     def survivor(i):  # greedy streams on router-0, which must finish untouched
         try:
             with httpx.stream("POST", f"{r0}/v1/completions", timeout=60,
@@ -117,7 +105,9 @@ def test_a_router_killed_mid_stream_loses_only_its_own_requests(tier, model_dir)
         except Exception as e:  # noqa: BLE001  reported by the main thread
             errors.append(f"stream {i}: {type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=doomed, args=(i,), daemon=True) for i in range(4)]
+    # long streams on router-1, cut off when it dies
+    threads = [threading.Thread(target=stream_until_cut, args=(r1, f"a river bank {i}", doomed_streaming), daemon=True)
+               for i in range(4)]
     for t in threads:
         t.start()
     doomed_streaming.wait(timeout=60)

@@ -4,6 +4,7 @@ fatal; a worker that cannot start fails start-up at once, with its own last log 
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 import httpx
@@ -15,6 +16,22 @@ from pdserve.launcher import ClusterSpec, LocalCluster
 
 pytestmark = pytest.mark.cluster
 
+
+def stream_until_cut(url: str, prompt: str, streaming) -> None:
+    """Stream a long completion (1,500 tokens, EOS ignored) from the router at ``url``; wait at the barrier
+    ``streaming`` once its first chunk arrived, then read on until the stream ends or is cut (a killed
+    router: the error is the point, swallowed)."""
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 1500, "ignore_eos": True,
+                                "stream": True}) as resp:
+            lines = resp.iter_lines()
+            next(lines)
+            streaming.wait(timeout=60)
+            for _ in lines:
+                pass
+    except (httpx.HTTPError, threading.BrokenBarrierError):
+        pass
 
 def test_a_worker_killed_during_start_up_is_restarted_and_the_cluster_serves(model_dir, tmp_path):
     spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=2, port=free_port(), threads_per_worker=1,
@@ -85,7 +102,6 @@ def test_workers_outlive_a_dead_router_and_join_the_next_one(model_dir, tmp_path
     """SIGKILL the router mid-stream: after --router-timeout-s the worker drops the orphaned requests
     (their KV blocks free), keeps registering, and serves the router started in its place."""
     import re
-    import threading
 
     spec = ClusterSpec(model=model_dir, num_prefill=0, num_decode=1, port=free_port(), threads_per_worker=1,
                        worker_args=["--kv-cache-memory", "8MiB", "--router-timeout-s", "1"])
@@ -94,21 +110,8 @@ def test_workers_outlive_a_dead_router_and_join_the_next_one(model_dir, tmp_path
     try:
         assert cluster.wait_healthy()
         streaming = threading.Barrier(9)
-
-        def stream(i):  # long requests, cut off when the router dies
-            try:
-                with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=60,
-                                  json={"model": "tiny", "prompt": f"the quick brown fox {i}", "max_tokens": 1500,
-                                        "ignore_eos": True, "stream": True}) as resp:
-                    lines = resp.iter_lines()
-                    next(lines)
-                    streaming.wait(timeout=60)
-                    for _ in lines:
-                        pass
-            except (httpx.HTTPError, threading.BrokenBarrierError):
-                pass
-
-        clients = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(8)]
+        clients = [threading.Thread(target=stream_until_cut, daemon=True,
+                                    args=(cluster.url, f"the quick brown fox {i}", streaming)) for i in range(8)]
         for c in clients:
             c.start()
         streaming.wait(timeout=60)  # all 8 are streaming: each has ~1,500 tokens to go
