@@ -197,7 +197,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            self._recompute_past_switch(request)
+            if self.config.recompute_past_len is not None:
+                self._recompute_past_switch(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             num_new += self._schedule_drafts(request, num_new, budget, out)
             if not self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out):
@@ -215,7 +216,7 @@ class Scheduler:
         that many tokens cached, drop its KV; this step then recomputes the whole sequence (chunked under
         the budget), whose RoPE now takes the long factor everywhere."""
         limit = self.config.recompute_past_len
-        if (limit is None or request.rope_recomputed or request.num_output_tokens == 0
+        if (request.rope_recomputed or request.num_output_tokens == 0
                 or not 0 < request.num_computed_tokens <= limit < request.num_tokens):
             return
         self.kv.free(request)
