@@ -200,7 +200,8 @@ class RegisterWorker(_Msg):
     transfer_port: int | None = None
     num_blocks: int = 0
     block_size: int = 0
-    max_seq_blocks: int | None = None  # a sliding window's cap on one sequence's blocks (EngineLimits)
+    kv_group_caps: list[int | None] | None = None  # per KV cache group, a window's cap on one sequence's blocks
+    # (EngineLimits); None: one group that keeps every block
     max_model_len: int = 0
     vocab_size: int | None = None  # token ids the model accepts: [0, vocab_size)
     kv_layout: KVLayout | None = None  # None: one rank holding every layer and KV head
@@ -321,6 +322,9 @@ class RemotePrefillRequest(_Msg):
     # send only blocks from num_cached_tokens // block_size on
     first_block: int | None = None  # the first logical block to send, when later than the cache hits: a
     # sliding window's first live block (blocks before it are never read); None: num_cached_tokens // block_size
+    # Per layer of the model (global index), the first logical block to send for that layer, when layers differ:
+    # the decode worker's sliding-window layers keep only their window (KV cache groups); None: first_block.
+    layer_first_blocks: list[int] | None = None
     decode_layout: KVLayout | None = None  # the decode worker's ranks (None: one rank)
     lora: LoRARequest | None = None  # the adapter the KV is built with (the decode worker's too)
     router_addr: str | None = None  # the router that took the request (GenerateRequest.router_addr)
@@ -349,6 +353,10 @@ class KVTransferHeader(_Msg):
     dtype: str
     num_tokens: int
     first_block: int = 0  # index in the request's block table of the first block sent
+    # Per layer of this piece, the blocks it carries when layers differ (a sliding-window layer sends only its
+    # window's: its logical blocks [num_tokens' blocks - n, num_tokens' blocks)); [] = num_blocks each.
+    # num_blocks is then the largest.
+    layer_num_blocks: list[int] = []
     # Which piece this is (``sharding.transfer_pieces``): sent by prefill rank ``prefill_rank`` to decode
     # rank ``decode_rank``, holding global layers [first_layer, first_layer + num_layers) and KV heads
     # [first_kv_head, first_kv_head + num_kv_heads). One header per piece; single-rank workers: one piece.
@@ -489,17 +497,22 @@ class KVSendPlan(_Msg):
     request_id: str
     seq_index: int  # its row in the step's block_tables
     first_block: int
-    num_blocks: int
+    num_blocks: int  # every layer sends its logical blocks [its first, first_block + num_blocks)
     decode_worker_id: str
     generation: int
     decode_layout: KVLayout | None = None  # None: one rank
+    layer_first_blocks: list[int] | None = None  # per global layer, its first block (RemotePrefillRequest's)
 
 
 class KVInstall(_Msg):
-    """Decode ranks: copy the received pieces of ``request_id`` into these blocks."""
+    """Decode ranks: copy the received pieces of ``request_id`` into these blocks.
+
+    ``block_ids``: KV cache group 0's (every layer's with one group); ``group_block_ids``: groups 1..
+    (``pdserve.engine.kv_cache_groups``). A layer's blocks are the last its piece carries of its group's."""
 
     request_id: str
     block_ids: list[int]
+    group_block_ids: list[list[int]] = []
 
 
 class KVReset(_Msg):
@@ -559,6 +572,10 @@ class ExecuteModel(_Msg):
     positions: list[int] = []
     slot_mapping: list[int] = []
     block_tables: list[list[int]] = []
+    # KV cache groups 1.. (pdserve.engine.kv_cache_groups; slot_mapping and block_tables are group 0's): each
+    # group's slot mapping [num_tokens] and block tables [num_seqs][its width]; [] = one group
+    group_slot_mappings: list[list[int]] = []
+    group_block_tables: list[list[list[int]]] = []
     seq_lens: list[int] = []
     rope_seq_lens: list[int] = []  # [num_seqs] each request's known length, for a length-dependent RoPE only; [] = none
     query_start_loc: list[int] = []

@@ -53,15 +53,17 @@ class EngineLimits:
         vocab_size: rows of the model's embedding; token ids lie in [0, vocab_size).
         num_blocks: KV cache blocks (None: unknown, no capacity check).
         block_size: tokens per KV block.
-        max_seq_blocks: the most blocks one sequence ever holds (a sliding window frees the
-            rest as it moves; ``KVCacheManager``), or None: its whole length.
+        kv_group_caps: per KV cache group (``pdserve.engine.kv_cache_groups``), the most blocks
+            one sequence ever holds there (a sliding window frees the rest as it moves;
+            ``KVCacheManager``), or None: its whole length. One sequence needs a block per
+            group for each block of its tokens, up to each group's cap.
     """
 
     max_model_len: int
     vocab_size: int
     num_blocks: int | None = None
     block_size: int = 16
-    max_seq_blocks: int | None = None
+    kv_group_caps: tuple[int | None, ...] = (None,)
 
     @property
     def num_kv_tokens(self) -> int | None:
@@ -187,9 +189,8 @@ def check_kv_capacity(num_prompt_tokens: int, max_tokens: int, limits: EngineLim
     if limits.num_blocks is None:
         return
     num_tokens = num_kv_tokens_needed(num_prompt_tokens, max_tokens, limits.max_model_len)
-    needed = num_blocks_needed(num_tokens, limits.block_size)
-    if limits.max_seq_blocks is not None:
-        needed = min(needed, limits.max_seq_blocks)
+    num_blocks = num_blocks_needed(num_tokens, limits.block_size)
+    needed = sum(num_blocks if cap is None else min(num_blocks, cap) for cap in limits.kv_group_caps)
     if needed > limits.num_blocks:
         raise ValidationError(
             f"This request needs {needed} KV cache blocks of {limits.block_size} tokens ({num_prompt_tokens} "

@@ -198,26 +198,43 @@ class DecodeWorker(WorkerBase):
             return "request is no longer waiting for KV"
         piece = next((p for p in state.pieces if (p.prefill_rank, p.decode_rank) ==
                       (header.prefill_rank, header.decode_rank)), None)
-        num_blocks = len(request.block_table) - self._first_sent_block(request)
-        want = None if piece is None else (piece.slice.layer_start, piece.slice.num_layers, piece.slice.head_start,
-                                           piece.slice.num_heads, num_blocks, self.runner.block_size,
-                                           self.runner.head_dim, dtype_name(self.runner.kv_cache_format.name),
-                                           self.runner.kv_slots)
+        want = None
+        if piece is not None:
+            end = len(request.block_table)
+            firsts = self._layer_first_blocks(request)
+            counts = [end - (firsts[layer] if firsts else self._first_sent_block(request))
+                      for layer in range(piece.slice.layer_start, piece.slice.layer_end)]
+            want = (piece.slice.layer_start, piece.slice.num_layers, piece.slice.head_start, piece.slice.num_heads,
+                    max(counts), counts if min(counts) != max(counts) else [], self.runner.block_size,
+                    self.runner.head_dim, dtype_name(self.runner.kv_cache_format.name), self.runner.kv_slots)
         got = (header.first_layer, header.num_layers, header.first_kv_head, header.num_kv_heads, header.num_blocks,
-               header.block_size, header.head_dim, header.dtype, header.kv_slots)
+               header.layer_num_blocks, header.block_size, header.head_dim, header.dtype, header.kv_slots)
         if got != want:
-            return (f"KV piece {header.prefill_rank}->{header.decode_rank} (layers, KV heads, blocks, block size, "
-                    f"head dim, dtype, KV slots) {got} does not match this worker's {want}")
+            return (f"KV piece {header.prefill_rank}->{header.decode_rank} (layers, KV heads, blocks, blocks per "
+                    f"layer, block size, head dim, dtype, KV slots) {got} does not match this worker's {want}")
         return None
 
     # ---- remote prefill -----------------------------------------------------------
 
+    def _group_first_blocks(self, request: Request) -> list[int]:
+        """Per KV cache group, the first of ``request``'s blocks the prefill worker fills: after the
+        prefix-cache hits and the blocks a sliding window left unreserved (``NULL_BLOCK``, always a prefix
+        of the table)."""
+        hits = request.num_cached_tokens // self.runner.block_size
+        return [max(hits, next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table)))
+                for table in request.block_tables]
+
     def _first_sent_block(self, request: Request) -> int:
-        """The first of ``request``'s blocks the prefill worker fills: after the prefix-cache hits and the
-        blocks a sliding window left unreserved (``NULL_BLOCK``, always a prefix of the table)."""
-        table = request.block_table
-        num_null = next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
-        return max(request.num_cached_tokens // self.runner.block_size, num_null)
+        """The first block any layer of ``request`` receives (``_group_first_blocks``' least)."""
+        return min(self._group_first_blocks(request))
+
+    def _layer_first_blocks(self, request: Request) -> list[int] | None:
+        """Per layer, the first block it receives, when the layers' groups differ in it; None: all
+        ``_first_sent_block``. (Several groups mean one pipeline stage: local layers are global ones.)"""
+        firsts = self._group_first_blocks(request)
+        if min(firsts) == max(firsts):
+            return None
+        return [firsts[g] for g in self.runner.kv_groups.layer_groups]
 
     def _send_remote_prefill(self, request: Request) -> None:
         state = self.remote[request.request_id]
@@ -232,6 +249,7 @@ class DecodeWorker(WorkerBase):
             transfer_host=self.pairs.store_host, transfer_port=self.pairs.store_port,
             pair_generation=state.pair_generation, dest_block_ids=request.block_table[first_block:],
             num_cached_tokens=request.num_cached_tokens, first_block=first_block, decode_layout=self.kv_layout,
+            layer_first_blocks=self._layer_first_blocks(request),
             router_addr=self.request_router.get(request.request_id)))
         timing = self.timings.get(request.request_id)
         if timing is not None:
@@ -261,8 +279,9 @@ class DecodeWorker(WorkerBase):
             self._remote_failed(request_id, error, reset_pair=True)
             return
         request = self.core.scheduler.waiting_for_remote_kvs[request_id]
-        first_block = self._first_sent_block(request)  # blocks before it were cache hits or out of the window
-        self._ops.installs.append(KVInstall(request_id=request_id, block_ids=request.block_table[first_block:]))
+        # blocks before each group's first were cache hits or out of the window
+        blocks = [table[first:] for table, first in zip(request.block_tables, self._group_first_blocks(request))]
+        self._ops.installs.append(KVInstall(request_id=request_id, block_ids=blocks[0], group_block_ids=blocks[1:]))
         self._flush_ops()  # every rank copies its pieces into the blocks before the next forward
         del self.remote[request_id]
         timing = self.timings.get(request_id)

@@ -74,10 +74,27 @@ class AttentionMetadata:
     # [num_seqs] int64: each sequence's known length (prompt + outputs, drafts included), for a RoPE whose
     # frequencies depend on the length (longrope, dynamic NTK); None: seq_lens (see token_seq_lens).
     rope_seq_lens: torch.Tensor | None = None
+    # KV cache groups 1.. (pdserve.engine.kv_cache_groups; slot_mapping and block_tables are group 0's):
+    # (slot_mapping, block_tables) of each, for the same sequences; None: one group. See for_group.
+    group_tables: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     # Derived once per forward by paged_attention and shared by all layers (see _plan, _native_plan).
     _groups: list["_Group"] | None = field(default=None, init=False, repr=False, compare=False)
     _native: "_NativePlan | None" = field(default=None, init=False, repr=False, compare=False)
     _token_seq_lens: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
+    _group_metadata: list["AttentionMetadata"] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata of KV cache group ``group``'s layers: this one for group 0, else the same batch
+        with that group's ``slot_mapping`` and ``block_tables`` (made once per forward)."""
+        if group == 0:
+            return self
+        if self._group_metadata is None:
+            self._group_metadata = [
+                AttentionMetadata(slots, tables, self.seq_lens, self.query_start_loc, self.max_query_len,
+                                  self.max_seq_len, self.backend, self.batch_invariant, self.kv_cache_dtype,
+                                  self.rope_seq_lens)
+                for slots, tables in self.group_tables]
+        return self._group_metadata[group - 1]
 
     def token_seq_lens(self, positions: torch.Tensor) -> torch.Tensor:
         """[num_tokens] int64: for each new token, its sequence's known length (``rope_seq_lens``: the

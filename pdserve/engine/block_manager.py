@@ -31,6 +31,12 @@ from collections.abc import Sequence
 ROOT_HASH = b""  # the "previous block" of a sequence's first block
 
 
+def _key(block_hash: bytes, group: int) -> bytes:
+    """The prefix cache's key of a block of KV cache group ``group`` with hash ``block_hash``: groups hold
+    different layers, so the same tokens' blocks of two groups are different cache entries."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
 
@@ -154,9 +160,10 @@ class BlockManager:
     # ---- prefix cache ----------------------------------------------------------
 
     def find_cached_prefix(self, token_ids: Sequence[int], max_tokens: int,
-                           root_hash: bytes = ROOT_HASH) -> tuple[list[int], list[bytes]]:
+                           root_hash: bytes = ROOT_HASH, group: int = 0) -> tuple[list[int], list[bytes]]:
         """Longest run of cached full blocks that prefixes ``token_ids[:max_tokens]``, the first
-        block's hash chained from ``root_hash`` (a LoRA adapter's own root: ``Request.cache_root``).
+        block's hash chained from ``root_hash`` (a LoRA adapter's own root: ``Request.cache_root``),
+        among KV cache group ``group``'s blocks (``pdserve.engine.kv_cache_groups``).
 
         Takes no references (call ``share`` on the result to keep the blocks).
 
@@ -172,26 +179,39 @@ class BlockManager:
         for start in range(0, max_tokens - bs + 1, bs):
             block_tokens = tuple(token_ids[start:start + bs])
             block_hash = chain_hash(parent, block_tokens, self.salt)
-            block_id = self._cached.get(block_hash)
-            if block_id is None or self._block_tokens[block_id] != block_tokens:
+            block_id = self.cached_block(block_hash, block_tokens, group)
+            if block_id is None:
                 break
             hits.append(block_id)
             hashes.append(block_hash)
             parent = block_hash
         return hits, hashes
 
-    def cache_block(self, block_id: int, parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-        """Record that full block ``block_id`` holds ``token_ids`` after ``parent_hash``; return its hash.
+    def cached_block(self, block_hash: bytes, token_ids: tuple[int, ...], group: int = 0) -> int | None:
+        """The block of group ``group`` cached under ``block_hash`` and holding ``token_ids``, or None."""
+        block_id = self._cached.get(_key(block_hash, group))
+        if block_id is None or self._block_tokens[block_id] != token_ids:
+            return None
+        return block_id
+
+    def cache_block(self, block_id: int, parent_hash: bytes, token_ids: Sequence[int], group: int = 0) -> bytes:
+        """Record that full block ``block_id`` (of KV cache group ``group``) holds ``token_ids`` after
+        ``parent_hash``; return its hash.
 
         If an equal block is already cached, the existing one stays the cache's
         entry (this one is simply not findable).
         """
         block_hash = chain_hash(parent_hash, token_ids, self.salt)
-        if self.enable_prefix_caching and block_hash not in self._cached and self._block_hash[block_id] is None:
-            self._cached[block_hash] = block_id
-            self._block_hash[block_id] = block_hash
-            self._block_tokens[block_id] = tuple(token_ids)
+        self.cache_hashed_block(block_id, block_hash, token_ids, group)
         return block_hash
+
+    def cache_hashed_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int], group: int = 0) -> None:
+        """``cache_block`` with the hash already computed (one hash names a block of every group)."""
+        key = _key(block_hash, group)
+        if self.enable_prefix_caching and key not in self._cached and self._block_hash[block_id] is None:
+            self._cached[key] = block_id
+            self._block_hash[block_id] = key
+            self._block_tokens[block_id] = tuple(token_ids)
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._block_hash[block_id]

@@ -75,26 +75,45 @@ class CompiledDecodeStep:
 
     def __call__(self, inp: ModelInput, kv_cache: torch.Tensor) -> torch.Tensor:
         md = inp.attn_metadata
-        tables = md.block_tables
-        if tables.shape[1] < 2:  # at least two wide, as compiled (the kernel reads only seq_lens' worth)
-            tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[1]))
+        slots, tables = md.slot_mapping, md.block_tables
+        if md.group_tables:  # KV cache groups: [num_groups, batch] slots, [num_groups, batch, width] tables
+            width = max(t.shape[1] for _, t in md.group_tables)
+            width = max(width, tables.shape[1])
+            pad = torch.nn.functional.pad
+            slots = torch.stack([slots, *(s for s, _ in md.group_tables)])
+            tables = torch.stack([pad(t, (0, width - t.shape[1])) for t in (tables, *(t for _, t in md.group_tables))])
+        if tables.shape[-1] < 2:  # at least two wide, as compiled (the kernel reads only seq_lens' worth)
+            tables = torch.nn.functional.pad(tables, (0, 2 - tables.shape[-1]))
         with torch.inference_mode(False), torch.no_grad():  # inference tensors do not mix with compile
-            return self._compiled(inp.input_ids.clone(), inp.positions.clone(), kv_cache, md.slot_mapping.clone(),
+            return self._compiled(inp.input_ids.clone(), inp.positions.clone(), kv_cache, slots.clone(),
                                   tables.clone(), md.seq_lens.clone(), md.query_start_loc.clone())
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor) -> torch.Tensor:
-        """The model forward of a decode-only step (one new token per sequence), from plain tensors."""
+        """The model forward of a decode-only step (one new token per sequence), from plain tensors.
+
+        slot_mapping [batch] and block_tables [batch, width], or with KV cache groups one of each per
+        group, stacked: [num_groups, batch] and [num_groups, batch, width]."""
         runner = self.runner
-        metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=1,
-                                     max_seq_len=0, backend=runner.attention_backend,
-                                     kv_cache_dtype=runner._attn_kv_dtype)
         model = runner.model
+        groups = model.kv_cache_groups
+
+        def metadata_of(slots: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
+            return AttentionMetadata(slots, tables, seq_lens, query_start_loc, max_query_len=1, max_seq_len=0,
+                                     backend=runner.attention_backend, kv_cache_dtype=runner._attn_kv_dtype)
+
         hidden = model.model.embed_tokens(input_ids)
         start, end = model.layer_range
+        if groups is None:
+            metadata = metadata_of(slot_mapping, block_tables)
+            for i in range(end - start):
+                hidden = model.model.layers[start + i](positions, hidden, kv_cache, metadata, layer=i)
+            return hidden
+        per_group = [metadata_of(slot_mapping[g], block_tables[g]) for g in range(groups.num_groups)]
         for i in range(end - start):
-            hidden = model.model.layers[start + i](positions, hidden, kv_cache, metadata, layer=i)
+            hidden = model.model.layers[start + i](positions, hidden, kv_cache, per_group[groups.layer_groups[i]],
+                                                   layer=groups.layer_slots[i])
         return hidden
 
     def _warm_up(self, compiled) -> None:
@@ -116,5 +135,7 @@ class CompiledDecodeStep:
                 def zeros(*shape):
                     return torch.zeros(*shape, dtype=torch.int64, device=device)
 
-                compiled(zeros(batch), zeros(batch), self.runner.kv_cache, zeros(batch), zeros(batch, 3),
+                groups = self.runner.model.kv_cache_groups
+                lead = () if groups is None else (groups.num_groups,)
+                compiled(zeros(batch), zeros(batch), self.runner.kv_cache, zeros(*lead, batch), zeros(*lead, batch, 3),
                          zeros(batch) + 1, torch.arange(batch + 1, device=device))

@@ -93,7 +93,7 @@ class EngineCore:
                             policy=config.scheduling_policy,
                             max_loras=config.max_loras if config.enable_lora else 0,
                             recompute_past_len=self.runner.recompute_past_len),
-            self.block_manager, sliding_window=self.runner.sliding_window)
+            self.block_manager, kv_groups=self.runner.kv_groups)
         self.proposer = None
         spec = config.speculative
         if spec is not None:
@@ -101,7 +101,7 @@ class EngineCore:
             self.scheduler.proposer = self.proposer
         self.limits = EngineLimits(max_model_len=self.runner.max_model_len, vocab_size=self.runner.vocab_size,
                                    num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
-                                   max_seq_blocks=self.scheduler.kv.max_seq_blocks(config.max_num_batched_tokens))
+                                   kv_group_caps=self.scheduler.kv.group_caps(config.max_num_batched_tokens))
         # Structured outputs: grammars compiled against the model's tokenizer (loaded on first use).
         self.structured_output = StructuredOutputManager(config.model, self.runner.eos_token_ids)
         self.num_steps = 0

@@ -27,7 +27,7 @@ from pdserve.engine.attention import AttentionMetadata, select_backend
 from pdserve.engine.compiled_step import CompiledDecodeStep
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
-from pdserve.engine.kv_cache_manager import uniform_sliding_window
+from pdserve.engine.kv_cache_groups import kv_cache_groups_for
 from pdserve.common.kv_quant import resolve_kv_cache_format
 from pdserve.engine.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
@@ -88,28 +88,42 @@ def _checkpoint_dtype(model_dir: str) -> str | None:
     return cfg.get("torch_dtype") or cfg.get("dtype")
 
 
-def flatten_step(spans: list[tuple[Request, int, int]], block_size: int, rope_lengths: bool = False) -> ExecuteModel:
+def flatten_step(spans: list[tuple[Request, int, int]], block_size: int, rope_lengths: bool = False,
+                 num_groups: int = 1) -> ExecuteModel:
     """One forward's flattened inputs for ``(request, start, end)`` spans: each computes the tokens at
-    positions [start, end) (prompt, output, then drafts) into its ``block_table``'s slots and attends
+    positions [start, end) (prompt, output, then drafts) into its block tables' slots and attends
     over positions [0, end). ``sample_indices`` is left empty for the caller. ``rope_lengths``: also each
-    request's known length (``rope_seq_lens``), for a model whose RoPE reads it."""
+    request's known length (``rope_seq_lens``), for a model whose RoPE reads it. ``num_groups``: KV cache
+    groups (``pdserve.engine.kv_cache_groups``); groups 1.. get ``group_slot_mappings``/``group_block_tables``."""
     step = ExecuteModel(query_start_loc=[0])
     for request, start, end in spans:
-        table = request.block_table
         step.input_ids.extend(request.token_ids_between(start, end))
         step.positions.extend(range(start, end))
-        step.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         step.seq_lens.append(end)
         if rope_lengths:  # a prompt's chunks: the whole prompt's length
             step.rope_seq_lens.append(max(end, request.num_tokens))
         step.query_start_loc.append(step.query_start_loc[-1] + end - start)
-    width = max((len(r.block_table) for r, _, _ in spans), default=0)
-    # entries freed out of a sliding window (NULL_BLOCK, always a prefix) read block 0: the window masks them
-    step.block_tables = [(r.block_table if not r.block_table or r.block_table[0] >= 0 else
-                          [max(b, 0) for b in r.block_table]) + [0] * (width - len(r.block_table)) for r, _, _ in spans]
+    step.slot_mapping, step.block_tables = _group_inputs(spans, block_size, 0)
+    for g in range(1, num_groups):
+        slots, tables = _group_inputs(spans, block_size, g)
+        step.group_slot_mappings.append(slots)
+        step.group_block_tables.append(tables)
     step.max_query_len = max((end - start for _, start, end in spans), default=0)
     step.max_seq_len = max(step.seq_lens, default=0)
     return step
+
+
+def _group_inputs(spans: list[tuple[Request, int, int]], block_size: int, group: int
+                  ) -> tuple[list[int], list[list[int]]]:
+    """KV cache group ``group``'s slot mapping [num_tokens] and block tables [num_seqs][width] for ``spans``.
+
+    Entries freed out of a sliding window (``NULL_BLOCK``, always a prefix) read block 0: the window masks them."""
+    slots: list[int] = []
+    tables = [r.block_tables[group] for r, _, _ in spans]
+    for table, (_, start, end) in zip(tables, spans):
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+    width = max((len(t) for t in tables), default=0)
+    return slots, [(t if not t or t[0] >= 0 else [max(b, 0) for b in t]) + [0] * (width - len(t)) for t in tables]
 
 
 
@@ -124,7 +138,8 @@ class ModelRunner:
 
     Attributes:
         kv_cache: this rank's [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]
-            (its pipeline stage's layers, its TP rank's KV heads); ``kv_slots`` is the model's: 2
+            (its pipeline stage's layers, its TP rank's KV heads; with several KV cache groups the first
+            axis is one group's positions, ``kv_groups.num_cache_layers``: ``pdserve.engine.kv_cache_groups``); ``kv_slots`` is the model's: 2
             (K and V) or 1 (an MLA latent, whose value is its first ``kv_v_dim`` values); with a quantized
             ``--kv-cache-dtype``, uint8 rows of head_dim + 4 bytes (``pdserve.common.kv_quant``).
         kv_cache_format: the cache's ``KVCacheFormat``; ``kv_cache_format.name`` is the KV dtype
@@ -172,7 +187,9 @@ class ModelRunner:
         self.model_fingerprint = zlib.crc32(f"{os.path.abspath(config.model)}|{self.dtype}|{kv_name}|"
                                             f"{self.quantization}|{hf_config.to_json_string()}".encode())
         self.block_size = config.block_size
-        self.sliding_window = uniform_sliding_window(self.model, config)
+        # which layers share a block table; windows free blocks (pdserve.engine.kv_cache_groups)
+        self.kv_groups = kv_cache_groups_for(self.model, config)
+        self.model.kv_cache_groups = None if self.kv_groups.is_single else self.kv_groups
         # longrope / dynamic NTK RoPE: frequencies follow each request's length (RotaryEmbedding.length_scaling)
         self.rope_needs_lengths = any(getattr(m, "length_scaling", None) for m in self.model.modules())
         # transformers' Phi-3 generate recomputes a sequence once at LongRoPE's switch (Phi3ForCausalLM)
@@ -184,12 +201,13 @@ class ModelRunner:
         self.num_kv_heads = self.model.num_kv_heads
         self.head_dim = self.model.head_dim
         self.kv_slots, self.kv_v_dim = self.model.kv_slots, self.model.kv_v_dim
-        block_bytes = kv_cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim,
+        num_cache_layers = self.kv_groups.num_cache_layers  # the layers one block serves (all, or a group's)
+        block_bytes = kv_cache_block_bytes(num_cache_layers, self.block_size, self.num_kv_heads, self.head_dim,
                                            kv_name, self.kv_slots)  # real bytes: scales included, one latent slot
         self.num_blocks = num_blocks_for_budget(config.kv_cache_memory, block_bytes)
         if ranks is not None:  # block ids are the driver's: every rank must have every block
             self.num_blocks = ranks.min_over_ranks(self.num_blocks)
-        self.kv_cache = allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads,
+        self.kv_cache = allocate_kv_cache(num_cache_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, kv_name, self.device, self.kv_slots)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         # What attention needs to know of the cache's rows: a quantized format's name, else None.
@@ -226,17 +244,19 @@ class ModelRunner:
         self.total_kv_heads = self.model.total_kv_heads  # the cache's KV heads over all TP ranks (MLA: 1 latent)
         self.kv_agent = None  # KVRankAgent once a worker attaches one (pdserve.kvtransfer.agent)
         self.report_keys = None  # non-driver rank: CURVE keys of its reports to the driver (serve_rank's)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s, %d layers, %d KV heads, %s)",
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s, %d layers, %d KV heads, %s)%s",
                     self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20,
                     kv_name, self.device, self.num_layers, self.num_kv_heads,
-                    "K and V" if self.kv_slots == 2 else "one latent row")
+                    "K and V" if self.kv_slots == 2 else "one latent row",
+                    "" if self.kv_groups.is_single else f"; a block holds {num_cache_layers} layers of one of "
+                    f"{self.kv_groups.num_groups} groups")
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
                        block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:
         """The flattened step for ``(request, num_new_tokens)`` pairs, and the requests it samples
         (in ``sample_indices`` order; a request with ``k`` drafts owns ``k + 1`` rows)."""
         spans = [(r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
-        step = flatten_step(spans, self.block_size, self.rope_needs_lengths)
+        step = flatten_step(spans, self.block_size, self.rope_needs_lengths, self.kv_groups.num_groups)
         step.block_copies = list(block_copies)
         if self.lora is not None:
             step.lora_loads, step.lora_slots = self.lora.plan([r.lora for r, _ in scheduled])
@@ -264,6 +284,9 @@ class ModelRunner:
             kv_cache_dtype=self._attn_kv_dtype,
             rope_seq_lens=as_tensor(step.rope_seq_lens) if step.rope_seq_lens else None,
         )
+        if step.group_slot_mappings:  # KV cache groups 1..: their own slots and tables, the same sequences
+            metadata.group_tables = [(as_tensor(slots), as_tensor(tables).reshape(len(tables), -1))
+                                     for slots, tables in zip(step.group_slot_mappings, step.group_block_tables)]
         return ModelInput(as_tensor(step.input_ids), as_tensor(step.positions), metadata,
                           as_tensor(step.sample_indices))
 
@@ -310,7 +333,7 @@ class ModelRunner:
             self.attach_kv_agent(step.attach)
         agent = self.kv_agent
         if step.kv is not None and agent is not None:
-            agent.apply(step.kv, step.block_tables)
+            agent.apply(step.kv, [step.block_tables, *step.group_block_tables])
         if step.block_copies:
             copy_blocks(self.kv_cache, step.block_copies)
         if step.lora_loads:
@@ -376,7 +399,7 @@ class ModelRunner:
         layout = KVLayoutSpec(self.config.tensor_parallel_size, self.config.pipeline_parallel_size,
                               self.model.config.num_hidden_layers, self.total_kv_heads)
         self.kv_agent = KVRankAgent(attach, rank, layout, self.kv_cache, report, attach.transfer_timeout_s,
-                                    kv_cache_dtype=self.kv_cache_format.name)
+                                    kv_cache_dtype=self.kv_cache_format.name, kv_groups=self.kv_groups)
         if self.ranks is not None and self.ranks.is_driver:
             if attach.role == WorkerRole.DECODE:  # the other ranks' lanes rendezvous in the driver's store
                 pairs = self.kv_agent.decode_pairs

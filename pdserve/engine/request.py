@@ -62,10 +62,13 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.output_token_ids: list[int] = []
-        self.block_table: list[int] = []
+        # One block table per KV cache group (pdserve.engine.kv_cache_groups): logical block i of the
+        # sequence is block_tables[g][i] in group g. One group unless the model mixes attention kinds.
+        self.block_tables: list[list[int]] = [[]]
         self.rope_recomputed = False  # SchedulerConfig.recompute_past_len: done once for this request
-        self.keep_blocks_from: int | None = None  # prefill worker: blocks from here on are sent, so a sliding
-        # window never frees them (KVCacheManager.free_out_of_window)
+        # prefill worker: per KV cache group, blocks from here on are sent, so a sliding window never frees
+        # them (KVCacheManager.free_out_of_window); None: nothing to keep
+        self.keep_blocks_from: list[int] | None = None
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.arrival_time = time.monotonic()
@@ -92,6 +95,16 @@ class Request:
         # so its prefix-cache hash chain starts from the adapter's own root.
         self.lora = lora
         self.cache_root = ROOT_HASH if lora is None else lora_cache_root(lora)
+
+    @property
+    def block_table(self) -> list[int]:
+        """Group 0's block table: every layer's when the cache has one group, else the full-attention
+        layers' (the one table that holds every token the request keeps)."""
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.common.validation import num_blocks_needed, num_kv_tokens_needed
+from pdserve.common.validation import num_kv_tokens_needed
 from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.kv_cache_groups import KVCacheGroups
 from pdserve.engine.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
 from pdserve.engine.request import Request, RequestStatus
@@ -125,10 +126,10 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, step by step, which requests compute how many tokens."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, sliding_window: int | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, kv_groups: KVCacheGroups | None = None):
         self.config = config
         self.block_manager = block_manager
-        self.kv = KVCacheManager(block_manager, sliding_window)  # the window: see KVCacheManager
+        self.kv = KVCacheManager(block_manager, kv_groups)  # one block table per group; windows free blocks
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.waiting_for_remote_kvs: dict[str, Request] = {}
@@ -164,10 +165,7 @@ class Scheduler:
                              f"max_model_len is {self.config.max_model_len}")
         num_tokens = num_kv_tokens_needed(request.num_tokens, request.sampling_params.max_tokens,
                                           self.config.max_model_len)
-        needed = num_blocks_needed(num_tokens, self.block_manager.block_size)
-        cap = self.kv.max_seq_blocks(self.config.max_num_batched_tokens)  # a sliding window frees the rest
-        if cap is not None:
-            needed = min(needed, cap)
+        needed = self.kv.blocks_needed(num_tokens, self.config.max_num_batched_tokens)  # windows free the rest
         if needed > self.block_manager.num_blocks:
             raise ValueError(f"request {request.group_id} needs {needed} KV blocks; "
                              f"the cache has {self.block_manager.num_blocks}")
@@ -357,7 +355,7 @@ class Scheduler:
         """
         results = []
         sampled = runner_output.sampled_token_ids
-        window = self.kv.sliding_window is not None
+        window = self.kv.frees_blocks
         for request, num_new in out.scheduled:
             if request.status.is_finished:  # aborted while the step ran
                 continue
@@ -437,7 +435,7 @@ class Scheduler:
             return False
         request.remote_prefill = False
         request.num_computed_tokens = request.num_cached_tokens  # prefix hits are still valid
-        if NULL_BLOCK in request.block_table:  # blocks before the window were never reserved: start afresh
+        if any(NULL_BLOCK in table for table in request.block_tables):  # never reserved before a window: afresh
             self.kv.free(request)
             request.num_computed_tokens = request.num_cached_tokens = 0
         request.status = RequestStatus.RUNNING

@@ -151,7 +151,7 @@ class WorkerBase:
         limits = self.core.limits
         return RegisterWorker(worker_id=self.worker_id, role=self.role, input_addr=self.mailbox.address,
                               model_name=self.model_name, num_blocks=limits.num_blocks,
-                              block_size=limits.block_size, max_seq_blocks=limits.max_seq_blocks,
+                              block_size=limits.block_size, kv_group_caps=list(limits.kv_group_caps),
                               max_model_len=limits.max_model_len,
                               vocab_size=limits.vocab_size, kv_layout=self.runner.kv_layout(), auth=self._auth(),
                               router_addr=router_addr)

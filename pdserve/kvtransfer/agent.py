@@ -30,12 +30,13 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from pdserve.common.protocol import (KVLayout, KVStepOps, KVTransferHeader, RankAttach, RankReport, RankReportKind,
-                                     WorkerRole)
+from pdserve.common.protocol import (KVLayout, KVSendPlan, KVStepOps, KVTransferHeader, RankAttach, RankReport,
+                                     RankReportKind, WorkerRole)
+from pdserve.engine.kv_cache_groups import KVCacheGroups
 from pdserve.common.sharding import KVLayoutSpec, KVPiece, endpoint, rank_slice, transfer_pieces
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
-from pdserve.kvtransfer.wire import KVTransferError
+from pdserve.kvtransfer.wire import KVTransferError, layer_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ _PIECES: dict[tuple[KVLayoutSpec, KVLayoutSpec], list[KVPiece]] = {}
 class _Outgoing:
     send: OutgoingKV
     piece: KVPiece
-    block_ids: list[int]
+    layer_block_ids: list[list[int]]  # per layer of the piece, the blocks it sends (one shared list: all alike)
 
 
 class KVRankAgent:
@@ -107,10 +108,13 @@ class KVRankAgent:
         timeout_s: every pair wait.
         kv_cache_dtype: the cache's KV dtype name (a quantized cache is uint8: its name says which
             format), for the streams' meta; None takes the cache tensor's torch dtype.
+        kv_groups: which block table each of this rank's layers reads and its position in ``kv_cache``
+            (``pdserve.engine.kv_cache_groups``); None: one group, layer i at position i.
     """
 
     def __init__(self, attach: RankAttach, rank: int, layout: KVLayoutSpec, kv_cache: torch.Tensor,
-                 report: Callable[[RankReport], None], timeout_s: float, kv_cache_dtype: str | None = None):
+                 report: Callable[[RankReport], None], timeout_s: float, kv_cache_dtype: str | None = None,
+                 kv_groups: KVCacheGroups | None = None):
         self.attach = attach
         self.worker_id = attach.worker_id
         self.role = attach.role
@@ -119,6 +123,7 @@ class KVRankAgent:
         self.slice = rank_slice(layout, rank)
         self.kv_cache = kv_cache
         self.kv_cache_dtype = kv_cache_dtype
+        self.kv_groups = kv_groups if kv_groups is not None and not kv_groups.is_single else None
         self.device = kv_cache.device
         self.report = report
         self.endpoint = endpoint(self.worker_id, rank)
@@ -148,17 +153,16 @@ class KVRankAgent:
 
     # ---- every step -------------------------------------------------------------------------
 
-    def apply(self, ops: KVStepOps, block_tables: list[list[int]]) -> None:
-        """Do this rank's part of a step's KV work (before the forward)."""
+    def apply(self, ops: KVStepOps, group_tables: list[list[list[int]]]) -> None:
+        """Do this rank's part of a step's KV work (before the forward). ``group_tables``: per KV cache
+        group, the step's block tables [num_seqs][width] (``ExecuteModel``'s, group 0 first)."""
         for reset in ops.resets:
             self._reset(reset.peer_worker_id, reset.generation, reset.reason)
         if self.role == WorkerRole.PREFILL:
             for c in ops.connects:
                 self._connect(c.decode_worker_id, c.generation, c.store_host, c.store_port, c.decode_layout)
             for plan in ops.sends:
-                table = block_tables[plan.seq_index]
-                self._start_sends(plan.request_id, table[plan.first_block:plan.first_block + plan.num_blocks],
-                                  plan.decode_worker_id, plan.generation, plan.decode_layout)
+                self._start_sends(plan, [tables[plan.seq_index] for tables in group_tables])
         else:
             for lane in ops.lanes:
                 self._open_lanes(lane.prefill_worker_id, lane.generation, lane.prefill_layout)
@@ -168,7 +172,7 @@ class KVRankAgent:
             for request_id in ops.drops:
                 self.drop(request_id)
             for install in ops.installs:
-                self.install(install.request_id, install.block_ids)
+                self.install(install.request_id, [install.block_ids, *install.group_block_ids])
 
     # ---- prefill side ----------------------------------------------------------------------------
 
@@ -218,9 +222,27 @@ class KVRankAgent:
                 return self.prefill_pairs.failure(peer, generation) or False
         return True
 
-    def _start_sends(self, request_id: str, block_ids: list[int], decode_worker_id: str, generation: int,
-                     layout: KVLayout) -> None:
-        for piece in self._my_pieces(self.layout, self._decode_spec(layout), as_prefill=True):
+    def _layer_blocks(self, plan: KVSendPlan, piece: KVPiece, tables: list[list[int]]) -> list[list[int]]:
+        """Per layer of ``piece``, the blocks it sends: its group's table (``tables``, one per group, of the
+        plan's sequence) from the layer's first block (``layer_first_blocks``) to the plan's end."""
+        end = plan.first_block + plan.num_blocks
+        if self.kv_groups is None and plan.layer_first_blocks is None:
+            return [tables[0][plan.first_block:end]] * piece.slice.num_layers
+        firsts = plan.layer_first_blocks or [plan.first_block] * self.layout.num_layers
+        groups = self.kv_groups.layer_groups if self.kv_groups is not None else None
+        lists: dict[tuple[int, int], list[int]] = {}  # layers of one group and first block share one list
+        out = []
+        for layer in range(piece.slice.layer_start, piece.slice.layer_end):
+            group = groups[layer - self.slice.layer_start] if groups is not None else 0
+            key = (group, firsts[layer])
+            if key not in lists:
+                lists[key] = tables[group][firsts[layer]:end]
+            out.append(lists[key])
+        return out
+
+    def _start_sends(self, plan: KVSendPlan, tables: list[list[int]]) -> None:
+        request_id, decode_worker_id, generation = plan.request_id, plan.decode_worker_id, plan.generation
+        for piece in self._my_pieces(self.layout, self._decode_spec(plan.decode_layout), as_prefill=True):
             peer = endpoint(decode_worker_id, piece.decode_rank)
             pair = self.prefill_pairs.get(peer, generation)
             if pair is None:
@@ -228,21 +250,26 @@ class KVRankAgent:
                                        request_id=request_id, error=f"no KV pair {self.endpoint}->{peer} "
                                                                     f"g{generation}"))
                 continue
-            send = OutgoingKV(pair, request_id, piece.slice.num_layers, self.kv_cache_dtype)
+            layer_blocks = self._layer_blocks(plan, piece, tables)
+            counts = [len(ids) for ids in layer_blocks]
+            widest = max(layer_blocks, key=len)
+            send = OutgoingKV(pair, request_id, piece.slice.num_layers, self.kv_cache_dtype,
+                              layer_num_blocks=counts if min(counts) != max(counts) else [])
             try:  # the meta goes out now: the decode rank checks it and posts its receives during the forward
-                send.start(self._piece_layer(piece, piece.slice.layer_start - self.slice.layer_start), block_ids)
+                send.start(self._piece_layer(piece, piece.slice.layer_start - self.slice.layer_start), widest)
             except KVTransferError as exc:  # a meta that cannot be made (a dtype the wire cannot name)
                 send.abort(str(exc))
                 self.report(RankReport(rank=self.rank, kind=RankReportKind.SENT, peer=peer, generation=generation,
                                        request_id=request_id, error=str(exc)))
                 continue
-            self._outgoing.append(_Outgoing(send, piece, block_ids))
+            self._outgoing.append(_Outgoing(send, piece, layer_blocks))
 
     def _piece_layer(self, piece: KVPiece, local_layer: int) -> torch.Tensor:
         """``piece``'s KV heads of this rank's layer ``local_layer``: a view, [kv_slots, num_blocks, block_size,
         piece heads, head_dim (+ 4 quantized)]."""
         s = piece.slice
-        return self.kv_cache[local_layer][:, :, :, s.head_start - self.slice.head_start:s.head_end - self.slice.head_start]
+        position = self.kv_groups.layer_slots[local_layer] if self.kv_groups is not None else local_layer
+        return self.kv_cache[position][:, :, :, s.head_start - self.slice.head_start:s.head_end - self.slice.head_start]
 
     def on_layer_done(self, local_layer: int) -> None:
         """Send this layer's part of every piece in flight (called by the model after each layer)."""
@@ -252,7 +279,8 @@ class KVRankAgent:
         for out in self._outgoing:
             s = out.piece.slice
             if s.layer_start <= layer < s.layer_end:
-                out.send.send_layer(layer - s.layer_start, self._piece_layer(out.piece, local_layer), out.block_ids)
+                j = layer - s.layer_start
+                out.send.send_layer(j, self._piece_layer(out.piece, local_layer), out.layer_block_ids[j])
 
     def after_forward(self) -> None:
         """Hand this step's sends to the completer (they finish off the step loop)."""
@@ -308,15 +336,25 @@ class KVRankAgent:
             self.report(RankReport(rank=self.rank, kind=RankReportKind.RECEIVED, peer=peer, generation=generation,
                                    request_id=result.request_id, error=result.reason))
 
-    def install(self, request_id: str, block_ids: list[int]) -> None:
-        """Copy every staged piece of ``request_id`` into this rank's cache at ``block_ids``."""
+    def install(self, request_id: str, group_block_ids: list[list[int]]) -> None:
+        """Copy every staged piece of ``request_id`` into this rank's cache: each layer into its KV cache
+        group's blocks, ``group_block_ids[g]`` (one list: one group)."""
         with self._lock:
             staged = self._staged.pop(request_id, [])
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        indices = [torch.tensor(ids, dtype=torch.int64, device=self.device) for ids in group_block_ids]
         for header, kv in staged:  # kv: [piece layers, kv_slots, len(block_ids), block_size, piece heads, head_dim]
             l0 = header.first_layer - self.slice.layer_start
             h0 = header.first_kv_head - self.slice.head_start
-            self.kv_cache[l0:l0 + header.num_layers, :, index, :, h0:h0 + header.num_kv_heads] = kv.to(self.device)
+            heads = slice(h0, h0 + header.num_kv_heads)
+            if self.kv_groups is None and not header.layer_num_blocks:
+                self.kv_cache[l0:l0 + header.num_layers, :, indices[0], :, heads] = kv.to(self.device)
+            else:  # each layer at its cache position, in its group's blocks (a window's layer: fewer of them)
+                for j in range(header.num_layers):
+                    local = l0 + j
+                    group = self.kv_groups.layer_groups[local] if self.kv_groups is not None else 0
+                    position = self.kv_groups.layer_slots[local] if self.kv_groups is not None else local
+                    layer = layer_prefix(kv[j], len(group_block_ids[group]))
+                    self.kv_cache[position, :, indices[group], :, heads] = layer.to(self.device)
             self.decode_pairs.release(kv)  # copied (CPU: synchronously; CUDA staging is not pooled)
 
     def drop(self, request_id: str) -> None:

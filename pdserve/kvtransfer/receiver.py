@@ -238,13 +238,15 @@ class DecodePairs:
             # Every layer's receive is posted at once; each layer is checksummed as soon as it is in,
             # while the next ones are still arriving.
             what = [f"request {rid}: layer {i}/{header.num_layers}" for i in range(header.num_layers)]
-            works = [pair.irecv(kv[i], what[i]) for i in range(header.num_layers)]
+            layers = [kv[i] for i in range(header.num_layers)] if not header.layer_num_blocks else \
+                [wire.layer_prefix(kv[i], n) for i, n in enumerate(header.layer_num_blocks)]  # a window's: fewer
+            works = [pair.irecv(layer, what[i]) for i, layer in enumerate(layers)]
             checksum = KVChecksum()
             for i, work in enumerate(works):  # each layer may take timeout_s after the one before
                 pair.wait(work, self.timeout_s, what[i])
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
-                checksum.update(kv[i])
+                checksum.update(layers[i])
             return ReceivedKV(rid, kv, checksum.num_bytes, checksum.value)
 
     def release(self, kv: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ from pdserve.common import faults
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.pair import KVPair
 from pdserve.kvtransfer.staging import StagingPool
-from pdserve.kvtransfer.wire import KVTransferError
+from pdserve.kvtransfer.wire import KVTransferError, layer_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,20 @@ class OutgoingKV:
     for the stream's meta (needed for a quantized cache, whose layers are uint8 packed rows).
     """
 
-    def __init__(self, pair: KVPair, request_id: str, num_layers: int, kv_dtype: str | None = None):
+    def __init__(self, pair: KVPair, request_id: str, num_layers: int, kv_dtype: str | None = None,
+                 layer_num_blocks: list[int] = ()):
         if num_layers < 1:
             raise KVTransferError(f"request {request_id}: num_layers must be >= 1, got {num_layers}")
         self.pair = pair
         self.request_id = request_id
         self.num_layers = num_layers
         self.kv_dtype = kv_dtype  # the KV dtype name for the meta (None: the layers' torch dtype)
+        # each layer's block count when they differ (KV cache groups: a window's layers send fewer); [] = all equal
+        self.layer_num_blocks = list(layer_num_blocks)
+        if self.layer_num_blocks and len(self.layer_num_blocks) != num_layers:
+            raise KVTransferError(f"request {request_id}: {len(self.layer_num_blocks)} layer block counts for "
+                                  f"{num_layers} layers")
+        self._indices: dict[int, tuple[list[int], torch.Tensor]] = {}  # id(block_ids) -> (them, on the device)
         self.num_bytes = 0  # KV bytes handed to the pair so far
         self._next_layer = 0
         self._index: torch.Tensor | None = None  # [num_blocks] int64 block ids, on the cache's device
@@ -76,16 +83,18 @@ class OutgoingKV:
         layer 0, so the first layer flows as soon as it is sent. Optional (``send_layer(0)`` does it
         otherwise) and idempotent. ``kv_layer``: any layer of P's cache in the shape ``send_layer``
         takes (only its shape, dtype and device are read); ``block_ids``: the blocks every layer
-        sends. Misuse (a bad shape, a dtype the meta cannot name) raises KVTransferError.
+        sends, or with ``layer_num_blocks`` the largest layer's. Misuse (a bad shape, a dtype the meta
+        cannot name) raises KVTransferError.
         """
         if self._staging is not None or self._error is not None:
             return
         if kv_layer.dim() != 5 or kv_layer.shape[0] not in (1, 2):
             raise KVTransferError(f"request {self.request_id}: kv_layer must be [kv_slots (1 or 2), num_blocks, "
                                   f"block_size, H, D], got {list(kv_layer.shape)}")
-        shape = (self.num_layers, kv_layer.shape[0], len(block_ids), *kv_layer.shape[2:])
+        num_blocks = max(self.layer_num_blocks) if self.layer_num_blocks else len(block_ids)
+        shape = (self.num_layers, kv_layer.shape[0], num_blocks, *kv_layer.shape[2:])
         staging = self.pair.staging.take(shape, kv_layer.dtype, kv_layer.device)
-        meta = wire.make_meta(self.request_id, self.num_layers, staging[0], self.kv_dtype)
+        meta = wire.make_meta(self.request_id, self.num_layers, staging[0], self.kv_dtype, self.layer_num_blocks)
         self._index = torch.tensor(block_ids, dtype=torch.int64, device=kv_layer.device)
         self._staging = staging
         fault = faults.kv_send_fault(self.request_id)
@@ -99,8 +108,10 @@ class OutgoingKV:
         head_dim] (any strides: a TP piece's head range is a view). The blocks are gathered into this request's
         staging buffer (one contiguous [kv_slots, len(block_ids), block_size, num_kv_heads, head_dim] per layer),
         which is what goes on the wire; it is checksummed there once its send is issued, still in cache.
-        The ``block_ids`` of ``start`` (or of layer 0) hold for every layer. A failed pair is not raised
-        here (``wait`` reports it); misuse (layer order, shape change) raises KVTransferError.
+        The ``block_ids`` of ``start`` (or of layer 0) hold for every layer; with ``layer_num_blocks``
+        each layer's own are given here (as many as its count; it fills the front of its staging row).
+        A failed pair is not raised here (``wait`` reports it); misuse (layer order, shape change, a
+        layer's block count) raises KVTransferError.
         """
         if layer_idx != self._next_layer:
             raise KVTransferError(
@@ -118,7 +129,18 @@ class OutgoingKV:
             raise KVTransferError(f"request {self.request_id}: layer {layer_idx} is {kv_layer.shape[0]} x "
                                   f"{list(kv_layer.shape[2:])} {kv_layer.dtype} per block, layer 0 was "
                                   f"{staged.shape[0]} x {list(staged.shape[2:])} {staged.dtype}")
-        torch.index_select(kv_layer, 1, self._index, out=staged)
+        index = self._index
+        if self.layer_num_blocks:  # this layer's own blocks, into the front of its staging row
+            if len(block_ids) != self.layer_num_blocks[layer_idx]:
+                raise KVTransferError(f"request {self.request_id}: layer {layer_idx} sends {len(block_ids)} blocks, "
+                                      f"its count is {self.layer_num_blocks[layer_idx]}")
+            staged = layer_prefix(staged, len(block_ids))
+            cached = self._indices.get(id(block_ids))
+            if cached is None or cached[0] is not block_ids:
+                cached = self._indices[id(block_ids)] = (block_ids, torch.tensor(block_ids, dtype=torch.int64,
+                                                                                 device=kv_layer.device))
+            index = cached[1]
+        torch.index_select(kv_layer, 1, index, out=staged)
         self.num_bytes += staged.nbytes
         tensors = [staged]
         if (fault := faults.kv_send_fault(self.request_id)) is None or self._inject(fault, layer_idx, tensors):

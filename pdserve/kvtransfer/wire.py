@@ -4,9 +4,15 @@ A pair's group carries one ordered stream (a single tag), rank 0 -> rank 1:
 
     hello   int64[4]  once per pair: [MAGIC, generation, crc32(prefill_id), crc32(decode_id)]
     then per request, in the order the KVTransferHeaders were sent:
-    meta    int64[9]  [MAGIC, crc32(request_id), num_layers, num_blocks,
-                       block_size, num_kv_heads, head_dim, dtype_code, kv_slots]
-    layer i           [kv_slots, num_blocks, block_size, num_kv_heads, row_len], i = 0..num_layers-1
+    meta    int64[10] [MAGIC, crc32(request_id), num_layers, num_blocks,
+                       block_size, num_kv_heads, head_dim, dtype_code, kv_slots, layer_blocks]
+    layer i           [kv_slots, num_blocks_i, block_size, num_kv_heads, row_len], i = 0..num_layers-1
+
+``num_blocks_i`` is ``num_blocks`` for every layer, unless the header's ``layer_num_blocks``
+names each layer's count (a model whose sliding-window layers keep fewer blocks than its full
+ones: KV cache groups, ``pdserve.engine.kv_cache_groups``); ``num_blocks`` is then the largest
+and ``layer_blocks`` is the crc32 of that list (``layer_blocks_code``; 0 when every layer has
+``num_blocks``).
 
 ``kv_slots`` is what the model caches per token and KV head: 2 (K, then V) or 1 (a latent
 row, DeepSeek's MLA, whose value is its own first kv_lora_rank values): a latent layer is
@@ -50,7 +56,7 @@ _DTYPE_CODES: dict[str, int] = {
     "fp8_e5m2": 10,
 }
 _META_FIELDS = ("magic", "request", "num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim", "dtype",
-                "kv_slots")
+                "kv_slots", "layer_blocks")
 
 
 class KVTransferError(RuntimeError):
@@ -88,11 +94,29 @@ def row_len(name: str, head_dim: int) -> int:
     return fmt.row_len(head_dim) if fmt is not None else head_dim
 
 
-def make_meta(request_id: str, num_layers: int, layer: torch.Tensor, kv_dtype: str | None = None) -> torch.Tensor:
+def layer_blocks_code(layer_num_blocks: list[int]) -> int:
+    """The meta's ``layer_blocks`` field: crc32 of each layer's block count, 0 for [] (all ``num_blocks``)."""
+    if not layer_num_blocks:
+        return 0
+    return zlib.crc32(",".join(map(str, layer_num_blocks)).encode()) or 1
+
+
+def layer_prefix(layer: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """The front of a contiguous staging layer [kv_slots, capacity, block_size, H, row_len] viewed as
+    [kv_slots, num_blocks, block_size, H, row_len], itself contiguous: where a layer that carries fewer
+    blocks than the stream's largest is gathered, sent and received."""
+    kv_slots, _, *rest = layer.shape
+    numel = kv_slots * num_blocks * layer[0, 0].numel()
+    return layer.view(-1)[:numel].view(kv_slots, num_blocks, *rest)
+
+
+def make_meta(request_id: str, num_layers: int, layer: torch.Tensor, kv_dtype: str | None = None,
+              layer_num_blocks: list[int] = ()) -> torch.Tensor:
     """The ``meta`` message for ``layer`` [kv_slots, num_blocks, block_size, H, row_len], on its device.
 
     kv_dtype: the KV dtype name; None takes the layer's torch dtype (a plain cache). The meta's
-    head_dim is the model's (row_len less a quantized row's 4 scale bytes)."""
+    head_dim is the model's (row_len less a quantized row's 4 scale bytes). layer_num_blocks: each
+    layer's block count when they differ (``num_blocks`` is then their largest), else empty."""
     name = dtype_name(kv_dtype if kv_dtype is not None else layer.dtype)
     if layer.dtype != dtype_from_name(name):
         raise KVTransferError(f"a {name} KV layer must be {dtype_from_name(name)}, got {layer.dtype}")
@@ -100,7 +124,7 @@ def make_meta(request_id: str, num_layers: int, layer: torch.Tensor, kv_dtype: s
     fmt = KV_CACHE_FORMATS.get(name)
     head_dim = fmt.head_dim_of(last) if fmt is not None else last
     values = [MAGIC, crc(request_id), num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-              _DTYPE_CODES[name], kv_slots]
+              _DTYPE_CODES[name], kv_slots, layer_blocks_code(list(layer_num_blocks))]
     return torch.tensor(values, dtype=torch.int64, device=layer.device)
 
 
@@ -108,7 +132,8 @@ def expected_meta(header: KVTransferHeader, device: torch.device) -> torch.Tenso
     """The ``meta`` a sender of ``header`` must put on the wire (KVTransferError for an unknown dtype)."""
     dtype_from_name(header.dtype)
     values = [MAGIC, crc(header.request_id), header.num_layers, header.num_blocks, header.block_size,
-              header.num_kv_heads, header.head_dim, _DTYPE_CODES[header.dtype], header.kv_slots]
+              header.num_kv_heads, header.head_dim, _DTYPE_CODES[header.dtype], header.kv_slots,
+              layer_blocks_code(header.layer_num_blocks)]
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 

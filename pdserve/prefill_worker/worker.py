@@ -82,8 +82,14 @@ class _Transfer:
 
 
 def _first_sent_block(origin: RemotePrefillRequest, block_size: int) -> int:
-    """The first logical block of ``origin``'s prompt that goes to the decode worker."""
+    """The first logical block of ``origin``'s prompt that goes to the decode worker (its earliest layer's)."""
     return origin.num_cached_tokens // block_size if origin.first_block is None else origin.first_block
+
+
+def _layer_first_blocks(origin: RemotePrefillRequest, block_size: int, num_layers: int) -> list[int]:
+    """Per global layer, the first logical block of ``origin``'s prompt that layer sends (a decode worker's
+    sliding-window layers want only their window's)."""
+    return origin.layer_first_blocks or [_first_sent_block(origin, block_size)] * num_layers
 
 class PrefillWorker(WorkerBase):
     role = WorkerRole.PREFILL
@@ -231,7 +237,7 @@ class PrefillWorker(WorkerBase):
             try:  # only the first token is sampled here; the decode worker produces the rest
                 request = self.core.add_request(request_id, origin.prompt_token_ids,
                                                 prefill_sampling_params(origin.sampling_params), lora=origin.lora)
-                request.keep_blocks_from = _first_sent_block(origin, self.runner.block_size)
+                request.keep_blocks_from = self._keep_blocks_from(origin)
             except ValueError as e:  # ValidationError included: D then recomputes or fails it
                 self._fail(origin, str(e))
                 continue
@@ -272,6 +278,15 @@ class PrefillWorker(WorkerBase):
         self.core.update(scheduler_output, runner_output)  # max_tokens=1: finished, blocks freed
         return True
 
+    def _keep_blocks_from(self, origin: RemotePrefillRequest) -> list[int]:
+        """Per KV cache group of this worker, the first block a window must not free: the earliest any of
+        the group's layers sends."""
+        groups = self.runner.kv_groups
+        firsts = _layer_first_blocks(origin, self.runner.block_size, self.runner.model.config.num_hidden_layers)
+        if groups.is_single:  # pipeline stages included: layer indices here are global, so hybrid means one stage
+            return [min(firsts)]
+        return [min(firsts[layer] for layer in groups.group_layers(g)) for g in range(groups.num_groups)]
+
     def _start_transfers(self, scheduled: list[tuple[Request, int]]) -> list[KVSendPlan]:
         """Headers (one per piece) and send plans for each request whose prompt completes in this step.
 
@@ -286,12 +301,17 @@ class PrefillWorker(WorkerBase):
             origin = self.origin[request.request_id]
             first_block = _first_sent_block(origin, runner.block_size)
             num_blocks = len(request.block_table) - first_block
+            end = first_block + num_blocks
+            firsts = origin.layer_first_blocks
             pieces = self._pieces(origin.decode_layout)
             for piece in pieces:  # header order = each pair's stream order (the agents send in this order)
                 s = piece.slice
+                counts = [end - firsts[layer] for layer in range(s.layer_start, s.layer_end)] if firsts else []
+                piece_blocks = max(counts) if counts else num_blocks
                 self.mailbox.put(origin.decode_addr, KVTransferHeader(
                     request_id=request.request_id, prefill_worker_id=self.worker_id,
-                    pair_generation=origin.pair_generation, num_layers=s.num_layers, num_blocks=num_blocks,
+                    layer_num_blocks=counts if counts and min(counts) != max(counts) else [],
+                    pair_generation=origin.pair_generation, num_layers=s.num_layers, num_blocks=piece_blocks,
                     block_size=runner.block_size, num_kv_heads=s.num_heads, head_dim=runner.head_dim, dtype=dtype,
                     num_tokens=request.num_tokens, first_block=first_block, prefill_rank=piece.prefill_rank,
                     decode_rank=piece.decode_rank, first_layer=s.layer_start, first_kv_head=s.head_start,
@@ -300,5 +320,6 @@ class PrefillWorker(WorkerBase):
             self.transfers[request.request_id] = _Transfer(origin, pieces, time.monotonic())
             plans.append(KVSendPlan(request_id=request.request_id, seq_index=seq_index, first_block=first_block,
                                     num_blocks=num_blocks, decode_worker_id=origin.decode_worker_id,
-                                    generation=origin.pair_generation, decode_layout=origin.decode_layout))
+                                    generation=origin.pair_generation, decode_layout=origin.decode_layout,
+                                    layer_first_blocks=firsts))
         return plans

@@ -56,7 +56,7 @@ class WorkerInfo:
     registered_at: float
     last_seen: float
     vocab_size: int | None = None
-    max_seq_blocks: int | None = None  # a sliding window's cap on one sequence's blocks (EngineLimits)
+    kv_group_caps: list[int | None] | None = None  # per KV cache group, a window's cap on a sequence's blocks
     kv_layout: KVLayout | None = None  # how its KV cache is split over its ranks (None: one rank)
     heartbeat: Heartbeat | None = None
     num_inflight: int = 0  # requests routed here and not yet finished (decode workers)
@@ -101,7 +101,7 @@ class WorkerInfo:
                             vocab_size=self.vocab_size or fallback_vocab_size,
                             num_blocks=self.num_blocks if self.num_kv_tokens is not None else None,
                             block_size=self.block_size if self.block_size > 0 else 16,
-                            max_seq_blocks=self.max_seq_blocks)
+                            kv_group_caps=tuple(self.kv_group_caps or (None,)))
 
     @property
     def kv_cache_dtype(self) -> str | None:
@@ -188,7 +188,7 @@ class WorkerRegistry:
         old = self._workers.get(msg.worker_id)
         if old is not None and old.input_addr == msg.input_addr and old.role == msg.role:
             old.last_seen = now
-            old.num_blocks, old.block_size, old.max_seq_blocks = msg.num_blocks, msg.block_size, msg.max_seq_blocks
+            old.num_blocks, old.block_size, old.kv_group_caps = msg.num_blocks, msg.block_size, msg.kv_group_caps
             old.max_model_len, old.vocab_size, old.kv_layout = msg.max_model_len, msg.vocab_size, msg.kv_layout
             old.router_addr = msg.router_addr
             return None
@@ -198,7 +198,7 @@ class WorkerRegistry:
             worker_id=msg.worker_id, role=WorkerRole(msg.role), input_addr=msg.input_addr,
             model_name=msg.model_name, num_blocks=msg.num_blocks, block_size=msg.block_size,
             max_model_len=msg.max_model_len, registered_at=now, last_seen=now, vocab_size=msg.vocab_size,
-            kv_layout=msg.kv_layout, router_addr=msg.router_addr, max_seq_blocks=msg.max_seq_blocks)
+            kv_layout=msg.kv_layout, router_addr=msg.router_addr, kv_group_caps=msg.kv_group_caps)
         logger.info("worker %s registered: %s at %s (num_blocks=%d, block_size=%d)", msg.worker_id,
                     WorkerRole(msg.role).name.lower(), msg.input_addr, msg.num_blocks, msg.block_size)
         self._warn_kv_mismatch(self._workers[msg.worker_id])

@@ -256,6 +256,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp_group = tp_group
         self.layer_range = layer_range or (0, config.num_hidden_layers)
+        self.kv_cache_groups = None  # KVCacheGroups set by the runner when layers of several kinds share the cache
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         has_embedding = has_embedding or (has_lm_head and self.tie_word_embeddings)
         self.model = LlamaModel(config, tp_group, dtype, device, self.layer_range, has_embedding, has_lm_head,
@@ -318,7 +319,8 @@ class LlamaForCausalLM(nn.Module):
         input_ids, positions: [num_tokens] int64 (input_ids are embedded when ``hidden`` is None,
         i.e. on the first pipeline stage); hidden: [num_tokens, hidden_size] from the previous stage.
         kv_cache: this rank's [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim],
-        updated in place. Returns hidden states [num_tokens, hidden_size] after this rank's last
+        updated in place (with KV cache groups, ``kv_cache_groups``, layer i is position
+        ``layer_slots[i]`` and reads its group's tables: ``pdserve.engine.kv_cache_groups``). Returns hidden states [num_tokens, hidden_size] after this rank's last
         layer (before the final norm, which ``compute_logits`` applies).
 
         ``on_layer_done(i)`` runs right after this rank's layer ``i`` (an index into ``kv_cache``)
@@ -327,8 +329,13 @@ class LlamaForCausalLM(nn.Module):
         if hidden is None:
             hidden = self.model.embed_tokens(input_ids)  # (N, hidden)
         start, end = self.layer_range
+        groups = self.kv_cache_groups
         for i in range(end - start):
-            hidden = self.model.layers[start + i](positions, hidden, kv_cache[i], attn_metadata)
+            if groups is None:
+                hidden = self.model.layers[start + i](positions, hidden, kv_cache[i], attn_metadata)
+            else:  # its group's cache position and block tables
+                hidden = self.model.layers[start + i](positions, hidden, kv_cache[groups.layer_slots[i]],
+                                                      attn_metadata.for_group(groups.layer_groups[i]))
             if on_layer_done is not None:
                 on_layer_done(i)
         return hidden
