@@ -198,3 +198,24 @@ def test_disaggregated_prefill_ships_each_layer_its_groups_blocks(gemma3_model, 
     layer_blocks = sum(full_layers * -(-n // BLOCK) + sliding_layers * _live_blocks(n, n) for n in PROMPT_LENGTHS)
     assert layer_blocks < len(GEMMA_LAYERS) * sum(-(-n // BLOCK) for n in PROMPT_LENGTHS)
     assert moved == {"prefill": layer_blocks * LAYER_BLOCK_BYTES, "decode": layer_blocks * LAYER_BLOCK_BYTES}
+
+
+def test_disabling_the_hybrid_manager_keeps_every_block_in_one_table(gemma3_model):
+    """``--disable-hybrid-kv-cache-manager`` (vLLM's flag): one block table for every layer, every block kept
+    (the windows only mask), the same tokens."""
+    prompts = _prompts()
+    want = _reference(gemma3_model, prompts, 12)
+    with LLM(gemma3_model, block_size=BLOCK, max_num_batched_tokens=16, disable_hybrid_kv_cache_manager=True) as llm:
+        core = llm.core
+        assert (core.scheduler.kv.num_groups, core.scheduler.kv.frees_blocks) == (1, False)
+        assert core.runner.kv_cache.shape[0] == len(GEMMA_LAYERS)  # one position per layer
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            core.add_request(f"r{i}", p, params)
+        tokens = {f"r{i}": [] for i in range(len(prompts))}
+        while core.has_unfinished():
+            for out in core.step()[1]:
+                tokens[out.request.request_id].extend(out.new_token_ids)
+            for r in core.scheduler.running:
+                assert NULL_BLOCK not in r.block_table and len(r.block_tables) == 1
+    assert [tokens[f"r{i}"] for i in range(len(prompts))] == want

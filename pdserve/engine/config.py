@@ -68,6 +68,10 @@ class EngineConfig:
             batch and however its prefill is chunked (He & Thinking Machines Lab, "Defeating
             Nondeterminism in LLM Inference", 2025): padded matmuls, every query through the paged
             kernel, no compiled decode step. Needs the paged backend and TP <= 2 (ValueError else).
+        disable_hybrid_kv_cache_manager: a model whose layers mix sliding windows with full attention
+            (Gemma 3, gpt-oss) keeps every block in every layer, one block table per request, instead of
+            one table per layer group that frees what leaves a window (vLLM's flag of this name; see
+            ``pdserve.engine.kv_cache_groups``).
         quantization: None (weights as loaded; a compressed-tensors checkpoint is detected from its
             config.json), ``int8`` (the decoder's linear weights quantized at load time, weight-only,
             per output channel, with torchao; embedding and LM head kept) or ``compressed-tensors``
@@ -106,6 +110,7 @@ class EngineConfig:
     speculative_config: str | None = None
     batch_invariant: bool = False
     enable_expert_parallel: bool = False
+    disable_hybrid_kv_cache_manager: bool = False
     quantization: str | None = None
     enable_lora: bool = False
     max_loras: int = 1
@@ -221,6 +226,9 @@ class EngineConfig:
                        help="MoE models: split the routed experts across the worker's tensor-parallel ranks "
                             "(each rank holds num_experts / TP whole experts) instead of slicing every expert; "
                             "attention stays tensor-parallel")
+        g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="models mixing sliding-window and full-attention layers (Gemma 3, gpt-oss): keep every "
+                            "KV block in every layer (one block table) instead of freeing what leaves a window")
         g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                        help="int8: quantize the linear weights at load time (weight-only, per output channel, "
                             "torchao; embedding and LM head kept); compressed-tensors: a W8A16/W4A16 checkpoint "
@@ -254,6 +262,7 @@ class EngineConfig:
                    enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
                    speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
                    enable_expert_parallel=args.enable_expert_parallel,
+                   disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                    enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                    max_cpu_loras=args.max_cpu_loras, quantization=args.quantization)
 
@@ -281,6 +290,8 @@ class EngineConfig:
             args.append("--batch-invariant")
         if self.enable_expert_parallel:
             args.append("--enable-expert-parallel")
+        if self.disable_hybrid_kv_cache_manager:
+            args.append("--disable-hybrid-kv-cache-manager")
         if self.quantization is not None:
             args += ["--quantization", self.quantization]
         if self.enable_lora:

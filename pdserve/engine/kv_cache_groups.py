@@ -103,7 +103,7 @@ def kv_cache_groups_for(model, config) -> KVCacheGroups:
     One group when every layer shares one window or none; a group per ``G`` layers of a kind when
     they mix (module docstring). Blocks that leave a window are then freed (``KVCacheManager``).
     Window freeing is off, with every layer in one group that keeps every block (logged), for
-    pipeline stages (a stage sees only its own layers) and a draft model (its own layers attend
+    ``--disable-hybrid-kv-cache-manager`` (mixed models only, as vLLM's flag), pipeline stages (a stage sees only its own layers) and a draft model (its own layers attend
     over the whole context through the same block tables)."""
     windows = layer_windows(model)
     num_layers = int(model.num_layers)
@@ -125,6 +125,10 @@ def kv_cache_groups_for(model, config) -> KVCacheGroups:
         window = windows[0]
         logger.info("sliding window of %d tokens: KV blocks that leave it are freed", window)
         return KVCacheGroups.single(num_layers, window)
+    if config.disable_hybrid_kv_cache_manager:
+        logger.info("KV blocks outside the attention window are kept: --disable-hybrid-kv-cache-manager (layers "
+                    "with %s)", described)
+        return KVCacheGroups.single(num_layers)
     groups = KVCacheGroups.hybrid(windows)
     logger.info("KV cache groups: %d of %d layers (%s); blocks that leave a window are freed",
                 groups.num_groups, groups.num_cache_layers,

@@ -14,8 +14,9 @@ Gemma Team, "Gemma 3 Technical Report" (Google DeepMind, 2025). Against Llama:
   ``LlamaForCausalLM.compute_logits``. Attention logit soft-capping (Gemma 2) is refused:
   the paged attention kernel does not cap scores.
 
-Every layer still caches K and V for every token (the window only masks). Freeing the
-blocks that slide out of a window (vLLM's hybrid KV cache manager) is not built.
+Sliding and full layers fall into separate KV cache groups, each with its own block table per
+request, so the sliding layers free the blocks that leave their window
+(``pdserve.engine.kv_cache_groups``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card" (2025). Against Llama:
 * attention projections carry biases; each query head has a learned sink logit
   (``self_attn.sinks``) that joins its softmax denominator with no value (Xiao et al., 2023),
   which the paged kernel and the reference path both take (``paged_attention(sinks=...)``);
-* ``layer_types`` alternates windows of ``sliding_window`` with full attention; RoPE is YaRN;
+* ``layer_types`` alternates windows of ``sliding_window`` with full attention (two KV cache groups:
+  the sliding half frees what leaves its window, ``pdserve.engine.kv_cache_groups``); RoPE is YaRN;
 * the norm scales in float32 before casting back (``Float32ScaleRMSNorm``);
 * the MoE's router is a biased linear; its top-k *logits* are softmaxed into the weights; each
   expert is a biased, clamped SwiGLU: gate clamped above at ``swiglu_limit``, up clamped to
