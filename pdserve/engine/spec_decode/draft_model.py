@@ -25,7 +25,8 @@ import torch
 from transformers import AutoConfig
 
 from pdserve.engine.kv_cache import copy_blocks, kv_cache_block_bytes
-from pdserve.engine.model_runner import ModelRunner, flatten_step
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.step_inputs import flatten_step
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import is_greedy
 
@@ -69,6 +70,7 @@ class DraftModelProposer:
             kv_cache_memory=target.num_blocks * block_bytes, max_model_len=target.max_model_len, enforce_eager=True,
             tensor_parallel_size=1, pipeline_parallel_size=1, rank=0, speculative_config=None,
             enable_lora=False,  # the draft model proposes without adapters; the target verifies with them
+            disable_hybrid_kv_cache_manager=True,  # its layers read the target's one table per request
             quantization=None)  # the draft's own checkpoint says whether it is quantized (compressed-tensors)
         self.runner = ModelRunner(config)
         assert self.runner.num_blocks == target.num_blocks, (self.runner.num_blocks, target.num_blocks)
