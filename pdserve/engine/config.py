@@ -68,6 +68,12 @@ class EngineConfig:
             batch and however its prefill is chunked (He & Thinking Machines Lab, "Defeating
             Nondeterminism in LLM Inference", 2025): padded matmuls, every query through the paged
             kernel, no compiled decode step. Needs the paged backend and TP <= 2 (ValueError else).
+        linear_weight_format: ``auto`` | ``plain`` | ``onednn``. ``onednn``: the decoder's linear
+            weights are reordered once, at load, into oneDNN's blocked layout and every matmul of
+            theirs runs through oneDNN (``pdserve.engine.layers.pack_linear_weights``; vLLM's CPU
+            backend does the same), 15% faster than MKL on a prefill's few hundred rows of float32
+            here, but slower than the decode kernel on a decode step's few rows. ``auto``: ``onednn``
+            on a prefill worker (``from_cli_args`` with role "prefill"), ``plain`` elsewhere.
         disable_hybrid_kv_cache_manager: a model whose layers mix sliding windows with full attention
             (Gemma 3, gpt-oss) keeps every block in every layer, one block table per request, instead of
             one table per layer group that frees what leaves a window (vLLM's flag of this name; see
@@ -111,6 +117,7 @@ class EngineConfig:
     batch_invariant: bool = False
     enable_expert_parallel: bool = False
     disable_hybrid_kv_cache_manager: bool = False
+    linear_weight_format: str = "auto"
     quantization: str | None = None
     enable_lora: bool = False
     max_loras: int = 1
@@ -124,6 +131,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be positive")
         if self.cpu_cores is not None:
             parse_cpu_list(self.cpu_cores)  # a bad list fails here, before any rank starts
+        if self.linear_weight_format not in ("auto", "plain", "onednn"):
+            raise ValueError(f"linear_weight_format must be auto, plain or onednn, got {self.linear_weight_format!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.speculative_config is not None:
@@ -226,6 +235,10 @@ class EngineConfig:
                        help="MoE models: split the routed experts across the worker's tensor-parallel ranks "
                             "(each rank holds num_experts / TP whole experts) instead of slicing every expert; "
                             "attention stays tensor-parallel")
+        g.add_argument("--linear-weight-format", choices=("auto", "plain", "onednn"), default="auto",
+                       help="onednn: the decoder's linear weights reordered at load into oneDNN's blocked layout, "
+                            "every matmul through oneDNN (faster prefill GEMMs on CPU, slower decode steps); "
+                            "auto: onednn on prefill workers, plain elsewhere")
         g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="models mixing sliding-window and full-attention layers (Gemma 3, gpt-oss): keep every "
                             "KV block in every layer (one block table) instead of freeing what leaves a window")
@@ -263,6 +276,8 @@ class EngineConfig:
                    speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
                    enable_expert_parallel=args.enable_expert_parallel,
                    disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
+                   linear_weight_format=args.linear_weight_format if args.linear_weight_format != "auto"
+                   else ("onednn" if role == "prefill" else "plain"),
                    enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                    max_cpu_loras=args.max_cpu_loras, quantization=args.quantization)
 
@@ -292,6 +307,7 @@ class EngineConfig:
             args.append("--enable-expert-parallel")
         if self.disable_hybrid_kv_cache_manager:
             args.append("--disable-hybrid-kv-cache-manager")
+        args += ["--linear-weight-format", self.linear_weight_format]
         if self.quantization is not None:
             args += ["--quantization", self.quantization]
         if self.enable_lora:

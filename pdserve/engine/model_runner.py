@@ -28,6 +28,7 @@ from pdserve.engine.compiled_step import CompiledDecodeStep
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.engine.kv_cache_groups import kv_cache_groups_for
+from pdserve.engine.layers import pack_linear_weights
 from pdserve.common.kv_quant import resolve_kv_cache_format
 from pdserve.engine.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
@@ -140,6 +141,11 @@ class ModelRunner:
             quantize_model(self.model, self.quantization)
         if config.batch_invariant:
             self.model.set_batch_invariant(True)
+        self.num_packed_linears = 0  # layers whose weights are in oneDNN's layout (--linear-weight-format onednn)
+        if config.linear_weight_format == "onednn" and self.device.type == "cpu":
+            self.num_packed_linears = pack_linear_weights(self.model)
+            logger.info("linear weights: %d layers reordered into oneDNN's blocked layout (prefill GEMMs)%s",
+                        self.num_packed_linears, "" if self.num_packed_linears else ": oneDNN is not available")
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         self.vocab_size = int(hf_config.vocab_size)
         self.hidden_size = int(hf_config.hidden_size)
@@ -198,6 +204,8 @@ class ModelRunner:
             # conversion itself, 3-4x slower than eager's
             logger.info("decode step runs eagerly: --quantization %s without the int8 kernel (float32 activations "
                         "and a C++ compiler; see pdserve.engine.int8_linear)", self.quantization)
+        elif self.num_packed_linears:  # an engine that computes prompts (a prefill worker)
+            logger.info("decode step runs eagerly: oneDNN-packed linear weights (--linear-weight-format onednn)")
         elif not config.enforce_eager:
             self._compiled_decode = CompiledDecodeStep.build(self)
         self.sampler = Sampler(config.seed)

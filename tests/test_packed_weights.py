@@ -1,0 +1,84 @@
+"""oneDNN-packed linear weights (``--linear-weight-format onednn``, the prefill workers' default).
+
+The decoder's linear weights are reordered once at load into oneDNN's blocked layout and every
+matmul of theirs runs through oneDNN: the same outputs as the plain weights (to float rounding),
+no plain copy kept, transformers' greedy tokens, and prefill workers (only they) pack by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear, pack_linear_weights
+from tests.checkpoints import greedy_reference
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_layers_compute_what_the_plain_weights_do_and_keep_no_copy(dtype):
+    """A fused column-parallel layer with a bias and a row-parallel one, at a decode step's rows, an odd
+    count and a prefill's: the packed outputs equal the plain ones to the dtype's rounding, the plain
+    weight's memory is gone (its shape and dtype stay), and packing twice changes nothing."""
+    torch.manual_seed(0)
+    column = ColumnParallelLinear(64, [96, 32], bias=True, dtype=dtype)
+    row = RowParallelLinear(128, 64, dtype=dtype)
+    for layer in (column, row):
+        torch.nn.init.normal_(layer.weight, std=0.05)
+    torch.nn.init.normal_(column.bias, std=0.05)
+    xs = [torch.randn(n, 64, dtype=dtype) for n in (1, 7, 300)] + [torch.randn(2, 5, 64, dtype=dtype)]
+    with torch.inference_mode():
+        want = [(column(x), row(torch.randn(*x.shape[:-1], 128, dtype=dtype, generator=torch.Generator().manual_seed(1))))
+                for x in xs]
+    model = torch.nn.ModuleDict({"column": column, "row": row})
+    assert pack_linear_weights(model) == 2
+    assert pack_linear_weights(model) == 0  # already packed
+    for layer, shape in ((column, (128, 64)), (row, (64, 128))):
+        assert layer.packed_weight is not None
+        assert layer.weight.shape == shape and layer.weight.dtype == dtype
+        assert layer.weight.untyped_storage().nbytes() <= dtype.itemsize  # one element, viewed at every index
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    with torch.inference_mode():
+        for x, (want_column, want_row) in zip(xs, want):
+            got_row = row(torch.randn(*x.shape[:-1], 128, dtype=dtype, generator=torch.Generator().manual_seed(1)))
+            torch.testing.assert_close(column(x), want_column, **tol)
+            torch.testing.assert_close(got_row, want_row, **tol)
+
+
+def test_llm_on_packed_weights_gives_transformers_tokens(model_dir):
+    """The tiny model with every decoder linear packed (prefill and decode steps through oneDNN):
+    transformers' greedy tokens, and logprobs within 1e-4."""
+    prompts = [[5, 17, 42, 8, 99, 3, 12, 77, 41, 19] * 3, [7, 7, 9, 100, 3]]
+    ref = greedy_reference(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, 12)
+    with LLM(model_dir, linear_weight_format="onednn", max_num_batched_tokens=16) as llm:
+        assert llm.core.runner.num_packed_linears == 4 * llm.core.runner.num_layers  # qkv, o, gate_up, down
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True),
+                            use_tqdm=False)
+    for (tokens, logprobs), out in zip(ref, outs):
+        assert out.outputs[0].token_ids == tokens
+        assert max(abs(g.logprob - w) for g, w in zip(out.outputs[0].logprobs, logprobs)) < 1e-4
+
+
+def test_prefill_workers_pack_by_default_and_their_ranks_are_told():
+    """``auto`` is ``onednn`` for a prefill worker and ``plain`` for a decode worker or ``LLM``; a TP
+    engine's other ranks get the resolved format on their command line; a bad name is refused."""
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--model", "m"])
+    assert EngineConfig.from_cli_args(args, role="prefill").linear_weight_format == "onednn"
+    assert EngineConfig.from_cli_args(args, role="decode").linear_weight_format == "plain"
+    explicit = parser.parse_args(["--model", "m", "--linear-weight-format", "plain"])
+    assert EngineConfig.from_cli_args(explicit, role="prefill").linear_weight_format == "plain"
+    config = EngineConfig.from_cli_args(args, role="prefill")
+    rank_args = config.rank_cli_args(1, "127.0.0.1", 29500)
+    assert rank_args[rank_args.index("--linear-weight-format") + 1] == "onednn"
+    assert EngineConfig(model="m").linear_weight_format == "auto"
+    with pytest.raises(ValueError, match="linear_weight_format"):
+        EngineConfig(model="m", linear_weight_format="mkl")
