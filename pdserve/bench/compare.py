@@ -42,7 +42,8 @@ class CompareConfig:
             cores (default: the first half of the cores / the rest).
         colocated_num_decode, colocated_cores: pdserve-colocated's workers and cores (default: as
             many cores as the decode pool, from the first).
-        kv_cache_memory: pdserve's KV budget per worker; ``pdserve_args``: more worker flags.
+        kv_cache_memory: pdserve's KV budget per worker; ``pdserve_args``: more worker flags;
+            ``pdserve_router_args``: more router flags.
         vllm_python: the interpreter with vLLM (default /work/vllm-venv/bin/python);
             ``vllm_kv_gib``: ``VLLM_CPU_KVCACHE_SPACE``; ``vllm_args`` / ``vllm_env``: more.
         transformers_args: more ``transformers serve`` flags.
@@ -75,6 +76,7 @@ class CompareConfig:
     colocated_cores: list[int] | None = None
     kv_cache_memory: str = "1GiB"
     pdserve_args: list[str] = field(default_factory=list)
+    pdserve_router_args: list[str] = field(default_factory=list)
     vllm_python: str | None = DEFAULT_VLLM_PYTHON
     vllm_kv_gib: int = 1
     vllm_args: list[str] = field(default_factory=list)
