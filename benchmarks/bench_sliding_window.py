@@ -98,9 +98,10 @@ def gemma3(path: str, args) -> None:
     kept, _ = run(path, args, disable_hybrid=True)
     groups = core.runner.kv_groups
     bs = args.block_size
+    kinds = ", ".join("full" if w is None else str(w) for w in groups.windows)
     print(f"Gemma 3 (12 layers: 10 sliding, 2 full): window {args.window} tokens, blocks of {bs}, prefill chunks of "
           f"{args.max_num_batched_tokens}; one request of {args.prompt} + {args.output} tokens; KV cache groups: "
-          f"{groups.num_groups} of {groups.num_cache_layers} layers ({', '.join('full' if w is None else str(w) for w in groups.windows)})")
+          f"{groups.num_groups} of {groups.num_cache_layers} layers ({kinds})")
     print("| after step | tokens computed | layer-blocks held, groups | every block kept | share | "
           "Gemma 3 1B KV held, groups | every block kept |")
     print("|---|---|---|---|---|---|---|")

@@ -10,14 +10,10 @@ disaggregated prefill ships each layer only the blocks its group keeps.
 
 from __future__ import annotations
 
-import re
-import time
-
-import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, GptOssConfig
+from transformers import AutoTokenizer, Gemma3TextConfig, GptOssConfig
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
@@ -25,9 +21,9 @@ from pdserve.engine.kv_cache_groups import KVCacheGroups
 from pdserve.engine.kv_cache_manager import NULL_BLOCK
 from pdserve.launcher import ClusterSpec, LocalCluster
 from tests.checkpoints import write_checkpoint
+from tests.test_sliding_window import (BLOCK, PROMPT_LENGTHS, WINDOW, kv_transfer_bytes, live_blocks_needed,
+                                       reference_tokens, window_prompts)
 
-WINDOW, BLOCK = 10, 4
-PROMPT_LENGTHS = (45, 13, 70)
 COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               vocab_size=2048, max_position_embeddings=512, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
               pad_token_id=0, sliding_window=WINDOW, tie_word_embeddings=False)
@@ -48,23 +44,6 @@ def gpt_oss_model(model_dir, tmp_path_factory) -> str:
     config = GptOssConfig(**{**COMMON, "intermediate_size": 32}, num_hidden_layers=4, num_local_experts=4,
                           num_experts_per_tok=2)  # layers alternate sliding, full: two groups of 2
     return write_checkpoint(config, tmp_path_factory.mktemp("gpt_oss_groups"), model_dir)
-
-
-def _prompts() -> list[list[int]]:
-    return [[(i * 37 + j * 11) % 2000 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
-
-
-def _reference(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # as ignore_eos
-    with torch.no_grad():
-        return [hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
-
-
-def _live_blocks(next_position: int, num_tokens: int) -> int:
-    """Blocks from the first one a query at ``next_position`` reads up to the one holding token ``num_tokens - 1``."""
-    return -(-num_tokens // BLOCK) - max(0, next_position - WINDOW + 1) // BLOCK
 
 
 def test_layers_are_cut_into_equal_groups_of_one_kind():
@@ -100,7 +79,7 @@ def _check_tables(core, request) -> None:
         if window is None:
             assert len(live) == len(table)
         else:
-            assert len(live) == _live_blocks(request.num_computed_tokens, len(table) * BLOCK)
+            assert len(live) == live_blocks_needed(request.num_computed_tokens, len(table) * BLOCK)
             assert all(b == NULL_BLOCK for b in table[:len(table) - len(live)])
 
 
@@ -110,8 +89,8 @@ def test_each_group_holds_its_blocks_and_tokens_stay_exact(family, enforce_eager
     block and each sliding group only its window's (checked per group), the tokens are transformers', and
     every block is free at the end. The compiled decode step reads the same per-group tables."""
     path = gemma3_model if family == "gemma3" else gpt_oss_model
-    prompts = _prompts()
-    want = _reference(path, prompts, 30)
+    prompts = window_prompts()
+    want = reference_tokens(path, prompts, 30)
     llm = LLM(path, block_size=BLOCK, max_num_batched_tokens=16, enable_prefix_caching=False,
               enforce_eager=enforce_eager)
     try:
@@ -143,8 +122,8 @@ def test_prefix_hits_forks_and_preemption_across_groups(gemma3_model):
     sliding groups' inside the window, though the sliding blocks before it were freed long ago); n=2
     samples fork every group's table; a cache too small for three requests preempts. Transformers' tokens
     throughout, and every block back."""
-    prompts = _prompts()
-    want = _reference(gemma3_model, prompts, 20)
+    prompts = window_prompts()
+    want = reference_tokens(gemma3_model, prompts, 20)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     with LLM(gemma3_model, block_size=BLOCK, max_num_batched_tokens=16, enable_prefix_caching=True) as llm:
         first = llm.generate([{"prompt_token_ids": prompts[2]}], params, use_tqdm=False)
@@ -171,8 +150,8 @@ def test_disaggregated_prefill_ships_each_layer_its_groups_blocks(gemma3_model, 
     """1P+1D, the prefill worker TP 2 and the decode worker TP 1: the decode worker reserves, and the
     prefill ranks send, every block for the full-attention layers and only the window's for the sliding
     ones; the tokens are transformers'. Checked through both workers' KV transfer bytes."""
-    prompts = _prompts()
-    want = _reference(gemma3_model, prompts, 12)
+    prompts = window_prompts()
+    want = reference_tokens(gemma3_model, prompts, 12)
     spec = ClusterSpec(model=gemma3_model, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
                        prefill_tensor_parallel_size=2,
                        worker_args=["--remote-prefill-threshold", "8", "--block-size", str(BLOCK),
@@ -185,17 +164,10 @@ def test_disaggregated_prefill_ships_each_layer_its_groups_blocks(gemma3_model, 
             choice = api.completions.create(model=model, prompt=p, max_tokens=12, temperature=0,
                                             extra_body={"ignore_eos": True}).choices[0]
             assert choice.text == tok.decode(tokens, skip_special_tokens=True)
-        deadline = time.monotonic() + 15
-        while True:  # the workers' figures reach the router with their heartbeats
-            metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
-            moved = {role: sum(float(v) for labels, v in re.findall(
-                r'^pdserve:kv_transfer_bytes_total\{([^}]*)\} (\S+)', metrics, re.M) if role in labels)
-                for role in ("prefill", "decode")}
-            if moved["decode"] > 0 and moved["prefill"] > 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-    full_layers, sliding_layers = GEMMA_LAYERS.count(F), GEMMA_LAYERS.count(S)
-    layer_blocks = sum(full_layers * -(-n // BLOCK) + sliding_layers * _live_blocks(n, n) for n in PROMPT_LENGTHS)
+        full_layers, sliding_layers = GEMMA_LAYERS.count(F), GEMMA_LAYERS.count(S)
+        layer_blocks = sum(full_layers * -(-n // BLOCK) + sliding_layers * live_blocks_needed(n, n)
+                           for n in PROMPT_LENGTHS)
+        moved = kv_transfer_bytes(cluster, layer_blocks * LAYER_BLOCK_BYTES)
     assert layer_blocks < len(GEMMA_LAYERS) * sum(-(-n // BLOCK) for n in PROMPT_LENGTHS)
     assert moved == {"prefill": layer_blocks * LAYER_BLOCK_BYTES, "decode": layer_blocks * LAYER_BLOCK_BYTES}
 
@@ -203,8 +175,8 @@ def test_disaggregated_prefill_ships_each_layer_its_groups_blocks(gemma3_model, 
 def test_disabling_the_hybrid_manager_keeps_every_block_in_one_table(gemma3_model):
     """``--disable-hybrid-kv-cache-manager`` (vLLM's flag): one block table for every layer, every block kept
     (the windows only mask), the same tokens."""
-    prompts = _prompts()
-    want = _reference(gemma3_model, prompts, 12)
+    prompts = window_prompts()
+    want = reference_tokens(gemma3_model, prompts, 12)
     with LLM(gemma3_model, block_size=BLOCK, max_num_batched_tokens=16, disable_hybrid_kv_cache_manager=True) as llm:
         core = llm.core
         assert (core.scheduler.kv.num_groups, core.scheduler.kv.frees_blocks) == (1, False)

@@ -33,9 +33,12 @@ def test_packed_layers_compute_what_the_plain_weights_do_and_keep_no_copy(dtype)
         torch.nn.init.normal_(layer.weight, std=0.05)
     torch.nn.init.normal_(column.bias, std=0.05)
     xs = [torch.randn(n, 64, dtype=dtype) for n in (1, 7, 300)] + [torch.randn(2, 5, 64, dtype=dtype)]
+
+    def row_input(x):  # the same row-parallel input for x's rows, before and after packing
+        return torch.randn(*x.shape[:-1], 128, dtype=dtype, generator=torch.Generator().manual_seed(1))
+
     with torch.inference_mode():
-        want = [(column(x), row(torch.randn(*x.shape[:-1], 128, dtype=dtype, generator=torch.Generator().manual_seed(1))))
-                for x in xs]
+        want = [(column(x), row(row_input(x))) for x in xs]
     model = torch.nn.ModuleDict({"column": column, "row": row})
     assert pack_linear_weights(model) == 2
     assert pack_linear_weights(model) == 0  # already packed
@@ -46,9 +49,8 @@ def test_packed_layers_compute_what_the_plain_weights_do_and_keep_no_copy(dtype)
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     with torch.inference_mode():
         for x, (want_column, want_row) in zip(xs, want):
-            got_row = row(torch.randn(*x.shape[:-1], 128, dtype=dtype, generator=torch.Generator().manual_seed(1)))
             torch.testing.assert_close(column(x), want_column, **tol)
-            torch.testing.assert_close(got_row, want_row, **tol)
+            torch.testing.assert_close(row(row_input(x)), want_row, **tol)
 
 
 def test_llm_on_packed_weights_gives_transformers_tokens(model_dir):

@@ -27,7 +27,7 @@ WINDOW, BLOCK = 10, 4
 PROMPT_LENGTHS = (45, 13, 70)
 
 
-def _prompts() -> list[list[int]]:
+def window_prompts() -> list[list[int]]:
     return [[(i * 37 + j * 11) % 2000 + 10 for j in range(n)] for i, n in enumerate(PROMPT_LENGTHS)]
 
 
@@ -39,7 +39,7 @@ def window_model(model_dir, tmp_path_factory) -> str:
     return write_checkpoint(config, tmp_path_factory.mktemp("mistral_window"), model_dir)
 
 
-def _reference(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def reference_tokens(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # as ignore_eos
     with torch.no_grad():
@@ -47,7 +47,22 @@ def _reference(path: str, prompts: list[list[int]], max_tokens: int) -> list[lis
                 for p in prompts]
 
 
-def _live_blocks_needed(next_position: int, num_tokens: int) -> int:
+def kv_transfer_bytes(cluster, expected: float, timeout_s: float = 15.0) -> dict[str, float]:
+    """``pdserve:kv_transfer_bytes_total`` of the prefill and of the decode workers as the router's /metrics
+    shows them: polled until both equal ``expected`` (the workers' figures come with their heartbeats, each
+    on its own clock) or ``timeout_s`` passes, then the last reading."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+        moved = {role: sum(float(v) for labels, v in re.findall(
+            r'^pdserve:kv_transfer_bytes_total\{([^}]*)\} (\S+)', metrics, re.M) if role in labels)
+            for role in ("prefill", "decode")}
+        if moved["decode"] == moved["prefill"] == expected or time.monotonic() > deadline:
+            return moved
+        time.sleep(0.2)
+
+
+def live_blocks_needed(next_position: int, num_tokens: int) -> int:
     """Blocks from the first one a query at ``next_position`` reads up to the one holding token ``num_tokens - 1``."""
     return -(-num_tokens // BLOCK) - max(0, next_position - WINDOW + 1) // BLOCK
 
@@ -57,8 +72,8 @@ def test_blocks_outside_the_window_are_freed_and_tokens_stay_exact(window_model,
     """Chunked prefill (16-token steps) and decoding: after every step each request holds exactly the blocks
     from its window's first one on (the rest are NULL_BLOCK), the tokens are transformers', and every block
     is free at the end. The compiled decode step reads the same tables."""
-    prompts = _prompts()
-    want = _reference(window_model, prompts, 30)
+    prompts = window_prompts()
+    want = reference_tokens(window_model, prompts, 30)
     llm = LLM(window_model, block_size=BLOCK, max_num_batched_tokens=16, enable_prefix_caching=False,
               enforce_eager=enforce_eager)
     try:
@@ -74,7 +89,7 @@ def test_blocks_outside_the_window_are_freed_and_tokens_stay_exact(window_model,
                 tokens[out.request.request_id].extend(out.new_token_ids)
             for r in core.scheduler.running:
                 live = [b for b in r.block_table if b != NULL_BLOCK]
-                assert len(live) == _live_blocks_needed(r.num_computed_tokens, len(r.block_table) * BLOCK)
+                assert len(live) == live_blocks_needed(r.num_computed_tokens, len(r.block_table) * BLOCK)
                 assert all(b == NULL_BLOCK for b in r.block_table[:len(r.block_table) - len(live)])
                 peak = max(peak, len(live))
         assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
@@ -89,8 +104,8 @@ def test_prefix_hits_forks_and_preemption_with_a_window(window_model):
     """Prefix caching across requests (the first prompt's blocks, freed as the window moved, stay findable),
     n=2 samples forking from a prompt whose head already left the window, and then a budget of 12 blocks
     that preempts: transformers' tokens throughout, and every block back."""
-    prompts = _prompts()
-    want = _reference(window_model, prompts, 20)
+    prompts = window_prompts()
+    want = reference_tokens(window_model, prompts, 20)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     llm = LLM(window_model, block_size=BLOCK, max_num_batched_tokens=16, enable_prefix_caching=True)
     try:
@@ -119,8 +134,8 @@ def test_prefix_hits_forks_and_preemption_with_a_window(window_model):
 
 def test_tensor_parallel_ranks_share_the_freed_tables(window_model):
     """TP 2: the driver's tables, NULL_BLOCK entries included, reach the other rank; transformers' tokens."""
-    prompts = _prompts()
-    want = _reference(window_model, prompts, 12)
+    prompts = window_prompts()
+    want = reference_tokens(window_model, prompts, 12)
     with LLM(window_model, block_size=BLOCK, max_num_batched_tokens=16, tensor_parallel_size=2,
              kv_cache_memory="2MiB") as llm:
         assert llm.core.scheduler.kv.sliding_window == WINDOW
@@ -134,8 +149,8 @@ def test_tensor_parallel_ranks_share_the_freed_tables(window_model):
 def test_disaggregated_prefill_ships_only_the_window(window_model, tmp_path):
     """1P+1D: the decode worker reserves, and the prefill worker sends, only the blocks the first decode
     query reads; the tokens are transformers'. Checked through the decode worker's received KV bytes."""
-    prompts = _prompts()
-    want = _reference(window_model, prompts, 12)
+    prompts = window_prompts()
+    want = reference_tokens(window_model, prompts, 12)
     spec = ClusterSpec(model=window_model, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
                        worker_args=["--remote-prefill-threshold", "8", "--block-size", str(BLOCK),
                                     "--no-prefix-caching", "--max-num-batched-tokens", "16"])
@@ -148,16 +163,8 @@ def test_disaggregated_prefill_ships_only_the_window(window_model, tmp_path):
                                             extra_body={"ignore_eos": True}).choices[0]
             assert choice.text == tok.decode(tokens, skip_special_tokens=True)
         block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # layers x K/V x slots x KV heads x head dim x float32
-        live = sum(_live_blocks_needed(n, n) for n in PROMPT_LENGTHS)
-        deadline = time.monotonic() + 15
-        while True:  # the workers' figures reach the router with their heartbeats
-            metrics = httpx.get(f"{cluster.url}/metrics", timeout=10).text
-            moved = {role: sum(float(v) for labels, v in re.findall(
-                r'^pdserve:kv_transfer_bytes_total\{([^}]*)\} (\S+)', metrics, re.M) if role in labels)
-                for role in ("prefill", "decode")}
-            if moved["decode"] > 0 and moved["prefill"] > 0 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        live = sum(live_blocks_needed(n, n) for n in PROMPT_LENGTHS)
+        moved = kv_transfer_bytes(cluster, live * block_bytes)
     # both sides moved exactly the live blocks (the whole prompts would be 12 + 4 + 18 = 34 blocks)
     assert moved == {"prefill": live * block_bytes, "decode": live * block_bytes}
 
@@ -167,7 +174,7 @@ def test_speculative_decoding_with_a_window(window_model):
     window then frees from the verified position only; transformers' tokens. A draft model (it reads the
     whole context through the same block tables) turns the freeing off."""
     prompt = [11, 12, 13, 14, 15] * 12
-    [want] = _reference(window_model, [prompt], 24)
+    [want] = reference_tokens(window_model, [prompt], 24)
     ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     with LLM(window_model, block_size=BLOCK, speculative_config=ngram) as llm:

@@ -103,8 +103,9 @@ def kv_cache_groups_for(model, config) -> KVCacheGroups:
     One group when every layer shares one window or none; a group per ``G`` layers of a kind when
     they mix (module docstring). Blocks that leave a window are then freed (``KVCacheManager``).
     Window freeing is off, with every layer in one group that keeps every block (logged), for
-    ``--disable-hybrid-kv-cache-manager`` (mixed models only, as vLLM's flag), pipeline stages (a stage sees only its own layers) and a draft model (its own layers attend
-    over the whole context through the same block tables)."""
+    ``--disable-hybrid-kv-cache-manager`` (mixed models only, as vLLM's flag), pipeline stages (a
+    stage sees only its own layers) and a draft model (its own layers attend over the whole context
+    through the same block tables)."""
     windows = layer_windows(model)
     num_layers = int(model.num_layers)
     if len(windows) != num_layers:  # not one attention module per layer: nothing to free safely

@@ -101,7 +101,8 @@ class ModelRunner:
     Attributes:
         kv_cache: this rank's [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]
             (its pipeline stage's layers, its TP rank's KV heads; with several KV cache groups the first
-            axis is one group's positions, ``kv_groups.num_cache_layers``: ``pdserve.engine.kv_cache_groups``); ``kv_slots`` is the model's: 2
+            axis is one group's positions, ``kv_groups.num_cache_layers``: ``pdserve.engine.kv_cache_groups``);
+            ``kv_slots`` is the model's: 2
             (K and V) or 1 (an MLA latent, whose value is its first ``kv_v_dim`` values); with a quantized
             ``--kv-cache-dtype``, uint8 rows of head_dim + 4 bytes (``pdserve.common.kv_quant``).
         kv_cache_format: the cache's ``KVCacheFormat``; ``kv_cache_format.name`` is the KV dtype
