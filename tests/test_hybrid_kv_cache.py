@@ -10,19 +10,15 @@ disaggregated prefill ships each layer only the blocks its group keeps.
 
 from __future__ import annotations
 
-import openai
 import pytest
-import torch
-from transformers import AutoTokenizer, Gemma3TextConfig, GptOssConfig
+from transformers import Gemma3TextConfig, GptOssConfig
 
 from pdserve import LLM, SamplingParams
-from pdserve.common.utils import free_port
 from pdserve.engine.kv_cache_groups import KVCacheGroups
 from pdserve.engine.kv_cache_manager import NULL_BLOCK
-from pdserve.launcher import ClusterSpec, LocalCluster
 from tests.checkpoints import write_checkpoint
-from tests.test_sliding_window import (BLOCK, PROMPT_LENGTHS, WINDOW, kv_transfer_bytes, live_blocks_needed,
-                                       reference_tokens, window_prompts)
+from tests.test_sliding_window import (BLOCK, PROMPT_LENGTHS, WINDOW, live_blocks_needed, reference_tokens,
+                                       serve_disaggregated, step_to_the_end, window_prompts)
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               vocab_size=2048, max_position_embeddings=512, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
@@ -93,25 +89,21 @@ def test_each_group_holds_its_blocks_and_tokens_stay_exact(family, enforce_eager
     want = reference_tokens(path, prompts, 30)
     llm = LLM(path, block_size=BLOCK, max_num_batched_tokens=16, enable_prefix_caching=False,
               enforce_eager=enforce_eager)
+    peak = 0
+
+    def check(r) -> None:
+        nonlocal peak
+        _check_tables(llm.core, r)
+        peak = max(peak, sum(b != NULL_BLOCK for b in r.block_tables[1]))
+
     try:
         core = llm.core
         assert core.scheduler.kv.windows == ((None, WINDOW, WINDOW) if family == "gemma3" else (None, WINDOW))
         assert (core.runner._compiled_decode is None) == enforce_eager
-        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            core.add_request(f"r{i}", p, params)
-        tokens = {f"r{i}": [] for i in range(len(prompts))}
-        peak = 0
-        while core.has_unfinished():
-            for out in core.step()[1]:
-                tokens[out.request.request_id].extend(out.new_token_ids)
-            for r in core.scheduler.running:
-                _check_tables(core, r)
-                peak = max(peak, sum(b != NULL_BLOCK for b in r.block_tables[1]))
-        assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+        tokens = step_to_the_end(core, prompts, 30, check)
     finally:
         llm.close()
-    assert [tokens[f"r{i}"] for i in range(len(prompts))] == want
+    assert tokens == want
     # the longest request reached 100 tokens (25 blocks); its sliding groups never held more than a window
     # and a chunk
     assert peak <= -(-(WINDOW + 16) // BLOCK) + 1
@@ -150,26 +142,16 @@ def test_disaggregated_prefill_ships_each_layer_its_groups_blocks(gemma3_model, 
     """1P+1D, the prefill worker TP 2 and the decode worker TP 1: the decode worker reserves, and the
     prefill ranks send, every block for the full-attention layers and only the window's for the sliding
     ones; the tokens are transformers'. Checked through both workers' KV transfer bytes."""
-    prompts = window_prompts()
-    want = reference_tokens(gemma3_model, prompts, 12)
-    spec = ClusterSpec(model=gemma3_model, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
-                       prefill_tensor_parallel_size=2,
-                       worker_args=["--remote-prefill-threshold", "8", "--block-size", str(BLOCK),
-                                    "--no-prefix-caching", "--max-num-batched-tokens", "16"])
-    with LocalCluster(spec, log_dir=str(tmp_path / "logs")) as cluster:
-        api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
-        model = api.models.list().data[0].id
-        tok = AutoTokenizer.from_pretrained(gemma3_model)
-        for p, tokens in zip(prompts, want):
-            choice = api.completions.create(model=model, prompt=p, max_tokens=12, temperature=0,
-                                            extra_body={"ignore_eos": True}).choices[0]
-            assert choice.text == tok.decode(tokens, skip_special_tokens=True)
-        full_layers, sliding_layers = GEMMA_LAYERS.count(F), GEMMA_LAYERS.count(S)
-        layer_blocks = sum(full_layers * -(-n // BLOCK) + sliding_layers * live_blocks_needed(n, n)
-                           for n in PROMPT_LENGTHS)
-        moved = kv_transfer_bytes(cluster, layer_blocks * LAYER_BLOCK_BYTES)
+    full_layers, sliding_layers = GEMMA_LAYERS.count(F), GEMMA_LAYERS.count(S)
+    layer_blocks = sum(full_layers * -(-n // BLOCK) + sliding_layers * live_blocks_needed(n, n)
+                       for n in PROMPT_LENGTHS)
+    moved = serve_disaggregated(gemma3_model, tmp_path, layer_blocks * LAYER_BLOCK_BYTES, prefill_tp=2)
     assert layer_blocks < len(GEMMA_LAYERS) * sum(-(-n // BLOCK) for n in PROMPT_LENGTHS)
     assert moved == {"prefill": layer_blocks * LAYER_BLOCK_BYTES, "decode": layer_blocks * LAYER_BLOCK_BYTES}
+
+
+def _one_table_every_block(request) -> None:
+    assert NULL_BLOCK not in request.block_table and len(request.block_tables) == 1
 
 
 def test_disabling_the_hybrid_manager_keeps_every_block_in_one_table(gemma3_model):
@@ -181,13 +163,5 @@ def test_disabling_the_hybrid_manager_keeps_every_block_in_one_table(gemma3_mode
         core = llm.core
         assert (core.scheduler.kv.num_groups, core.scheduler.kv.frees_blocks) == (1, False)
         assert core.runner.kv_cache.shape[0] == len(GEMMA_LAYERS)  # one position per layer
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            core.add_request(f"r{i}", p, params)
-        tokens = {f"r{i}": [] for i in range(len(prompts))}
-        while core.has_unfinished():
-            for out in core.step()[1]:
-                tokens[out.request.request_id].extend(out.new_token_ids)
-            for r in core.scheduler.running:
-                assert NULL_BLOCK not in r.block_table and len(r.block_tables) == 1
-    assert [tokens[f"r{i}"] for i in range(len(prompts))] == want
+        tokens = step_to_the_end(core, prompts, 12, _one_table_every_block)
+    assert tokens == want

@@ -47,6 +47,27 @@ def reference_tokens(path: str, prompts: list[list[int]], max_tokens: int) -> li
                 for p in prompts]
 
 
+def serve_disaggregated(model_path: str, tmp_path, expected_bytes: int, prefill_tp: int = 1) -> dict[str, float]:
+    """1P+1D on ``model_path`` (4-token blocks, 16-token steps, no prefix caching, the prefill worker ``prefill_tp``
+    ranks): each of ``window_prompts`` gets transformers' 12 greedy tokens back as text; returns both workers'
+    KV transfer bytes (``kv_transfer_bytes``, waiting for ``expected_bytes``)."""
+    prompts = window_prompts()
+    want = reference_tokens(model_path, prompts, 12)
+    spec = ClusterSpec(model=model_path, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
+                       prefill_tensor_parallel_size=prefill_tp,
+                       worker_args=["--remote-prefill-threshold", "8", "--block-size", str(BLOCK),
+                                    "--no-prefix-caching", "--max-num-batched-tokens", "16"])
+    with LocalCluster(spec, log_dir=str(tmp_path / "logs")) as cluster:
+        api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
+        model = api.models.list().data[0].id
+        tok = AutoTokenizer.from_pretrained(model_path)
+        for p, tokens in zip(prompts, want):
+            choice = api.completions.create(model=model, prompt=p, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0]
+            assert choice.text == tok.decode(tokens, skip_special_tokens=True)
+        return kv_transfer_bytes(cluster, expected_bytes)
+
+
 def kv_transfer_bytes(cluster, expected: float, timeout_s: float = 15.0) -> dict[str, float]:
     """``pdserve:kv_transfer_bytes_total`` of the prefill and of the decode workers as the router's /metrics
     shows them: polled until both equal ``expected`` (the workers' figures come with their heartbeats, each
@@ -60,6 +81,22 @@ def kv_transfer_bytes(cluster, expected: float, timeout_s: float = 15.0) -> dict
         if moved["decode"] == moved["prefill"] == expected or time.monotonic() > deadline:
             return moved
         time.sleep(0.2)
+
+
+def step_to_the_end(core, prompts: list[list[int]], max_tokens: int, after_step) -> list[list[int]]:
+    """Greedy requests for ``prompts`` stepped through ``core`` until all finish; ``after_step(request)`` runs for
+    each running request after every step. Returns each prompt's tokens, and checks every block came back."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.add_request(f"r{i}", p, params)
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    while core.has_unfinished():
+        for out in core.step()[1]:
+            tokens[out.request.request_id].extend(out.new_token_ids)
+        for r in core.scheduler.running:
+            after_step(r)
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
 def live_blocks_needed(next_position: int, num_tokens: int) -> int:
@@ -76,26 +113,21 @@ def test_blocks_outside_the_window_are_freed_and_tokens_stay_exact(window_model,
     want = reference_tokens(window_model, prompts, 30)
     llm = LLM(window_model, block_size=BLOCK, max_num_batched_tokens=16, enable_prefix_caching=False,
               enforce_eager=enforce_eager)
+    peak = 0
+
+    def check(r) -> None:
+        nonlocal peak
+        live = [b for b in r.block_table if b != NULL_BLOCK]
+        assert len(live) == live_blocks_needed(r.num_computed_tokens, len(r.block_table) * BLOCK)
+        assert all(b == NULL_BLOCK for b in r.block_table[:len(r.block_table) - len(live)])
+        peak = max(peak, len(live))
+
     try:
-        core = llm.core
-        assert core.scheduler.kv.sliding_window == WINDOW
-        params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-        for i, p in enumerate(prompts):
-            core.add_request(f"r{i}", p, params)
-        tokens = {f"r{i}": [] for i in range(len(prompts))}
-        peak = 0
-        while core.has_unfinished():
-            for out in core.step()[1]:
-                tokens[out.request.request_id].extend(out.new_token_ids)
-            for r in core.scheduler.running:
-                live = [b for b in r.block_table if b != NULL_BLOCK]
-                assert len(live) == live_blocks_needed(r.num_computed_tokens, len(r.block_table) * BLOCK)
-                assert all(b == NULL_BLOCK for b in r.block_table[:len(r.block_table) - len(live)])
-                peak = max(peak, len(live))
-        assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+        assert llm.core.scheduler.kv.sliding_window == WINDOW
+        tokens = step_to_the_end(llm.core, prompts, 30, check)
     finally:
         llm.close()
-    assert [tokens[f"r{i}"] for i in range(len(prompts))] == want
+    assert tokens == want
     # the longest request reached 100 tokens (25 blocks); it never held more than a window and a chunk
     assert peak <= -(-(WINDOW + 16) // BLOCK) + 1
 
@@ -149,22 +181,9 @@ def test_tensor_parallel_ranks_share_the_freed_tables(window_model):
 def test_disaggregated_prefill_ships_only_the_window(window_model, tmp_path):
     """1P+1D: the decode worker reserves, and the prefill worker sends, only the blocks the first decode
     query reads; the tokens are transformers'. Checked through the decode worker's received KV bytes."""
-    prompts = window_prompts()
-    want = reference_tokens(window_model, prompts, 12)
-    spec = ClusterSpec(model=window_model, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
-                       worker_args=["--remote-prefill-threshold", "8", "--block-size", str(BLOCK),
-                                    "--no-prefix-caching", "--max-num-batched-tokens", "16"])
-    with LocalCluster(spec, log_dir=str(tmp_path / "logs")) as cluster:
-        api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
-        model = api.models.list().data[0].id
-        tok = AutoTokenizer.from_pretrained(window_model)
-        for p, tokens in zip(prompts, want):
-            choice = api.completions.create(model=model, prompt=p, max_tokens=12, temperature=0,
-                                            extra_body={"ignore_eos": True}).choices[0]
-            assert choice.text == tok.decode(tokens, skip_special_tokens=True)
-        block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # layers x K/V x slots x KV heads x head dim x float32
-        live = sum(live_blocks_needed(n, n) for n in PROMPT_LENGTHS)
-        moved = kv_transfer_bytes(cluster, live * block_bytes)
+    block_bytes = 2 * 2 * BLOCK * 2 * 16 * 4  # layers x K/V x slots x KV heads x head dim x float32
+    live = sum(live_blocks_needed(n, n) for n in PROMPT_LENGTHS)
+    moved = serve_disaggregated(window_model, tmp_path, live * block_bytes)
     # both sides moved exactly the live blocks (the whole prompts would be 12 + 4 + 18 = 34 blocks)
     assert moved == {"prefill": live * block_bytes, "decode": live * block_bytes}
 
