@@ -128,7 +128,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     48 linear layers of the bench preset: 467 -> 399 ms on one core, float32; bfloat16 214 -> 199 ms).
     At a decode step's few rows the decode kernel is faster, so only engines that compute prompts
     (prefill workers, ``EngineConfig.linear_weight_format``) pack. Int8 and batch-invariant layers
-    are left as they are. Returns the number of layers packed; 0 where oneDNN is not available."""
+    are left as they are. Returns the number of layers packed: 0 where oneDNN is not available, fewer
+    than all where its reorder fails (the rest keep their plain weights)."""
     if not torch.backends.mkldnn.is_available():
         return 0
     packed = 0
@@ -139,7 +140,10 @@ def pack_linear_weights(model: nn.Module) -> int:
         if (module.weight_scale is not None or module.batch_invariant or weight.device.type != "cpu"
                 or weight.dtype not in (torch.float32, torch.bfloat16)):
             continue
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        try:
+            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        except (RuntimeError, NotImplementedError):  # a oneDNN build without this reorder (some CPUs, dtypes)
+            return packed
         module.weight = nn.Parameter(torch.zeros((), dtype=weight.dtype).expand(weight.shape), requires_grad=False)
         packed += 1
     return packed
