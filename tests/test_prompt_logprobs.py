@@ -175,8 +175,10 @@ def test_echo_with_max_tokens_0_returns_the_prompt(cluster, hf):
     body = post(cluster, {"prompt": prompt, "echo": True, "max_tokens": 3, "logprobs": 0, "temperature": 0}).json()
     plain = post(cluster, {"prompt": prompt, "max_tokens": 3, "logprobs": 0, "temperature": 0}).json()
     assert body["choices"][0]["text"] == prompt + plain["choices"][0]["text"]
-    assert body["choices"][0]["logprobs"]["token_logprobs"][len(ids):] == plain["choices"][0]["logprobs"][
-        "token_logprobs"]
+    # the echoed request prefills on the decode worker (prompt logprobs), the plain one on the prefill worker,
+    # whose GEMMs run on oneDNN-packed weights (--linear-weight-format): equal to float rounding, not bit for bit
+    assert body["choices"][0]["logprobs"]["token_logprobs"][len(ids):] == pytest.approx(
+        plain["choices"][0]["logprobs"]["token_logprobs"], abs=ATOL)
     assert post(cluster, {"prompt": prompt, "max_tokens": 0}).status_code == 400  # 0 only with echo
     # streamed: the first chunk brings the prompt; the whole equals the non-stream answer
     with httpx.stream("POST", f"{cluster.url}/v1/completions", timeout=120, json={
