@@ -6,7 +6,7 @@ server is stopped before the next starts. ``--out-dir`` receives ``results.json`
 ``latency.png``, each system's full result under ``raw/`` and the servers' logs under ``logs/``.
 
 With ``request_rates`` it sweeps instead (``pdserve.bench.sweep``): each system serves Poisson
-arrivals at each rate in turn (fresh prompts per rate, a warm-up pass first), and the report gives
+arrivals at each rate in turn (fresh prompts per rate, a warm-up run of 8 requests first), and the report gives
 SLO attainment per rate and SLO set, each system's goodput, and DistServe's attainment figure
 (``goodput.png``).
 """

@@ -210,7 +210,8 @@ def sweep_markdown(settings: dict, rows: list[SystemResult], slo_sets: list[dict
               f"{s['output_tokens'][0]}-{s['output_tokens'][1]} tokens (EOS ignored); fresh prompts at every rate "
               f"(seed {s['seed']} + 1000 x rate index)",
               f"- arrivals: Poisson (burstiness {s['burstiness']}), {s.get('sweep_duration_s'):g} s per rate; a "
-              "warm-up pass per system first, discarded; a system's sweep stops past saturation",
+              "discarded warm-up run per system first (8 requests of the workload's shapes, their own prompts, at 4x "
+              "the lowest rate; not a full pass); a system's sweep stops past saturation",
               f"- machine: {s['num_cores']} cores ({s['machine']}), {s['date']}", "", "## Systems", ""]
     for r in rows:
         lines.append(f"- **{r.name}**: " + (r.setup if r.setup else r.status))

@@ -4,7 +4,7 @@ DistServe (Zhong et al., OSDI'24) rates a serving system by its **goodput**: the
 rate at which at least 90% of requests meet every SLO (here TTFT and TPOT). ``pdserve bench compare
 --request-rates R1 R2 ... --slo-set ttft:2500,tpot:150 --slo-set ttft:1000,tpot:50`` measures it:
 
-* each system's server starts once; a discarded warm-up pass (requests of the same shapes, their
+* each system's server starts once; a discarded warm-up run (8 requests of the same shapes, their
   own prompts) runs first, so compiled shapes and caches are warm;
 * then, rate by rate (ascending), Poisson arrivals for ``duration_s`` seconds
   (``ceil(rate * duration_s)`` requests) of **fresh prompts**: every rate draws its own seed, so no
