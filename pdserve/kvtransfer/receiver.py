@@ -39,7 +39,8 @@ _JOIN_S = 0.5  # how long close() waits for each lane thread (seconds); lanes ar
 @dataclass
 class ReceivedKV:
     """A request's KV, received whole. ``kv``: [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]
-    (a staging tensor: hand it back with ``DecodePairs.release`` once it is copied out)."""
+    (a staging tensor: hand it back with ``DecodePairs.release`` once it is copied out). With the header's
+    ``layer_num_blocks``, layer i holds its own count of blocks in the front of its row (``wire.layer_prefix``)."""
 
     request_id: str
     kv: torch.Tensor
