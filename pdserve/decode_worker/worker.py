@@ -201,9 +201,9 @@ class DecodeWorker(WorkerBase):
         want = None
         if piece is not None:
             end = len(request.block_table)
-            firsts = self._layer_first_blocks(request)
-            counts = [end - (firsts[layer] if firsts else self._first_sent_block(request))
-                      for layer in range(piece.slice.layer_start, piece.slice.layer_end)]
+            firsts = (self._layer_first_blocks(request)  # per global layer
+                      or [self._first_sent_block(request)] * self.runner.model.config.num_hidden_layers)
+            counts = [end - firsts[layer] for layer in range(piece.slice.layer_start, piece.slice.layer_end)]
             want = (piece.slice.layer_start, piece.slice.num_layers, piece.slice.head_start, piece.slice.num_heads,
                     max(counts), counts if min(counts) != max(counts) else [], self.runner.block_size,
                     self.runner.head_dim, dtype_name(self.runner.kv_cache_format.name), self.runner.kv_slots)
