@@ -7,8 +7,8 @@ import json
 import pytest
 
 from pdserve.bench.metrics import RequestOutput
-from pdserve.bench.sweep import (SweepPoint, attainment_of, goodput, num_prompts_for, parse_slo_set, past_saturation,
-                                 run_sweep, slo_label)
+from pdserve.bench.sweep import (SweepPoint, attainment_of, describe_warmup, goodput, num_prompts_for, parse_slo_set,
+                                 parse_warmup, past_saturation, run_sweep, slo_label)
 from pdserve.bench.systems import SystemResult
 
 LOOSE, TIGHT = {"ttft": 2500.0, "tpot": 150.0}, {"ttft": 1000.0, "tpot": 50.0}
@@ -70,13 +70,24 @@ def test_run_sweep_warms_up_uses_fresh_seeds_and_stops_past_saturation():
         return Result(rate, n)
 
     points = run_sweep(run_at, [4, 1, 2, 3, 8], [LOOSE, TIGHT], duration_s=10, seed=7, log=lambda _: None)
-    assert calls[0] == (4, 8, 7 + 999)  # warm-up: 8 requests, their own prompts, discarded
+    assert calls[0] == (1, 10, 7 + 999)  # warm-up: a full pass at the lowest rate, its own prompts, discarded
     assert [(r, n) for r, n, _ in calls[1:]] == [(1, 10), (2, 20), (3, 30)]  # ascending; stops after 3
     seeds = [s for _, _, s in calls]
     assert len(set(seeds)) == len(seeds)  # every rate (and the warm-up) draws fresh prompts
     assert [p.request_rate for p in points] == [1, 2, 3]
     assert goodput(points, L_LOOSE) == 2 and goodput(points, L_TIGHT) == 2
     assert num_prompts_for(0.1, 10) == 8 and num_prompts_for(1.5, 45) == 68
+
+    calls.clear()  # a short warm-up run instead, or none
+    run_sweep(run_at, [1, 2], [LOOSE], duration_s=10, seed=7, warmup="8", log=lambda _: None)
+    assert calls[0] == (4, 8, 7 + 999) and len(calls) == 3
+    calls.clear()
+    run_sweep(run_at, [1, 2], [LOOSE], duration_s=10, seed=7, warmup="0", log=lambda _: None)
+    assert [r for r, _, _ in calls] == [1, 2]
+    with pytest.raises(ValueError, match="full"):
+        parse_warmup("lots")
+    assert "full pass" in describe_warmup("full", [2, 0.5], 30) and "15 requests" in describe_warmup("full", [2, 0.5], 30)
+    assert "not a full pass" in describe_warmup("8", [1], 30)
 
 
 def test_sweep_report_and_figure(tmp_path):
@@ -108,6 +119,7 @@ def test_sweep_report_and_figure(tmp_path):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["systems"][0]["sweep"][2]["attainment"][L_LOOSE] == 0.91
     assert saved["settings"]["slo_sets_ms"] == [LOOSE, TIGHT]
+    assert "a discarded full pass of the workload per system first (23 requests" in text  # 45 s at 0.5 req/s
 
 
 def test_compare_flags_for_a_sweep():
@@ -121,7 +133,7 @@ def test_compare_flags_for_a_sweep():
     args = p.parse_args(["--request-rates", "0.5", "1", "--slo-set", "ttft:2500,tpot:150", "--slo-set",
                          "ttft:1000,tpot:50", "--sweep-duration-s", "30", "--dtype", "bfloat16"])
     assert args.request_rates == [0.5, 1] and args.slo_set == ["ttft:2500,tpot:150", "ttft:1000,tpot:50"]
-    assert (args.sweep_duration_s, args.dtype) == (30, "bfloat16")
+    assert (args.sweep_duration_s, args.dtype, args.sweep_warmup) == (30, "bfloat16", "full")
     with pytest.raises(ValueError, match="needs SLOs"):
         CompareConfig(model="/nonexistent", out_dir="x", request_rates=[1.0])
     with pytest.raises(ValueError, match="request rates"):

@@ -149,6 +149,9 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
                         "attainment) of each --slo-set, and goodput.png")
     g.add_argument("--sweep-duration-s", type=float, default=45.0,
                    help="seconds of arrivals per rate (requests = ceil(rate * this); default 45)")
+    g.add_argument("--sweep-warmup", default="full", metavar="full|N",
+                   help="each system's discarded warm-up: 'full' (default), a whole pass of the workload at the "
+                        "lowest rate with its own prompts; or N requests at 4x the lowest rate; 0: none")
     g.add_argument("--slo-set", action="append", default=[], metavar="METRIC:MS,...",
                    help="an SLO set, e.g. ttft:2500,tpot:150; repeat for several (default: --goodput)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -217,7 +220,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             vllm_python=args.vllm_python, vllm_kv_gib=args.vllm_kv_gib, vllm_args=shlex.split(args.vllm_args),
             vllm_env=env, transformers_args=shlex.split(args.transformers_args), hf_batch_size=args.hf_batch_size,
             server_timeout_s=args.server_timeout, dtype=args.dtype, request_rates=args.request_rates,
-            sweep_duration_s=args.sweep_duration_s, slo_sets=[parse_slo_set(t) for t in args.slo_set], **cores)
+            sweep_duration_s=args.sweep_duration_s, sweep_warmup=args.sweep_warmup, slo_sets=[parse_slo_set(t) for t in args.slo_set], **cores)
     except ValueError as e:
         print(f"pdserve bench compare: {e}", file=sys.stderr)
         return 2

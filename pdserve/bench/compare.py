@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from pdserve.bench.datasets import BenchRequest, DatasetConfig, build_requests, vocab_size_of
 from pdserve.bench.hf_static import run_hf_generate
+from pdserve.bench.sweep import parse_warmup
 from pdserve.bench.systems import (DEFAULT_VLLM_PYTHON, SYSTEMS, SystemResult, default_core_split, describe_failure,
                                    run_pdserve, run_transformers_serve, run_vllm)
 
@@ -52,8 +53,10 @@ class CompareConfig:
         dtype: the model dtype every system runs in (``float32``; ``bfloat16`` where the CPU has native
             bf16).
         request_rates: sweep these Poisson rates (req/s) per system instead of one run (empty: no sweep);
-            sweep_duration_s: seconds of arrivals per rate; slo_sets: the SLO sets (ms per metric)
-            whose attainment and goodput the sweep reports (default: ``goodput_slos``).
+            sweep_duration_s: seconds of arrivals per rate; sweep_warmup: each system's discarded warm-up
+            (``sweep.parse_warmup``: "full", a whole pass at the lowest rate, or a request count);
+            slo_sets: the SLO sets (ms per metric) whose attainment and goodput the sweep reports
+            (default: ``goodput_slos``).
     """
 
     model: str
@@ -87,6 +90,7 @@ class CompareConfig:
     dtype: str = "float32"
     request_rates: list[float] = field(default_factory=list)
     sweep_duration_s: float = 45.0
+    sweep_warmup: str = "full"
     slo_sets: list[dict[str, float]] = field(default_factory=list)
 
     @property
@@ -115,6 +119,7 @@ class CompareConfig:
                 raise ValueError("a sweep (--request-rates) needs SLOs: --slo-set or --goodput")
             if not self.sweep_duration_s > 0:
                 raise ValueError("sweep_duration_s must be > 0")
+            self.sweep_warmup = parse_warmup(self.sweep_warmup)
             if not self.goodput_slos:
                 self.goodput_slos = dict(self.slo_sets[0])
         if self.dataset.vocab_size is None:
@@ -152,6 +157,7 @@ def run_system(cfg: CompareConfig, name: str, requests: list[BenchRequest]) -> S
             return result
 
         sweep_points.extend(run_sweep(run_at, cfg.request_rates, cfg.slo_sets, cfg.sweep_duration_s, cfg.seed,
+                                      warmup=cfg.sweep_warmup,
                                       log=lambda line: print(line, file=sys.stderr, flush=True)))
         return last[0]
 

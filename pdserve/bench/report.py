@@ -9,6 +9,7 @@ import os
 import platform
 import time
 
+from pdserve.bench.sweep import describe_warmup
 from pdserve.bench.systems import SystemResult
 
 LATENCY_PLOTS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2EL"))
@@ -53,7 +54,8 @@ def settings_of(cfg, requests) -> dict:
         "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency, "seed": cfg.seed,
         "num_warmups": cfg.num_warmups, "goodput_slos_ms": cfg.goodput_slos or None,
         "dtype": getattr(cfg, "dtype", "float32"), "request_rates": list(getattr(cfg, "request_rates", [])),
-        "sweep_duration_s": getattr(cfg, "sweep_duration_s", None), "slo_sets_ms": list(getattr(cfg, "slo_sets", [])),
+        "sweep_duration_s": getattr(cfg, "sweep_duration_s", None),
+        "sweep_warmup": getattr(cfg, "sweep_warmup", None), "slo_sets_ms": list(getattr(cfg, "slo_sets", [])),
     }
 
 
@@ -209,9 +211,9 @@ def sweep_markdown(settings: dict, rows: list[SystemResult], slo_sets: list[dict
               f"- workload: {ds['name']}, prompts {s['prompt_tokens'][0]}-{s['prompt_tokens'][1]} tokens, outputs "
               f"{s['output_tokens'][0]}-{s['output_tokens'][1]} tokens (EOS ignored); fresh prompts at every rate "
               f"(seed {s['seed']} + 1000 x rate index)",
-              f"- arrivals: Poisson (burstiness {s['burstiness']}), {s.get('sweep_duration_s'):g} s per rate; a "
-              "discarded warm-up run per system first (8 requests of the workload's shapes, their own prompts, at 4x "
-              "the lowest rate; not a full pass); a system's sweep stops past saturation",
+              f"- arrivals: Poisson (burstiness {s['burstiness']}), {s.get('sweep_duration_s'):g} s per rate; "
+              + describe_warmup(s.get("sweep_warmup", "8"), s["request_rates"], s["sweep_duration_s"])
+              + "; a system's sweep stops past saturation",
               f"- machine: {s['num_cores']} cores ({s['machine']}), {s['date']}", "", "## Systems", ""]
     for r in rows:
         lines.append(f"- **{r.name}**: " + (r.setup if r.setup else r.status))

@@ -4,8 +4,9 @@ DistServe (Zhong et al., OSDI'24) rates a serving system by its **goodput**: the
 rate at which at least 90% of requests meet every SLO (here TTFT and TPOT). ``pdserve bench compare
 --request-rates R1 R2 ... --slo-set ttft:2500,tpot:150 --slo-set ttft:1000,tpot:50`` measures it:
 
-* each system's server starts once; a discarded warm-up run (8 requests of the same shapes, their
-  own prompts) runs first, so compiled shapes and caches are warm;
+* each system's server starts once; a discarded warm-up pass runs first, so compiled shapes, caches
+  and allocators are warm: by default a full pass of the workload at the lowest rate (``duration_s``
+  seconds of its arrivals, its own prompts), or a short run of N requests (``warmup="N"``);
 * then, rate by rate (ascending), Poisson arrivals for ``duration_s`` seconds
   (``ceil(rate * duration_s)`` requests) of **fresh prompts**: every rate draws its own seed, so no
   rate hits the prefix cache of another;
@@ -90,18 +91,47 @@ def num_prompts_for(rate: float, duration_s: float) -> int:
     return max(8, math.ceil(rate * duration_s))
 
 
+def parse_warmup(text: str) -> str:
+    """``--sweep-warmup``: ``"full"`` (a whole pass at the lowest rate) or a request count ``"N"``
+    (N >= 0; 0: none). Returns the normalized text; raises ValueError."""
+    text = str(text).strip().lower()
+    if text == "full":
+        return text
+    if not text.isdigit():
+        raise ValueError(f"--sweep-warmup takes 'full' or a request count, got {text!r}")
+    return str(int(text))
+
+
+def describe_warmup(warmup: str, rates: Sequence[float], duration_s: float) -> str:
+    """The warm-up of a sweep in words, for its report."""
+    if warmup == "full":
+        low = min(rates)
+        return (f"a discarded full pass of the workload per system first ({num_prompts_for(low, duration_s)} "
+                f"requests: {duration_s:g} s of arrivals at the lowest rate, {low:g} req/s, their own prompts)")
+    if warmup == "0":
+        return "no warm-up pass"
+    return (f"a discarded warm-up run per system first ({warmup} requests of the workload's shapes, their own "
+            f"prompts, at 4x the lowest rate; not a full pass)")
+
+
 def run_sweep(run_at: Callable[[float, int, int], object], rates: Sequence[float], slo_sets: Sequence[dict],
-              duration_s: float, seed: int, warmup_prompts: int = 8,
+              duration_s: float, seed: int, warmup: str = "full",
               log: Callable[[str], None] = print) -> list[SweepPoint]:
     """Sweep ``rates`` (ascending) against one running server.
 
     ``run_at(rate, num_prompts, seed)`` runs one benchmark (fresh prompts of ``seed``) and returns a
-    ``BenchResult``. A warm-up run of ``warmup_prompts`` requests at the lowest rate comes first and
-    is discarded. Stops after the first rate past saturation.
+    ``BenchResult``. A discarded warm-up comes first (``parse_warmup``): ``"full"``, a whole pass of
+    the workload at the lowest rate (as many requests as that rate's run, prompts of their own
+    seed), or ``"N"`` requests at 4x the lowest rate. Stops after the first rate past saturation.
     """
     rates = sorted(rates)
-    if warmup_prompts:
-        run_at(rates[0] * 4, warmup_prompts, seed + SEED_STRIDE - 1)
+    warmup = parse_warmup(warmup)
+    if warmup == "full":
+        log(f"  warm-up: a full pass at {rates[0]:g} req/s ({num_prompts_for(rates[0], duration_s)} requests, "
+            "discarded)")
+        run_at(rates[0], num_prompts_for(rates[0], duration_s), seed + SEED_STRIDE - 1)
+    elif warmup != "0":
+        run_at(rates[0] * 4, int(warmup), seed + SEED_STRIDE - 1)
     points: list[SweepPoint] = []
     for i, rate in enumerate(rates):
         n = num_prompts_for(rate, duration_s)
