@@ -6,9 +6,39 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConfig, GptOssConfig, MixtralConfig,
+                          Olmo2Config, Phi3Config, Qwen3Config, Qwen3MoeConfig)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# The families beyond Llama, each small (3 layers of 64) with the family's own features switched on; the
+# tiny default model's tokenizer fits their 2,048-token vocabulary.
+COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+              num_hidden_layers=3, vocab_size=2048, max_position_embeddings=512, initializer_range=0.1,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILIES = {
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True),
+    "phi3": lambda: Phi3Config(**COMMON, partial_rotary_factor=0.5, tie_word_embeddings=False),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                        norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False),
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                     tie_word_embeddings=False),
+    "olmo2": lambda: Olmo2Config(**COMMON, tie_word_embeddings=False),
+    "gemma3": lambda: Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                       layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "deepseek_v3": lambda: DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32,
+                                            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                                            topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24,
+                                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                                            tie_word_embeddings=False),
+    "gpt_oss": lambda: GptOssConfig(**{**COMMON, "intermediate_size": 32}, head_dim=16, sliding_window=8,
+                                    num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
+}
+PROMPTS = [
+    "def parse(path):\n    with open(path) as f:\n        return",
+    "def parse(path):\n    with open(path) as f:\n        for line in f:",  # shares a prefix with the first
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self, name, value, default=None):\n        self.",
+]
 
 
 def write_checkpoint(config, path: Path, tokenizer_dir: str, perturb_biases: bool = True) -> str:
@@ -33,7 +63,7 @@ def greedy_reference(hf, prompt_ids: list[list[int]], max_tokens: int) -> list[t
     out = []
     for ids in prompt_ids:
         with torch.no_grad():
-            gen = hf.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+            gen = hf.generate(torch.tensor([ids], device=hf.device), max_new_tokens=max_tokens, do_sample=False,
                               output_logits=True, return_dict_in_generate=True)
         tokens = gen.sequences[0, len(ids):].tolist()
         out.append((tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, tokens)]))

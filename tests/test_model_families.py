@@ -15,42 +15,13 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, DeepseekV3Config, Gemma3TextConfig, GptOssConfig,
-                          MixtralConfig, Olmo2Config, Phi3Config, Qwen3Config, Qwen3MoeConfig)
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
 from pdserve.engine.kernels import load_paged_attention
 from pdserve.launcher import ClusterSpec, LocalCluster
-from tests.checkpoints import greedy_reference, write_checkpoint
-
-COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-              num_hidden_layers=3, vocab_size=2048, max_position_embeddings=512, initializer_range=0.1,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0)
-FAMILIES = {
-    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=24, tie_word_embeddings=True),
-    "phi3": lambda: Phi3Config(**COMMON, partial_rotary_factor=0.5, tie_word_embeddings=False),
-    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                                        norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False),
-    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
-                                     tie_word_embeddings=False),
-    "olmo2": lambda: Olmo2Config(**COMMON, tie_word_embeddings=False),
-    "gemma3": lambda: Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
-                                       layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
-    "deepseek_v3": lambda: DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=32,
-                                            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
-                                            topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=24,
-                                            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                                            tie_word_embeddings=False),
-    "gpt_oss": lambda: GptOssConfig(**{**COMMON, "intermediate_size": 32}, head_dim=16, sliding_window=8,
-                                    num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
-}
-PROMPTS = [
-    "def parse(path):\n    with open(path) as f:\n        return",
-    "def parse(path):\n    with open(path) as f:\n        for line in f:",  # shares a prefix with the first
-    "import os\nimport sys\n\nclass Config:\n    def __init__(self, name, value, default=None):\n        self.",
-]
-
+from tests.checkpoints import FAMILIES, PROMPTS, greedy_reference, write_checkpoint
 
 @pytest.fixture(scope="module")
 def family_dirs(model_dir, tmp_path_factory) -> dict[str, str]:

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM, Mxfp4Co
 from pdserve import LLM, SamplingParams
 from pdserve.engine import mxfp4
 from tests.checkpoints import TOKENIZER_FILES, greedy_reference
-from tests.test_model_families import PROMPTS
+from tests.checkpoints import PROMPTS
 
 CONFIG = dict(hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               num_hidden_layers=2, vocab_size=2048, max_position_embeddings=512, initializer_range=0.1,
