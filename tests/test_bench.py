@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 
-from pdserve.bench.datasets import DatasetConfig, build_requests, jsonl_requests
+from pdserve.bench.datasets import DatasetConfig, build_requests, jsonl_requests, warmup_requests
 from pdserve.bench.metrics import (RequestOutput, compute_metrics, parse_goodput, parse_percentiles, percentile)
 from pdserve.bench.report import markdown
 from pdserve.bench.serve import ServeConfig, arrival_offsets, base_url, request_body
@@ -59,6 +59,26 @@ def test_shared_prefix():
     assert len({tuple(r.prompt[24:]) for r in reqs}) == 20  # the suffixes differ
     with pytest.raises(ValueError):
         DatasetConfig(name="shared-prefix", prefix_len=0)
+
+
+def test_warmup_requests_have_the_workloads_shapes_and_prompts_of_their_own():
+    """A warm-up must not leave the measured prompts in the prefix cache: its prompts are fresh (a
+    shared prefix stays shared, as a system prompt would be warm); a jsonl workload has no others."""
+    for cfg in (DatasetConfig(num_prompts=30, min_input=64, max_input=512, vocab_size=16384, seed=3),
+                DatasetConfig(name="shared-prefix", num_prompts=30, prefix_len=32, min_input=8, max_input=64,
+                              vocab_size=16384, seed=3)):
+        reqs = build_requests(cfg)
+        warm = warmup_requests(cfg, reqs, 12)
+        assert len(warm) == 12 and warmup_requests(cfg, reqs, 12) == warm  # seeded
+        lo, hi = cfg.input_bounds()
+        assert all(lo <= len(w.prompt) - cfg.prefix_len <= hi for w in warm)
+        assert all(w.prompt[:cfg.prefix_len] == reqs[0].prompt[:cfg.prefix_len] for w in warm)
+        measured = {tuple(r.prompt[:cfg.prefix_len + 16]) for r in reqs}  # the first block past the prefix
+        assert not measured & {tuple(w.prompt[:cfg.prefix_len + 16]) for w in warm}
+    jsonl = [build_requests(DatasetConfig(num_prompts=2, vocab_size=300))[i] for i in (0, 1)]
+    assert warmup_requests(DatasetConfig(name="jsonl", dataset_path="w.jsonl"), jsonl, 3) == [jsonl[0], jsonl[1],
+                                                                                              jsonl[0]]
+    assert warmup_requests(cfg, reqs, 0) == []
 
 
 def test_jsonl(tmp_path):

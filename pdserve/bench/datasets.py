@@ -15,6 +15,7 @@ models are special tokens (BOS, EOS, padding), and a random prompt should not co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -197,3 +198,20 @@ def prompt_text(request: BenchRequest, tokenizer) -> str:
     if isinstance(request.prompt, str):
         return request.prompt
     return tokenizer.decode(request.prompt, skip_special_tokens=True)
+
+
+WARMUP_SEED_OFFSET = 7919  # a warm-up's random prompts: the workload's seed + this
+
+
+def warmup_requests(cfg: DatasetConfig, requests: list[BenchRequest], num: int) -> list[BenchRequest]:
+    """``num`` warm-up requests of the workload's shapes with prompts of their own, so the measured
+    prompts meet no prefix-cache entry the warm-up left (a shared prefix, where the workload has one,
+    is warmed as a system prompt would be). A jsonl workload has no others: its own first requests,
+    cycled, are returned (the runs they warm then hit the prefix cache; ``bench serve`` says so)."""
+    if num <= 0:
+        return []
+    if cfg.name == "jsonl" or not requests:
+        return [requests[i % len(requests)] for i in range(num)] if requests else []
+    fresh = random_requests(dataclasses.replace(cfg, num_prompts=num, seed=cfg.seed + WARMUP_SEED_OFFSET))
+    prefix = requests[0].prompt[:cfg.prefix_len]  # the workload's shared prefix, not the fresh seed's
+    return [BenchRequest(prefix + r.prompt[cfg.prefix_len:], r.output_len) for r in fresh]

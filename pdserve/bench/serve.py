@@ -28,7 +28,7 @@ import httpx
 
 from pdserve.bench import phases
 from pdserve.bench.datasets import (DEFAULT_VOCAB_SIZE, BenchRequest, DatasetConfig, build_requests, prompt_text,
-                                    vocab_size_of)
+                                    vocab_size_of, warmup_requests)
 from pdserve.bench.metrics import RequestOutput, compute_metrics, format_table
 
 BACKENDS = ("openai", "transformers-serve")
@@ -300,9 +300,13 @@ async def run_benchmark(cfg: ServeConfig, requests: list[BenchRequest] | None = 
         endpoint_url = f"{url}/{cfg.endpoint.lstrip('/')}"
         bodies = [request_body(cfg, model, r, tokenizer) for r in requests]
         warmup_errors = []
-        if cfg.num_warmups:
-            warm = await asyncio.gather(*(send_request(client, endpoint_url, bodies[i % len(bodies)], None)
-                                          for i in range(cfg.num_warmups)))
+        if cfg.num_warmups:  # the workload's shapes, prompts of their own: measured prompts stay uncached
+            if dataset.name == "jsonl":
+                print("pdserve bench: a jsonl workload has no other prompts: the warm-up sends its first ones, "
+                      "which the measured run then finds in the prefix cache", file=sys.stderr)
+            warm_bodies = [request_body(cfg, model, r, tokenizer)
+                           for r in warmup_requests(resolve_dataset(cfg, model), requests, cfg.num_warmups)]
+            warm = await asyncio.gather(*(send_request(client, endpoint_url, body, None) for body in warm_bodies))
             warmup_errors = [o.error for o in warm if not o.success]
         offsets = arrival_offsets(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
         semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
