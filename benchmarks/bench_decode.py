@@ -81,7 +81,8 @@ def step_bytes(core: EngineCore) -> int:
 def make_core(args, max_num_seqs: int) -> EngineCore:
     config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, num_threads=1,
-                          enable_prefix_caching=False, enforce_eager=args.enforce_eager, attention_backend=args.attention)
+                          enable_prefix_caching=False, enforce_eager=args.enforce_eager, attention_backend=args.attention,
+                          linear_weight_format=args.linear_weight_format)
     return EngineCore(config)
 
 
@@ -158,6 +159,7 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory", type=int, default=2 * 2**30)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--attention", default="auto", help="auto | paged | reference")
+    ap.add_argument("--linear-weight-format", default="auto", help="auto | plain | onednn (as the engine flag)")
     ap.add_argument("--core", type=int, default=0, help="pin to this core")
     ap.add_argument("--skip-mbu", action="store_true")
     ap.add_argument("--mbu-batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes to report MBU at")

@@ -6,6 +6,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Engines in tests run eagerly (each compiled start-up costs seconds): the compiled decode
 # step has its own tests (tests/test_compiled_step.py), which turn compilation back on.
 os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
+# Engines that decode keep plain weights in tests (``--linear-weight-format auto`` would time both layouts
+# at load and take the faster, which differs between machines): tests/test_packed_weights.py covers
+# oneDNN's layout and the choice itself.
+os.environ.setdefault("PDSERVE_LINEAR_WEIGHT_FORMAT", "plain")
 
 import pytest  # noqa: E402
 

@@ -8,6 +8,7 @@ no plain copy kept, transformers' greedy tokens, and prefill workers (only they)
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear, pack_linear_weights
+from pdserve.engine.layers import (ColumnParallelLinear, RowParallelLinear, choose_linear_weight_format,
+                                   pack_linear_weights)
 from tests.checkpoints import greedy_reference
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -68,19 +70,50 @@ def test_llm_on_packed_weights_gives_transformers_tokens(model_dir):
         assert max(abs(g.logprob - w) for g, w in zip(out.outputs[0].logprobs, logprobs)) < 1e-4
 
 
-def test_prefill_workers_pack_by_default_and_their_ranks_are_told():
-    """``auto`` is ``onednn`` for a prefill worker and ``plain`` for a decode worker or ``LLM``; a TP
-    engine's other ranks get the resolved format on their command line; a bad name is refused."""
+def test_prefill_workers_pack_by_default_and_their_ranks_are_told(monkeypatch):
+    """``auto`` is ``onednn`` for a prefill worker and, for a decode worker or ``LLM``, left to the load-time
+    choice (``$PDSERVE_LINEAR_WEIGHT_FORMAT`` where set, as the tests set ``plain``); a TP engine's other
+    ranks get the resolved format on their command line; a bad name is refused."""
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args(["--model", "m"])
     assert EngineConfig.from_cli_args(args, role="prefill").linear_weight_format == "onednn"
-    assert EngineConfig.from_cli_args(args, role="decode").linear_weight_format == "plain"
+    assert EngineConfig.from_cli_args(args, role="decode").linear_weight_format == "plain"  # conftest's pin
+    monkeypatch.delenv("PDSERVE_LINEAR_WEIGHT_FORMAT")
+    assert EngineConfig.from_cli_args(args, role="decode").linear_weight_format == "auto"
+    assert EngineConfig(model="m").linear_weight_format == "auto"
     explicit = parser.parse_args(["--model", "m", "--linear-weight-format", "plain"])
     assert EngineConfig.from_cli_args(explicit, role="prefill").linear_weight_format == "plain"
     config = EngineConfig.from_cli_args(args, role="prefill")
     rank_args = config.rank_cli_args(1, "127.0.0.1", 29500)
     assert rank_args[rank_args.index("--linear-weight-format") + 1] == "onednn"
-    assert EngineConfig(model="m").linear_weight_format == "auto"
     with pytest.raises(ValueError, match="linear_weight_format"):
         EngineConfig(model="m", linear_weight_format="mkl")
+
+
+def test_auto_times_both_layouts_on_the_models_weights_and_takes_the_faster(model_dir, monkeypatch):
+    """``auto`` on an engine that decodes: ``choose_linear_weight_format`` times the plain path and oneDNN
+    on the model's own linears and says which and why; the engine packs exactly when it chose oneDNN, and
+    either way gives transformers' tokens. The choice follows the timings: a oneDNN made slow loses."""
+    monkeypatch.delenv("PDSERVE_LINEAR_WEIGHT_FORMAT")
+    prompts = [[5, 17, 42, 8, 99, 3, 12, 77, 41, 19] * 3]
+    ref = greedy_reference(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, 8)
+    with LLM(model_dir) as llm:
+        runner = llm.core.runner
+        assert runner.linear_weight_format in ("plain", "onednn")
+        assert runner.num_packed_linears == (4 * runner.num_layers if runner.linear_weight_format == "onednn" else 0)
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        assert out[0].outputs[0].token_ids == ref[0][0]
+    model = torch.nn.ModuleDict({"a": ColumnParallelLinear(256, [512]), "b": RowParallelLinear(512, 256)})
+    choice, why = choose_linear_weight_format(model)
+    assert choice in ("plain", "onednn") and "plain" in why and "oneDNN" in why
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def slow(*args):
+        time.sleep(0.002)
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", slow)
+    assert choose_linear_weight_format(model)[0] == "plain"
+    assert all(layer.packed_weight is None for layer in model.values())  # timing packs nothing

@@ -1,5 +1,7 @@
 """Scheduler behaviour with a fake model runner (no torch): budget, chunking, preemption, remote KV."""
 
+import pytest
+
 from pdserve.common.protocol import SamplingParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.outputs import ModelRunnerOutput
@@ -63,6 +65,59 @@ def test_token_budget_chunks_long_prompt_and_running_go_first():
     out, results = fake_step(sched)
     assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 1), ("long", 6)]
     assert {o.request.request_id for o in results} == {"short", "long"}  # long sampled only after its last chunk
+
+
+def test_long_prefill_token_threshold_lets_short_prompts_share_a_long_prompts_steps():
+    """Without the cap a 60-token prompt takes each 32-token step whole and the short prompts queued
+    behind it wait for its last chunk; with ``long_prefill_token_threshold=16`` (vLLM's flag) each of
+    its chunks is 16 tokens and the short prompts are prefilled in its second step."""
+    def first_token_steps(threshold: int) -> dict[str, int]:
+        bm = BlockManager(64, 4)
+        sched = Scheduler(SchedulerConfig(8, 32, 256, long_prefill_token_threshold=threshold), bm)
+        sched.add_request(req("long", 60))
+        out, _ = fake_step(sched)
+        assert [n for _, n in out.scheduled] == [min(threshold or 32, 32)]
+        for rid, n in (("a", 6), ("b", 8)):  # their own tokens: no prefix hit on the long prompt's blocks
+            sched.add_request(Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=4),
+                                      eos_token_ids=frozenset({0})))
+        first = {}
+        for step in range(2, 20):
+            out, results = fake_step(sched)
+            assert out.num_scheduled_tokens <= 32
+            assert all(n <= threshold for _, n in out.scheduled if threshold)
+            for o in results:
+                if o.new_token_ids:
+                    first.setdefault(o.request.request_id, step)
+            if len(first) == 3:
+                break
+        run_to_completion(sched)
+        assert bm.num_free_blocks == bm.num_blocks
+        return first
+
+    assert first_token_steps(0) == {"long": 2, "a": 3, "b": 3}  # 32 + 28: the short ones wait for it
+    assert first_token_steps(16) == {"a": 2, "b": 2, "long": 4}  # 16 + 16 + 16 + 12, shared from its 2nd step
+    sched, _ = make(budget=32)
+    sched.config.long_prefill_token_threshold = 1  # a decode's one token is never cut to nothing
+    sched.add_request(req("r", 3, max_tokens=3))
+    assert run_to_completion(sched)["r"].num_output_tokens == 3
+
+
+def test_prefill_workers_cap_a_prompts_chunk_at_half_their_budget_by_default():
+    import argparse
+
+    from pdserve.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+
+    def threshold(role, *argv):
+        return EngineConfig.from_cli_args(parser.parse_args(["--model", "m", *argv]), role).long_prefill_token_threshold
+
+    assert threshold("prefill") == 256 and threshold("prefill", "--max-num-batched-tokens", "2048") == 1024
+    assert threshold("decode") == 0 and threshold(None) == 0 and EngineConfig(model="m").long_prefill_token_threshold == 0
+    assert threshold("prefill", "--long-prefill-token-threshold", "0") == 0
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        EngineConfig(model="m", long_prefill_token_threshold=-1)
 
 
 def test_max_num_seqs_limits_admission():

@@ -20,6 +20,21 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 PREFILL_MAX_NUM_BATCHED_TOKENS = 512
 
 
+def default_long_prefill_token_threshold(role: str | None, max_num_batched_tokens: int) -> int:
+    """The per-request prompt tokens per step a worker of ``role`` gets by default. A prefill worker
+    cuts a long prompt to half its step budget, so the prompts queued behind it are computed in its
+    next step rather than after its last (DistServe's point: prefill batching decides TTFT). A
+    decode worker and ``LLM`` leave it off (0), as vLLM does."""
+    return max(1, max_num_batched_tokens // 2) if role == "prefill" else 0
+
+
+def default_linear_weight_format() -> str:
+    """What ``--linear-weight-format auto`` leaves to an engine that decodes: ``auto`` (timed at load),
+    or ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` where set (the tests pin ``plain`` there, so that which path a
+    test takes does not depend on the machine; tests/test_packed_weights.py covers ``onednn``)."""
+    return os.environ.get("PDSERVE_LINEAR_WEIGHT_FORMAT") or "auto"
+
+
 def default_max_num_batched_tokens(role: str | None) -> int:
     """The step budget a worker of ``role`` ("prefill", "decode", None for the offline LLM) gets by default."""
     return PREFILL_MAX_NUM_BATCHED_TOKENS if role == "prefill" else DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -47,6 +62,9 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV of full blocks whose tokens (and all before) match.
         remote_prefill_threshold: decode worker: prompts with fewer uncached tokens than this are
             prefilled locally instead of by a prefill worker (conditional disaggregation).
+        long_prefill_token_threshold: most prompt tokens one request computes per step (vLLM's
+            flag): a longer prompt is chunked to it so the prompts queued behind share its steps;
+            0: no cap (``default_long_prefill_token_threshold`` gives each role's default).
         tensor_parallel_size, pipeline_parallel_size: ranks (processes) of this engine; see
             ``pdserve.engine.parallel``. kv_cache_memory is per rank.
         rank: this process's rank (0 = the driver, which starts the engine; others only run steps).
@@ -71,9 +89,12 @@ class EngineConfig:
         linear_weight_format: ``auto`` | ``plain`` | ``onednn``. ``onednn``: the decoder's linear
             weights are reordered once, at load, into oneDNN's blocked layout and every matmul of
             theirs runs through oneDNN (``pdserve.engine.layers.pack_linear_weights``; vLLM's CPU
-            backend does the same), 15% faster than MKL on a prefill's few hundred rows of float32
-            here, but slower than the decode kernel on a decode step's few rows. ``auto``: ``onednn``
-            on a prefill worker (``from_cli_args`` with role "prefill"), ``plain`` elsewhere.
+            backend does the same): faster than MKL on a prefill's few hundred rows (15% on Zen 4
+            class cores, 2.3x on Zen 5 class). ``plain``: MKL, and the decode kernel for a decode
+            step's few rows. ``auto``: ``onednn`` on a prefill worker (``from_cli_args`` with role
+            "prefill"); on a single-rank CPU engine that decodes, the layout whose decode-sized
+            matmuls run faster here, timed at load (``layers.choose_linear_weight_format``;
+            ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` overrides what ``auto`` means there); ``plain`` elsewhere.
         disable_hybrid_kv_cache_manager: a model whose layers mix sliding windows with full attention
             (Gemma 3, gpt-oss) keeps every block in every layer, one block table per request, instead of
             one table per layer group that frees what leaves a window (vLLM's flag of this name; see
@@ -102,6 +123,7 @@ class EngineConfig:
     num_threads: int | None = None
     enable_prefix_caching: bool = True
     remote_prefill_threshold: int = 16
+    long_prefill_token_threshold: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     rank: int = 0
@@ -117,7 +139,7 @@ class EngineConfig:
     batch_invariant: bool = False
     enable_expert_parallel: bool = False
     disable_hybrid_kv_cache_manager: bool = False
-    linear_weight_format: str = "auto"
+    linear_weight_format: str = field(default_factory=lambda: default_linear_weight_format())
     quantization: str | None = None
     enable_lora: bool = False
     max_loras: int = 1
@@ -142,6 +164,8 @@ class EngineConfig:
                              f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: no cap)")
         if self.batch_invariant and self.attention_backend == "reference":
             raise ValueError("batch_invariant needs the paged attention kernel (attention_backend auto or paged): "
                              "the reference backend's padded SDPA reduces differently with the batch")
@@ -203,6 +227,10 @@ class EngineConfig:
                        help="turn prefix caching off (on by default)")
         g.add_argument("--remote-prefill-threshold", type=int, default=16,
                        help="decode worker: prefill prompts with fewer uncached tokens locally")
+        g.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                       help="most prompt tokens one request computes per step, so a long prompt shares its steps "
+                            "with the prompts queued behind it (vLLM's flag; 0: no cap; default: half the step "
+                            "budget on a prefill worker, else 0)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks each layer is split over")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
         g.add_argument("--rank", type=int, default=None,
@@ -237,8 +265,9 @@ class EngineConfig:
                             "attention stays tensor-parallel")
         g.add_argument("--linear-weight-format", choices=("auto", "plain", "onednn"), default="auto",
                        help="onednn: the decoder's linear weights reordered at load into oneDNN's blocked layout, "
-                            "every matmul through oneDNN (faster prefill GEMMs on CPU, slower decode steps); "
-                            "auto: onednn on prefill workers, plain elsewhere")
+                            "every matmul through oneDNN (faster prefill GEMMs on CPU); plain: MKL, and the decode "
+                            "kernel for decode steps; auto: onednn on prefill workers; on a single-rank CPU engine "
+                            "that decodes, the layout whose decode-sized matmuls run faster here, timed at load")
         g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="models mixing sliding-window and full-attention layers (Gemma 3, gpt-oss): keep every "
                             "KV block in every layer (one block table) instead of freeing what leaves a window")
@@ -261,13 +290,16 @@ class EngineConfig:
         prefill worker)."""
         rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
         master_port = args.master_port or (int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None)
+        budget = (default_max_num_batched_tokens(role) if args.max_num_batched_tokens is None
+                  else args.max_num_batched_tokens)
         return cls(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                    kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=default_max_num_batched_tokens(role)
-                   if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
+                   max_num_batched_tokens=budget,
                    max_model_len=args.max_model_len,
                    seed=args.seed, num_threads=args.num_threads, enable_prefix_caching=args.enable_prefix_caching,
                    remote_prefill_threshold=args.remote_prefill_threshold,
+                   long_prefill_token_threshold=default_long_prefill_token_threshold(role, budget)
+                   if args.long_prefill_token_threshold is None else args.long_prefill_token_threshold,
                    tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                    rank=rank, master_addr=args.master_addr or os.environ.get("MASTER_ADDR"), master_port=master_port,
                    rank_timeout_s=args.rank_timeout_s, attention_backend=args.attention_backend,
@@ -277,7 +309,7 @@ class EngineConfig:
                    enable_expert_parallel=args.enable_expert_parallel,
                    disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                    linear_weight_format=args.linear_weight_format if args.linear_weight_format != "auto"
-                   else ("onednn" if role == "prefill" else "plain"),
+                   else ("onednn" if role == "prefill" else default_linear_weight_format()),
                    enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                    max_cpu_loras=args.max_cpu_loras, quantization=args.quantization)
 

@@ -90,6 +90,7 @@ class EngineCore:
                             max_num_batched_tokens=config.max_num_batched_tokens,
                             max_model_len=self.runner.max_model_len,
                             remote_prefill_threshold=config.remote_prefill_threshold,
+                            long_prefill_token_threshold=config.long_prefill_token_threshold,
                             policy=config.scheduling_policy,
                             max_loras=config.max_loras if config.enable_lora else 0,
                             recompute_past_len=self.runner.recompute_past_len),

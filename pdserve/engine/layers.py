@@ -9,6 +9,7 @@ shard_id=None)``, which copies this rank's shard of an unsharded checkpoint tens
 
 from __future__ import annotations
 
+import time
 from typing import Any, Sequence
 
 import torch
@@ -147,6 +148,63 @@ def pack_linear_weights(model: nn.Module) -> int:
         module.weight = nn.Parameter(torch.zeros((), dtype=weight.dtype).expand(weight.shape), requires_grad=False)
         packed += 1
     return packed
+
+
+PROBE_BYTES = 256 * 2**20  # weights the format probe streams per timing: past any core's caches
+PROBE_MARGIN = 1.10  # oneDNN is chosen when its decode-sized matmuls take at most this times the plain path's
+
+
+def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8), repeats: int = 3) -> tuple[str, str]:
+    """``--linear-weight-format auto`` on an engine that decodes (a decode worker, ``LLM``): measure,
+    at load, which layout computes a decode step's matmuls faster on this CPU, and return
+    (``"onednn"`` or ``"plain"``, a line saying why).
+
+    Prefill chunks always favour oneDNN's packed weights (on this project's AMD cores MKL's sgemm runs
+    at 40-45% of oneDNN's speed: 108 against 250-265 GFLOPS at 288 rows). A decode step's few rows go
+    through the decode kernel on plain weights, which beat oneDNN on one machine type (Zen 4 class)
+    and lost to it on another (Zen 5 class: 9.6 against 8.1 ms for the bench preset's 48 linears at
+    one row). Only one layout is kept, so this times both on the model's own weights: the first
+    linears up to ``PROBE_BYTES`` (streamed from memory, as in a step), at each of ``rows``, best of
+    ``repeats``; oneDNN is chosen when its summed time is at most ``PROBE_MARGIN`` times the plain
+    path's. Plain when oneDNN is unavailable or no float linear layer qualifies."""
+    if not torch.backends.mkldnn.is_available():
+        return "plain", "oneDNN is not available"
+    weights, total = [], 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and module.packed_weight is None \
+                and module.weight_scale is None and not module.batch_invariant \
+                and module.weight.device.type == "cpu" and module.weight.dtype in (torch.float32, torch.bfloat16):
+            weights.append(module.weight.detach())
+            total += module.weight.nbytes
+            if total >= PROBE_BYTES:
+                break
+    if not weights:
+        return "plain", "no float linear layer to pack"
+    decode_linear.build_kernel()  # the plain path's decode rows run through it (built once, then cached)
+    try:
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    except (RuntimeError, NotImplementedError) as e:
+        return "plain", f"oneDNN cannot reorder these weights ({type(e).__name__})"
+    inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], dtype=w.dtype) for n in rows for w in weights}
+
+    def best(step) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    plain_s = onednn_s = 0.0
+    with torch.inference_mode():
+        for n in rows:
+            plain_s += best(lambda: [linear(inputs[n, w.shape[1]], w) for w in weights])
+            onednn_s += best(lambda: [torch.ops.mkldnn._linear_pointwise(inputs[n, w.shape[1]], p, None, "none",
+                                                                         [None], "") for w, p in zip(weights, packed)])
+    choice = "onednn" if onednn_s <= PROBE_MARGIN * plain_s else "plain"
+    why = (f"{len(weights)} linears ({total / 2**20:.0f} MiB) at {'/'.join(map(str, rows))} rows: plain "
+           f"{plain_s * 1e3:.1f} ms, oneDNN {onednn_s * 1e3:.1f} ms")
+    return choice, why
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: str | torch.device) -> nn.Parameter:

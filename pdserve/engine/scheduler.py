@@ -8,7 +8,9 @@ under a token budget of ``max_num_batched_tokens``:
 
 * a decoding request needs 1 token (its last sampled token);
 * a prefilling request needs the rest of its prompt, cut to what the budget
-  leaves (chunked prefill), so a long prompt never stalls the others;
+  leaves (chunked prefill) and, with ``long_prefill_token_threshold``, to at most
+  that many tokens per step (vLLM's flag), so a long prompt leaves the rest of
+  the budget to the prompts queued behind it;
 * a preempted request needs everything again (recompute), minus prefix hits.
 
 Running requests are served first, in admission order, then waiting ones in
@@ -66,6 +68,9 @@ class SchedulerConfig:
         recompute_past_len: a decoding request whose cached tokens are at most this many while its
             sequence has grown past it drops its KV and recomputes every token, once (transformers'
             Phi-3 ``generate`` at LongRoPE's switch from short to long factors); None: never.
+        long_prefill_token_threshold: most prompt tokens one request computes in a step (vLLM's
+            ``--long-prefill-token-threshold``): a longer prompt is chunked to it even when the
+            budget would take more, so prompts queued behind it share each step; 0: no cap.
     """
 
     max_num_seqs: int = 64
@@ -75,6 +80,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     max_loras: int = 0
     recompute_past_len: int | None = None
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -82,6 +88,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.remote_prefill_threshold < 0:
             raise ValueError("remote_prefill_threshold must be >= 0")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
@@ -197,7 +205,7 @@ class Scheduler:
             request = self.running[i]
             if self.config.recompute_past_len is not None:
                 self._recompute_past_switch(request)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             num_new += self._schedule_drafts(request, num_new, budget, out)
             if not self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out):
                 break  # ``request`` itself was the victim: nothing after it gets blocks either
@@ -208,6 +216,12 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
+
+    def _chunk(self, num_left: int, budget: int) -> int:
+        """Tokens a request with ``num_left`` tokens to compute gets this step: what the budget
+        leaves, and at most ``long_prefill_token_threshold`` (a decode's 1 token is never cut)."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_left, budget, cap) if cap > 0 else min(num_left, budget)
 
     def _recompute_past_switch(self, request: Request) -> None:
         """``recompute_past_len``: the first time a decoding request's sequence grows past it with at most
@@ -265,7 +279,7 @@ class Scheduler:
             else:
                 if budget <= 0:
                     return
-                num_new = min(request.num_tokens - num_cached, budget)
+                num_new = self._chunk(request.num_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(request, num_cached + num_new, out.block_copies, hit):
                     return
                 request.num_computed_tokens = num_cached
