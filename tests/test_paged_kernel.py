@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, paged_attention, select_backend
+from pdserve.engine.attention import AttentionMetadata, _native_plan, paged_attention, select_backend
 from pdserve.engine.kernels import load_paged_attention
 
 pytestmark = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: the native kernel is off")
@@ -36,12 +36,14 @@ def _run(backend: str, cache: torch.Tensor, q, k, v, tables, computed, new, bloc
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_paged_matches_reference_on_a_mixed_batch(heads, window, block_size):
     """Decode rows, chunked prefill over a cached prefix, and fresh prefills, in one batch (blocks of
-    16 take the kernel's eight-keys-at-a-time score path, blocks of 4 only its shorter ones)."""
+    16 take the kernel's eight-keys-at-a-time score path, blocks of 4 only its shorter ones). Chunks of
+    ``CHUNK_SDPA_MIN_ROWS`` rows or more after cached ones attend with SDPA over the gathered cache
+    (without a window), shorter ones in the kernel: both against the reference."""
     num_heads, num_kv_heads = heads
-    head_dim, num_blocks = 16, 64
+    head_dim, num_blocks = 16, 96
     rng = random.Random(0)
     torch.manual_seed(0)
-    shapes = [(1, 1), (1, 9), (1, 30), (5, 13), (6, 6), (11, 11), (1, 4), (3, 25)]
+    shapes = [(1, 1), (1, 9), (1, 30), (5, 13), (6, 6), (11, 11), (1, 4), (3, 25), (20, 45), (16, 37)]
     tables, computed, new = _batch(rng, shapes, block_size, num_blocks)
     n = sum(new)
     # NaN in every slot no sequence owns: a kernel that read past a sequence's end would show it.
@@ -55,6 +57,8 @@ def test_paged_matches_reference_on_a_mixed_batch(heads, window, block_size):
     ref_cache = cache.clone()
     ref = _run("reference", ref_cache, q, k, v, tables, computed, new, block_size, window, head_dim**-0.5)
     out = _run("paged", cache, q, k, v, tables, computed, new, block_size, window, head_dim**-0.5)
+    plan = _native_plan(AttentionMetadata.build(tables, computed, new, block_size, backend="paged"), window)
+    assert [c[2] for c in plan.chunks] == ([] if window else [8, 9])  # the two long chunks; (5, 13) stays
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache, ref_cache, equal_nan=True)  # both wrote the same new K/V
@@ -156,7 +160,7 @@ def test_latent_cache_values_are_the_key_rows_head(kv_dtype, batch_invariant):
     head_dim, v_dim, num_heads, block_size, num_blocks = 40, 32, 8, 16, 64
     rng = random.Random(4)
     torch.manual_seed(4)
-    shapes = [(1, 1), (1, 9), (1, 30), (5, 13), (6, 6), (11, 11), (1, 4), (3, 25)]
+    shapes = [(1, 1), (1, 9), (1, 30), (5, 13), (6, 6), (11, 11), (1, 4), (3, 25), (18, 40)]
     tables, computed, new = _batch(rng, shapes, block_size, num_blocks)
     fmt = kv_cache_format(kv_dtype or "float32")
     rows = [torch.randn(c + n, 1, head_dim) for c, n in zip(computed, new)]  # each sequence's latent rows

