@@ -77,6 +77,7 @@ def test_long_prefill_token_threshold_lets_short_prompts_share_a_long_prompts_st
         sched.add_request(req("long", 60))
         out, _ = fake_step(sched)
         assert [n for _, n in out.scheduled] == [min(threshold or 32, 32)]
+        chunks = [out.scheduled[0][1]]
         for rid, n in (("a", 6), ("b", 8)):  # their own tokens: no prefix hit on the long prompt's blocks
             sched.add_request(Request(rid, list(range(100, 100 + n)), SamplingParams(max_tokens=4),
                                       eos_token_ids=frozenset({0})))
@@ -84,7 +85,7 @@ def test_long_prefill_token_threshold_lets_short_prompts_share_a_long_prompts_st
         for step in range(2, 20):
             out, results = fake_step(sched)
             assert out.num_scheduled_tokens <= 32
-            assert all(n <= threshold for _, n in out.scheduled if threshold)
+            chunks += [n for r, n in out.scheduled if r.request_id == "long" and n > 1]  # its prompt's chunks
             for o in results:
                 if o.new_token_ids:
                     first.setdefault(o.request.request_id, step)
@@ -92,10 +93,17 @@ def test_long_prefill_token_threshold_lets_short_prompts_share_a_long_prompts_st
                 break
         run_to_completion(sched)
         assert bm.num_free_blocks == bm.num_blocks
+        assert chunks == ([32, 28] if not threshold else [16, 16, 28])
         return first
 
     assert first_token_steps(0) == {"long": 2, "a": 3, "b": 3}  # 32 + 28: the short ones wait for it
-    assert first_token_steps(16) == {"a": 2, "b": 2, "long": 4}  # 16 + 16 + 16 + 12, shared from its 2nd step
+    # 16 (60 left > the budget), then 16 again beside a and b (44 left), then 28 whole (fits one step)
+    assert first_token_steps(16) == {"a": 2, "b": 2, "long": 3}
+    bm = BlockManager(64, 4)  # a prompt that fits one step is never split: FCFS, not processor sharing
+    sched = Scheduler(SchedulerConfig(8, 32, 256, long_prefill_token_threshold=16), bm)
+    sched.add_request(req("fits", 30))
+    out, results = fake_step(sched)
+    assert [n for _, n in out.scheduled] == [30] and results[0].new_token_ids
     sched, _ = make(budget=32)
     sched.config.long_prefill_token_threshold = 1  # a decode's one token is never cut to nothing
     sched.add_request(req("r", 3, max_tokens=3))

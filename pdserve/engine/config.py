@@ -62,9 +62,9 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV of full blocks whose tokens (and all before) match.
         remote_prefill_threshold: decode worker: prompts with fewer uncached tokens than this are
             prefilled locally instead of by a prefill worker (conditional disaggregation).
-        long_prefill_token_threshold: most prompt tokens one request computes per step (vLLM's
-            flag): a longer prompt is chunked to it so the prompts queued behind share its steps;
-            0: no cap (``default_long_prefill_token_threshold`` gives each role's default).
+        long_prefill_token_threshold: most prompt tokens a prompt longer than a step's budget computes
+            per step (vLLM's flag; see ``SchedulerConfig``), so the prompts queued behind it share its
+            steps; 0: no cap (``default_long_prefill_token_threshold`` gives each role's default).
         tensor_parallel_size, pipeline_parallel_size: ranks (processes) of this engine; see
             ``pdserve.engine.parallel``. kv_cache_memory is per rank.
         rank: this process's rank (0 = the driver, which starts the engine; others only run steps).
@@ -228,9 +228,9 @@ class EngineConfig:
         g.add_argument("--remote-prefill-threshold", type=int, default=16,
                        help="decode worker: prefill prompts with fewer uncached tokens locally")
         g.add_argument("--long-prefill-token-threshold", type=int, default=None,
-                       help="most prompt tokens one request computes per step, so a long prompt shares its steps "
-                            "with the prompts queued behind it (vLLM's flag; 0: no cap; default: half the step "
-                            "budget on a prefill worker, else 0)")
+                       help="most tokens a prompt longer than the step budget computes per step, so it shares its "
+                            "steps with the prompts queued behind it (vLLM's flag; a prompt that fits one step is "
+                            "never split; 0: no cap; default: half the step budget on a prefill worker, else 0)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks each layer is split over")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
         g.add_argument("--rank", type=int, default=None,

@@ -8,9 +8,9 @@ under a token budget of ``max_num_batched_tokens``:
 
 * a decoding request needs 1 token (its last sampled token);
 * a prefilling request needs the rest of its prompt, cut to what the budget
-  leaves (chunked prefill) and, with ``long_prefill_token_threshold``, to at most
-  that many tokens per step (vLLM's flag), so a long prompt leaves the rest of
-  the budget to the prompts queued behind it;
+  leaves (chunked prefill) and, for a prompt longer than a step's budget, to at
+  most ``long_prefill_token_threshold`` tokens per step (vLLM's flag), so a long
+  prompt leaves the rest of the budget to the prompts queued behind it;
 * a preempted request needs everything again (recompute), minus prefix hits.
 
 Running requests are served first, in admission order, then waiting ones in
@@ -68,9 +68,10 @@ class SchedulerConfig:
         recompute_past_len: a decoding request whose cached tokens are at most this many while its
             sequence has grown past it drops its KV and recomputes every token, once (transformers'
             Phi-3 ``generate`` at LongRoPE's switch from short to long factors); None: never.
-        long_prefill_token_threshold: most prompt tokens one request computes in a step (vLLM's
-            ``--long-prefill-token-threshold``): a longer prompt is chunked to it even when the
-            budget would take more, so prompts queued behind it share each step; 0: no cap.
+        long_prefill_token_threshold: most prompt tokens a long prompt computes in a step (vLLM's
+            ``--long-prefill-token-threshold``), so prompts queued behind it share each step; 0: no
+            cap. Unlike vLLM, "long" means more tokens left than ``max_num_batched_tokens``: a prompt
+            that fits one step is never split by it.
     """
 
     max_num_seqs: int = 64
@@ -219,9 +220,14 @@ class Scheduler:
 
     def _chunk(self, num_left: int, budget: int) -> int:
         """Tokens a request with ``num_left`` tokens to compute gets this step: what the budget
-        leaves, and at most ``long_prefill_token_threshold`` (a decode's 1 token is never cut)."""
+        leaves, and for a long prompt (more tokens left than a whole step's budget, so it is
+        chunked anyway) at most ``long_prefill_token_threshold``. A prompt that fits one step is
+        computed whole: splitting it too would turn first-come-first-served into processor sharing,
+        which delays every prompt's first token (a decode's 1 token is never cut either)."""
         cap = self.config.long_prefill_token_threshold
-        return min(num_left, budget, cap) if cap > 0 else min(num_left, budget)
+        if 0 < cap < num_left and num_left > self.config.max_num_batched_tokens:
+            return min(cap, budget)
+        return min(num_left, budget)
 
     def _recompute_past_switch(self, request: Request) -> None:
         """``recompute_past_len``: the first time a decoding request's sequence grows past it with at most
