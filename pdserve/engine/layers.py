@@ -151,22 +151,27 @@ def pack_linear_weights(model: nn.Module) -> int:
 
 
 PROBE_BYTES = 256 * 2**20  # weights the format probe streams per timing: past any core's caches
-PROBE_MARGIN = 1.10  # oneDNN is chosen when its decode-sized matmuls take at most this times the plain path's
+PROBE_MARGIN = 1.10  # oneDNN is chosen when its probed matmuls take at most this times the plain path's
 
 
-def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8), repeats: int = 3) -> tuple[str, str]:
+def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 64),
+                                repeats: int = 5) -> tuple[str, str]:
     """``--linear-weight-format auto`` on an engine that decodes (a decode worker, ``LLM``): measure,
-    at load, which layout computes a decode step's matmuls faster on this CPU, and return
-    (``"onednn"`` or ``"plain"``, a line saying why).
+    at load, which layout computes this engine's matmuls faster on this CPU, and return (``"onednn"``
+    or ``"plain"``, a line saying why).
 
-    Prefill chunks always favour oneDNN's packed weights (on this project's AMD cores MKL's sgemm runs
-    at 40-45% of oneDNN's speed: 108 against 250-265 GFLOPS at 288 rows). A decode step's few rows go
-    through the decode kernel on plain weights, which beat oneDNN on one machine type (Zen 4 class)
-    and lost to it on another (Zen 5 class: 9.6 against 8.1 ms for the bench preset's 48 linears at
-    one row). Only one layout is kept, so this times both on the model's own weights: the first
-    linears up to ``PROBE_BYTES`` (streamed from memory, as in a step), at each of ``rows``, best of
-    ``repeats``; oneDNN is chosen when its summed time is at most ``PROBE_MARGIN`` times the plain
-    path's. Plain when oneDNN is unavailable or no float linear layer qualifies."""
+    Only one layout is kept, and which is faster depends on the CPU. The plain weights go through the
+    decode kernel for a decode step's few rows, and MKL's sgemm for a prompt chunk's many. On one
+    machine type (Zen 4 class) the kernel beat oneDNN at one row, and MKL ran 10-15% behind it on
+    prompts. On another (Zen 5 class), oneDNN won everywhere: 8.1 against 9.6 ms for the bench
+    preset's 48 linears at one row, and 43 against 105 ms at 64 rows, where MKL runs at 40-45% of
+    oneDNN's speed.
+
+    So this times both layouts on the model's own weights: the first linears up to ``PROBE_BYTES``,
+    streamed from memory as in a step. It runs each of ``rows`` (decode batches and one prompt
+    chunk), interleaving the two layouts, best of ``repeats`` (start-up contention from other
+    processes biases neither). oneDNN is chosen when its summed time is at most ``PROBE_MARGIN`` times
+    the plain path's. Returns plain when oneDNN is unavailable or no float linear layer qualifies."""
     if not torch.backends.mkldnn.is_available():
         return "plain", "oneDNN is not available"
     weights, total = [], 0
@@ -187,23 +192,26 @@ def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8), 
         return "plain", f"oneDNN cannot reorder these weights ({type(e).__name__})"
     inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], dtype=w.dtype) for n in rows for w in weights}
 
-    def best(step) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-        return min(times)
+    def timed(step) -> float:
+        start = time.perf_counter()
+        step()
+        return time.perf_counter() - start
 
-    plain_s = onednn_s = 0.0
+    best = {(layout, n): float("inf") for layout in ("plain", "onednn") for n in rows}
     with torch.inference_mode():
-        for n in rows:
-            plain_s += best(lambda: [linear(inputs[n, w.shape[1]], w) for w in weights])
-            onednn_s += best(lambda: [torch.ops.mkldnn._linear_pointwise(inputs[n, w.shape[1]], p, None, "none",
-                                                                         [None], "") for w, p in zip(weights, packed)])
+        for _ in range(repeats):
+            for n in rows:
+                best["plain", n] = min(best["plain", n], timed(
+                    lambda: [linear(inputs[n, w.shape[1]], w) for w in weights]))
+                best["onednn", n] = min(best["onednn", n], timed(
+                    lambda: [torch.ops.mkldnn._linear_pointwise(inputs[n, w.shape[1]], p, None, "none", [None], "")
+                             for w, p in zip(weights, packed)]))
+    plain_s = sum(best["plain", n] for n in rows)
+    onednn_s = sum(best["onednn", n] for n in rows)
     choice = "onednn" if onednn_s <= PROBE_MARGIN * plain_s else "plain"
-    why = (f"{len(weights)} linears ({total / 2**20:.0f} MiB) at {'/'.join(map(str, rows))} rows: plain "
-           f"{plain_s * 1e3:.1f} ms, oneDNN {onednn_s * 1e3:.1f} ms")
+    per_rows = ", ".join(f"{n}: {best['plain', n] * 1e3:.1f} / {best['onednn', n] * 1e3:.1f}" for n in rows)
+    why = (f"{len(weights)} linears ({total / 2**20:.0f} MiB), ms plain / oneDNN at rows {per_rows}; "
+           f"sum {plain_s * 1e3:.1f} / {onednn_s * 1e3:.1f}")
     return choice, why
 
 
