@@ -346,6 +346,7 @@ class _NativePlan:
     fresh: list[tuple[int, int]]
     skip: torch.Tensor | None
     chunks: list[tuple[int, int, int, int]] = field(default_factory=list)
+    chunk_masks: list[torch.Tensor | None] = field(default_factory=list)  # each chunk's [Q, L] mask, once made
 
 
 def _native_plan(metadata: AttentionMetadata, sliding_window: int | None, sinks: bool = False) -> _NativePlan:
@@ -375,7 +376,8 @@ def _native_plan(metadata: AttentionMetadata, sliding_window: int | None, sinks:
             fresh.append((qsl[i], qsl[i + 1]))
         elif is_chunk:
             chunks.append((qsl[i], qsl[i + 1], i, ctx))
-    plan = _NativePlan(fresh, torch.tensor(skip, dtype=torch.uint8) if fresh or chunks else None, chunks)
+    plan = _NativePlan(fresh, torch.tensor(skip, dtype=torch.uint8) if fresh or chunks else None, chunks,
+                       [None] * len(chunks))
     metadata._native = plan
     return plan
 
@@ -459,25 +461,30 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         kv_new = dequantize_rows(flat[:, metadata.slot_mapping], fmt, query.dtype)  # (slots, N, H_kv, D)
         key, value = kv_new[0], kv_new[-1][..., :v_dim]  # a latent row's value: its first v_dim values
     for begin, end in plan.fresh:  # causal attention over the sequence's own new K/V
-        # 4-D inputs with the KV heads repeated: that is what reaches torch's flash kernel on CPU
-        # (3-D inputs or enable_gqa fall back to the math path, 3-4x slower on a 512-token prompt).
-        q_s = query[begin:end].transpose(0, 1)[None]  # (1, H, L, D)
-        k_s = key[begin:end].transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]  # (1, H, L, D)
-        v_s = value[begin:end].transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]
-        o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale)  # (1, H, L, V)
-        out[begin:end] = o_s[0].transpose(0, 1)
-    for begin, end, seq, seq_len in plan.chunks:  # new rows over the sequence's cached ones and their own
+        out[begin:end] = _causal_sdpa(query[begin:end], key[begin:end], value[begin:end], num_rep, scale)
+    for i, (begin, end, seq, seq_len) in enumerate(plan.chunks):  # new rows over the cached ones and their own
         blocks = metadata.block_tables[seq, :-(-seq_len // block_size)]
         k_all = kv_cache_layer[0].index_select(0, blocks).flatten(0, 1)[:seq_len]  # (L, H_kv, D)
         v_all = kv_cache_layer[-1].index_select(0, blocks).flatten(0, 1)[:seq_len, :, :v_dim]  # latent: its head
-        q_s = query[begin:end].transpose(0, 1)[None]  # (1, H, Q, D)
-        k_s = k_all.transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]  # (1, H, L, D)
-        v_s = v_all.transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]
-        # row i (position seq_len - Q + i) sees keys 0 .. seq_len - Q + i: causal, shifted by the cached rows
-        mask = torch.ones(end - begin, seq_len, dtype=torch.bool, device=query.device).tril(seq_len - (end - begin))
-        o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, scale=scale)  # (1, H, Q, V)
-        out[begin:end] = o_s[0].transpose(0, 1)
+        if plan.chunk_masks[i] is None:  # built once per forward: every layer's is the same
+            # row j (position seq_len - Q + j) sees keys 0 .. seq_len - Q + j: causal, shifted by the cached rows
+            plan.chunk_masks[i] = torch.ones(end - begin, seq_len, dtype=torch.bool,
+                                             device=query.device).tril(seq_len - (end - begin))
+        out[begin:end] = _causal_sdpa(query[begin:end], k_all, v_all, num_rep, scale, plan.chunk_masks[i])
     return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_rep: int, scale: float,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA of query rows [Q, H, D] over key [L, H_kv, D] / value [L, H_kv, V] -> [Q, H, V]: causal
+    (``mask`` None, Q == L), or under ``mask`` [Q, L] (True: attend). Inputs are 4-D with the KV heads
+    repeated: that is what reaches torch's flash kernel on CPU (3-D inputs or ``enable_gqa`` fall
+    back to the math path, 3-4x slower on a 512-token prompt)."""
+    q_s = query.transpose(0, 1)[None]  # (1, H, Q, D)
+    k_s = key.transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]  # (1, H, L, D)
+    v_s = value.transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]
+    o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return o_s[0].transpose(0, 1)  # (Q, H, V)
 
 
 def _kernel_dtype_code(kv_cache_layer: torch.Tensor, metadata: AttentionMetadata) -> int:
