@@ -81,8 +81,8 @@ def step_bytes(core: EngineCore) -> int:
 def make_core(args, max_num_seqs: int) -> EngineCore:
     config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, num_threads=1,
-                          enable_prefix_caching=False, enforce_eager=args.enforce_eager, attention_backend=args.attention,
-                          linear_weight_format=args.linear_weight_format)
+                          enable_prefix_caching=False, enforce_eager=args.enforce_eager,
+                          attention_backend=args.attention, linear_weight_format=args.linear_weight_format)
     return EngineCore(config)
 
 

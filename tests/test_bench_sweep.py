@@ -86,7 +86,8 @@ def test_run_sweep_warms_up_uses_fresh_seeds_and_stops_past_saturation():
     assert [r for r, _, _ in calls] == [1, 2]
     with pytest.raises(ValueError, match="full"):
         parse_warmup("lots")
-    assert "full pass" in describe_warmup("full", [2, 0.5], 30) and "15 requests" in describe_warmup("full", [2, 0.5], 30)
+    full = describe_warmup("full", [2, 0.5], 30)
+    assert "full pass" in full and "15 requests" in full
     assert "not a full pass" in describe_warmup("8", [1], 30)
 
 

@@ -122,7 +122,8 @@ def test_prefill_workers_cap_a_prompts_chunk_at_half_their_budget_by_default():
         return EngineConfig.from_cli_args(parser.parse_args(["--model", "m", *argv]), role).long_prefill_token_threshold
 
     assert threshold("prefill") == 256 and threshold("prefill", "--max-num-batched-tokens", "2048") == 1024
-    assert threshold("decode") == 0 and threshold(None) == 0 and EngineConfig(model="m").long_prefill_token_threshold == 0
+    assert threshold("decode") == 0 and threshold(None) == 0
+    assert EngineConfig(model="m").long_prefill_token_threshold == 0
     assert threshold("prefill", "--long-prefill-token-threshold", "0") == 0
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         EngineConfig(model="m", long_prefill_token_threshold=-1)

@@ -220,7 +220,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             vllm_python=args.vllm_python, vllm_kv_gib=args.vllm_kv_gib, vllm_args=shlex.split(args.vllm_args),
             vllm_env=env, transformers_args=shlex.split(args.transformers_args), hf_batch_size=args.hf_batch_size,
             server_timeout_s=args.server_timeout, dtype=args.dtype, request_rates=args.request_rates,
-            sweep_duration_s=args.sweep_duration_s, sweep_warmup=args.sweep_warmup, slo_sets=[parse_slo_set(t) for t in args.slo_set], **cores)
+            sweep_duration_s=args.sweep_duration_s, sweep_warmup=args.sweep_warmup,
+            slo_sets=[parse_slo_set(t) for t in args.slo_set], **cores)
     except ValueError as e:
         print(f"pdserve bench compare: {e}", file=sys.stderr)
         return 2

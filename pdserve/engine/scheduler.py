@@ -225,7 +225,7 @@ class Scheduler:
         computed whole: splitting it too would turn first-come-first-served into processor sharing,
         which delays every prompt's first token (a decode's 1 token is never cut either)."""
         cap = self.config.long_prefill_token_threshold
-        if 0 < cap < num_left and num_left > self.config.max_num_batched_tokens:
+        if cap and num_left > self.config.max_num_batched_tokens:
             return min(cap, budget)
         return min(num_left, budget)
 
