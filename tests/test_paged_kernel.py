@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, _native_plan, paged_attention, select_backend
-from pdserve.engine.kernels import load_paged_attention
+from pdserve.engine.attention import (AttentionMetadata, _causal_attention, _native_plan, paged_attention,
+                                      select_backend)
+from pdserve.engine.kernels import load_paged_attention, load_prefill_attention
 
 pytestmark = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: the native kernel is off")
 
@@ -37,7 +39,7 @@ def _run(backend: str, cache: torch.Tensor, q, k, v, tables, computed, new, bloc
 def test_paged_matches_reference_on_a_mixed_batch(heads, window, block_size):
     """Decode rows, chunked prefill over a cached prefix, and fresh prefills, in one batch (blocks of
     16 take the kernel's eight-keys-at-a-time score path, blocks of 4 only its shorter ones). Chunks of
-    ``CHUNK_SDPA_MIN_ROWS`` rows or more after cached ones attend with SDPA over the gathered cache
+    ``CHUNK_DENSE_MIN_ROWS`` rows or more after cached ones attend densely over the gathered cache
     (without a window), shorter ones in the kernel: both against the reference."""
     num_heads, num_kv_heads = heads
     head_dim, num_blocks = 16, 96
@@ -92,6 +94,17 @@ def test_select_backend():
         select_backend("flash", torch.device("cpu"), torch.float32)
 
 
+@contextlib.contextmanager
+def _threads(n: int):
+    """torch's (and so the kernels') thread count set to ``n`` inside the block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_paged_splits_heads_when_sequences_are_few(threads):
     """One long sequence on two threads: the kernel shares its KV heads out (and head_dim 128)."""
@@ -102,12 +115,8 @@ def test_paged_splits_heads_when_sequences_are_few(threads):
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
     q, k, v = torch.randn(1, num_heads, head_dim), torch.randn(1, num_kv_heads, head_dim), \
         torch.randn(1, num_kv_heads, head_dim)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         out = _run("paged", cache.clone(), q, k, v, tables, computed, new, block_size, None, 0.1)
-    finally:
-        torch.set_num_threads(before)
     ref = _run("reference", cache.clone(), q, k, v, tables, computed, new, block_size, None, 0.1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -206,3 +215,52 @@ def test_latent_decode_op_writes_one_row_and_reads_values_from_it():
     assert out.shape == (1, 3, 16)
     torch.testing.assert_close(out, row[..., :16].expand(1, 3, 16))  # one key: softmax weight 1
     assert torch.equal(cache[1, 0, 2, 0], row[0]) and cache[0].abs().sum() == 0
+
+
+def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain float64 attention: row j of Q sees keys 0 .. L - Q + j (GQA by repeating KV heads)."""
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+    num_q, num_k = q.shape[0], k.shape[0]
+    scores.masked_fill_(~torch.ones(num_q, num_k, dtype=torch.bool).tril(num_k - num_q), float("-inf"))
+    return torch.einsum("hqk,khv->qhv", scores.softmax(-1), vv).float()
+
+
+@pytest.mark.skipif(load_prefill_attention() is None, reason="no C++ compiler: the prefill kernel is off")
+@pytest.mark.parametrize("num_q,num_k,heads,head_dim,v_dim", [
+    (1, 1, (4, 4), 16, 16), (15, 15, (12, 4), 64, 64), (17, 17, (8, 1), 32, 32), (200, 200, (12, 4), 64, 64),
+    (64, 300, (6, 2), 128, 128), (33, 97, (4, 2), 80, 48)])
+def test_prefill_kernel_matches_dense_attention(num_q, num_k, heads, head_dim, v_dim):
+    """``prefill_attention.cpp`` (fresh prompts and chunks after cached rows, GQA, a strided query as the
+    fused QKV projection leaves it, values narrower than keys as a latent cache's) against float64
+    attention; one thread and two give the same bits (a row's result depends on its keys alone)."""
+    torch.manual_seed(num_q + num_k)
+    num_heads, num_kv_heads = heads
+    qkv = torch.randn(num_q, num_heads * head_dim + 8)  # rows longer than the query: a strided view
+    q = 4 * qkv[:, :num_heads * head_dim].view(num_q, num_heads, head_dim)  # spread scores over tens of units
+    key = torch.randn(num_k, num_kv_heads, head_dim)
+    value = key[..., :v_dim] if v_dim < head_dim else torch.randn(num_k, num_kv_heads, v_dim)
+    outs = []
+    for threads in (1, 2):
+        out = torch.full((num_q, num_heads, v_dim), float("nan"))
+        with _threads(threads):
+            _causal_attention(out, q, key, value, num_heads // num_kv_heads, head_dim**-0.5, [None])
+        outs.append(out)
+    torch.testing.assert_close(outs[0], _dense_causal(q, key, value, head_dim**-0.5), atol=2e-5, rtol=2e-5)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_prefill_attention_falls_back_to_sdpa():
+    """Head dims the kernel does not take (not a multiple of 16) and bfloat16 rows go through SDPA,
+    which builds a chunk's shifted mask once and keeps it for the next layer."""
+    torch.manual_seed(5)
+    for dtype, head_dim in ((torch.float32, 24), (torch.bfloat16, 64)):
+        q, key, value = (torch.randn(9, 4, head_dim), torch.randn(20, 2, head_dim), torch.randn(20, 2, head_dim))
+        masks: list[torch.Tensor | None] = [None]
+        out = torch.empty(9, 4, head_dim)
+        _causal_attention(out, q.to(dtype), key.to(dtype), value.to(dtype), 2, 0.3, masks)
+        want = _dense_causal(q.to(dtype).float(), key.to(dtype).float(), value.to(dtype).float(), 0.3)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+        assert masks[0] is not None and masks[0].shape == (9, 20)

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import KV_DTYPE_CODES, load_paged_attention
+from pdserve.engine.kernels import KV_DTYPE_CODES, load_paged_attention, load_prefill_attention
 from pdserve.common.kv_quant import dequantize_rows, kv_cache_format, quantize_rows
 
 
@@ -328,7 +328,7 @@ def select_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype 
     return "paged" if usable else "reference"
 
 
-CHUNK_SDPA_MIN_ROWS = 16  # a prefill chunk with this many new rows after cached ones attends with SDPA
+CHUNK_DENSE_MIN_ROWS = 16  # a prefill chunk with this many new rows after cached ones: _causal_attention
 
 
 @dataclass
@@ -336,11 +336,12 @@ class _NativePlan:
     """Host-side facts of one forward for the native kernel, computed once and shared by all layers.
 
     fresh: (begin, end) query-row ranges of sequences prefilled from scratch this step (no
-    cached tokens, several new ones): these attend over their own new K/V with SDPA.
-    chunks: (begin, end, seq, seq_len) of sequences whose ``end - begin >= CHUNK_SDPA_MIN_ROWS`` new
+    cached tokens, several new ones): these attend over their own new K/V (``_causal_attention``).
+    chunks: (begin, end, seq, seq_len) of sequences whose ``end - begin >= CHUNK_DENSE_MIN_ROWS`` new
     rows follow cached ones (a prefill chunk after the first, or after prefix-cache hits): their K/V
-    are gathered from the cache and they attend with SDPA under a causal mask shifted by the
-    cached length (1.3-2x the kernel's speed at 244-512 rows over 500-1,900 tokens of context).
+    are gathered from the cache and they attend causally, shifted by the cached length
+    (``_causal_attention``; with SDPA already 1.3-2x the paged kernel's speed at 244-512 rows over
+    500-1,900 tokens of context).
     skip: [num_seqs] uint8, 1 for all those sequences (the kernel leaves their rows), or None."""
 
     fresh: list[tuple[int, int]]
@@ -350,16 +351,17 @@ class _NativePlan:
 
 
 def _native_plan(metadata: AttentionMetadata, sliding_window: int | None, sinks: bool = False) -> _NativePlan:
-    """Which sequences skip the kernel for SDPA: fresh prefills, unless the batch must be invariant.
+    """Which sequences skip the paged kernel for dense causal attention: fresh prefills and long chunks,
+    unless the batch must be invariant.
 
     Under ``batch_invariant`` the kernel takes every row: per query row it reduces over that
     sequence's keys front to back in a fixed order (scores, softmax, then the weighted V sum,
     block by block), and OpenMP only hands whole (sequence, KV-head group) items to threads,
-    so a row's result depends on its position and its sequence's K/V alone. SDPA over a fresh
+    so a row's result depends on its position and its sequence's K/V alone. Dense attention over a fresh
     prompt reduces in another order than the kernel over the same prompt in chunks."""
     if metadata.max_query_len <= 1 or sliding_window is not None or metadata.batch_invariant or sinks:
         # decode only, a window, batch-invariant, or attention sinks: the kernel takes every row. (A quantized cache's
-        # fresh prefills do go to SDPA, over their K/V as the cache holds them: see _attend_native.)
+        # fresh prefills do go to dense attention, over their K/V as the cache holds them: see _attend_native.)
         return _NativePlan([], None)
     if metadata._native is not None:
         return metadata._native
@@ -370,7 +372,7 @@ def _native_plan(metadata: AttentionMetadata, sliding_window: int | None, sinks:
         q_len = qsl[i + 1] - qsl[i]
         is_fresh = q_len > 1 and q_len == ctx
         # a float cache's long chunk after cached rows (a quantized cache's rows stay with the kernel)
-        is_chunk = CHUNK_SDPA_MIN_ROWS <= q_len < ctx and metadata.kv_cache_dtype is None
+        is_chunk = CHUNK_DENSE_MIN_ROWS <= q_len < ctx and metadata.kv_cache_dtype is None
         skip.append(1 if is_fresh or is_chunk else 0)
         if is_fresh:
             fresh.append((qsl[i], qsl[i + 1]))
@@ -428,7 +430,7 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The ``paged`` backend (CPU): shapes as ``paged_attention``; K/V are already in the cache.
 
-    A fresh prefill's SDPA takes its K/V as the cache holds them: for a quantized cache, its
+    A fresh prefill's dense attention takes its K/V as the cache holds them: for a quantized cache, its
     rows read back and dequantized (so it sees what the kernel, and a decode worker, would);
     for a latent cache, its values are the keys' first v_dim values."""
     num_tokens, num_heads, head_dim = query.shape
@@ -461,17 +463,43 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         kv_new = dequantize_rows(flat[:, metadata.slot_mapping], fmt, query.dtype)  # (slots, N, H_kv, D)
         key, value = kv_new[0], kv_new[-1][..., :v_dim]  # a latent row's value: its first v_dim values
     for begin, end in plan.fresh:  # causal attention over the sequence's own new K/V
-        out[begin:end] = _causal_sdpa(query[begin:end], key[begin:end], value[begin:end], num_rep, scale)
+        _causal_attention(out[begin:end], query[begin:end], key[begin:end], value[begin:end], num_rep, scale)
     for i, (begin, end, seq, seq_len) in enumerate(plan.chunks):  # new rows over the cached ones and their own
         blocks = metadata.block_tables[seq, :-(-seq_len // block_size)]
         k_all = kv_cache_layer[0].index_select(0, blocks).flatten(0, 1)[:seq_len]  # (L, H_kv, D)
         v_all = kv_cache_layer[-1].index_select(0, blocks).flatten(0, 1)[:seq_len, :, :v_dim]  # latent: its head
-        if plan.chunk_masks[i] is None:  # built once per forward: every layer's is the same
-            # row j (position seq_len - Q + j) sees keys 0 .. seq_len - Q + j: causal, shifted by the cached rows
-            plan.chunk_masks[i] = torch.ones(end - begin, seq_len, dtype=torch.bool,
-                                             device=query.device).tril(seq_len - (end - begin))
-        out[begin:end] = _causal_sdpa(query[begin:end], k_all, v_all, num_rep, scale, plan.chunk_masks[i])
+        # row j (position seq_len - Q + j) sees keys 0 .. seq_len - Q + j: causal, shifted by the cached rows
+        _causal_attention(out[begin:end], query[begin:end], k_all, v_all, num_rep, scale, plan.chunk_masks, i)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+def _causal_attention(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_rep: int,
+                      scale: float, masks: list[torch.Tensor | None] | None = None, index: int = 0) -> None:
+    """Causal attention of query rows [Q, H, D] over key [L, H_kv, D] / value [L, H_kv, V] (L >= Q; row j
+    sees keys 0 .. L - Q + j), written into ``out`` [Q, H, V] float32.
+
+    Float32 rows whose head dims are multiples of 16 go through ``prefill_attention.cpp`` (tiled,
+    online softmax: FlashAttention's scheme; 2x torch's flash SDPA on one core at 288-512 rows);
+    anything else, or no C++ compiler, through SDPA. For SDPA a chunk after cached rows (L > Q)
+    needs an explicit [Q, L] mask: it is kept in ``masks[index]`` and reused by later layers."""
+    num_q, num_heads, head_dim = query.shape
+    num_k, num_kv_heads, v_dim = value.shape
+    lib = load_prefill_attention() if query.dtype == key.dtype == value.dtype == torch.float32 and \
+        head_dim % 16 == 0 and v_dim % 16 == 0 and query.device.type == "cpu" else None
+    if lib is not None and query.stride(-1) == key.stride(-1) == value.stride(-1) == out.stride(-1) == 1:
+        with torch.profiler.record_function("pdserve::prefill_attention"):
+            rc = lib.pdserve_prefill_attention(
+                out.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(), num_q, num_k, num_heads,
+                num_kv_heads, head_dim, v_dim, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+                value.stride(0), value.stride(1), out.stride(0), out.stride(1), scale, torch.get_num_threads())
+        if rc == 0:
+            return
+    mask = None
+    if num_k > num_q:
+        if masks[index] is None:  # built once per forward: every layer's is the same
+            masks[index] = torch.ones(num_q, num_k, dtype=torch.bool, device=query.device).tril(num_k - num_q)
+        mask = masks[index]
+    out.copy_(_causal_sdpa(query, key, value, num_rep, scale, mask))
 
 
 def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_rep: int, scale: float,

@@ -1,6 +1,7 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and loaded with ctypes.
 
-``paged_attention.cpp`` (paged attention over the KV cache), ``int8_linear.cpp`` (weight-only
+``paged_attention.cpp`` (paged attention over the KV cache), ``prefill_attention.cpp`` (causal
+attention of prompt rows over their own keys), ``int8_linear.cpp`` (weight-only
 int8 matmul) and ``decode_linear.cpp`` (float32 / bfloat16 matmul for a few rows: decode steps) are plain C++ with a C ABI (no torch headers; both include ``vec8.h``, the shared
 8-lane vector helpers), so each builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), keyed by the source, the
@@ -134,3 +135,10 @@ def load_decode_linear() -> ctypes.CDLL | None:
     use torch's GEMM)."""
     return _load("decode_linear", [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int], "decode linear",
                  "decode matmuls run through torch's GEMM", functions=("pdserve_f32_linear", "pdserve_bf16_linear"))
+
+
+def load_prefill_attention() -> ctypes.CDLL | None:
+    """The compiled causal prefill-attention library (``prefill_attention.cpp``), or None where it
+    cannot be built here (logged once; prompts then attend with torch's SDPA)."""
+    return _load("prefill_attention", [_P, _P, _P, _P, *[_I64] * 14, ctypes.c_float, ctypes.c_int],
+                 "prefill attention", "prompt rows attend with torch's scaled_dot_product_attention")

@@ -110,29 +110,7 @@ inline float row_scale(const T* row, int64_t head_dim) {
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }  // memcpy: unaligned-safe, one vmovups
 typedef int32_t v8i32 __attribute__((vector_size(32)));
 
-// exp(x) for 8 floats: x = n*ln2 + r with |r| <= ln2/2, a degree-6 polynomial for exp(r), and 2^n
-// put straight into the exponent bits. Relative error about 2e-7 (float32 rounding); inputs below
-// -87 give 0, as softmax wants for scores far under the maximum.
-inline v8 exp8(v8 x) {
-  const v8 lo = v8{} - 87.0f, hi = v8{} + 88.0f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const v8 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + (v8{} + 0.5f) - (x < 0 ? v8{} + 1.0f : v8{}), v8i32), v8);
-  v8 r = x - n * 0.693359375f;  // ln2 in two parts, so n*ln2 is exact
-  r = r + n * 2.12194440e-4f;
-  v8 p = v8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  v8i32 bits = (__builtin_convertvector(n, v8i32) + 127) << 23;
-  v8 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  v8 y = p * scale;
-  return x <= lo ? v8{} : y;
-}
+inline v8 exp8(v8 x) { return pdserve_kernels::vexp<v8, v8i32>(x); }
 
 // The lanes of v added in one fixed tree; hsum8 adds eight vectors' lanes in the same tree, so a
 // score has the same bits whichever path computed it.

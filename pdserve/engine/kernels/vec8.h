@@ -1,4 +1,5 @@
-// 8-lane float32 vectors shared by the native kernels (paged_attention.cpp, int8_linear.cpp).
+// 8-lane float32 vectors and a vectorized exp shared by the native kernels (paged_attention.cpp,
+// int8_linear.cpp, prefill_attention.cpp).
 // GCC vector extensions, so -march=native compiles them to AVX2 (or wider) instructions; where a
 // conversion has no good generic form, AVX2 intrinsics do it, with a scalar fallback.
 #pragma once
@@ -26,6 +27,33 @@ inline v8 widen_i8_to_float(const void* p) {
   v8 v; for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(b[i]);
   return v;
 #endif
+}
+
+// exp(x) lane by lane for a float vector type V (8 or 16 lanes) and its int32 twin VI: x = n*ln2 + r
+// with |r| <= ln2/2, a degree-6 polynomial for exp(r), and 2^n put straight into the exponent bits.
+// Relative error about 2e-7 (float32 rounding); inputs below -87 (or -inf) give 0, as softmax wants
+// for scores far under the maximum.
+template <typename V, typename VI>
+inline V vexp(V x) {
+  const V lo = V{} - 87.0f, hi = V{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const V n = __builtin_convertvector(
+      __builtin_convertvector(x * 1.44269504088896341f + (V{} + 0.5f) - (x < 0 ? V{} + 1.0f : V{}), VI), V);
+  V r = x - n * 0.693359375f;  // ln2 in two parts, so n*ln2 is exact
+  r = r + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  V y = p * scale;
+  return x <= lo ? V{} : y;
 }
 
 }  // namespace pdserve_kernels
