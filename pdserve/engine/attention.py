@@ -440,11 +440,11 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             and metadata.seq_lens.is_contiguous() and metadata.query_start_loc.is_contiguous()):
         raise ValueError("the paged kernel reads the cache and the metadata as contiguous tensors")
     plan = _native_plan(metadata, sliding_window, sinks is not None)
-    q = query.to(torch.float32).contiguous()
     sink_rows = sinks.to(torch.float32).contiguous() if sinks is not None else None  # (H,)
-    out = q.new_empty(num_tokens, num_heads, v_dim)  # (N, H, V) float32
+    out = query.new_empty(num_tokens, num_heads, v_dim, dtype=torch.float32)  # (N, H, V)
     num_seqs = metadata.seq_lens.shape[0]
-    if len(plan.fresh) + len(plan.chunks) < num_seqs:
+    if len(plan.fresh) + len(plan.chunks) < num_seqs:  # some rows for the paged kernel
+        q = query.to(torch.float32).contiguous()
         tables, seq_lens, qsl = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
         with torch.profiler.record_function("pdserve::paged_attention"):
             rc = load_paged_attention().pdserve_paged_attention(

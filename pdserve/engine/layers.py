@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import decode_linear
+from pdserve.engine import decode_linear, elementwise
 from pdserve.engine.int8_linear import dequantize_int8, int8_linear_kernel, kernel_applies
 
 
@@ -232,6 +232,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (out := elementwise.rms_norm(x, self.weight, self.eps)) is not None:  # float32, eager: one pass
+            return out
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -242,6 +244,8 @@ class Float32ScaleRMSNorm(RMSNorm):
     (OLMo 2's and gpt-oss's order; Llama casts first). Same shapes as ``RMSNorm``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (out := elementwise.rms_norm(x, self.weight, self.eps)) is not None:  # all float32: the same order
+            return out
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * x32).to(x.dtype)
@@ -385,5 +389,7 @@ class SiluAndMul(nn.Module):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (out := elementwise.silu_and_mul(x)) is not None:  # float32, eager: one pass
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from pdserve.engine.elementwise import rope_rotate_half
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1 frequency rescaling: keep high frequencies, divide low ones by ``factor``,
@@ -212,20 +214,24 @@ class RotaryEmbedding(nn.Module):
             freqs = positions.float()[:, None] * self.inv_freq[None, :]  # (N, R/2)
         else:
             freqs = positions.float()[:, None] * self._token_inv_freq(positions, attn_metadata)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (N, 1, R)
-        cos, sin = emb.cos(), emb.sin()
+        cos_h, sin_h = freqs.cos(), freqs.sin()  # (N, R/2): one entry per frequency
         if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        cos, sin = cos.to(query.dtype), sin.to(query.dtype)
+            cos_h, sin_h = cos_h * self.attention_factor, sin_h * self.attention_factor
         if self.interleaved:
-            half = cos.shape[-1] // 2
-            return _rotate_interleaved(query, cos[..., :half], sin[..., :half]), \
-                _rotate_interleaved(key, cos[..., :half], sin[..., :half])
-        if self.partial:
-            r = self.rotary_dim
-            return (torch.cat((_rotate(query[..., :r], cos, sin), query[..., r:]), dim=-1),
-                    torch.cat((_rotate(key[..., :r], cos, sin), key[..., r:]), dim=-1))
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+            cos, sin = cos_h[:, None, :].to(query.dtype), sin_h[:, None, :].to(query.dtype)  # (N, 1, R/2)
+            return _rotate_interleaved(query, cos, sin), _rotate_interleaved(key, cos, sin)
+
+        def turn(x: torch.Tensor) -> torch.Tensor:
+            if (out := rope_rotate_half(x, cos_h, sin_h)) is not None:  # float32 on the CPU, eager: one pass
+                return out
+            cos = torch.cat((cos_h, cos_h), dim=-1)[:, None, :].to(x.dtype)  # (N, 1, R)
+            sin = torch.cat((sin_h, sin_h), dim=-1)[:, None, :].to(x.dtype)
+            if self.partial:
+                r = self.rotary_dim
+                return torch.cat((_rotate(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+            return _rotate(x, cos, sin)
+
+        return turn(query), turn(key)
 
 
 def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

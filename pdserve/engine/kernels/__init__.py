@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C++ compiler and loaded with ctypes.
 
 ``paged_attention.cpp`` (paged attention over the KV cache), ``prefill_attention.cpp`` (causal
-attention of prompt rows over their own keys), ``int8_linear.cpp`` (weight-only
+attention of prompt rows over their own keys), ``elementwise.cpp`` (RMSNorm, SwiGLU and rotary
+embedding in one pass each, for eager forwards), ``int8_linear.cpp`` (weight-only
 int8 matmul) and ``decode_linear.cpp`` (float32 / bfloat16 matmul for a few rows: decode steps) are plain C++ with a C ABI (no torch headers; both include ``vec8.h``, the shared
 8-lane vector helpers), so each builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), keyed by the source, the
@@ -81,11 +82,12 @@ def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
     return target
 
 
-def _load(name: str, argtypes: list, what: str, fallback: str,
+def _load(name: str, argtypes: list | dict[str, list], what: str, fallback: str,
           functions: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
     """Library ``name`` (built from ``name``.cpp; its C functions ``functions``, default
-    ``(pdserve_<name>,)``, each return an int and take ``argtypes``), or None where it cannot be
-    built here (logged once: ``what`` could not be built, ``fallback`` runs instead)."""
+    ``(pdserve_<name>,)``, each return an int and take ``argtypes``, or ``argtypes[function]`` when
+    it is a dict), or None where it cannot be built here (logged once: ``what`` could not be built,
+    ``fallback`` runs instead)."""
     with _lock:
         if name in _loaded:
             return _loaded[name]
@@ -101,7 +103,7 @@ def _load(name: str, argtypes: list, what: str, fallback: str,
                 for function in functions or (f"pdserve_{name}",):
                     fn = getattr(lib, function)
                     fn.restype = ctypes.c_int
-                    fn.argtypes = argtypes
+                    fn.argtypes = argtypes[function] if isinstance(argtypes, dict) else argtypes
             except (OSError, subprocess.SubprocessError, AttributeError) as e:
                 detail = getattr(e, "stderr", "") or ""
                 logger.warning("could not build the %s kernel (%s%s): %s", what, e,
@@ -142,3 +144,18 @@ def load_prefill_attention() -> ctypes.CDLL | None:
     cannot be built here (logged once; prompts then attend with torch's SDPA)."""
     return _load("prefill_attention", [_P, _P, _P, _P, *[_I64] * 14, ctypes.c_float, ctypes.c_int],
                  "prefill attention", "prompt rows attend with torch's scaled_dot_product_attention")
+
+
+_ELEMENTWISE_ARGS = {
+    "pdserve_silu_and_mul": [_P, _P, _I64, _I64, _I64, _I64, ctypes.c_int],
+    "pdserve_rms_norm": [_P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int],
+    "pdserve_rope_rotate_half": [_P, _P, _P, _P, *[_I64] * 7, ctypes.c_int],
+}
+
+
+def load_elementwise() -> ctypes.CDLL | None:
+    """The compiled elementwise library (``elementwise.cpp``: ``pdserve_silu_and_mul``,
+    ``pdserve_rms_norm``, ``pdserve_rope_rotate_half``), or None where it cannot be built here
+    (logged once; those layers then run as torch operators)."""
+    return _load("elementwise", _ELEMENTWISE_ARGS, "elementwise", "RMSNorm, SwiGLU and RoPE run as torch operators",
+                 functions=tuple(_ELEMENTWISE_ARGS))
