@@ -221,6 +221,49 @@ def test_remote_kv_then_done_and_done_then_kv_both_decode_exactly(llm, peers, de
     assert all_blocks_free(decode_worker)
 
 
+def push(addr: str, msg) -> None:
+    """Send ``msg`` to a mailbox over ZMQ, as a prefill worker would (its mailbox threads see it first)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.connect(addr)
+    sock.send_multipart(encode(msg))
+    sock.close(linger=2000)
+    ctx.term()
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_first_token_leaves_when_its_kv_is_verified_not_at_the_next_step(llm, peers, decode_worker, good):
+    """The piece and the done message arrive while the step loop is busy (not driven here): the first token
+    reaches the router from the mailbox's threads (``FirstTokenWatch``), with the workers' stamps; the
+    step loop then installs the KV and sends the rest, never that token twice. A checksum that does not
+    match sends nothing early: the step loop fails the transfer over and recomputes, as before."""
+    router, prefill = peers
+    ids = prompt_ids(llm, "early tokens travel while the step runs")
+    rid = f"early-{good}"
+    ask = park(decode_worker, prefill, generate(rid, ids, prefill))
+    kv, first, _ = reference_prefill(llm, ids, GREEDY)
+    decode_worker.handle(header(rid, kv, ask))
+    decode_worker.step()  # the header reaches the rank's agent (the lane may now receive the piece)
+    got = received(rid, kv)
+    if not good:
+        got.checksum ^= 1
+    arrive(decode_worker, got)
+    push(decode_worker.mailbox.address, done(rid, kv, first))
+    if good:
+        early = router.wait_for(RequestOutputs)
+        assert [d.new_token_ids for m in early for d in m.deltas] == [[first]]
+        timing = early[0].deltas[0].timing
+        assert timing is not None and timing.kv_installed >= timing.remote_prefill_sent
+    else:
+        router.poll(0.5)
+        assert router.tokens(rid) == []
+    drive(decode_worker, lambda: router.finished(rid) is not None)
+    assert router.tokens(rid) == greedy_reference(llm, ids)
+    assert sum(d.timing is not None for d in router.deltas(rid)) == 1  # the stamps go once
+    assert decode_worker.stats.kv_transfer_failures == (0 if good else 1)
+    assert all_blocks_free(decode_worker) and not decode_worker.first_tokens._watched
+
+
 @pytest.mark.parametrize("decode_worker", [{"prefill_failure_policy": "fail"}], indirect=True)
 def test_policy_fail_fails_the_request_with_503_and_frees_its_blocks(llm, peers, decode_worker):
     router, prefill = peers

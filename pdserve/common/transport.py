@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgspec
 import zmq
@@ -98,6 +98,9 @@ class Mailbox:
     ``get(timeout)`` returns the next decoded message or None on timeout.
     ``put(addr, msg)`` queues ``msg`` for the peer at ``addr``; messages to one
     peer keep their order. Malformed inbound frames are logged and dropped.
+    ``tap``, when set, sees every inbound message (``inject``'s too) on the thread
+    that receives it, before it is queued: for work that must not wait for the step
+    loop (``pdserve.decode_worker.first_token``). It must be quick and thread-safe.
     """
 
     _POLL_MS = 100
@@ -116,6 +119,7 @@ class Mailbox:
             raise
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
+        self.tap: Callable[[object], None] | None = None
         # peers whose connection is watched (a worker: its routers) -> down since (None: connected)
         self._down_since: dict[str, float | None] = {}
         for addr in [watch] if isinstance(watch, str) else watch or []:
@@ -154,6 +158,15 @@ class Mailbox:
 
     def inject(self, msg) -> None:
         """Queue a message (or any event object) for the step loop from this process."""
+        self._deliver(msg)
+
+    def _deliver(self, msg) -> None:
+        """Show ``msg`` to ``tap`` (its errors logged, never raised here), then queue it for the step loop."""
+        if self.tap is not None:
+            try:
+                self.tap(msg)
+            except Exception:  # noqa: BLE001  the message still reaches the step loop
+                logger.exception("mailbox tap failed on %s", type(msg).__name__)
         self._inbox.put(msg)
 
     def close(self) -> None:
@@ -173,7 +186,7 @@ class Mailbox:
                 continue
             frames = self._pull.recv_multipart()
             try:
-                self._inbox.put(decode(frames))
+                self._deliver(decode(frames))
             except ProtocolError as e:
                 logger.warning("dropping malformed message: %s", e)
 

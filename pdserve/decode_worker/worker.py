@@ -41,6 +41,7 @@ from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.kv_cache_manager import NULL_BLOCK
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.common.sharding import KVPiece
+from pdserve.decode_worker.first_token import FirstTokenWatch, watchable
 from pdserve.engine.worker_base import WorkerBase, error_delta, rejection_delta, stamp_prefill
 from pdserve.kvtransfer.agent import check_kv_dtype, layout_spec, pieces_for
 from pdserve.kvtransfer.wire import dtype_name
@@ -79,6 +80,9 @@ class DecodeWorker(WorkerBase):
         # Stamps of each request still on its way to its first token (router request_id); they leave with
         # its first delta. Migrated requests (resume) are not timed.
         self.timings: dict[str, RequestTiming] = {}
+        # first tokens sent from the mailbox's threads once their KV is verified, not after the step in flight
+        self.first_tokens = FirstTokenWatch(self.worker_id, self.mailbox.put)
+        self.mailbox.tap = self.first_tokens.observe
 
     def registration(self, router_addr: str | None = None) -> RegisterWorker:
         reg = super().registration(router_addr)
@@ -175,6 +179,7 @@ class DecodeWorker(WorkerBase):
     def _abort(self, request_id: str) -> None:
         """Drop a request (the router asked, or is gone), freeing its blocks; tell its prefill worker."""
         state = self.remote.pop(request_id, None)
+        self.first_tokens.forget(request_id)
         if state is not None:
             self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
             self._ops.drops.append(request_id)  # pieces still arriving are dropped by their ranks
@@ -188,8 +193,13 @@ class DecodeWorker(WorkerBase):
         self._ops.headers.append(header)  # received even when unwanted: the pair's stream must stay in order
         if state is None:  # aborted or failed over: the piece is received and dropped
             self._ops.drops.append(header.request_id)
-        elif (error := self._check_header(header, state)) is not None:
-            self._remote_failed(header.request_id, error, reset_pair=True)
+        else:
+            error = self._check_header(header, state)
+            # recorded before the lane may receive the piece (the flush below hands it the header)
+            self.first_tokens.header_checked(header.request_id, (header.prefill_rank, header.decode_rank),
+                                             error is None)
+            if error is not None:
+                self._remote_failed(header.request_id, error, reset_pair=True)
         self._flush_ops()
 
     def _check_header(self, header: KVTransferHeader, state: _RemotePrefill) -> str | None:
@@ -242,6 +252,13 @@ class DecodeWorker(WorkerBase):
         state.deadline = state.sent_at + self.config.remote_prefill_timeout_s
         first_block = self._first_sent_block(request)
         state.pair_generation = self._open_lanes(state.prefill_worker_id, state.prefill_layout)
+        timing = self.timings.get(request.request_id)
+        if timing is not None:
+            timing.remote_prefill_sent = time.time()
+        if watchable(request.sampling_params):  # before the request goes: no piece of it can arrive sooner
+            self.first_tokens.expect(request.request_id, self.request_router.get(request.request_id) or
+                                     self.router_of(None), [(p.prefill_rank, p.decode_rank) for p in state.pieces],
+                                     request.num_prompt_tokens, request.num_cached_tokens, timing)
         self.mailbox.put(state.prefill_addr, RemotePrefillRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, lora=request.lora, decode_worker_id=self.worker_id,
@@ -251,9 +268,6 @@ class DecodeWorker(WorkerBase):
             num_cached_tokens=request.num_cached_tokens, first_block=first_block, decode_layout=self.kv_layout,
             layer_first_blocks=self._layer_first_blocks(request),
             router_addr=self.request_router.get(request.request_id)))
-        timing = self.timings.get(request.request_id)
-        if timing is not None:
-            timing.remote_prefill_sent = time.time()
 
     def _remote_progress(self, request_id: str, report: RankReport | None = None,
                          done: RemotePrefillDone | None = None) -> None:
@@ -295,8 +309,11 @@ class DecodeWorker(WorkerBase):
         self.stats.kv_transfer_seconds += time.monotonic() - state.sent_at
         output = self.core.remote_kv_arrived(request_id, state.done.first_token_id, state.done.first_logprob,
                                              state.done.prompt_logprobs)
+        sent_early = self.first_tokens.claim(request_id)
+        if sent_early:
+            self.timings.pop(request_id, None)  # they went with the token
         if output is not None:
-            self._emit(output)
+            self._emit(output, first_token_sent=sent_early)
 
     def _check_sums(self, request_id: str, state: _RemotePrefill) -> str | None:
         """What each rank received against what each sender says it sent."""
@@ -318,6 +335,7 @@ class DecodeWorker(WorkerBase):
         state = self.remote.pop(request_id, None)
         if state is None:
             return
+        self.first_tokens.forget(request_id)
         self.stats.kv_transfer_failures += 1
         self._ops.drops.append(request_id)
         if reset_pair and state.pair_generation is not None:
@@ -337,7 +355,9 @@ class DecodeWorker(WorkerBase):
             self._deltas.append(error_delta(request_id, reason, ErrorKind.UNAVAILABLE))
 
     def periodic(self, now: float) -> None:
-        expired = [rid for rid, s in self.remote.items() if s.deadline is not None and now > s.deadline]
+        # a request whose first token went out early has everything it waits for in the inbox
+        expired = [rid for rid, s in self.remote.items() if s.deadline is not None and now > s.deadline
+                   and self.first_tokens.withdraw(rid)]
         for request_id in expired:
             self._remote_failed(request_id, f"no KV from the prefill worker within "
                                             f"{self.config.remote_prefill_timeout_s:.0f} s", reset_pair=True)
@@ -388,12 +408,17 @@ class DecodeWorker(WorkerBase):
             self._deltas.append(error_delta(group_id, f"the forward pass failed: {type(error).__name__}: {error}",
                                             ErrorKind.INTERNAL))
 
-    def _emit(self, output: EngineCoreOutput) -> None:
+    def _emit(self, output: EngineCoreOutput, first_token_sent: bool = False) -> None:
+        """Queue ``output`` as a delta for its router. ``first_token_sent``: its first token already went
+        (``FirstTokenWatch``): the delta carries the rest, or only the finish, or is not needed."""
         request, finished = output.request, output.finished
         if finished is not None:  # a request routed to a prefill worker but prefilled here leaves its entry
             self.remote.pop(request.group_id, None)
+        new_token_ids = output.new_token_ids[1:] if first_token_sent else output.new_token_ids
+        if first_token_sent and not new_token_ids and finished is None:
+            return
         self._deltas.append(RequestDelta(
-            request_id=request.group_id, new_token_ids=output.new_token_ids,
+            request_id=request.group_id, new_token_ids=new_token_ids,
             finish_reason=finished.finish_reason() if finished else None,
             num_prompt_tokens=request.num_prompt_tokens, index=request.sample_index, logprobs=output.logprobs,
             num_cached_tokens=request.num_cached_tokens, prompt_logprobs=output.prompt_logprobs,
