@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.attention import (AttentionMetadata, _causal_attention, _native_plan, paged_attention,
-                                      select_backend)
+from pdserve.engine.attention import AttentionMetadata, _native_plan, paged_attention, select_backend
 from pdserve.engine.kernels import load_paged_attention, load_prefill_attention
+from pdserve.engine.prefill_attention import causal_attention
 
 pytestmark = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: the native kernel is off")
 
@@ -245,7 +245,7 @@ def test_prefill_kernel_matches_dense_attention(num_q, num_k, heads, head_dim, v
     for threads in (1, 2):
         out = torch.full((num_q, num_heads, v_dim), float("nan"))
         with _threads(threads):
-            _causal_attention(out, q, key, value, num_heads // num_kv_heads, head_dim**-0.5, [None])
+            causal_attention(out, q, key, value, num_heads // num_kv_heads, head_dim**-0.5, [None])
         outs.append(out)
     torch.testing.assert_close(outs[0], _dense_causal(q, key, value, head_dim**-0.5), atol=2e-5, rtol=2e-5)
     assert torch.equal(outs[0], outs[1])
@@ -259,7 +259,7 @@ def test_prefill_attention_falls_back_to_sdpa():
         q, key, value = (torch.randn(9, 4, head_dim), torch.randn(20, 2, head_dim), torch.randn(20, 2, head_dim))
         masks: list[torch.Tensor | None] = [None]
         out = torch.empty(9, 4, head_dim)
-        _causal_attention(out, q.to(dtype), key.to(dtype), value.to(dtype), 2, 0.3, masks)
+        causal_attention(out, q.to(dtype), key.to(dtype), value.to(dtype), 2, 0.3, masks)
         want = _dense_causal(q.to(dtype).float(), key.to(dtype).float(), value.to(dtype).float(), 0.3)
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(out, want, atol=tol, rtol=tol)

@@ -30,8 +30,9 @@ Two backends compute the same thing:
 * ``paged`` (CPU): a small native kernel (``pdserve/engine/kernels/paged_attention.cpp``)
   reads each sequence's K/V straight from the cache through its block table: no gather,
   no zero-fill, no padding. A sequence prefilled from scratch in this step (no cached
-  tokens) instead attends over its own new K/V with ``scaled_dot_product_attention``
-  (causal, flash kernel), which needs no cache read at all.
+  tokens) instead attends over its own new K/V, and a long prefill chunk over its gathered
+  cache, with a tiled causal kernel (``pdserve.engine.prefill_attention``), which reads no
+  block table at all.
 * ``reference``: gathers each sequence's context through its block table and runs one
   padded, masked ``scaled_dot_product_attention``, in plain torch ops on any device. The
   tests check the paged backend against it.
@@ -45,7 +46,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.kernels import KV_DTYPE_CODES, load_paged_attention, load_prefill_attention
+from pdserve.engine.kernels import KV_DTYPE_CODES, load_paged_attention
+from pdserve.engine.prefill_attention import causal_attention
 from pdserve.common.kv_quant import dequantize_rows, kv_cache_format, quantize_rows
 
 
@@ -328,7 +330,7 @@ def select_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype 
     return "paged" if usable else "reference"
 
 
-CHUNK_DENSE_MIN_ROWS = 16  # a prefill chunk with this many new rows after cached ones: _causal_attention
+CHUNK_DENSE_MIN_ROWS = 16  # a prefill chunk with this many new rows after cached ones: causal_attention
 
 
 @dataclass
@@ -336,11 +338,11 @@ class _NativePlan:
     """Host-side facts of one forward for the native kernel, computed once and shared by all layers.
 
     fresh: (begin, end) query-row ranges of sequences prefilled from scratch this step (no
-    cached tokens, several new ones): these attend over their own new K/V (``_causal_attention``).
+    cached tokens, several new ones): these attend over their own new K/V (``prefill_attention.causal_attention``).
     chunks: (begin, end, seq, seq_len) of sequences whose ``end - begin >= CHUNK_DENSE_MIN_ROWS`` new
     rows follow cached ones (a prefill chunk after the first, or after prefix-cache hits): their K/V
     are gathered from the cache and they attend causally, shifted by the cached length
-    (``_causal_attention``; with SDPA already 1.3-2x the paged kernel's speed at 244-512 rows over
+    (``prefill_attention.causal_attention``; with SDPA already 1.3-2x the paged kernel's speed at 244-512 rows over
     500-1,900 tokens of context).
     skip: [num_seqs] uint8, 1 for all those sequences (the kernel leaves their rows), or None."""
 
@@ -463,56 +465,14 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         kv_new = dequantize_rows(flat[:, metadata.slot_mapping], fmt, query.dtype)  # (slots, N, H_kv, D)
         key, value = kv_new[0], kv_new[-1][..., :v_dim]  # a latent row's value: its first v_dim values
     for begin, end in plan.fresh:  # causal attention over the sequence's own new K/V
-        _causal_attention(out[begin:end], query[begin:end], key[begin:end], value[begin:end], num_rep, scale)
+        causal_attention(out[begin:end], query[begin:end], key[begin:end], value[begin:end], num_rep, scale)
     for i, (begin, end, seq, seq_len) in enumerate(plan.chunks):  # new rows over the cached ones and their own
         blocks = metadata.block_tables[seq, :-(-seq_len // block_size)]
         k_all = kv_cache_layer[0].index_select(0, blocks).flatten(0, 1)[:seq_len]  # (L, H_kv, D)
         v_all = kv_cache_layer[-1].index_select(0, blocks).flatten(0, 1)[:seq_len, :, :v_dim]  # latent: its head
         # row j (position seq_len - Q + j) sees keys 0 .. seq_len - Q + j: causal, shifted by the cached rows
-        _causal_attention(out[begin:end], query[begin:end], k_all, v_all, num_rep, scale, plan.chunk_masks, i)
+        causal_attention(out[begin:end], query[begin:end], k_all, v_all, num_rep, scale, plan.chunk_masks, i)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
-
-
-def _causal_attention(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_rep: int,
-                      scale: float, masks: list[torch.Tensor | None] | None = None, index: int = 0) -> None:
-    """Causal attention of query rows [Q, H, D] over key [L, H_kv, D] / value [L, H_kv, V] (L >= Q; row j
-    sees keys 0 .. L - Q + j), written into ``out`` [Q, H, V] float32.
-
-    Float32 rows whose head dims are multiples of 16 go through ``prefill_attention.cpp`` (tiled,
-    online softmax: FlashAttention's scheme; 2x torch's flash SDPA on one core at 288-512 rows);
-    anything else, or no C++ compiler, through SDPA. For SDPA a chunk after cached rows (L > Q)
-    needs an explicit [Q, L] mask: it is kept in ``masks[index]`` and reused by later layers."""
-    num_q, num_heads, head_dim = query.shape
-    num_k, num_kv_heads, v_dim = value.shape
-    lib = load_prefill_attention() if query.dtype == key.dtype == value.dtype == torch.float32 and \
-        head_dim % 16 == 0 and v_dim % 16 == 0 and query.device.type == "cpu" else None
-    if lib is not None and query.stride(-1) == key.stride(-1) == value.stride(-1) == out.stride(-1) == 1:
-        with torch.profiler.record_function("pdserve::prefill_attention"):
-            rc = lib.pdserve_prefill_attention(
-                out.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(), num_q, num_k, num_heads,
-                num_kv_heads, head_dim, v_dim, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-                value.stride(0), value.stride(1), out.stride(0), out.stride(1), scale, torch.get_num_threads())
-        if rc == 0:
-            return
-    mask = None
-    if num_k > num_q:
-        if masks[index] is None:  # built once per forward: every layer's is the same
-            masks[index] = torch.ones(num_q, num_k, dtype=torch.bool, device=query.device).tril(num_k - num_q)
-        mask = masks[index]
-    out.copy_(_causal_sdpa(query, key, value, num_rep, scale, mask))
-
-
-def _causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_rep: int, scale: float,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA of query rows [Q, H, D] over key [L, H_kv, D] / value [L, H_kv, V] -> [Q, H, V]: causal
-    (``mask`` None, Q == L), or under ``mask`` [Q, L] (True: attend). Inputs are 4-D with the KV heads
-    repeated: that is what reaches torch's flash kernel on CPU (3-D inputs or ``enable_gqa`` fall
-    back to the math path, 3-4x slower on a 512-token prompt)."""
-    q_s = query.transpose(0, 1)[None]  # (1, H, Q, D)
-    k_s = key.transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]  # (1, H, L, D)
-    v_s = value.transpose(0, 1).to(query.dtype).repeat_interleave(num_rep, 0)[None]
-    o_s = F.scaled_dot_product_attention(q_s, k_s, v_s, attn_mask=mask, is_causal=mask is None, scale=scale)
-    return o_s[0].transpose(0, 1)  # (Q, H, V)
 
 
 def _kernel_dtype_code(kv_cache_layer: torch.Tensor, metadata: AttentionMetadata) -> int:
