@@ -162,6 +162,13 @@ def done(request_id: str, kv: torch.Tensor, first_token: int, **kw) -> RemotePre
                                  prefill_rank=0, decode_rank=0, num_bytes=r.num_bytes, checksum=r.checksum)], **kw)
 
 
+def deliver(worker: DecodeWorker, msg) -> None:
+    """``msg`` reaches the worker as through its mailbox: its receiving thread's tap sees it first (a
+    header goes to its lane there), then the step loop handles it."""
+    worker.mailbox.inject(msg)
+    worker.drain_inbox()
+
+
 def arrive(worker: DecodeWorker, result: ReceivedKV) -> None:
     """A piece arrives: the decode rank's lane would call its agent exactly so."""
     worker.runner.kv_agent.received(result)
@@ -205,7 +212,7 @@ def test_remote_kv_then_done_and_done_then_kv_both_decode_exactly(llm, peers, de
         ask = park(decode_worker, prefill, generate(rid, ids, prefill))
         assert ask.dest_block_ids and ask.num_cached_tokens == 0
         kv, first, _ = reference_prefill(llm, ids, GREEDY)
-        decode_worker.handle(header(rid, kv, ask))
+        deliver(decode_worker, header(rid, kv, ask))
         decode_worker.step()  # the header reaches the rank's agent
         if order == "kv first":
             arrive(decode_worker, received(rid, kv))
@@ -242,7 +249,7 @@ def test_first_token_leaves_when_its_kv_is_verified_not_at_the_next_step(llm, pe
     rid = f"early-{good}"
     ask = park(decode_worker, prefill, generate(rid, ids, prefill))
     kv, first, _ = reference_prefill(llm, ids, GREEDY)
-    decode_worker.handle(header(rid, kv, ask))
+    deliver(decode_worker, header(rid, kv, ask))
     decode_worker.step()  # the header reaches the rank's agent (the lane may now receive the piece)
     got = received(rid, kv)
     if not good:
@@ -285,14 +292,14 @@ def test_checksum_or_shape_mismatch_resets_the_pair_and_recomputes(llm, peers, d
     ask = park(decode_worker, prefill, generate("r", ids, prefill))
     kv, first, _ = reference_prefill(llm, ids, GREEDY)
     if bad == "checksum":
-        decode_worker.handle(header("r", kv, ask))
+        deliver(decode_worker, header("r", kv, ask))
         decode_worker.step()
         corrupted = kv.clone()
         corrupted[0, 0, 0, 0, 0, 0] += 1.0
         arrive(decode_worker, received("r", corrupted))
         decode_worker.handle(done("r", kv, first))
     else:  # a header one block short: caught before any byte is installed
-        decode_worker.handle(header("r", kv[:, :, :-1], ask))
+        deliver(decode_worker, header("r", kv[:, :, :-1], ask))
     drive(decode_worker, lambda: router.finished("r") is not None)
     assert router.tokens("r") == greedy_reference(llm, ids)  # recomputed here, exactly
     assert decode_worker.stats.kv_transfer_failures == 1 and decode_worker.stats.num_kv_transfers == 0

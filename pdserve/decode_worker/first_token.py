@@ -4,10 +4,13 @@ The decode worker's step loop handles its inbox between steps. A request whose l
 ``RemotePrefillDone`` arrive while a step is in flight used to wait for that step's end (a decode
 step, or a whole local prefill) before its first token went back: at 1 req/s that wait was most of
 the ``kv_transfer`` hop (p50 10 ms, mean 26 ms, issue 23). ``FirstTokenWatch`` sees the same
-messages on the mailbox's threads as they arrive (``Mailbox.tap``): the rank reports that a piece
-was received (bytes, checksum) and the prefill worker's done message (first token, per-piece sums).
-When every piece's header passed the step loop's checks and every piece's sums match, it sends
-the first token to the request's router at once. The step loop still installs the KV and admits
+messages on the mailbox's threads as they arrive (``Mailbox.tap``): each piece's header, the rank
+reports that a piece was received (bytes, checksum) and the prefill worker's done message (first
+token, per-piece sums). When every piece's header says what the step loop's check wants (worked out
+when the request was sent to the prefill worker: its blocks do not change while it waits) and every
+piece's sums match, it sends the first token to the request's router at once. (A single-rank
+decode worker also hands each header to its lane from the tap, so a piece is received while a step
+runs; a multi-rank one hands headers to its ranks between steps.) The step loop still installs the KV and admits
 the request at its next step, as before, and leaves the first token out of that delta
 (``claim``). Splitwise and DistServe likewise stream the token the prompt phase sampled while the
 KV is on its way.
@@ -29,8 +32,15 @@ from collections.abc import Callable
 
 import msgspec
 
-from pdserve.common.protocol import (RankReport, RankReportKind, RemotePrefillDone, RequestDelta, RequestOutputs,
-                                     RequestTiming, SamplingParams)
+from pdserve.common.protocol import (KVTransferHeader, RankReport, RankReportKind, RemotePrefillDone, RequestDelta,
+                                     RequestOutputs, RequestTiming, SamplingParams)
+
+
+def header_fields(header: KVTransferHeader) -> tuple:
+    """What a decode worker checks in a piece's header against the request it names: layers, KV heads,
+    blocks, blocks per layer, block size, head dim, dtype, KV slots (``DecodeWorker._wanted_header``)."""
+    return (header.first_layer, header.num_layers, header.first_kv_head, header.num_kv_heads, header.num_blocks,
+            header.layer_num_blocks, header.block_size, header.head_dim, header.dtype, header.kv_slots)
 
 
 def watchable(params: SamplingParams) -> bool:
@@ -42,7 +52,7 @@ def watchable(params: SamplingParams) -> bool:
 @dataclasses.dataclass
 class _Watched:
     router_addr: str
-    pieces: set[tuple[int, int]]  # (prefill rank, decode rank) of every piece the request receives
+    headers: dict[tuple[int, int], tuple]  # (prefill rank, decode rank) of every piece -> its header_fields
     num_prompt_tokens: int
     num_cached_tokens: int
     timing: RequestTiming | None
@@ -66,25 +76,23 @@ class FirstTokenWatch:
         self._lock = threading.Lock()
         self._watched: dict[str, _Watched] = {}
 
-    def expect(self, request_id: str, router_addr: str, pieces: list[tuple[int, int]], num_prompt_tokens: int,
+    def expect(self, request_id: str, router_addr: str, headers: dict[tuple[int, int], tuple], num_prompt_tokens: int,
                num_cached_tokens: int, timing: RequestTiming | None) -> None:
         """Watch ``request_id``, whose RemotePrefillRequest is about to be sent (so no piece of it has
-        arrived yet). ``timing``: its stamps so far (a copy is sent with the token)."""
-        entry = _Watched(router_addr, set(pieces), num_prompt_tokens, num_cached_tokens,
+        arrived yet). ``headers``: for each piece (prefill rank, decode rank), the ``header_fields`` its
+        header must have (the step loop's own check); ``timing``: its stamps so far (a copy is sent
+        with the token)."""
+        entry = _Watched(router_addr, dict(headers), num_prompt_tokens, num_cached_tokens,
                          msgspec.structs.replace(timing) if timing is not None else None)
         with self._lock:
             self._watched[request_id] = entry
 
-    def header_checked(self, request_id: str, piece: tuple[int, int], ok: bool) -> None:
-        """The step loop checked a piece's header (before its lane may receive it)."""
-        with self._lock:
-            entry = self._watched.get(request_id)
-            if entry is not None:
-                entry.headers_ok.add(piece) if ok else setattr(entry, "spoiled", True)
-
     def observe(self, msg) -> None:
-        """A message on its way to the inbox (mailbox threads): a piece received, or the done message."""
-        if isinstance(msg, RankReport):
+        """A message on its way to the inbox (mailbox threads): a piece's header, the piece received, or
+        the done message."""
+        if isinstance(msg, KVTransferHeader):
+            request_id, piece = msg.request_id, (msg.prefill_rank, msg.decode_rank)
+        elif isinstance(msg, RankReport):
             if msg.kind != RankReportKind.RECEIVED or msg.request_id is None:
                 return
             request_id, piece = msg.request_id, (int(msg.peer.rpartition("#")[2]), msg.rank)
@@ -96,26 +104,37 @@ class FirstTokenWatch:
             entry = self._watched.get(request_id)
             if entry is None or entry.sent or entry.spoiled:
                 return
-            if isinstance(msg, RemotePrefillDone):
+            if isinstance(msg, KVTransferHeader):
+                if entry.headers.get(piece) == header_fields(msg):
+                    entry.headers_ok.add(piece)
+                else:  # the step loop's own check fails it over
+                    entry.spoiled = True
+            elif isinstance(msg, RemotePrefillDone):
                 entry.done = msg
                 entry.spoiled = msg.error is not None or msg.first_token_id is None
             elif msg.error is not None:
                 entry.spoiled = True
             else:
                 entry.received[piece] = (msg.num_bytes, msg.checksum)
-            if entry.spoiled or not self._complete(entry):
+            if not self._ready(entry):
                 return
-            entry.sent = True
         self._send_first_token(request_id, entry)
+
+    def _ready(self, entry: _Watched) -> bool:
+        """Under the lock: whether ``entry``'s token goes now (then it is marked sent)."""
+        if entry.spoiled or not self._complete(entry):
+            return False
+        entry.sent = True
+        return True
 
     @staticmethod
     def _complete(entry: _Watched) -> bool:
         """Every piece's header checked and piece received, the done message in, and the sums agree
         (else the entry is spoiled and the step loop fails the transfer as before)."""
-        if entry.done is None or entry.headers_ok != entry.pieces or set(entry.received) != entry.pieces:
+        if entry.done is None or entry.headers_ok != set(entry.headers) or set(entry.received) != set(entry.headers):
             return False
         sent = {(s.prefill_rank, s.decode_rank): (s.num_bytes, s.checksum) for s in entry.done.pieces}
-        if any(sent.get(piece) != got for piece, got in entry.received.items()):
+        if any(sent.get(piece) != got for piece, got in entry.received.items()):  # (the step loop says why)
             entry.spoiled = True
             return False
         return True

@@ -41,7 +41,7 @@ from pdserve.engine.outputs import EngineCoreOutput
 from pdserve.engine.kv_cache_manager import NULL_BLOCK
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.common.sharding import KVPiece
-from pdserve.decode_worker.first_token import FirstTokenWatch, watchable
+from pdserve.decode_worker.first_token import FirstTokenWatch, header_fields, watchable
 from pdserve.engine.worker_base import WorkerBase, error_delta, rejection_delta, stamp_prefill
 from pdserve.kvtransfer.agent import check_kv_dtype, layout_spec, pieces_for
 from pdserve.kvtransfer.wire import dtype_name
@@ -82,7 +82,9 @@ class DecodeWorker(WorkerBase):
         self.timings: dict[str, RequestTiming] = {}
         # first tokens sent from the mailbox's threads once their KV is verified, not after the step in flight
         self.first_tokens = FirstTokenWatch(self.worker_id, self.mailbox.put)
-        self.mailbox.tap = self.first_tokens.observe
+        # one rank: a piece's header goes to its lane as it arrives (a step in flight need not end first)
+        self._early_headers = self.core.world_size == 1
+        self.mailbox.tap = self._tap
 
     def registration(self, router_addr: str | None = None) -> RegisterWorker:
         reg = super().registration(router_addr)
@@ -109,6 +111,13 @@ class DecodeWorker(WorkerBase):
             self._warm_pair(msg)
         else:
             logger.warning("decode worker ignores %s", type(msg).__name__)
+
+    def _tap(self, msg) -> None:
+        """Every inbound message, on the mailbox thread that received it (``Mailbox.tap``): headers to the
+        lane (one rank), and what ``FirstTokenWatch`` waits for. Thread-safe: the agent and the watch lock."""
+        if self._early_headers and isinstance(msg, KVTransferHeader):
+            self.runner.kv_agent.submit(msg)
+        self.first_tokens.observe(msg)
 
     def _open_lanes(self, prefill_worker_id: str, prefill_layout: KVLayout | None) -> int:
         """Open our ranks' lanes for ``prefill_worker_id`` at its current pair generation (once); returns it."""
@@ -190,16 +199,12 @@ class DecodeWorker(WorkerBase):
         """Check a piece's header against the request and this worker's layout; hand it to its rank now
         (the sender's layers wait for the receive), not at the next step."""
         state = self.remote.get(header.request_id)
-        self._ops.headers.append(header)  # received even when unwanted: the pair's stream must stay in order
+        if not self._early_headers:  # (else the tap handed it to the lane already)
+            self._ops.headers.append(header)  # received even when unwanted: the pair's stream must stay in order
         if state is None:  # aborted or failed over: the piece is received and dropped
             self._ops.drops.append(header.request_id)
-        else:
-            error = self._check_header(header, state)
-            # recorded before the lane may receive the piece (the flush below hands it the header)
-            self.first_tokens.header_checked(header.request_id, (header.prefill_rank, header.decode_rank),
-                                             error is None)
-            if error is not None:
-                self._remote_failed(header.request_id, error, reset_pair=True)
+        elif (error := self._check_header(header, state)) is not None:
+            self._remote_failed(header.request_id, error, reset_pair=True)
         self._flush_ops()
 
     def _check_header(self, header: KVTransferHeader, state: _RemotePrefill) -> str | None:
@@ -208,21 +213,24 @@ class DecodeWorker(WorkerBase):
             return "request is no longer waiting for KV"
         piece = next((p for p in state.pieces if (p.prefill_rank, p.decode_rank) ==
                       (header.prefill_rank, header.decode_rank)), None)
-        want = None
-        if piece is not None:
-            end = len(request.block_table)
-            firsts = (self._layer_first_blocks(request)  # per global layer
-                      or [self._first_sent_block(request)] * self.runner.model.config.num_hidden_layers)
-            counts = [end - firsts[layer] for layer in range(piece.slice.layer_start, piece.slice.layer_end)]
-            want = (piece.slice.layer_start, piece.slice.num_layers, piece.slice.head_start, piece.slice.num_heads,
-                    max(counts), counts if min(counts) != max(counts) else [], self.runner.block_size,
-                    self.runner.head_dim, dtype_name(self.runner.kv_cache_format.name), self.runner.kv_slots)
-        got = (header.first_layer, header.num_layers, header.first_kv_head, header.num_kv_heads, header.num_blocks,
-               header.layer_num_blocks, header.block_size, header.head_dim, header.dtype, header.kv_slots)
+        want = self._wanted_header(request, piece) if piece is not None else None
+        got = header_fields(header)
         if got != want:
             return (f"KV piece {header.prefill_rank}->{header.decode_rank} (layers, KV heads, blocks, blocks per "
                     f"layer, block size, head dim, dtype, KV slots) {got} does not match this worker's {want}")
         return None
+
+    def _wanted_header(self, request: Request, piece: KVPiece) -> tuple:
+        """What ``piece``'s header must say for ``request`` (``header_fields``' order): its layers and KV
+        heads, the blocks each layer receives, this worker's block size, head dim, KV dtype and slots.
+        Fixed while the request waits for its KV (its blocks were reserved when it was admitted)."""
+        end = len(request.block_table)
+        firsts = (self._layer_first_blocks(request)  # per global layer
+                  or [self._first_sent_block(request)] * self.runner.model.config.num_hidden_layers)
+        counts = [end - firsts[layer] for layer in range(piece.slice.layer_start, piece.slice.layer_end)]
+        return (piece.slice.layer_start, piece.slice.num_layers, piece.slice.head_start, piece.slice.num_heads,
+                max(counts), counts if min(counts) != max(counts) else [], self.runner.block_size,
+                self.runner.head_dim, dtype_name(self.runner.kv_cache_format.name), self.runner.kv_slots)
 
     # ---- remote prefill -----------------------------------------------------------
 
@@ -257,8 +265,10 @@ class DecodeWorker(WorkerBase):
             timing.remote_prefill_sent = time.time()
         if watchable(request.sampling_params):  # before the request goes: no piece of it can arrive sooner
             self.first_tokens.expect(request.request_id, self.request_router.get(request.request_id) or
-                                     self.router_of(None), [(p.prefill_rank, p.decode_rank) for p in state.pieces],
-                                     request.num_prompt_tokens, request.num_cached_tokens, timing)
+                                     self.router_of(None),
+                                     {(p.prefill_rank, p.decode_rank): self._wanted_header(request, p)
+                                      for p in state.pieces}, request.num_prompt_tokens, request.num_cached_tokens,
+                                     timing)
         self.mailbox.put(state.prefill_addr, RemotePrefillRequest(
             request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
             sampling_params=request.sampling_params, lora=request.lora, decode_worker_id=self.worker_id,
