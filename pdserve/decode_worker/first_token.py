@@ -10,10 +10,10 @@ token, per-piece sums). When every piece's header says what the step loop's chec
 when the request was sent to the prefill worker: its blocks do not change while it waits) and every
 piece's sums match, it sends the first token to the request's router at once. (A single-rank
 decode worker also hands each header to its lane from the tap, so a piece is received while a step
-runs; a multi-rank one hands headers to its ranks between steps.) The step loop still installs the KV and admits
-the request at its next step, as before, and leaves the first token out of that delta
-(``claim``). Splitwise and DistServe likewise stream the token the prompt phase sampled while the
-KV is on its way.
+runs; a multi-rank one hands headers to its ranks between steps.) The step loop still installs the
+KV and admits the request at its next step, as before, and leaves the first token out of that
+delta (``claim``). Splitwise and DistServe likewise stream the token the prompt phase sampled while
+the KV is on its way.
 
 Only the step loop ever sends tokens after the first, and the first token sent early is always the
 one it appends (the done message's), so the stream is the same either way. A request is watched

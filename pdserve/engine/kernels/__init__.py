@@ -2,9 +2,10 @@
 
 ``paged_attention.cpp`` (paged attention over the KV cache), ``prefill_attention.cpp`` (causal
 attention of prompt rows over their own keys), ``elementwise.cpp`` (RMSNorm, SwiGLU and rotary
-embedding in one pass each, for eager forwards), ``int8_linear.cpp`` (weight-only
-int8 matmul) and ``decode_linear.cpp`` (float32 / bfloat16 matmul for a few rows: decode steps) are plain C++ with a C ABI (no torch headers; both include ``vec8.h``, the shared
-8-lane vector helpers), so each builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
+embedding in one pass each, for eager forwards), ``int8_linear.cpp`` (weight-only int8 matmul) and
+``decode_linear.cpp`` (float32 / bfloat16 matmul for a few rows: decode steps) are plain C++ with a
+C ABI (no torch headers; they share ``vec8.h``, the vector helpers and a vectorized exp), so each
+builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), keyed by the source, the
 headers, the compiler flags and this CPU's instruction sets, so a restart or another worker on
 the same machine reuses it. With no compiler (or a failed build) a loader returns None and the engine
