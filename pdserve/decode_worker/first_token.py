@@ -116,16 +116,10 @@ class FirstTokenWatch:
                 entry.spoiled = True
             else:
                 entry.received[piece] = (msg.num_bytes, msg.checksum)
-            if not self._ready(entry):
+            if entry.spoiled or not self._complete(entry):
                 return
+            entry.sent = True
         self._send_first_token(request_id, entry)
-
-    def _ready(self, entry: _Watched) -> bool:
-        """Under the lock: whether ``entry``'s token goes now (then it is marked sent)."""
-        if entry.spoiled or not self._complete(entry):
-            return False
-        entry.sent = True
-        return True
 
     @staticmethod
     def _complete(entry: _Watched) -> bool:
