@@ -8,6 +8,7 @@ import torch
 from pdserve.engine import decode_linear
 from pdserve.engine.decode_linear import KERNEL_MAX_ROWS, decode_linear_kernel, kernel_applies
 from pdserve.engine.layers import linear
+from tests.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(not decode_linear.build_kernel(), reason="no C++ compiler: float32 layers use torch's GEMM")
 
@@ -26,12 +27,8 @@ def test_kernel_matches_float64_for_every_tile_shape(num_rows, out_features, in_
     want = x.double() @ weight.double().T
     tol = 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-6
     assert ((got.double() - want).abs() <= tol).all()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         assert torch.equal(decode_linear_kernel(x, weight), got)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_a_rows_bits_do_not_depend_on_the_other_rows():

@@ -11,6 +11,7 @@ from pdserve.engine import elementwise
 from pdserve.engine.kernels import load_elementwise
 from pdserve.engine.layers import RMSNorm, SiluAndMul
 from pdserve.engine.rotary import RotaryEmbedding, _rotate
+from tests.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(load_elementwise() is None, reason="no C++ compiler: the kernels are off")
 
@@ -22,14 +23,10 @@ def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def _both_thread_counts(fn):
     """``fn()`` on one thread and on two: the two results, which must be the same bits."""
-    before = torch.get_num_threads()
     outs = []
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
+    for n in (1, 2):
+        with torch_threads(n):
             outs.append(fn())
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])
     return outs[0]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from pdserve.engine.attention import AttentionMetadata, _native_plan, paged_attention, select_backend
 from pdserve.engine.kernels import load_paged_attention, load_prefill_attention
 from pdserve.engine.prefill_attention import causal_attention
+from tests.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: the native kernel is off")
 
@@ -94,17 +94,6 @@ def test_select_backend():
         select_backend("flash", torch.device("cpu"), torch.float32)
 
 
-@contextlib.contextmanager
-def _threads(n: int):
-    """torch's (and so the kernels') thread count set to ``n`` inside the block."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("threads", [1, 2])
 def test_paged_splits_heads_when_sequences_are_few(threads):
     """One long sequence on two threads: the kernel shares its KV heads out (and head_dim 128)."""
@@ -115,7 +104,7 @@ def test_paged_splits_heads_when_sequences_are_few(threads):
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim)
     q, k, v = torch.randn(1, num_heads, head_dim), torch.randn(1, num_kv_heads, head_dim), \
         torch.randn(1, num_kv_heads, head_dim)
-    with _threads(threads):
+    with torch_threads(threads):
         out = _run("paged", cache.clone(), q, k, v, tables, computed, new, block_size, None, 0.1)
     ref = _run("reference", cache.clone(), q, k, v, tables, computed, new, block_size, None, 0.1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -244,7 +233,7 @@ def test_prefill_kernel_matches_dense_attention(num_q, num_k, heads, head_dim, v
     outs = []
     for threads in (1, 2):
         out = torch.full((num_q, num_heads, v_dim), float("nan"))
-        with _threads(threads):
+        with torch_threads(threads):
             causal_attention(out, q, key, value, num_heads // num_kv_heads, head_dim**-0.5, [None])
         outs.append(out)
     torch.testing.assert_close(outs[0], _dense_causal(q, key, value, head_dim**-0.5), atol=2e-5, rtol=2e-5)

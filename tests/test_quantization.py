@@ -28,6 +28,7 @@ from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear, batch
 from pdserve.engine.quantization import quantize_model, quantized_layers, weight_bytes
 from pdserve.launcher import ClusterSpec, LocalCluster
 from tests.test_cluster import WORDS
+from tests.threads import torch_threads
 
 torchao = pytest.importorskip("torchao")
 
@@ -300,12 +301,8 @@ def test_int8_kernel_matches_the_dequantized_matmul(num_rows, out_features, in_f
     assert got.dtype == torch.float32 and got.shape == (num_rows, out_features)
     tol = 1e-5 * (x.double().abs() @ dequantize_int8(weight, scale, torch.float64).abs().T) + 1e-6
     assert ((got.double() - want).abs() <= tol).all()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
+    with torch_threads(2):
         assert torch.equal(int8_linear_kernel(x, weight, scale), got)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_int8_kernel_serves_few_rows_and_refuses_what_it_cannot_compute():
