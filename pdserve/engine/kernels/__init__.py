@@ -89,6 +89,8 @@ def _load(name: str, argtypes: list | dict[str, list], what: str, fallback: str,
     ``(pdserve_<name>,)``, each return an int and take ``argtypes``, or ``argtypes[function]`` when
     it is a dict), or None where it cannot be built here (logged once: ``what`` could not be built,
     ``fallback`` runs instead)."""
+    if name in _loaded:  # every layer of every forward asks: no lock once it is known (a dict read is atomic)
+        return _loaded[name]
     with _lock:
         if name in _loaded:
             return _loaded[name]
