@@ -129,6 +129,57 @@ def test_prefill_workers_cap_a_prompts_chunk_at_half_their_budget_by_default():
         EngineConfig(model="m", long_prefill_token_threshold=-1)
 
 
+def test_whole_admission_finishes_each_prompt_in_one_step():
+    """``prefill_admission="whole"`` (a prefill worker's default): two 20-token prompts under a 32-token
+    budget. ``fill`` starts the second as a 12-token chunk, so both first tokens wait for step 2 (and
+    the first's step grew for nothing); ``whole`` runs the first alone and the second whole in step 2.
+    A short prompt that fits what is left still joins, and a long prompt's capped chunk leaves its
+    remainder to the queue as before."""
+    def steps(admission: str, prompts, threshold=0) -> tuple[list, dict[str, int]]:
+        bm = BlockManager(64, 4)
+        sched = Scheduler(SchedulerConfig(8, 32, 256, long_prefill_token_threshold=threshold,
+                                          prefill_admission=admission), bm)
+        for i, (rid, n) in enumerate(prompts):  # distinct tokens: no prefix hits between prompts
+            sched.add_request(Request(rid, list(range(100 * (i + 1), 100 * (i + 1) + n)),
+                                      SamplingParams(max_tokens=1), eos_token_ids=frozenset({0})))
+        batches, first = [], {}
+        for step in range(1, 20):
+            if not sched.has_unfinished():
+                break
+            out, results = fake_step(sched)
+            batches.append([(r.request_id, n) for r, n in out.scheduled])
+            for o in results:
+                first.setdefault(o.request.request_id, step)
+        assert bm.num_free_blocks == bm.num_blocks
+        return batches, first
+
+    assert steps("fill", [("a", 20), ("b", 20)]) == ([[("a", 20), ("b", 12)], [("b", 8)]], {"a": 1, "b": 2})
+    assert steps("whole", [("a", 20), ("b", 20)]) == ([[("a", 20)], [("b", 20)]], {"a": 1, "b": 2})
+    # a prompt that fits what the step leaves is admitted; strict arrival order otherwise
+    assert steps("whole", [("a", 20), ("s", 8), ("b", 20)])[0] == [[("a", 20), ("s", 8)], [("b", 20)]]
+    # a prompt longer than a step is chunked (capped at 16): the rest of each of its steps goes to b
+    batches, first = steps("whole", [("long", 60), ("b", 20)], threshold=16)
+    assert batches[0] == [("long", 16), ("b", 16)] and first["b"] == 2
+    with pytest.raises(ValueError, match="prefill_admission"):
+        SchedulerConfig(prefill_admission="greedy")
+
+
+def test_prefill_workers_admit_whole_prompts_by_default():
+    import argparse
+
+    from pdserve.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+
+    def admission(role, *argv):
+        return EngineConfig.from_cli_args(parser.parse_args(["--model", "m", *argv]), role).prefill_admission
+
+    assert admission("prefill") == "whole" and admission("decode") == "fill" and admission(None) == "fill"
+    assert admission("prefill", "--prefill-admission", "fill") == "fill"
+    assert EngineConfig(model="m").prefill_admission == "fill"
+
+
 def test_max_num_seqs_limits_admission():
     sched, _ = make(max_num_seqs=2)
     for i in range(3):

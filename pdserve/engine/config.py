@@ -28,6 +28,14 @@ def default_long_prefill_token_threshold(role: str | None, max_num_batched_token
     return max(1, max_num_batched_tokens // 2) if role == "prefill" else 0
 
 
+def default_prefill_admission(role: str | None) -> str:
+    """How a worker of ``role`` admits a prompt into what a step's budget leaves: a prefill worker
+    starts only prompts the step can finish (``whole``: run to completion, so no prompt's first token
+    waits for a second step), a decode worker and ``LLM`` fill the budget with a chunk (``fill``,
+    vLLM's chunked prefill, which keeps a mixed step's size steady)."""
+    return "whole" if role == "prefill" else "fill"
+
+
 def default_linear_weight_format() -> str:
     """What ``--linear-weight-format auto`` leaves to an engine that decodes: ``auto`` (timed at load),
     or ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` where set (the tests pin ``plain`` there, so that which path a
@@ -65,6 +73,9 @@ class EngineConfig:
         long_prefill_token_threshold: most prompt tokens a prompt longer than a step's budget computes
             per step (vLLM's flag; see ``SchedulerConfig``), so the prompts queued behind it share its
             steps; 0: no cap (``default_long_prefill_token_threshold`` gives each role's default).
+        prefill_admission: ``fill`` or ``whole``: may a waiting prompt start as a chunk of what a
+            step's budget leaves (see ``SchedulerConfig``); ``default_prefill_admission`` gives each
+            role's default.
         tensor_parallel_size, pipeline_parallel_size: ranks (processes) of this engine; see
             ``pdserve.engine.parallel``. kv_cache_memory is per rank.
         rank: this process's rank (0 = the driver, which starts the engine; others only run steps).
@@ -124,6 +135,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     remote_prefill_threshold: int = 16
     long_prefill_token_threshold: int = 0
+    prefill_admission: str = "fill"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     rank: int = 0
@@ -231,6 +243,10 @@ class EngineConfig:
                        help="most tokens a prompt longer than the step budget computes per step, so it shares its "
                             "steps with the prompts queued behind it (vLLM's flag; a prompt that fits one step is "
                             "never split; 0: no cap; default: half the step budget on a prefill worker, else 0)")
+        g.add_argument("--prefill-admission", choices=["fill", "whole"], default=None,
+                       help="fill: a waiting prompt may start as a chunk of what a step's budget leaves (vLLM's "
+                            "chunked prefill); whole: a prompt that fits one step waits for a step that can "
+                            "finish it, so it never spans two (default: whole on a prefill worker, else fill)")
         g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks each layer is split over")
         g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
         g.add_argument("--rank", type=int, default=None,
@@ -300,6 +316,7 @@ class EngineConfig:
                    remote_prefill_threshold=args.remote_prefill_threshold,
                    long_prefill_token_threshold=default_long_prefill_token_threshold(role, budget)
                    if args.long_prefill_token_threshold is None else args.long_prefill_token_threshold,
+                   prefill_admission=args.prefill_admission or default_prefill_admission(role),
                    tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                    rank=rank, master_addr=args.master_addr or os.environ.get("MASTER_ADDR"), master_port=master_port,
                    rank_timeout_s=args.rank_timeout_s, attention_backend=args.attention_backend,

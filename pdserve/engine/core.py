@@ -91,6 +91,7 @@ class EngineCore:
                             max_model_len=self.runner.max_model_len,
                             remote_prefill_threshold=config.remote_prefill_threshold,
                             long_prefill_token_threshold=config.long_prefill_token_threshold,
+                            prefill_admission=config.prefill_admission,
                             policy=config.scheduling_policy,
                             max_loras=config.max_loras if config.enable_lora else 0,
                             recompute_past_len=self.runner.recompute_past_len),

@@ -53,6 +53,9 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.request_queue import SCHEDULING_POLICIES, make_waiting_queue, priority_key
 
 
+PREFILL_ADMISSIONS = ("fill", "whole")
+
+
 @dataclass
 class SchedulerConfig:
     """Limits of one worker's scheduler.
@@ -72,6 +75,13 @@ class SchedulerConfig:
             ``--long-prefill-token-threshold``), so prompts queued behind it share each step; 0: no
             cap. Unlike vLLM, "long" means more tokens left than ``max_num_batched_tokens``: a prompt
             that fits one step is never split by it.
+        prefill_admission: how a waiting prompt takes what a step's budget leaves. ``fill``: it
+            starts in it, chunked if it must be (vLLM's chunked prefill). ``whole``: a prompt that
+            fits one step but not what is left waits for the next step, unless a long prompt's
+            chunk shares this one. Compute-bound prefill gains no throughput from a bigger batch,
+            so splitting a second prompt over two steps only delays its first token by a whole
+            step: run to completion gives every prompt of a queue its first token sooner
+            (DistServe, OSDI'24, on prefill batching). A prefill worker's default.
     """
 
     max_num_seqs: int = 64
@@ -82,6 +92,7 @@ class SchedulerConfig:
     max_loras: int = 0
     recompute_past_len: int | None = None
     long_prefill_token_threshold: int = 0
+    prefill_admission: str = "fill"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -91,6 +102,8 @@ class SchedulerConfig:
             raise ValueError("remote_prefill_threshold must be >= 0")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.prefill_admission not in PREFILL_ADMISSIONS:
+            raise ValueError(f"prefill_admission must be one of {PREFILL_ADMISSIONS}, got {self.prefill_admission!r}")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
 
@@ -283,7 +296,7 @@ class Scheduler:
                 self.waiting_for_remote_kvs[request.request_id] = request
                 out.remote_prefills.append(request)
             else:
-                if budget <= 0:
+                if budget <= 0 or self._defer_whole(out, request.num_tokens - num_cached, budget):
                     return
                 num_new = self._chunk(request.num_tokens - num_cached, budget)
                 if not self.kv.allocate_slots(request, num_cached + num_new, out.block_copies, hit):
@@ -324,6 +337,17 @@ class Scheduler:
                 request.grammar_future = None
                 return request
         return None
+
+    def _defer_whole(self, out: SchedulerOutput, num_left: int, budget: int) -> bool:
+        """``prefill_admission="whole"``: does a prompt with ``num_left`` tokens wait for the next step
+        rather than start as a chunk of what this one leaves? Only a prompt that would fit a whole
+        step, and only when no long prompt is being chunked in this step (the tokens that chunk's cap
+        leaves are there for the prompts queued behind it)."""
+        if self.config.prefill_admission != "whole" or num_left <= budget or not out.scheduled:
+            return False
+        if num_left > self.config.max_num_batched_tokens:
+            return False
+        return not any(n < r.num_tokens - r.num_computed_tokens for r, n in out.scheduled)
 
     def _prefill_locally(self, request: Request, hit) -> bool:
         """Conditional disaggregation: is a round trip to a prefill worker not worth it?"""
