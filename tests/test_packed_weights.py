@@ -56,12 +56,14 @@ def test_packed_layers_compute_what_the_plain_weights_do_and_keep_no_copy(dtype)
 
 
 def test_llm_on_packed_weights_gives_transformers_tokens(model_dir):
-    """The tiny model with every decoder linear packed (prefill and decode steps through oneDNN):
-    transformers' greedy tokens, and logprobs within 1e-4."""
+    """The tiny model with every decoder linear packed (prefill steps eager, decode steps compiled, both
+    through oneDNN; the compiled graph reaches the packed weights by handle): transformers' greedy
+    tokens, and logprobs within 1e-4."""
     prompts = [[5, 17, 42, 8, 99, 3, 12, 77, 41, 19] * 3, [7, 7, 9, 100, 3]]
     ref = greedy_reference(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, 12)
-    with LLM(model_dir, linear_weight_format="onednn", max_num_batched_tokens=16) as llm:
+    with LLM(model_dir, linear_weight_format="onednn", max_num_batched_tokens=16, enforce_eager=False) as llm:
         assert llm.core.runner.num_packed_linears == 4 * llm.core.runner.num_layers  # qkv, o, gate_up, down
+        assert llm.core.runner._compiled_decode is not None  # pdserve.engine.onednn_linear
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True),
                             use_tqdm=False)

@@ -4,8 +4,9 @@ A decode-only step (one new token per sequence) is the step a decode worker runs
 times a second's worth: its forward is traced once with a symbolic batch size (torch
 specializes batch 1 on its own) and replayed, so the Python of every layer, the elementwise
 ops inductor fuses and the small tensors between them cost nothing per step. Attention
-(``pdserve::paged_decode_attention``), the MoE experts (``pdserve::moe_experts``) and the
-decode linear kernel are opaque operators inside the graph. Steps with longer queries
+(``pdserve::paged_decode_attention``), the MoE experts (``pdserve::moe_experts``), the
+decode linear kernel and oneDNN-packed linears (``pdserve::onednn_linear``, by handle) are opaque
+operators inside the graph. Steps with longer queries
 (prefill chunks, speculative verification), LoRA adapters, a layer hook (KV sends) or several
 ranks run eagerly (``ModelRunner._run_forward`` decides). Prefill stays eager: MKL's GEMMs
 already take ~85% of a float32 prefill here, and in one try (2026-11-25, the bench preset, 288

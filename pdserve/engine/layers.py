@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import decode_linear, elementwise
+from pdserve.engine import decode_linear, elementwise, onednn_linear
 from pdserve.engine.int8_linear import dequantize_int8, int8_linear_kernel, kernel_applies
 
 
@@ -96,9 +96,8 @@ def _project(layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor,
     weights through ``quantized_linear``, float ones through ``batch_invariant_linear``
     (batch-invariant), the few-row decode kernel (decode steps on the CPU,
     ``pdserve.engine.decode_linear``) or ``F.linear``."""
-    if layer.packed_weight is not None:  # oneDNN's blocked layout (pack_linear_weights)
-        x2 = x.reshape(-1, x.shape[-1])
-        y = torch.ops.mkldnn._linear_pointwise(x2, layer.packed_weight, bias, "none", [None], "")
+    if layer.packed_handle is not None:  # oneDNN's blocked layout (pack_linear_weights)
+        y = onednn_linear.packed_linear(x.reshape(-1, x.shape[-1]), layer, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     if layer.weight_scale is not None:
         y = quantized_linear(x, layer.weight, layer.weight_scale, layer.batch_invariant)
@@ -122,13 +121,15 @@ def pack_linear_weights(model: nn.Module) -> int:
     """Reorder every float ``ColumnParallelLinear``/``RowParallelLinear`` weight of ``model`` into oneDNN's
     blocked layout, once, and compute those layers through oneDNN from then on (what vLLM's CPU backend
     does with its ``onednn_mm`` handles). The plain weight is dropped: ``weight`` keeps its shape, dtype
-    and device over no memory (a zero-stride view), ``packed_weight`` holds the values.
+    and device over no memory (a zero-stride view), ``packed_weight`` holds the values, and
+    ``packed_handle`` names them to ``torch.ops.pdserve.onednn_linear`` (how a compiled decode step,
+    which cannot take the packed tensor, reaches them).
 
     Why: MKL's sgemm repacks the weight on every call and, on this project's AMD cores, ran a prefill's
     GEMMs at 88-103 GFLOPS where oneDNN's JIT kernels on packed weights run 107-113 (a 288-token prompt's
     48 linear layers of the bench preset: 467 -> 399 ms on one core, float32; bfloat16 214 -> 199 ms).
-    At a decode step's few rows the decode kernel is faster, so only engines that compute prompts
-    (prefill workers, ``EngineConfig.linear_weight_format``) pack. Int8 and batch-invariant layers
+    Prefill workers pack; an engine that decodes packs where ``choose_linear_weight_format`` times
+    oneDNN faster than the decode kernel on its own weights (``EngineConfig.linear_weight_format``). Int8 and batch-invariant layers
     are left as they are. Returns the number of layers packed: 0 where oneDNN is not available, fewer
     than all where its reorder fails (the rest keep their plain weights)."""
     if not torch.backends.mkldnn.is_available():
@@ -143,6 +144,7 @@ def pack_linear_weights(model: nn.Module) -> int:
             continue
         try:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            module.packed_handle = onednn_linear.register_packed_weight(module.packed_weight)
         except (RuntimeError, NotImplementedError):  # a oneDNN build without this reorder (some CPUs, dtypes)
             return packed
         module.weight = nn.Parameter(torch.zeros((), dtype=weight.dtype).expand(weight.shape), requires_grad=False)
@@ -274,6 +276,7 @@ class ColumnParallelLinear(nn.Module):
     batch_invariant: bool = False
     lora = None
     packed_weight = None  # the weight in oneDNN's blocked layout (pack_linear_weights), or None
+    packed_handle = None  # packed_weight's handle for torch.ops.pdserve.onednn_linear (compiled graphs)
 
     def __init__(
         self,
@@ -338,7 +341,7 @@ class RowParallelLinear(nn.Module):
 
     batch_invariant: bool = False
     lora = None
-    packed_weight = None  # as ColumnParallelLinear's
+    packed_weight = packed_handle = None  # as ColumnParallelLinear's
 
     def __init__(
         self,

@@ -213,9 +213,7 @@ class ModelRunner:
             # conversion itself, 3-4x slower than eager's
             logger.info("decode step runs eagerly: --quantization %s without the int8 kernel (float32 activations "
                         "and a C++ compiler; see pdserve.engine.int8_linear)", self.quantization)
-        elif self.num_packed_linears:  # an engine that computes prompts (a prefill worker)
-            logger.info("decode step runs eagerly: oneDNN-packed linear weights (--linear-weight-format onednn)")
-        elif not config.enforce_eager:
+        elif not config.enforce_eager:  # oneDNN-packed linears included (pdserve.engine.onednn_linear)
             self._compiled_decode = CompiledDecodeStep.build(self)
         self.sampler = Sampler(config.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
