@@ -129,9 +129,9 @@ def pack_linear_weights(model: nn.Module) -> int:
     GEMMs at 88-103 GFLOPS where oneDNN's JIT kernels on packed weights run 107-113 (a 288-token prompt's
     48 linear layers of the bench preset: 467 -> 399 ms on one core, float32; bfloat16 214 -> 199 ms).
     Prefill workers pack; an engine that decodes packs where ``choose_linear_weight_format`` times
-    oneDNN faster than the decode kernel on its own weights (``EngineConfig.linear_weight_format``). Int8 and batch-invariant layers
-    are left as they are. Returns the number of layers packed: 0 where oneDNN is not available, fewer
-    than all where its reorder fails (the rest keep their plain weights)."""
+    oneDNN faster than the decode kernel on its own weights (``EngineConfig.linear_weight_format``).
+    Int8 and batch-invariant layers are left as they are. Returns the number of layers packed: 0 where
+    oneDNN is not available, fewer than all where its reorder fails (the rest keep their plain weights)."""
     if not torch.backends.mkldnn.is_available():
         return 0
     packed = 0
