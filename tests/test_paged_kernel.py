@@ -33,16 +33,19 @@ def _run(backend: str, cache: torch.Tensor, q, k, v, tables, computed, new, bloc
     return paged_attention(q, k, v, cache, md, scale, window)
 
 
-@pytest.mark.parametrize("heads", [(4, 4), (12, 4), (8, 1)])
+@pytest.mark.parametrize("heads,head_dim", [((4, 4), 16), ((12, 4), 16), ((8, 1), 16), ((20, 4), 48),
+                                             ((16, 4), 24)])
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_matches_reference_on_a_mixed_batch(heads, window, block_size):
+def test_paged_matches_reference_on_a_mixed_batch(heads, head_dim, window, block_size):
     """Decode rows, chunked prefill over a cached prefix, and fresh prefills, in one batch (blocks of
     16 take the kernel's eight-keys-at-a-time score path, blocks of 4 only its shorter ones). Chunks of
     ``CHUNK_DENSE_MIN_ROWS`` rows or more after cached ones attend densely over the gathered cache
-    (without a window), shorter ones in the kernel: both against the reference."""
+    (without a window), shorter ones in the kernel: both against the reference. With AVX-512, head_dim
+    16 and 48 take the 16-lane path (five query heads per KV head: scores in groups of 3 + 2, values
+    4 + 1; 48 columns: a three-vector value chunk), 24 the 8-lane one."""
     num_heads, num_kv_heads = heads
-    head_dim, num_blocks = 16, 96
+    num_blocks = 96
     rng = random.Random(0)
     torch.manual_seed(0)
     shapes = [(1, 1), (1, 9), (1, 30), (5, 13), (6, 6), (11, 11), (1, 4), (3, 25), (20, 45), (16, 37)]
