@@ -1,5 +1,5 @@
-// 8-lane float32 vectors and a vectorized exp shared by the native kernels (paged_attention.cpp,
-// int8_linear.cpp, prefill_attention.cpp).
+// 8-lane float32 vectors, their fixed-order lane sums and a vectorized exp shared by the native
+// kernels (paged_attention.cpp, int8_linear.cpp, prefill_attention.cpp).
 // GCC vector extensions, so -march=native compiles them to AVX2 (or wider) instructions; where a
 // conversion has no good generic form, AVX2 intrinsics do it, with a scalar fallback.
 #pragma once
@@ -15,6 +15,26 @@ namespace pdserve_kernels {
 typedef float v8 __attribute__((vector_size(32)));
 
 inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof(v)); return v; }
+
+inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }  // memcpy: unaligned-safe, one vmovups
+// The lanes of v added in one fixed tree; hsum8 adds eight vectors' lanes in the same tree, so a
+// score has the same bits whichever path computed it.
+inline float hsum(v8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
+
+// {hsum(a[0]), ..., hsum(a[7])} with 7 vector adds instead of 8 scalar trees (the transposing
+// horizontal add of 8x8 reductions).
+inline v8 hsum8(const v8 (&a)[8]) {
+#ifdef __AVX2__
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[0], (__m256)a[1]), _mm256_hadd_ps((__m256)a[2], (__m256)a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps((__m256)a[4], (__m256)a[5]), _mm256_hadd_ps((__m256)a[6], (__m256)a[7]));
+  // u0 = {a0[0..3], a1[0..3], a2[0..3], a3[0..3] | the same over lanes 4..7}, u1 likewise for a4..a7
+  return (v8)(_mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
+#else
+  v8 r;
+  for (int i = 0; i < 8; ++i) r[i] = hsum(a[i]);
+  return r;
+#endif
+}
 
 // 8 int8 -> 8 float32. GCC's __builtin_convertvector from an 8-byte vector goes through scalar
 // registers (it made the int8 KV path 2.5x slower than float32); AVX2 widens in one instruction.
