@@ -16,8 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
+from pdserve.engine import onednn_linear
 from pdserve.engine.layers import (ColumnParallelLinear, RowParallelLinear, choose_linear_weight_format,
-                                   pack_linear_weights)
+                                   pack_linear_weights, pack_lm_head)
 from tests.checkpoints import greedy_reference
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -55,14 +56,39 @@ def test_packed_layers_compute_what_the_plain_weights_do_and_keep_no_copy(dtype)
             torch.testing.assert_close(row(row_input(x)), want_row, **tol)
 
 
+def test_only_an_untied_lm_head_is_packed():
+    """An untied head is packed (its logits equal the plain weight's, no plain copy kept); a head tied
+    to the embedding is left alone, as is one already packed."""
+    torch.manual_seed(0)
+
+    def causal_lm(tied: bool) -> torch.nn.Module:
+        lm = torch.nn.Module()
+        lm.model = torch.nn.Module()
+        lm.model.embed_tokens = torch.nn.Embedding(100, 32)
+        lm.lm_head = lm.model.embed_tokens if tied else torch.nn.Embedding(100, 32)
+        return lm
+
+    tied = causal_lm(tied=True)
+    assert not pack_lm_head(tied) and getattr(tied.lm_head, "packed_weight", None) is None
+    untied = causal_lm(tied=False)
+    x = torch.randn(3, 32)
+    want = torch.nn.functional.linear(x, untied.lm_head.weight.detach())
+    assert pack_lm_head(untied)
+    assert not pack_lm_head(untied)  # already packed
+    assert untied.lm_head.weight.shape == (100, 32) and untied.lm_head.weight.untyped_storage().nbytes() <= 4
+    torch.testing.assert_close(onednn_linear.packed_linear(x, untied.lm_head, None), want, atol=1e-5, rtol=1e-4)
+
+
 def test_llm_on_packed_weights_gives_transformers_tokens(model_dir):
-    """The tiny model with every decoder linear packed (prefill steps eager, decode steps compiled, both
-    through oneDNN; the compiled graph reaches the packed weights by handle): transformers' greedy
-    tokens, and logprobs within 1e-4."""
+    """The tiny model with every decoder linear and its LM head packed (prefill steps eager, decode steps
+    compiled, both through oneDNN; the compiled graph reaches the packed weights by handle):
+    transformers' greedy tokens, and logprobs within 1e-4."""
     prompts = [[5, 17, 42, 8, 99, 3, 12, 77, 41, 19] * 3, [7, 7, 9, 100, 3]]
     ref = greedy_reference(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, 12)
     with LLM(model_dir, linear_weight_format="onednn", max_num_batched_tokens=16, enforce_eager=False) as llm:
         assert llm.core.runner.num_packed_linears == 4 * llm.core.runner.num_layers  # qkv, o, gate_up, down
+        assert llm.core.runner.lm_head_packed  # the tiny model's head is untied: layers.pack_lm_head
+        assert llm.core.runner.model.lm_head.weight.untyped_storage().nbytes() <= 4  # no plain copy kept
         assert llm.core.runner._compiled_decode is not None  # pdserve.engine.onednn_linear
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True),
