@@ -8,8 +8,7 @@
 // (causal, optionally a sliding window) for all its query heads, then a softmax in float32
 // (vectorized exp of our own), then the weighted sum of the value rows. A block's slots are
 // adjacent in memory, so each block is one contiguous read, and the next block is prefetched
-// while this one is used (walk_blocks).
-// The query heads that share a KV head (grouped-query attention) reuse each K/V row from L1.
+// while this one is used (walk_blocks). Query heads sharing a KV head reuse each K/V row from L1.
 // Vectors are GCC vector extensions: 8 floats here, and with AVX-512 a float32 or bfloat16 cache
 // takes the 16-lane path of paged_attention_wide.h.
 //
@@ -42,7 +41,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -239,11 +237,26 @@ inline void block_values(const float* p, const T* vrow, int64_t slot_stride, int
   }
 }
 
-// Calls fn(first slot's row in `cache`, position k, run) for each stretch of positions
-// [k_begin, k_end) that lies in one block, in order. The next block is elsewhere in memory, so
-// it is prefetched (all of it: every KV head's rows) into L1 while fn uses this one (prefetcht0: with
-// the 16-lane path, 10% faster at batch 32 than prefetching into L2 on a Zen 5 core; a non-temporal
+// The next block of a walk (walk_blocks), prefetched into L1 (prefetcht0) while the current block is
+// computed on: the 16-lane path takes it a KV head's share at a time, between the heads' work, so
+// fetches and FMAs interleave (bench preset at batch 32, KV on 2 MiB pages as the engine allocates
+// it, one Zen 5 core: 14.6-14.9 ms all at once, 13.2-13.8 ms in slices, 18.6-20.6 ms with no
+// prefetch; prefetching two or three blocks ahead gained nothing more). The 8-lane path prefetches the
+// whole block first (into L1 rather than L2: 10% faster at batch 32 on that core; a non-temporal
 // prefetch measured 15% slower than L2 on a Zen 4 core).
+struct NextBlock {
+  const char* base;  // the next block's first byte (null at the end of the walk), and its size
+  int64_t bytes;
+  void slice(int64_t i, int64_t parts) const {  // prefetch slice i of `parts` (cache lines)
+    if (base == nullptr) return;
+    const int64_t begin = bytes * i / parts / 64 * 64, end = bytes * (i + 1) / parts;
+    for (int64_t b = begin; b < end; b += 64) __builtin_prefetch(base + b, 0, 3);
+  }
+};
+
+// Calls fn(first slot's row in `cache`, position k, run, next) for each stretch of positions
+// [k_begin, k_end) that lies in one block, in order; `next` is the following block, for fn to
+// prefetch while it uses this one (the next block is elsewhere in memory).
 template <typename T, typename Fn>
 inline void walk_blocks(const T* cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
                         int64_t k_begin, int64_t k_end, Fn fn) {
@@ -251,11 +264,10 @@ inline void walk_blocks(const T* cache, const int64_t* table, int64_t block_size
   for (int64_t k = k_begin; k < k_end;) {
     const int64_t off = k % block_size;
     const int64_t run = std::min(block_size - off, k_end - k);
-    if (k + run < k_end) {
-      const char* next = reinterpret_cast<const char*>(cache + table[(k + run) / block_size] * block_size * slot_stride);
-      for (int64_t b = 0; b < block_bytes; b += 64) __builtin_prefetch(next + b, 0, 3);
-    }
-    fn(cache + (table[k / block_size] * block_size + off) * slot_stride, k, run);
+    const NextBlock next{k + run < k_end ? reinterpret_cast<const char*>(
+                             cache + table[(k + run) / block_size] * block_size * slot_stride) : nullptr,
+                         block_bytes};
+    fn(cache + (table[k / block_size] * block_size + off) * slot_stride, k, run, next);
     k += run;
   }
 }
@@ -279,8 +291,7 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
   const int64_t head_groups = num_seqs >= 2 * num_threads ? 1 : num_kv_heads;
   const int64_t heads_per_item = num_kv_heads / head_groups;
   const int64_t num_items = num_seqs * head_groups;
-  const bool wide = wide_path<T>(head_dim, v_dim);
-  (void)wide;
+  [[maybe_unused]] const bool wide = wide_path<T>(head_dim, v_dim);
 
 #pragma omp parallel num_threads(num_threads)
   {
@@ -305,15 +316,18 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
         float* o = out + (q_begin + j) * out_stride + h0 * rep * v_dim;  // [rows, v_dim]
         if (n <= 0) { std::fill(o, o + rows * v_dim, 0.f); continue; }
         scores.resize(rows * n);
-        walk_blocks(k_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run) {
+        walk_blocks(k_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run, const NextBlock& next) {
 #ifdef __AVX512F__
           if constexpr (kWideType<T>) if (wide) {
-            for (int64_t hh = 0; hh < heads_per_item; ++hh)
+            for (int64_t hh = 0; hh < heads_per_item; ++hh) {
+              next.slice(hh, heads_per_item);
               head_scores16(q + hh * rep * head_dim, base + (h0 + hh) * row_len, slot_stride, run, head_dim, scale, rep,
                             scores.data() + hh * rep * n + (k - k_begin), n);
+            }
             return;
           }
 #endif
+          next.slice(0, 1);
           for (int64_t hh = 0; hh < heads_per_item; ++hh)
             for (int64_t r = 0; r < rep; ++r) {
               const int64_t row = hh * rep + r;
@@ -324,15 +338,18 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
         for (int64_t row = 0; row < rows; ++row)
           softmax(scores.data() + row * n, n, sinks != nullptr ? sinks[h0 * rep + row] : -INFINITY);
         acc.assign(rows * v_dim, 0.f);
-        walk_blocks(v_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run) {
+        walk_blocks(v_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run, const NextBlock& next) {
 #ifdef __AVX512F__
           if constexpr (kWideType<T>) if (wide) {
-            for (int64_t hh = 0; hh < heads_per_item; ++hh)
+            for (int64_t hh = 0; hh < heads_per_item; ++hh) {
+              next.slice(hh, heads_per_item);
               head_values16(scores.data() + hh * rep * n + (k - k_begin), n, base + (h0 + hh) * row_len, slot_stride,
                             run, v_dim, rep, acc.data() + hh * rep * v_dim);
+            }
             return;
           }
 #endif
+          next.slice(0, 1);
           for (int64_t hh = 0; hh < heads_per_item; ++hh)
             for (int64_t r = 0; r < rep; ++r) {
               const int64_t row = hh * rep + r;
