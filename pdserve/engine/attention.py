@@ -413,6 +413,14 @@ def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     kv_cache_layer = kv_cache[layer]
     kv_dtype = kv_cache_dtype or None
     write_kv_cache(key, value, kv_cache_layer, slot_mapping, kv_dtype)
+    code = _PLAIN_KV_DTYPE_CODES.get(kv_cache.dtype)
+    if code is not None and kv_dtype is None and sinks is None and query.dtype == torch.float32:
+        # A plain cache, one row per sequence: straight to the kernel, none of the general path's planning
+        # (its metadata, plan and checks cost ~15 us a call against ~15 us of kernel at batch 1).
+        out = query.new_empty(*query.shape[:2], value.shape[-1])  # (N, H, V)
+        _run_kernel(out, query.contiguous(), kv_cache_layer, code, block_tables, seq_lens, query_start_loc, None,
+                    scale, sliding_window or 0, None)
+        return out
     metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=1,
                                  max_seq_len=0, backend="paged", kv_cache_dtype=kv_dtype)
     return _attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window or None, sinks)
@@ -438,26 +446,14 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     num_tokens, num_heads, head_dim = query.shape
     v_dim = value.shape[-1] if value is not None else head_dim  # None: every row is cached already
     kv_slots, num_blocks, block_size, num_kv_heads, _ = kv_cache_layer.shape
-    if not (kv_cache_layer.is_contiguous() and metadata.block_tables.is_contiguous()
-            and metadata.seq_lens.is_contiguous() and metadata.query_start_loc.is_contiguous()):
-        raise ValueError("the paged kernel reads the cache and the metadata as contiguous tensors")
     plan = _native_plan(metadata, sliding_window, sinks is not None)
     sink_rows = sinks.to(torch.float32).contiguous() if sinks is not None else None  # (H,)
     out = query.new_empty(num_tokens, num_heads, v_dim, dtype=torch.float32)  # (N, H, V)
     num_seqs = metadata.seq_lens.shape[0]
     if len(plan.fresh) + len(plan.chunks) < num_seqs:  # some rows for the paged kernel
-        q = query.to(torch.float32).contiguous()
-        tables, seq_lens, qsl = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
-        with torch.profiler.record_function("pdserve::paged_attention"):
-            rc = load_paged_attention().pdserve_paged_attention(
-                out.data_ptr(), q.data_ptr(), kv_cache_layer.data_ptr(), _kernel_dtype_code(kv_cache_layer, metadata),
-                tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(), qsl.data_ptr(),
-                plan.skip.data_ptr() if plan.skip is not None else None, num_seqs, num_heads, num_kv_heads,
-                head_dim, v_dim, kv_slots, block_size, num_blocks, scale, sliding_window or 0,
-                sink_rows.data_ptr() if sink_rows is not None else None, torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"paged attention kernel rejected its inputs (code {rc}): {num_heads} heads, "
-                             f"{num_kv_heads} KV heads, head_dim {head_dim}, v_dim {v_dim}, {kv_slots} KV slots")
+        _run_kernel(out, query.to(torch.float32).contiguous(), kv_cache_layer,
+                    _kernel_dtype_code(kv_cache_layer, metadata), metadata.block_tables, metadata.seq_lens,
+                    metadata.query_start_loc, plan.skip, scale, sliding_window or 0, sink_rows)
     num_rep = num_heads // num_kv_heads
     if plan.fresh and metadata.kv_cache_dtype is not None:  # the new K/V as the cache holds them
         fmt = kv_cache_format(metadata.kv_cache_dtype)
@@ -473,6 +469,39 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         # row j (position seq_len - Q + j) sees keys 0 .. seq_len - Q + j: causal, shifted by the cached rows
         causal_attention(out[begin:end], query[begin:end], k_all, v_all, num_rep, scale, plan.chunk_masks, i)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+# The kernel's codes for a plain (unquantized) cache, by the cache tensor's dtype.
+_PLAIN_KV_DTYPE_CODES = {torch.float32: KV_DTYPE_CODES["float32"], torch.bfloat16: KV_DTYPE_CODES["bfloat16"]}
+
+
+def _run_kernel(out: torch.Tensor, query: torch.Tensor, kv_cache_layer: torch.Tensor, dtype_code: int,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                skip: torch.Tensor | None, scale: float, sliding_window: int, sinks: torch.Tensor | None) -> None:
+    """The native paged-attention kernel over every row of ``query`` [N, H, D] (float32, contiguous)
+    whose sequence ``skip`` [num_seqs] uint8 (or None) leaves to it, into ``out`` [N, H, V] float32.
+    ``kv_cache_layer`` [kv_slots, num_blocks, block_size, H_kv, row] holds element type ``dtype_code``
+    (``KV_DTYPE_CODES``); ``sinks``: [H] float32 or None; sliding_window 0: none. Raises ValueError
+    for tensors that are not contiguous and for shapes the kernel rejects. Labelled
+    ``pdserve::paged_attention`` only while a profiler runs (the label costs ~5 us a call)."""
+    if not (kv_cache_layer.is_contiguous() and block_tables.is_contiguous() and seq_lens.is_contiguous()
+            and query_start_loc.is_contiguous()):
+        raise ValueError("the paged kernel reads the cache and the metadata as contiguous tensors")
+    num_heads, head_dim, v_dim = query.shape[1], query.shape[2], out.shape[2]
+    kv_slots, num_blocks, block_size, num_kv_heads, _ = kv_cache_layer.shape
+    args = (out.data_ptr(), query.data_ptr(), kv_cache_layer.data_ptr(), dtype_code, block_tables.data_ptr(),
+            block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(),
+            skip.data_ptr() if skip is not None else None, seq_lens.shape[0], num_heads, num_kv_heads, head_dim,
+            v_dim, kv_slots, block_size, num_blocks, scale, sliding_window,
+            sinks.data_ptr() if sinks is not None else None, torch.get_num_threads())
+    if torch.autograd.profiler._is_profiler_enabled:
+        with torch.profiler.record_function("pdserve::paged_attention"):
+            rc = load_paged_attention().pdserve_paged_attention(*args)
+    else:
+        rc = load_paged_attention().pdserve_paged_attention(*args)
+    if rc != 0:
+        raise ValueError(f"paged attention kernel rejected its inputs (code {rc}): {num_heads} heads, "
+                         f"{num_kv_heads} KV heads, head_dim {head_dim}, v_dim {v_dim}, {kv_slots} KV slots")
 
 
 def _kernel_dtype_code(kv_cache_layer: torch.Tensor, metadata: AttentionMetadata) -> int:
