@@ -49,6 +49,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kv_rows.h"
 #include "paged_attention_wide.h"
 #include "vec8.h"
 
@@ -56,67 +57,20 @@ namespace {
 
 using pdserve_kernels::hsum;
 using pdserve_kernels::hsum8;
+using pdserve_kernels::Packed;
+using pdserve_kernels::QE4M3;
+using pdserve_kernels::QE5M2;
+using pdserve_kernels::QInt8;
+using pdserve_kernels::row_scale;
 using pdserve_kernels::kWideType;
 using pdserve_kernels::load8;
 using pdserve_kernels::store8;
 using pdserve_kernels::v8;
 using pdserve_kernels::wide_path;
-using pdserve_kernels::widen_i8_to_float;
 #ifdef __AVX512F__
 using pdserve_kernels::head_scores16;
 using pdserve_kernels::head_values16;
 #endif
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
-
-inline v8 load8(const uint16_t* p) {  // 8 bfloat16 -> 8 float32 (a bf16 is the high half of a float32)
-  v8u16 h; std::memcpy(&h, p, sizeof(h));
-  v8u32 w = __builtin_convertvector(h, v8u32) << 16;
-  v8 v; std::memcpy(&v, &w, sizeof(v)); return v;
-}
-// Packed quantized rows (kv_dtype 2, 3, 4): one byte per value, the row's scale after head_dim bytes.
-struct QInt8 { int8_t bits; };
-struct QE4M3 { uint8_t bits; };
-struct QE5M2 { uint8_t bits; };
-template <typename T> struct Packed { static constexpr bool value = false; };
-template <> struct Packed<QInt8> { static constexpr bool value = true; };
-template <> struct Packed<QE4M3> { static constexpr bool value = true; };
-template <> struct Packed<QE5M2> { static constexpr bool value = true; };
-inline v8u32 widen_u8(const void* p) {
-#ifdef __AVX2__
-  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(static_cast<const __m128i*>(p)));
-  v8u32 v; std::memcpy(&v, &w, sizeof(v)); return v;
-#else
-  uint8_t b[8]; std::memcpy(b, p, sizeof(b));
-  v8u32 v; for (int i = 0; i < 8; ++i) v[i] = b[i];
-  return v;
-#endif
-}
-
-inline v8 load8(const QInt8* p) { return widen_i8_to_float(p); }  // 8 int8 -> 8 float32 (unscaled)
-// 8 fp8 values with `mant` mantissa bits and exponent bias `bias` -> 8 float32: |x|'s bits shifted so
-// its exponent and mantissa fields line up with float32's, then times 2^(127 - bias), which moves the
-// exponent from fp8's bias to float32's (fp8 subnormals land on float32 subnormals and come out right).
-template <int mant, int bias>
-inline v8 fp8_to_float(const uint8_t* p) {
-  const v8u32 w = widen_u8(p);
-  const v8u32 bits = ((w & 0x7fu) << (23 - mant)) | ((w & 0x80u) << 24);
-  v8 v; std::memcpy(&v, &bits, sizeof(v));
-  return v * __builtin_ldexpf(1.0f, 127 - bias);
-}
-inline v8 load8(const QE4M3* p) { return fp8_to_float<3, 7>(reinterpret_cast<const uint8_t*>(p)); }
-inline v8 load8(const QE5M2* p) { return fp8_to_float<2, 15>(reinterpret_cast<const uint8_t*>(p)); }
-
-// The scale of the quantized row starting at `row` (1 for plain element types, never read).
-template <typename T>
-inline float row_scale(const T* row, int64_t head_dim) {
-  if constexpr (Packed<T>::value) {
-    float s; std::memcpy(&s, reinterpret_cast<const char*>(row) + head_dim, sizeof(s)); return s;
-  } else {
-    return 1.f;
-  }
-}
-
 typedef int32_t v8i32 __attribute__((vector_size(32)));
 
 inline v8 exp8(v8 x) { return pdserve_kernels::vexp<v8, v8i32>(x); }
@@ -256,16 +210,19 @@ struct NextBlock {
 
 // Calls fn(first slot's row in `cache`, position k, run, next) for each stretch of positions
 // [k_begin, k_end) that lies in one block, in order; `next` is the following block, for fn to
-// prefetch while it uses this one (the next block is elsewhere in memory).
+// prefetch while it uses this one (the next block is elsewhere in memory), and for the last block
+// `after` (or nothing): the keys' walk passes the values' first block, the values' walk the next
+// item's first key block, so no walk starts cold (batch 32, one Zen 5 core: 13.5 -> 12.5-13.2 ms).
 template <typename T, typename Fn>
 inline void walk_blocks(const T* cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
-                        int64_t k_begin, int64_t k_end, Fn fn) {
+                        int64_t k_begin, int64_t k_end, Fn fn, const void* after = nullptr) {
   const int64_t block_bytes = block_size * slot_stride * static_cast<int64_t>(sizeof(T));
   for (int64_t k = k_begin; k < k_end;) {
     const int64_t off = k % block_size;
     const int64_t run = std::min(block_size - off, k_end - k);
     const NextBlock next{k + run < k_end ? reinterpret_cast<const char*>(
-                             cache + table[(k + run) / block_size] * block_size * slot_stride) : nullptr,
+                             cache + table[(k + run) / block_size] * block_size * slot_stride)
+                                         : static_cast<const char*>(after),
                          block_bytes};
     fn(cache + (table[k / block_size] * block_size + off) * slot_stride, k, run, next);
     k += run;
@@ -316,6 +273,7 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
         float* o = out + (q_begin + j) * out_stride + h0 * rep * v_dim;  // [rows, v_dim]
         if (n <= 0) { std::fill(o, o + rows * v_dim, 0.f); continue; }
         scores.resize(rows * n);
+        const T* v_first = v_cache + table[k_begin / block_size] * block_size * slot_stride;
         walk_blocks(k_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run, const NextBlock& next) {
 #ifdef __AVX512F__
           if constexpr (kWideType<T>) if (wide) {
@@ -334,10 +292,17 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
               block_scores(q + row * head_dim, base + (h0 + hh) * row_len, slot_stride, run, head_dim, scale,
                            scores.data() + row * n + (k - k_begin));
             }
-        });
+        }, v_first);
         for (int64_t row = 0; row < rows; ++row)
           softmax(scores.data() + row * n, n, sinks != nullptr ? sinks[h0 * rep + row] : -INFINITY);
         acc.assign(rows * v_dim, 0.f);
+        // After the last value block, this thread's next item's first key block (one thread: it is next).
+        const T* k_after = nullptr;
+        if (num_threads == 1 && j + 1 == q_len && item + 1 < num_items && sliding_window <= 0) {
+          const int64_t s_next = (item + 1) / head_groups;
+          if (skip == nullptr || !skip[s_next])
+            k_after = k_cache + block_tables[s_next * max_blocks_per_seq] * block_size * slot_stride;
+        }
         walk_blocks(v_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run, const NextBlock& next) {
 #ifdef __AVX512F__
           if constexpr (kWideType<T>) if (wide) {
@@ -356,7 +321,7 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
               block_values(scores.data() + row * n + (k - k_begin), base + (h0 + hh) * row_len, slot_stride, run,
                            v_dim, head_dim, acc.data() + row * v_dim);
             }
-        });
+        }, k_after);
         std::memcpy(o, acc.data(), sizeof(float) * rows * v_dim);
       }
     }

@@ -1,0 +1,90 @@
+"""Paged-attention kernel microbenchmark: a decode step's attention alone, and the KV bandwidth it reaches.
+
+Times ``torch.ops.pdserve.paged_decode_attention`` (the op the compiled decode step calls: write
+the new K/V, then the native kernel) over every layer of a cache shaped like the ``bench``
+preset's (12 layers, 4 KV heads of 64, 12 query heads, blocks of 16, float32 by default), on one
+pinned core with one torch thread. The cache is allocated as the engine allocates it
+(``allocate_kv_cache``: 2 MiB pages where the kernel grants them) and holds exactly the batch's
+blocks, handed out in a random order as a busy block manager's free queue would, so at batch 8
+and 32 the KV comes from memory, not from the caches. Prints per batch: the median time of one
+step's worth of calls (every layer once), the KV bytes those calls read, and that rate in GB/s.
+
+    python benchmarks/bench_paged_attention.py                      # batch 1 / 8 / 32, contexts 156 / 350 / 300
+    python benchmarks/bench_paged_attention.py --dtype bfloat16
+    python benchmarks/bench_paged_attention.py --cases 16:512 64:256
+
+A figure for the kernel's speed on this machine, never a test: it compares only with runs of
+itself on the same machine (docs/benchmarks.md says which changes it measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, NUM_HEADS, BLOCK_SIZE = 12, 4, 64, 12, 16
+
+
+def time_case(batch: int, context: int, dtype: torch.dtype, repeats: int) -> dict:
+    """Median seconds of one step's attention (every layer) at ``batch`` sequences of ``context`` tokens."""
+    from pdserve.engine.attention import paged_decode_attention  # noqa: F401  registers the op
+    from pdserve.engine.kv_cache import allocate_kv_cache
+
+    blocks_per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq + 1
+    generator = torch.Generator().manual_seed(batch * 1000 + context)
+    cache = allocate_kv_cache(NUM_LAYERS, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, "cpu")
+    cache.normal_(generator=generator)
+    order = torch.randperm(num_blocks, generator=generator)[: batch * blocks_per_seq]
+    block_tables = order.view(batch, blocks_per_seq).contiguous()
+    seq_lens = torch.full((batch,), context, dtype=torch.int64)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int64)
+    last = (context - 1) // BLOCK_SIZE
+    slot_mapping = (block_tables[:, last] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE).contiguous()
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=generator)
+    key = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    value = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    op = torch.ops.pdserve.paged_decode_attention
+
+    def step() -> None:
+        for layer in range(NUM_LAYERS):
+            op(query, key, value, cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc,
+               HEAD_DIM**-0.5, 0, "", None)
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    kv_bytes = NUM_LAYERS * batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * cache.element_size()
+    return {"batch": batch, "context": context, "step_s": statistics.median(times), "kv_bytes": kv_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=["1:156", "8:350", "32:300"],
+                        help="BATCH:CONTEXT pairs (default: the bench_decode MBU batches' mean contexts)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--core", type=int, default=0)
+    args = parser.parse_args()
+    os.sched_setaffinity(0, {args.core})
+    torch.set_num_threads(1)
+    dtype = getattr(torch, args.dtype)
+    print(f"paged attention, {NUM_LAYERS} layers x {NUM_HEADS} heads over {NUM_KV_HEADS} KV heads of {HEAD_DIM}, "
+          f"{args.dtype} cache, one core (cpu capability {torch.backends.cpu.get_cpu_capability()})")
+    for case in args.cases:
+        batch, context = (int(x) for x in case.split(":"))
+        r = time_case(batch, context, dtype, args.repeats)
+        print(f"  batch {batch:3d}, context {context:5d}: {r['step_s'] * 1e3:7.2f} ms a step, "
+              f"KV {r['kv_bytes'] / 2**20:6.1f} MiB -> {r['kv_bytes'] / r['step_s'] / 1e9:5.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
