@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
+from bench_linear_formats import median_ms  # this folder's timing loop (run as a script, it is on sys.path)
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, NUM_HEADS, BLOCK_SIZE = 12, 4, 64, 12, 16
 
@@ -55,15 +54,10 @@ def time_case(batch: int, context: int, dtype: torch.dtype, repeats: int) -> dic
             op(query, key, value, cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc,
                HEAD_DIM**-0.5, 0, "", None)
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+    step()
+    step_ms = median_ms(step, repeats)  # one warm call, then the median of `repeats`
     kv_bytes = NUM_LAYERS * batch * context * 2 * NUM_KV_HEADS * HEAD_DIM * cache.element_size()
-    return {"batch": batch, "context": context, "step_s": statistics.median(times), "kv_bytes": kv_bytes}
+    return {"batch": batch, "context": context, "step_s": step_ms / 1e3, "kv_bytes": kv_bytes}
 
 
 def main() -> None:
