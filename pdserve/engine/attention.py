@@ -445,7 +445,7 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     for a latent cache, its values are the keys' first v_dim values."""
     num_tokens, num_heads, head_dim = query.shape
     v_dim = value.shape[-1] if value is not None else head_dim  # None: every row is cached already
-    kv_slots, num_blocks, block_size, num_kv_heads, _ = kv_cache_layer.shape
+    kv_slots, _, block_size, num_kv_heads, _ = kv_cache_layer.shape
     plan = _native_plan(metadata, sliding_window, sinks is not None)
     sink_rows = sinks.to(torch.float32).contiguous() if sinks is not None else None  # (H,)
     out = query.new_empty(num_tokens, num_heads, v_dim, dtype=torch.float32)  # (N, H, V)
