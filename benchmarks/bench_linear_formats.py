@@ -12,7 +12,7 @@ prints the median time of one pass over all of them at each row count through:
 * ``F.linear`` on plain weights (MKL's sgemm on a CPU build of torch).
 
 ``--linear-weight-format auto`` makes the same comparison at load on a model's own weights
-(``layers.choose_linear_weight_format``); this script shows the whole curve.
+(``weight_format.choose_linear_weight_format``); this script shows the whole curve.
 """
 
 from __future__ import annotations

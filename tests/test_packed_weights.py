@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine import onednn_linear
-from pdserve.engine.layers import (ColumnParallelLinear, RowParallelLinear, choose_linear_weight_format,
-                                   pack_linear_weights, pack_lm_head)
+from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
+from pdserve.engine.weight_format import choose_linear_weight_format, pack_linear_weights, pack_lm_head
 from tests.checkpoints import greedy_reference
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -87,7 +87,7 @@ def test_llm_on_packed_weights_gives_transformers_tokens(model_dir):
     ref = greedy_reference(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, 12)
     with LLM(model_dir, linear_weight_format="onednn", max_num_batched_tokens=16, enforce_eager=False) as llm:
         assert llm.core.runner.num_packed_linears == 4 * llm.core.runner.num_layers  # qkv, o, gate_up, down
-        assert llm.core.runner.lm_head_packed  # the tiny model's head is untied: layers.pack_lm_head
+        assert llm.core.runner.lm_head_packed  # the tiny model's head is untied: weight_format.pack_lm_head
         assert llm.core.runner.model.lm_head.weight.untyped_storage().nbytes() <= 4  # no plain copy kept
         assert llm.core.runner._compiled_decode is not None  # pdserve.engine.onednn_linear
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

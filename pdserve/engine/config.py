@@ -99,12 +99,12 @@ class EngineConfig:
             kernel, no compiled decode step. Needs the paged backend and TP <= 2 (ValueError else).
         linear_weight_format: ``auto`` | ``plain`` | ``onednn``. ``onednn``: the decoder's linear
             weights are reordered once, at load, into oneDNN's blocked layout and every matmul of
-            theirs runs through oneDNN (``pdserve.engine.layers.pack_linear_weights``; vLLM's CPU
+            theirs runs through oneDNN (``pdserve.engine.weight_format.pack_linear_weights``; vLLM's CPU
             backend does the same): faster than MKL on a prefill's few hundred rows (15% on Zen 4
             class cores, 2.3x on Zen 5 class). ``plain``: MKL, and the decode kernel for a decode
             step's few rows. ``auto``: ``onednn`` on a prefill worker (``from_cli_args`` with role
             "prefill"); on a single-rank CPU engine that decodes, the layout whose matmuls (decode
-            batches and a prompt chunk) run faster here, timed at load (``layers.choose_linear_weight_format``;
+            batches and a prompt chunk) run faster here, timed at load (``weight_format.choose_linear_weight_format``;
             ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` overrides what ``auto`` means there); ``plain`` elsewhere.
         disable_hybrid_kv_cache_manager: a model whose layers mix sliding windows with full attention
             (Gemma 3, gpt-oss) keeps every block in every layer, one block table per request, instead of

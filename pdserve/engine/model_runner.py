@@ -28,7 +28,7 @@ from pdserve.engine.compiled_step import CompiledDecodeStep
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.engine.kv_cache_groups import kv_cache_groups_for
-from pdserve.engine.layers import choose_linear_weight_format, pack_linear_weights, pack_lm_head
+from pdserve.engine.weight_format import choose_linear_weight_format, pack_linear_weights, pack_lm_head
 from pdserve.common.kv_quant import resolve_kv_cache_format
 from pdserve.engine.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
@@ -143,7 +143,7 @@ class ModelRunner:
         if config.batch_invariant:
             self.model.set_batch_invariant(True)
         self.num_packed_linears = 0  # layers whose weights are in oneDNN's layout (--linear-weight-format onednn)
-        self.lm_head_packed = False  # the LM head's too (layers.pack_lm_head: an untied head)
+        self.lm_head_packed = False  # the LM head's too (weight_format.pack_lm_head: an untied head)
         self.linear_weight_format = config.linear_weight_format
         if self.linear_weight_format == "auto":  # an engine that decodes: the faster layout on this CPU
             single_rank = config.tensor_parallel_size * config.pipeline_parallel_size == 1  # ranks would each choose

@@ -1,6 +1,6 @@
 """Linear layers on oneDNN-packed weights as one torch op, so a compiled decode step can call them.
 
-``layers.pack_linear_weights`` reorders a layer's weight into oneDNN's blocked layout once, at load
+``weight_format.pack_linear_weights`` reorders a layer's weight into oneDNN's blocked layout once, at load
 (the layout vLLM's CPU backend keeps in its ``onednn_mm`` handles). That tensor has torch's opaque
 ``_mkldnn`` layout, which torch.compile cannot take as a graph input (inductor asserts on it), so a
 worker with packed weights used to run its decode step eagerly (on the bench preset, one Zen 5
@@ -52,7 +52,7 @@ def _(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None
 
 
 def packed_linear(x2: torch.Tensor, layer, bias: torch.Tensor | None) -> torch.Tensor:
-    """x2 [M, K] through ``layer``'s packed weight [N, K] (``layers.pack_linear_weights``) -> [M, N]:
+    """x2 [M, K] through ``layer``'s packed weight [N, K] (``weight_format.pack_linear_weights``) -> [M, N]:
     oneDNN directly when eager, the op by handle under torch.compile, which never sees the packed
     tensor."""
     if torch.compiler.is_compiling():

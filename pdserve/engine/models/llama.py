@@ -365,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
             padded = pad_rows(x)  # (n rounded up, hidden)
             parts = [F.linear(padded, weight[i:i + LOGITS_CHUNK]) for i in range(0, weight.shape[0], LOGITS_CHUNK)]
             return torch.cat(parts, dim=1)[: x.shape[0]].float()
-        if getattr(self.lm_head, "packed_handle", None) is not None:  # layers.pack_lm_head
+        if getattr(self.lm_head, "packed_handle", None) is not None:  # weight_format.pack_lm_head
             return onednn_linear.packed_linear(x, self.lm_head, None).float()
         if decode_linear.kernel_applies(x, weight):  # decode rows: the head streamed once (pdserve.engine.decode_linear)
             return decode_linear.decode_linear_kernel(x, weight).float()
