@@ -43,14 +43,25 @@ def pack_linear_weights(model: nn.Module) -> int:
         if (module.weight_scale is not None or module.batch_invariant or weight.device.type != "cpu"
                 or weight.dtype not in (torch.float32, torch.bfloat16)):
             continue
-        try:
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            module.packed_handle = onednn_linear.register_packed_weight(module.packed_weight)
-        except (RuntimeError, NotImplementedError):  # a oneDNN build without this reorder (some CPUs, dtypes)
+        if not _pack(module):  # a oneDNN build without this reorder (some CPUs, dtypes)
             return packed
-        module.weight = nn.Parameter(torch.zeros((), dtype=weight.dtype).expand(weight.shape), requires_grad=False)
         packed += 1
     return packed
+
+
+def _pack(module: nn.Module) -> bool:
+    """Move ``module.weight`` into oneDNN's blocked layout: ``packed_weight`` holds it, ``packed_handle``
+    names it to ``onednn_linear``, and ``weight`` becomes a zero-stride view of its shape and dtype over
+    no memory. False (``module`` unchanged) where oneDNN cannot reorder it."""
+    weight = module.weight
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (RuntimeError, NotImplementedError):
+        return False
+    module.packed_weight = packed
+    module.packed_handle = onednn_linear.register_packed_weight(packed)
+    module.weight = nn.Parameter(torch.zeros((), dtype=weight.dtype).expand(weight.shape), requires_grad=False)
+    return True
 
 
 def pack_lm_head(model: nn.Module) -> bool:
@@ -73,14 +84,7 @@ def pack_lm_head(model: nn.Module) -> bool:
             or head is getattr(inner, "embed_tokens", None) or weight.device.type != "cpu"
             or weight.dtype not in (torch.float32, torch.bfloat16) or weight.dim() != 2):
         return False
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-    except (RuntimeError, NotImplementedError):
-        return False
-    head.packed_weight = packed
-    head.packed_handle = onednn_linear.register_packed_weight(packed)
-    head.weight = nn.Parameter(torch.zeros((), dtype=weight.dtype).expand(weight.shape), requires_grad=False)
-    return True
+    return _pack(head)
 
 
 PROBE_BYTES = 256 * 2**20  # weights the format probe streams per timing: past any core's caches
