@@ -413,13 +413,12 @@ def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     kv_cache_layer = kv_cache[layer]
     kv_dtype = kv_cache_dtype or None
     write_kv_cache(key, value, kv_cache_layer, slot_mapping, kv_dtype)
-    code = _PLAIN_KV_DTYPE_CODES.get(kv_cache.dtype)
-    if code is not None and kv_dtype is None and sinks is None and query.dtype == torch.float32:
-        # A plain cache, one row per sequence: straight to the kernel, none of the general path's planning
-        # (its metadata, plan and checks cost ~15 us a call against ~15 us of kernel at batch 1).
+    if kv_dtype is None and sinks is None and query.dtype == torch.float32:
+        # A plain cache, one row per sequence: every row is the kernel's, so none of the general path's
+        # planning (its metadata and plan cost ~15 us a call against ~15 us of kernel at batch 1).
         out = query.new_empty(*query.shape[:2], value.shape[-1])  # (N, H, V)
-        _run_kernel(out, query.contiguous(), kv_cache_layer, code, block_tables, seq_lens, query_start_loc, None,
-                    scale, sliding_window or 0, None)
+        _run_kernel(out, query.contiguous(), kv_cache_layer, _kernel_dtype_code(kv_cache.dtype, None), block_tables,
+                    seq_lens, query_start_loc, None, scale, sliding_window or 0, None)
         return out
     metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=1,
                                  max_seq_len=0, backend="paged", kv_cache_dtype=kv_dtype)
@@ -452,8 +451,8 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     num_seqs = metadata.seq_lens.shape[0]
     if len(plan.fresh) + len(plan.chunks) < num_seqs:  # some rows for the paged kernel
         _run_kernel(out, query.to(torch.float32).contiguous(), kv_cache_layer,
-                    _kernel_dtype_code(kv_cache_layer, metadata), metadata.block_tables, metadata.seq_lens,
-                    metadata.query_start_loc, plan.skip, scale, sliding_window or 0, sink_rows)
+                    _kernel_dtype_code(kv_cache_layer.dtype, metadata.kv_cache_dtype), metadata.block_tables,
+                    metadata.seq_lens, metadata.query_start_loc, plan.skip, scale, sliding_window or 0, sink_rows)
     num_rep = num_heads // num_kv_heads
     if plan.fresh and metadata.kv_cache_dtype is not None:  # the new K/V as the cache holds them
         fmt = kv_cache_format(metadata.kv_cache_dtype)
@@ -469,10 +468,6 @@ def _attend_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         # row j (position seq_len - Q + j) sees keys 0 .. seq_len - Q + j: causal, shifted by the cached rows
         causal_attention(out[begin:end], query[begin:end], k_all, v_all, num_rep, scale, plan.chunk_masks, i)
     return out if query.dtype == torch.float32 else out.to(query.dtype)
-
-
-# The kernel's codes for a plain (unquantized) cache, by the cache tensor's dtype.
-_PLAIN_KV_DTYPE_CODES = {torch.float32: KV_DTYPE_CODES["float32"], torch.bfloat16: KV_DTYPE_CODES["bfloat16"]}
 
 
 def _run_kernel(out: torch.Tensor, query: torch.Tensor, kv_cache_layer: torch.Tensor, dtype_code: int,
@@ -504,9 +499,10 @@ def _run_kernel(out: torch.Tensor, query: torch.Tensor, kv_cache_layer: torch.Te
                          f"{num_kv_heads} KV heads, head_dim {head_dim}, v_dim {v_dim}, {kv_slots} KV slots")
 
 
-def _kernel_dtype_code(kv_cache_layer: torch.Tensor, metadata: AttentionMetadata) -> int:
-    """The native kernel's code for the cache's element type (ValueError if it has none)."""
-    name = metadata.kv_cache_dtype or str(kv_cache_layer.dtype).removeprefix("torch.")
+def _kernel_dtype_code(cache_dtype: torch.dtype, kv_cache_dtype: str | None) -> int:
+    """The native kernel's code for a cache of ``cache_dtype`` elements holding KV dtype ``kv_cache_dtype``
+    (None: a plain cache of ``cache_dtype``; ValueError if the kernel reads no such cache)."""
+    name = kv_cache_dtype or str(cache_dtype).removeprefix("torch.")
     if name not in KV_DTYPE_CODES:
         raise ValueError(f"the paged attention kernel does not read a {name} KV cache")
     return KV_DTYPE_CODES[name]
