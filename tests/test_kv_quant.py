@@ -20,7 +20,8 @@ from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import GenerateRequest, KVLayout, RegisterWorker, RemotePrefillRequest, WorkerRole
 from pdserve.common.transport import encode
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.attention import AttentionMetadata, _attend_native, paged_attention, select_backend
+from pdserve.engine.attention import AttentionMetadata, paged_attention, select_backend
+from pdserve.engine.paged_backend import attend_native
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kernels import load_paged_attention
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
@@ -162,7 +163,7 @@ def test_kernel_decodes_every_fp8_code_as_torch_does(name):
     md = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), block_tables=torch.tensor([[1]]),
                            seq_lens=torch.tensor([1]), query_start_loc=torch.tensor([0, 1]), max_query_len=1,
                            max_seq_len=1, backend="paged", kv_cache_dtype=name)  # one row over the cached token
-    out = _attend_native(torch.randn(1, 1, 256), None, None, cache, md, 1.0, None)
+    out = attend_native(torch.randn(1, 1, 256), None, None, cache, md, 1.0, None)
     assert torch.equal(out[0, 0], values * 0.375)
 
 

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, _native_plan, paged_attention, select_backend
+from pdserve.engine.attention import AttentionMetadata, paged_attention, select_backend
+from pdserve.engine.paged_backend import native_plan
 from pdserve.engine.kernels import load_paged_attention, load_prefill_attention
 from pdserve.engine.prefill_attention import causal_attention
 from tests.threads import torch_threads
@@ -62,7 +63,7 @@ def test_paged_matches_reference_on_a_mixed_batch(heads, head_dim, window, block
     ref_cache = cache.clone()
     ref = _run("reference", ref_cache, q, k, v, tables, computed, new, block_size, window, head_dim**-0.5)
     out = _run("paged", cache, q, k, v, tables, computed, new, block_size, window, head_dim**-0.5)
-    plan = _native_plan(AttentionMetadata.build(tables, computed, new, block_size, backend="paged"), window)
+    plan = native_plan(AttentionMetadata.build(tables, computed, new, block_size, backend="paged"), window)
     assert [c[2] for c in plan.chunks] == ([] if window else [8, 9])  # the two long chunks; (5, 13) stays
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
