@@ -116,7 +116,7 @@ def timed_steps(core: EngineCore, num_steps: int) -> dict[str, list[float]]:
 
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::_weight_int8pack_mm",
-              "pdserve::decode_linear", "pdserve::int8_linear")
+              "pdserve::decode_linear", "pdserve::int8_linear", "pdserve::panel_linear", "pdserve::onednn_linear")
 
 
 def profile_step(core: EngineCore, num_steps: int = 5) -> dict[str, float]:
@@ -159,7 +159,7 @@ def main() -> int:
     ap.add_argument("--kv-cache-memory", type=int, default=2 * 2**30)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--attention", default="auto", help="auto | paged | reference")
-    ap.add_argument("--linear-weight-format", default="auto", help="auto | plain | onednn (as the engine flag)")
+    ap.add_argument("--linear-weight-format", default="auto", help="auto | plain | onednn | panel (as the engine flag)")
     ap.add_argument("--core", type=int, default=0, help="pin to this core")
     ap.add_argument("--skip-mbu", action="store_true")
     ap.add_argument("--mbu-batches", type=int, nargs="+", default=[1, 8, 32], help="batch sizes to report MBU at")

@@ -9,6 +9,8 @@ prints the median time of one pass over all of them at each row count through:
 
 * the decode kernel on plain weights (``pdserve.engine.decode_linear``, up to its row limit);
 * oneDNN on weights reordered once into its blocked layout (``--linear-weight-format onednn``);
+* the panel kernel on weights packed once in 16-feature panels (``--linear-weight-format panel``,
+  ``pdserve.engine.panel_linear``);
 * ``F.linear`` on plain weights (MKL's sgemm on a CPU build of torch).
 
 ``--linear-weight-format auto`` makes the same comparison at load on a model's own weights
@@ -23,7 +25,7 @@ import time
 
 import torch
 
-from pdserve.engine import decode_linear
+from pdserve.engine import decode_linear, panel_linear
 
 HIDDEN, INTERMEDIATE, Q_KV, LAYERS = 768, 2048, 768 + 2 * 256, 12  # the bench preset
 
@@ -50,10 +52,11 @@ def main() -> int:
     shapes = [(Q_KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS
     weights = [torch.randn(n, k) for n, k in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    panels = [panel_linear.pack_panels(w) for w in weights] if panel_linear.build_kernel() else None
     print(f"{len(weights)} linears, {sum(w.nbytes for w in weights) / 2**20:.0f} MiB float32, one thread on core "
           f"{args.core}; median ms of one pass over all of them")
-    print("| rows | decode kernel (plain) | oneDNN (packed) | F.linear (plain) |")
-    print("|---|---|---|---|")
+    print("| rows | decode kernel (plain) | oneDNN (packed) | panel kernel (panels) | F.linear (plain) |")
+    print("|---|---|---|---|---|")
     with torch.inference_mode():
         for m in args.rows:
             xs = {k: torch.randn(m, k) for k in (HIDDEN, INTERMEDIATE)}
@@ -66,6 +69,9 @@ def main() -> int:
             cells.append(median_ms(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none",
                                                                                [None], "")
                                             for w, p in zip(weights, packed)], args.repeats))
+            cells.append(None if panels is None else median_ms(
+                lambda: [panel_linear.panel_linear(xs[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, panels)],
+                args.repeats))
             cells.append(median_ms(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights],
                                    args.repeats))
             print(f"| {m} | " + " | ".join("n/a" if c is None else f"{c:.1f}" for c in cells) + " |", flush=True)

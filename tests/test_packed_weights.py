@@ -120,22 +120,23 @@ def test_prefill_workers_pack_by_default_and_their_ranks_are_told(monkeypatch):
 
 
 def test_auto_times_both_layouts_on_the_models_weights_and_takes_the_faster(model_dir, monkeypatch):
-    """``auto`` on an engine that decodes: ``choose_linear_weight_format`` times the plain path and oneDNN
-    on the model's own linears and says which and why; the engine packs exactly when it chose oneDNN, and
-    either way gives transformers' tokens. The choice follows the timings: a oneDNN made slow loses."""
+    """``auto`` on an engine that decodes: ``choose_linear_weight_format`` times the plain path, oneDNN (and
+    panels, tests/test_panel_linear.py) on the model's own linears and says which and why; the engine packs
+    exactly when it chose a packed layout, and either way gives transformers' tokens. The choice follows
+    the timings: a oneDNN made slow loses."""
     monkeypatch.delenv("PDSERVE_LINEAR_WEIGHT_FORMAT")
     prompts = [[5, 17, 42, 8, 99, 3, 12, 77, 41, 19] * 3]
     ref = greedy_reference(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, 8)
     with LLM(model_dir) as llm:
         runner = llm.core.runner
-        assert runner.linear_weight_format in ("plain", "onednn")
-        assert runner.num_packed_linears == (4 * runner.num_layers if runner.linear_weight_format == "onednn" else 0)
+        assert runner.linear_weight_format in ("plain", "onednn", "panel")
+        assert runner.num_packed_linears == (4 * runner.num_layers if runner.linear_weight_format != "plain" else 0)
         out = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
         assert out[0].outputs[0].token_ids == ref[0][0]
     model = torch.nn.ModuleDict({"a": ColumnParallelLinear(256, [512]), "b": RowParallelLinear(512, 256)})
     choice, why = choose_linear_weight_format(model)
-    assert choice in ("plain", "onednn") and "plain" in why and "oneDNN" in why
+    assert choice in ("plain", "onednn", "panel") and "plain" in why and "oneDNN" in why
     real = torch.ops.mkldnn._linear_pointwise
 
     def slow(*args):
@@ -143,5 +144,5 @@ def test_auto_times_both_layouts_on_the_models_weights_and_takes_the_faster(mode
         return real(*args)
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", slow)
-    assert choose_linear_weight_format(model)[0] == "plain"
+    assert choose_linear_weight_format(model)[0] != "onednn"
     assert all(layer.packed_weight is None for layer in model.values())  # timing packs nothing

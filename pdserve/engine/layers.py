@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import decode_linear, elementwise, onednn_linear
+from pdserve.engine import decode_linear, elementwise, onednn_linear, panel_linear
 from pdserve.engine.int8_linear import dequantize_int8, int8_linear_kernel, kernel_applies
 
 
@@ -91,10 +91,13 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 def _project(layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + bias for ``layer``: packed weights through oneDNN (``weight_format.pack_linear_weights``), int8
-    weights through ``quantized_linear``, float ones through ``batch_invariant_linear``
+    """x W^T + bias for ``layer``: packed weights through oneDNN (``weight_format.pack_linear_weights``) or
+    the panel kernel (``weight_format.pack_panel_weights``), int8 weights through ``quantized_linear``, float ones through ``batch_invariant_linear``
     (batch-invariant), the few-row decode kernel (decode steps on the CPU,
     ``pdserve.engine.decode_linear``) or ``F.linear``."""
+    if layer.panel_weight is not None:  # 16-feature panels (weight_format.pack_panel_weights)
+        y = panel_linear.panel_linear(x.reshape(-1, x.shape[-1]), layer.panel_weight, layer.weight.shape[0], bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     if layer.packed_handle is not None:  # oneDNN's blocked layout (weight_format.pack_linear_weights)
         y = onednn_linear.packed_linear(x.reshape(-1, x.shape[-1]), layer, bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -176,6 +179,7 @@ class ColumnParallelLinear(nn.Module):
     lora = None
     packed_weight = None  # the weight in oneDNN's blocked layout (weight_format.pack_linear_weights), or None
     packed_handle = None  # packed_weight's handle for torch.ops.pdserve.onednn_linear (compiled graphs)
+    panel_weight = None  # the weight in 16-feature panels (weight_format.pack_panel_weights), or None
 
     def __init__(
         self,
@@ -240,7 +244,7 @@ class RowParallelLinear(nn.Module):
 
     batch_invariant: bool = False
     lora = None
-    packed_weight = packed_handle = None  # as ColumnParallelLinear's
+    packed_weight = packed_handle = panel_weight = None  # as ColumnParallelLinear's
 
     def __init__(
         self,

@@ -28,7 +28,7 @@ from pdserve.engine.compiled_step import CompiledDecodeStep
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.engine.kv_cache_groups import kv_cache_groups_for
-from pdserve.engine.weight_format import choose_linear_weight_format, pack_linear_weights, pack_lm_head
+from pdserve.engine.weight_format import PACKED_LAYOUTS, choose_linear_weight_format, pack_model
 from pdserve.common.kv_quant import resolve_kv_cache_format
 from pdserve.engine.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
@@ -142,7 +142,7 @@ class ModelRunner:
             quantize_model(self.model, self.quantization)
         if config.batch_invariant:
             self.model.set_batch_invariant(True)
-        self.num_packed_linears = 0  # layers whose weights are in oneDNN's layout (--linear-weight-format onednn)
+        self.num_packed_linears = 0  # layers whose weights are packed (--linear-weight-format onednn or panel)
         self.lm_head_packed = False  # the LM head's too (weight_format.pack_lm_head: an untied head)
         self.linear_weight_format = config.linear_weight_format
         if self.linear_weight_format == "auto":  # an engine that decodes: the faster layout on this CPU
@@ -152,11 +152,11 @@ class ModelRunner:
                 logger.info("linear weights, --linear-weight-format auto: %s (%s)", self.linear_weight_format, why)
             else:
                 self.linear_weight_format = "plain"
-        if self.linear_weight_format == "onednn" and self.device.type == "cpu":
-            self.num_packed_linears = pack_linear_weights(self.model)
-            self.lm_head_packed = pack_lm_head(self.model)
-            logger.info("linear weights: %d layers reordered into oneDNN's blocked layout (prefill GEMMs)%s",
-                        self.num_packed_linears, "" if self.num_packed_linears else ": oneDNN is not available")
+        if self.linear_weight_format in PACKED_LAYOUTS and self.device.type == "cpu":
+            self.num_packed_linears, self.lm_head_packed = pack_model(self.model, self.linear_weight_format)
+            logger.info("linear weights: %d layers packed, %s%s", self.num_packed_linears,
+                        PACKED_LAYOUTS[self.linear_weight_format],
+                        "" if self.num_packed_linears else " (none: its library or dtype is not available here)")
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         self.vocab_size = int(hf_config.vocab_size)
         self.hidden_size = int(hf_config.hidden_size)

@@ -3,7 +3,8 @@
 ``paged_attention.cpp`` (paged attention over the KV cache), ``prefill_attention.cpp`` (causal
 attention of prompt rows over their own keys), ``elementwise.cpp`` (RMSNorm, SwiGLU and rotary
 embedding in one pass each, for eager forwards), ``int8_linear.cpp`` (weight-only int8 matmul) and
-``decode_linear.cpp`` (float32 / bfloat16 matmul for a few rows: decode steps) are plain C++ with a
+``decode_linear.cpp`` (float32 / bfloat16 matmul for a few rows: decode steps) and ``panel_linear.cpp``
+(float32 matmul on weights packed in 16-feature panels: decode batches of 8-64 rows) are plain C++ with a
 C ABI (no torch headers; they share ``vec8.h``, the vector helpers and a vectorized exp), so each
 builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), keyed by the source, the
@@ -140,6 +141,16 @@ def load_decode_linear() -> ctypes.CDLL | None:
     use torch's GEMM)."""
     return _load("decode_linear", [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int], "decode linear",
                  "decode matmuls run through torch's GEMM", functions=("pdserve_f32_linear", "pdserve_bf16_linear"))
+
+
+def load_panel_linear() -> ctypes.CDLL | None:
+    """The compiled panel linear library (``panel_linear.cpp``: ``pdserve_f32_pack_panels`` and
+    ``pdserve_f32_panel_linear``), or None where it cannot be built here (logged once; the engine then
+    keeps another weight layout)."""
+    return _load("panel_linear", {"pdserve_f32_pack_panels": [_P, _P, _I64, _I64],
+                                  "pdserve_f32_panel_linear": [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int]},
+                 "panel linear", "linear weights keep another layout",
+                 functions=("pdserve_f32_pack_panels", "pdserve_f32_panel_linear"))
 
 
 def load_prefill_attention() -> ctypes.CDLL | None:

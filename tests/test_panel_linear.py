@@ -1,0 +1,154 @@
+"""The panel kernel and its weight layout (``--linear-weight-format panel``, ``pdserve.engine.panel_linear``).
+
+Float32 weights are packed once into 16-feature column panels and every matmul of theirs runs through
+the kernel: F.linear's outputs (to float rounding) at any row count, block and panel tail, a row's
+outputs the same bits whatever the batch, no plain copy kept, transformers' tokens through the compiled
+decode step, and ``auto`` weighing the layout against the others.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from pdserve import LLM, SamplingParams
+from pdserve.engine import panel_linear
+from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
+from pdserve.engine.weight_format import choose_linear_weight_format, pack_lm_head, pack_model, pack_panel_weights
+from tests.checkpoints import greedy_reference
+
+pytestmark = pytest.mark.skipif(not panel_linear.build_kernel(), reason="no C++ compiler to build the kernel")
+
+
+# Rows: one, a few, one full block (28 on AVX-512), one past it (two blocks), several blocks with a short
+# last one. Features: under one panel, a panel and a tail. Inputs: under a vector, odd, a prompt's width.
+@pytest.mark.parametrize("rows", [1, 3, 16, 28, 29, 57, 300])
+@pytest.mark.parametrize("out_features,in_features", [(5, 7), (17, 64), (100, 300)])
+def test_kernel_computes_f_linear_and_a_rows_outputs_do_not_depend_on_the_batch(rows, out_features, in_features):
+    """The kernel's [M, N] equals F.linear's to float32 rounding; each row's outputs are bit-identical to
+    that row computed alone (every output sums its products in the same order in any block)."""
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features)
+    x = torch.randn(rows, in_features)
+    panels = panel_linear.pack_panels(weight)
+    assert panels.shape == ((out_features + 15) // 16, in_features, 16)
+    y = panel_linear.panel_linear(x, panels, out_features)
+    torch.testing.assert_close(y, F.linear(x, weight), atol=1e-4, rtol=1e-4)
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(panel_linear.panel_linear(x[i:i + 1], panels, out_features), y[i:i + 1])
+
+
+def test_pack_panels_refuses_what_it_cannot_take():
+    """Only 2-D float32 CPU weights pack; the op refuses panels of another shape."""
+    with pytest.raises(ValueError, match="float32"):
+        panel_linear.pack_panels(torch.randn(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2-D"):
+        panel_linear.pack_panels(torch.randn(4))
+    panels = panel_linear.pack_panels(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.pdserve.panel_linear(torch.randn(3, 9), panels, 20)
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.pdserve.panel_linear(torch.randn(3, 8), panels, 40)
+
+
+def test_packed_layers_compute_what_the_plain_weights_do_and_keep_no_copy():
+    """A fused column-parallel layer with a bias and a row-parallel one, at a decode step's rows, an odd
+    count, a prefill's and a 3-D input: the panel outputs equal the plain ones, the plain weight's memory
+    is gone (its shape and dtype stay), packing twice changes nothing, and bfloat16 layers stay plain."""
+    torch.manual_seed(0)
+    column = ColumnParallelLinear(64, [96, 40], bias=True)
+    row = RowParallelLinear(128, 64)
+    bf16 = RowParallelLinear(64, 32, dtype=torch.bfloat16)
+    for layer in (column, row, bf16):
+        torch.nn.init.normal_(layer.weight, std=0.05)
+    torch.nn.init.normal_(column.bias, std=0.05)
+    xs = [torch.randn(n, 64) for n in (1, 7, 300)] + [torch.randn(2, 5, 64)]
+    row_in = [torch.randn(*x.shape[:-1], 128) for x in xs]
+    with torch.inference_mode():
+        want = [(column(x), row(r)) for x, r in zip(xs, row_in)]
+    model = torch.nn.ModuleDict({"column": column, "row": row, "bf16": bf16})
+    assert pack_panel_weights(model) == 2
+    assert pack_panel_weights(model) == 0  # already packed
+    assert bf16.panel_weight is None
+    for layer, shape in ((column, (136, 64)), (row, (64, 128))):
+        assert layer.panel_weight is not None and layer.packed_weight is None
+        assert layer.weight.shape == shape and layer.weight.dtype == torch.float32
+        assert layer.weight.untyped_storage().nbytes() <= 4  # one element, viewed at every index
+    with torch.inference_mode():
+        for x, r, (want_column, want_row) in zip(xs, row_in, want):
+            torch.testing.assert_close(column(x), want_column, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(row(r), want_row, atol=1e-5, rtol=1e-4)
+
+
+def test_only_an_untied_float32_lm_head_is_packed_in_panels():
+    """An untied float32 head is packed (its logits equal the plain weight's, no plain copy kept); a tied
+    head, a bfloat16 one and one already packed are left alone; an unknown layout is refused."""
+    torch.manual_seed(0)
+
+    def causal_lm(tied: bool, dtype=torch.float32) -> torch.nn.Module:
+        lm = torch.nn.Module()
+        lm.model = torch.nn.Module()
+        lm.model.embed_tokens = torch.nn.Embedding(100, 32, dtype=dtype)
+        lm.lm_head = lm.model.embed_tokens if tied else torch.nn.Embedding(100, 32, dtype=dtype)
+        return lm
+
+    assert not pack_lm_head(causal_lm(tied=True), "panel")
+    assert not pack_lm_head(causal_lm(tied=False, dtype=torch.bfloat16), "panel")
+    untied = causal_lm(tied=False)
+    x = torch.randn(3, 32)
+    want = F.linear(x, untied.lm_head.weight.detach())
+    assert pack_lm_head(untied, "panel")
+    assert not pack_lm_head(untied, "panel") and not pack_lm_head(untied, "onednn")  # already packed
+    assert untied.lm_head.weight.untyped_storage().nbytes() <= 4
+    torch.testing.assert_close(panel_linear.panel_linear(x, untied.lm_head.panel_weight, 100), want,
+                               atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="panel"):
+        pack_lm_head(untied, "mkl")
+    with pytest.raises(ValueError, match="panel"):
+        pack_model(untied, "plain")
+
+
+def test_llm_on_panel_weights_gives_transformers_tokens(model_dir):
+    """The tiny model with every decoder linear and its LM head in panels (prefill steps eager, decode
+    steps compiled, the panels graph inputs): transformers' greedy tokens, and logprobs within 1e-4."""
+    prompts = [[5, 17, 42, 8, 99, 3, 12, 77, 41, 19] * 3, [7, 7, 9, 100, 3], [11, 12]]
+    ref = greedy_reference(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, 12)
+    with LLM(model_dir, linear_weight_format="panel", max_num_batched_tokens=16, enforce_eager=False) as llm:
+        runner = llm.core.runner
+        assert runner.num_packed_linears == 4 * runner.num_layers  # qkv, o, gate_up, down
+        assert runner.lm_head_packed and runner.model.lm_head.panel_weight is not None
+        assert runner.model.lm_head.weight.untyped_storage().nbytes() <= 4  # no plain copy kept
+        assert runner._compiled_decode is not None
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True),
+                            use_tqdm=False)
+    for (tokens, logprobs), out in zip(ref, outs):
+        assert out.outputs[0].token_ids == tokens
+        assert max(abs(g.logprob - w) for g, w in zip(out.outputs[0].logprobs, logprobs)) < 1e-4
+
+
+def test_auto_weighs_panels_against_the_other_layouts(monkeypatch):
+    """``choose_linear_weight_format`` times panels beside plain and oneDNN and says so; a panel kernel made
+    slow loses to the others, and the others made slow lose to it. Timing packs nothing."""
+    model = torch.nn.ModuleDict({"a": ColumnParallelLinear(256, [512]), "b": RowParallelLinear(512, 256)})
+    choice, why = choose_linear_weight_format(model)
+    assert choice in ("plain", "onednn", "panel") and "panel" in why
+
+    def slowed(fn):
+        def slow(*args, **kwargs):
+            time.sleep(0.002)
+            return fn(*args, **kwargs)
+        return slow
+
+    real_panel = panel_linear.panel_linear
+    monkeypatch.setattr(panel_linear, "panel_linear", slowed(real_panel))
+    assert choose_linear_weight_format(model)[0] != "panel"
+    monkeypatch.setattr(panel_linear, "panel_linear", real_panel)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", slowed(torch.ops.mkldnn._linear_pointwise))
+    monkeypatch.setattr("pdserve.engine.weight_format.linear", slowed(F.linear))
+    assert choose_linear_weight_format(model)[0] == "panel"
+    assert all(layer.panel_weight is None and layer.packed_weight is None for layer in model.values())
