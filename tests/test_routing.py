@@ -309,10 +309,43 @@ def test_prompts_go_to_the_decode_worker_only_when_the_prefill_queue_is_slower_b
     assert p0.prefill_pending_tokens == 0
 
 
+def test_the_margin_grows_with_the_decode_workers_requests_in_flight():
+    """``margin_per_request_s``: a local prefill delays every request decoding there, so the same prefill
+    queue sends a prompt to an idle decode worker and not to a busy one."""
+    from pdserve.common.protocol import SamplingParams
+    from pdserve.router.routing import prefers_local_prefill
+
+    reg = registry_with("d0")
+    reg.register(RegisterWorker(worker_id="p0", role=WorkerRole.PREFILL, input_addr="tcp://127.0.0.1:11000",
+                                model_name="tiny", num_blocks=100, block_size=16), now=0)
+    engine = RouterEngine("127.0.0.1", 0, reg)
+    engine._sockets = FakeSockets()
+    d0, p0 = reg.get("d0"), reg.get("p0")
+    _measured(reg, "p0", WorkerRole.PREFILL, 6000, 10.0)  # 600 tokens/s
+    engine.submit("r0", list(range(10, 310)), SamplingParams(max_tokens=4), d0, p0)  # 0.5 s queued at p0
+    # remote 1.0 s, local 0.5 s: 0.5 s sooner, against 0.1 + 0.05 per request in flight on d0 (one: r0)
+    assert d0.num_inflight == 1
+    assert prefers_local_prefill(d0, p0, 300, 0.1, 0.05)
+    for i in range(1, 8):  # seven more decoding there: 0.1 + 8 * 0.05 = 0.5 s, no longer sooner by more
+        engine.submit(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=4), d0, None)
+    assert d0.num_inflight == 8
+    assert not prefers_local_prefill(d0, p0, 300, 0.1, 0.05)
+    assert prefers_local_prefill(d0, p0, 300, 0.1)  # the fixed margin alone ignores the batch
+
+
 def test_local_prefill_margin_flag(model_dir):
     parser = RouterConfig.add_cli_args(argparse.ArgumentParser())
-    assert parser.parse_args(["--model", "x"]).local_prefill_margin_s == float("inf")  # off by default
-    args = parser.parse_args(["--model", "x", "--local-prefill-margin-s", "1.5"])
-    assert routing_args(args)[-2:] == ["--local-prefill-margin-s", "1.5"]
+    defaults = parser.parse_args(["--model", "x"])
+    assert defaults.local_prefill_margin_s == float("inf")  # off by default
+    assert defaults.local_prefill_margin_per_request_s == 0.0
+    args = parser.parse_args(["--model", "x", "--local-prefill-margin-s", "1.5",
+                              "--local-prefill-margin-per-request-s", "0.03"])
+    assert routing_args(args)[-4:] == ["--local-prefill-margin-s", "1.5", "--local-prefill-margin-per-request-s",
+                                       "0.03"]
+    assert RouterConfig.from_cli_args(
+        parser.parse_args(["--model", model_dir, "--local-prefill-margin-per-request-s", "0.03"])
+    ).local_prefill_margin_per_request_s == 0.03
     with pytest.raises(ValueError, match="local_prefill_margin_s"):
         RouterConfig(model=model_dir, local_prefill_margin_s=-1)
+    with pytest.raises(ValueError, match="local_prefill_margin_per_request_s"):
+        RouterConfig(model=model_dir, local_prefill_margin_per_request_s=float("inf"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import uuid
 
@@ -82,6 +83,10 @@ class RouterConfig:
             The margin is what a prefill costs the decode worker's running requests (their tokens
             wait for it): it trades their TPOT for this prompt's TTFT, so it is for deployments
             whose TTFT SLO binds first (docs/benchmarks.md has the measured trade).
+        local_prefill_margin_per_request_s: added to the margin once per request in flight on the
+            decode worker (default 0): a local prefill delays each of them, so a small batch at light
+            load prefills locally at a short prefill queue and a large one near saturation only at a
+            long one.
         enable_lora: serve LoRA adapters as models of their own (``pdserve.router.lora``), with
             ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; the workers need
             ``--enable-lora`` too. lora_modules: ``name=PATH`` adapters served from the start.
@@ -123,6 +128,7 @@ class RouterConfig:
     routing_prefix_blocks: int = 4
     routing_balance_factor: float = 1.5
     local_prefill_margin_s: float = float("inf")
+    local_prefill_margin_per_request_s: float = 0.0
     enable_lora: bool = False
     lora_modules: list[str] = dataclasses.field(default_factory=list)
     max_lora_rank: int = 16
@@ -170,6 +176,9 @@ class RouterConfig:
             raise ValueError(f"routing_balance_factor must be >= 1, got {self.routing_balance_factor}")
         if not self.local_prefill_margin_s >= 0:
             raise ValueError(f"local_prefill_margin_s must be >= 0 (inf: off), got {self.local_prefill_margin_s}")
+        if not 0 <= self.local_prefill_margin_per_request_s < math.inf:
+            raise ValueError("local_prefill_margin_per_request_s must be >= 0 and finite, got "
+                             f"{self.local_prefill_margin_per_request_s}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
         if self.max_lora_rank < 1:
@@ -274,6 +283,10 @@ def add_routing_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="prefill a prompt on its decode worker when that is expected to finish it this many "
                         "seconds sooner than the prefill pool (queued prompt tokens / measured prefill "
                         "speed); default inf: never (it trades the decode batch's TPOT for TTFT)")
+    g.add_argument("--local-prefill-margin-per-request-s", type=float,
+                   default=RouterConfig.local_prefill_margin_per_request_s,
+                   help="added to --local-prefill-margin-s for each request in flight on the decode worker "
+                        "(default 0): local prefills at light load, rarely near saturation")
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
@@ -318,7 +331,8 @@ def routing_args(args: argparse.Namespace) -> list[str]:
     """``add_routing_cli_args``'s parsed flags as router command-line arguments (for launchers)."""
     return ["--routing-policy", args.routing_policy, "--routing-prefix-blocks", str(args.routing_prefix_blocks),
             "--routing-balance-factor", str(args.routing_balance_factor),
-            "--local-prefill-margin-s", str(args.local_prefill_margin_s)]
+            "--local-prefill-margin-s", str(args.local_prefill_margin_s),
+            "--local-prefill-margin-per-request-s", str(args.local_prefill_margin_per_request_s)]
 
 
 def add_tracing_cli_args(parser: argparse.ArgumentParser) -> None:

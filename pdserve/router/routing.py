@@ -266,7 +266,7 @@ def make_policy(name: str, prefix_blocks: int = 4, balance_factor: float = 1.5) 
 
 
 def prefers_local_prefill(decode_worker: WorkerInfo, prefill_worker: WorkerInfo, num_prompt_tokens: int,
-                          margin_s: float) -> bool:
+                          margin_s: float, margin_per_request_s: float = 0.0) -> bool:
     """Load-aware prefill placement: should ``decode_worker`` prefill this prompt itself rather than
     ``prefill_worker``?
 
@@ -279,11 +279,13 @@ def prefers_local_prefill(decode_worker: WorkerInfo, prefill_worker: WorkerInfo,
     (``prefill_tokens_per_s``; a decode worker that never prefilled is taken to be as fast as the
     prefill worker, the same model on the same kind of machine). The prompt goes local when
 
-        (decode queue + prompt) / decode speed + margin_s < (prefill queue + prompt) / prefill speed
+        (decode queue + prompt) / decode speed + margin < (prefill queue + prompt) / prefill speed
+        margin = margin_s + margin_per_request_s * (the decode worker's requests in flight)
 
-    ``margin_s`` (seconds) is the price of a local prefill: the decode worker's running requests
-    wait for its step. Never local before the prefill worker has measured its speed (no evidence
-    of a queue), or when ``margin_s`` is infinite (off).
+    The margin (seconds) is the price of a local prefill: the decode worker's running requests
+    wait for its step, so the more of them, the dearer (a batch of 2 at light load pays little, a
+    batch of 20 near saturation pays ten times that in TPOT). Never local before the prefill
+    worker has measured its speed (no evidence of a queue), or when ``margin_s`` is infinite (off).
     """
     prefill_speed = prefill_worker.prefill_tokens_per_s
     if prefill_speed is None or math.isinf(margin_s):
@@ -291,5 +293,5 @@ def prefers_local_prefill(decode_worker: WorkerInfo, prefill_worker: WorkerInfo,
     decode_speed = decode_worker.prefill_tokens_per_s or prefill_speed
     remote_s = (prefill_worker.prefill_pending_tokens + num_prompt_tokens) / prefill_speed
     local_s = (decode_worker.prefill_pending_tokens + num_prompt_tokens) / decode_speed
-    return local_s + margin_s < remote_s
+    return local_s + margin_s + margin_per_request_s * decode_worker.num_inflight < remote_s
 

@@ -376,8 +376,9 @@ class OpenAIServing:
         prefill_worker = self.engine.route(  # only a prefill worker whose KV the decode worker can take
             WorkerRole.PREFILL, prompt_ids, lambda w: w.kv_compatible(decode_worker) and
             _accepts(prompt_ids, first_token, self.worker_limits(w)), lora)
-        if prefill_worker is not None and prefers_local_prefill(decode_worker, prefill_worker, num_prompt_tokens,
-                                                                self.config.local_prefill_margin_s):
+        if prefill_worker is not None and prefers_local_prefill(
+                decode_worker, prefill_worker, num_prompt_tokens, self.config.local_prefill_margin_s,
+                self.config.local_prefill_margin_per_request_s):
             self.engine.observe_route(WorkerRole.PREFILL, "local_prefill")  # the prefill pool is behind
             prefill_worker = None
         return params, decode_worker, prefill_worker
