@@ -5,8 +5,8 @@ from memory once and used for one multiply-add per row. oneDNN's packed GEMM, on
 ran the bench preset's 48 linears at 20 rows in about the time of streaming them plus computing at its
 large-batch rate. The panel kernel keeps the weight [N, K] as [ceil(N / 16), K, 16] (one sequential
 stream), prefetches it far ahead and multiplies each loaded line by up to 28 rows held in registers,
-so the stream and the FMAs overlap: 14 against 20 ms at 20 rows, 9 against 12.5 at 8, level at 1 and at
-a 512-row prompt chunk (``python benchmarks/bench_linear_formats.py``).
+so the stream and the FMAs overlap: 14 against 20 ms at 20 rows, 9 against 12.5 at 8, level at 1, and
+5-15% behind at a 512-row prompt chunk (``python benchmarks/bench_linear_formats.py``).
 
 ``weight_format.pack_panel_weights`` packs a model's layers once, at load (``--linear-weight-format
 panel``, or ``auto`` where it times fastest); ``torch.ops.pdserve.panel_linear`` is one opaque node of
