@@ -68,3 +68,25 @@ def greedy_reference(hf, prompt_ids: list[list[int]], max_tokens: int) -> list[t
         tokens = gen.sequences[0, len(ids):].tolist()
         out.append((tokens, [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(gen.logits, tokens)]))
     return out
+
+
+def assert_packed_llm_gives_transformers_tokens(model_dir: str, layout: str) -> None:
+    """The tiny model with every decoder linear and its (untied) LM head packed into ``layout``
+    (``--linear-weight-format``: ``onednn`` or ``panel``), prefill steps eager and decode steps
+    compiled: no plain copy kept, and transformers' greedy tokens with logprobs within 1e-4."""
+    from pdserve import LLM, SamplingParams
+
+    prompts = [[5, 17, 42, 8, 99, 3, 12, 77, 41, 19] * 3, [7, 7, 9, 100, 3], [11, 12]]
+    ref = greedy_reference(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, 12)
+    with LLM(model_dir, linear_weight_format=layout, max_num_batched_tokens=16, enforce_eager=False) as llm:
+        runner = llm.core.runner
+        assert runner.num_packed_linears == 4 * runner.num_layers  # qkv, o, gate_up, down
+        assert runner.lm_head_packed  # the tiny model's head is untied: weight_format.pack_lm_head
+        assert runner.model.lm_head.weight.untyped_storage().nbytes() <= 4  # no plain copy kept
+        assert runner._compiled_decode is not None  # packed weights reach the compiled graph too
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True),
+                            use_tqdm=False)
+    for (tokens, logprobs), out in zip(ref, outs):
+        assert out.outputs[0].token_ids == tokens
+        assert max(abs(g.logprob - w) for g, w in zip(out.outputs[0].logprobs, logprobs)) < 1e-4

@@ -19,7 +19,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine import onednn_linear
 from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
 from pdserve.engine.weight_format import choose_linear_weight_format, pack_linear_weights, pack_lm_head
-from tests.checkpoints import greedy_reference
+from tests.checkpoints import assert_packed_llm_gives_transformers_tokens, greedy_reference
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -83,19 +83,7 @@ def test_llm_on_packed_weights_gives_transformers_tokens(model_dir):
     """The tiny model with every decoder linear and its LM head packed (prefill steps eager, decode steps
     compiled, both through oneDNN; the compiled graph reaches the packed weights by handle):
     transformers' greedy tokens, and logprobs within 1e-4."""
-    prompts = [[5, 17, 42, 8, 99, 3, 12, 77, 41, 19] * 3, [7, 7, 9, 100, 3]]
-    ref = greedy_reference(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, 12)
-    with LLM(model_dir, linear_weight_format="onednn", max_num_batched_tokens=16, enforce_eager=False) as llm:
-        assert llm.core.runner.num_packed_linears == 4 * llm.core.runner.num_layers  # qkv, o, gate_up, down
-        assert llm.core.runner.lm_head_packed  # the tiny model's head is untied: weight_format.pack_lm_head
-        assert llm.core.runner.model.lm_head.weight.untyped_storage().nbytes() <= 4  # no plain copy kept
-        assert llm.core.runner._compiled_decode is not None  # pdserve.engine.onednn_linear
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True),
-                            use_tqdm=False)
-    for (tokens, logprobs), out in zip(ref, outs):
-        assert out.outputs[0].token_ids == tokens
-        assert max(abs(g.logprob - w) for g, w in zip(out.outputs[0].logprobs, logprobs)) < 1e-4
+    assert_packed_llm_gives_transformers_tokens(model_dir, "onednn")
 
 
 def test_prefill_workers_pack_by_default_and_their_ranks_are_told(monkeypatch):

@@ -13,13 +13,11 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
 
-from pdserve import LLM, SamplingParams
 from pdserve.engine import panel_linear
 from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
 from pdserve.engine.weight_format import choose_linear_weight_format, pack_lm_head, pack_model, pack_panel_weights
-from tests.checkpoints import greedy_reference
+from tests.checkpoints import assert_packed_llm_gives_transformers_tokens
 
 pytestmark = pytest.mark.skipif(not panel_linear.build_kernel(), reason="no C++ compiler to build the kernel")
 
@@ -115,20 +113,7 @@ def test_only_an_untied_float32_lm_head_is_packed_in_panels():
 def test_llm_on_panel_weights_gives_transformers_tokens(model_dir):
     """The tiny model with every decoder linear and its LM head in panels (prefill steps eager, decode
     steps compiled, the panels graph inputs): transformers' greedy tokens, and logprobs within 1e-4."""
-    prompts = [[5, 17, 42, 8, 99, 3, 12, 77, 41, 19] * 3, [7, 7, 9, 100, 3], [11, 12]]
-    ref = greedy_reference(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, 12)
-    with LLM(model_dir, linear_weight_format="panel", max_num_batched_tokens=16, enforce_eager=False) as llm:
-        runner = llm.core.runner
-        assert runner.num_packed_linears == 4 * runner.num_layers  # qkv, o, gate_up, down
-        assert runner.lm_head_packed and runner.model.lm_head.panel_weight is not None
-        assert runner.model.lm_head.weight.untyped_storage().nbytes() <= 4  # no plain copy kept
-        assert runner._compiled_decode is not None
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=12, temperature=0.0, logprobs=0, ignore_eos=True),
-                            use_tqdm=False)
-    for (tokens, logprobs), out in zip(ref, outs):
-        assert out.outputs[0].token_ids == tokens
-        assert max(abs(g.logprob - w) for g, w in zip(out.outputs[0].logprobs, logprobs)) < 1e-4
+    assert_packed_llm_gives_transformers_tokens(model_dir, "panel")
 
 
 def test_auto_weighs_panels_against_the_other_layouts(monkeypatch):

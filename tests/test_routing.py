@@ -272,16 +272,21 @@ def _measured(reg: WorkerRegistry, worker_id: str, role: WorkerRole, tokens: int
                             stats=WorkerStats(prefill_compute_tokens=tokens, prefill_compute_seconds=seconds)), now=0)
 
 
-def test_prompts_go_to_the_decode_worker_only_when_the_prefill_queue_is_slower_by_the_margin():
-    from pdserve.common.protocol import SamplingParams
-    from pdserve.router.routing import prefers_local_prefill
-
+def _decode_and_prefill_workers():
+    """A registry with decode worker d0 and prefill worker p0, and a router engine over it (no sockets)."""
     reg = registry_with("d0")
     reg.register(RegisterWorker(worker_id="p0", role=WorkerRole.PREFILL, input_addr="tcp://127.0.0.1:11000",
                                 model_name="tiny", num_blocks=100, block_size=16), now=0)
     engine = RouterEngine("127.0.0.1", 0, reg)
     engine._sockets = FakeSockets()
-    d0, p0 = reg.get("d0"), reg.get("p0")
+    return reg, engine, reg.get("d0"), reg.get("p0")
+
+
+def test_prompts_go_to_the_decode_worker_only_when_the_prefill_queue_is_slower_by_the_margin():
+    from pdserve.common.protocol import SamplingParams
+    from pdserve.router.routing import prefers_local_prefill
+
+    reg, engine, d0, p0 = _decode_and_prefill_workers()
     prompt = list(range(10, 310))  # 300 tokens
     assert not prefers_local_prefill(d0, p0, 300, 0.5)  # no measured speed yet: no evidence of a queue
     _measured(reg, "p0", WorkerRole.PREFILL, 6000, 10.0)  # 600 tokens/s
@@ -315,12 +320,7 @@ def test_the_margin_grows_with_the_decode_workers_requests_in_flight():
     from pdserve.common.protocol import SamplingParams
     from pdserve.router.routing import prefers_local_prefill
 
-    reg = registry_with("d0")
-    reg.register(RegisterWorker(worker_id="p0", role=WorkerRole.PREFILL, input_addr="tcp://127.0.0.1:11000",
-                                model_name="tiny", num_blocks=100, block_size=16), now=0)
-    engine = RouterEngine("127.0.0.1", 0, reg)
-    engine._sockets = FakeSockets()
-    d0, p0 = reg.get("d0"), reg.get("p0")
+    reg, engine, d0, p0 = _decode_and_prefill_workers()
     _measured(reg, "p0", WorkerRole.PREFILL, 6000, 10.0)  # 600 tokens/s
     engine.submit("r0", list(range(10, 310)), SamplingParams(max_tokens=4), d0, p0)  # 0.5 s queued at p0
     # remote 1.0 s, local 0.5 s: 0.5 s sooner, against 0.1 + 0.05 per request in flight on d0 (one: r0)
