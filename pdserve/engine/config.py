@@ -105,7 +105,7 @@ class EngineConfig:
             backend does the same): faster than MKL on a prefill's few hundred rows (15% on Zen 4
             class cores, 2.3x on Zen 5 class). ``panel``: float32 weights packed once in 16-feature
             panels, every matmul through the panel kernel (``pdserve.engine.panel_linear``: 30% faster
-            than oneDNN at decode batches of 8-32 rows on Zen 5 class cores, 5-15% behind on prompt chunks).
+            than oneDNN at decode batches of 8-32 rows on Zen 5 class cores, 5-25% behind on prompt chunks).
             ``plain``: MKL, and the decode kernel for a decode step's few rows. ``auto``: ``onednn`` on a prefill worker (``from_cli_args`` with role
             "prefill"); on a single-rank CPU engine that decodes, the layout whose matmuls (decode
             batches and a prompt chunk) run faster here, timed at load (``weight_format.choose_linear_weight_format``;

@@ -6,7 +6,7 @@ ran the bench preset's 48 linears at 20 rows in about the time of streaming them
 large-batch rate. The panel kernel keeps the weight [N, K] as [ceil(N / 16), K, 16] (one sequential
 stream), prefetches it far ahead and multiplies each loaded line by up to 28 rows held in registers,
 so the stream and the FMAs overlap: 14 against 20 ms at 20 rows, 9 against 12.5 at 8, level at 1, and
-5-15% behind at a 512-row prompt chunk (``python benchmarks/bench_linear_formats.py``).
+5-25% behind at 288-512-row prompt chunks (``python benchmarks/bench_linear_formats.py``).
 
 ``weight_format.pack_panel_weights`` packs a model's layers once, at load (``--linear-weight-format
 panel``, or ``auto`` where it times fastest); ``torch.ops.pdserve.panel_linear`` is one opaque node of
