@@ -92,9 +92,9 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def _project(layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + bias for ``layer``: packed weights through oneDNN (``weight_format.pack_linear_weights``) or
-    the panel kernel (``weight_format.pack_panel_weights``), int8 weights through ``quantized_linear``, float ones through ``batch_invariant_linear``
-    (batch-invariant), the few-row decode kernel (decode steps on the CPU,
-    ``pdserve.engine.decode_linear``) or ``F.linear``."""
+    the panel kernel (``weight_format.pack_panel_weights``), int8 weights through ``quantized_linear``,
+    float ones through ``batch_invariant_linear`` (batch-invariant), the few-row decode kernel (decode
+    steps on the CPU, ``pdserve.engine.decode_linear``) or ``F.linear``."""
     if layer.panel_weight is not None:  # 16-feature panels (weight_format.pack_panel_weights)
         y = panel_linear.panel_linear(x.reshape(-1, x.shape[-1]), layer.panel_weight, layer.weight.shape[0], bias)
         return y.reshape(*x.shape[:-1], y.shape[-1])
