@@ -89,17 +89,24 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y.reshape(*lead, weight.shape[0])
 
 
+def packed_linear(module: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x2 [M, K] through ``module``'s packed weight [N, K] -> [M, N] (+ bias): 16-feature panels
+    (``weight_format.pack_panel_weights``) or oneDNN's blocked layout (``pack_linear_weights``); None
+    when its weight is not packed. A decoder linear or an LM head (``weight_format.pack_lm_head``)."""
+    if getattr(module, "panel_weight", None) is not None:
+        return panel_linear.panel_linear(x2, module.panel_weight, module.weight.shape[0], bias)
+    if getattr(module, "packed_handle", None) is not None:
+        return onednn_linear.packed_linear(x2, module, bias)
+    return None
+
+
 def _project(layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor,
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + bias for ``layer``: packed weights through oneDNN (``weight_format.pack_linear_weights``) or
     the panel kernel (``weight_format.pack_panel_weights``), int8 weights through ``quantized_linear``,
     float ones through ``batch_invariant_linear`` (batch-invariant), the few-row decode kernel (decode
     steps on the CPU, ``pdserve.engine.decode_linear``) or ``F.linear``."""
-    if layer.panel_weight is not None:  # 16-feature panels (weight_format.pack_panel_weights)
-        y = panel_linear.panel_linear(x.reshape(-1, x.shape[-1]), layer.panel_weight, layer.weight.shape[0], bias)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    if layer.packed_handle is not None:  # oneDNN's blocked layout (weight_format.pack_linear_weights)
-        y = onednn_linear.packed_linear(x.reshape(-1, x.shape[-1]), layer, bias)
+    if (y := packed_linear(layer, x.reshape(-1, x.shape[-1]), bias)) is not None:
         return y.reshape(*x.shape[:-1], y.shape[-1])
     if layer.weight_scale is not None:
         y = quantized_linear(x, layer.weight, layer.weight_scale, layer.batch_invariant)

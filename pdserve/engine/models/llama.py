@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import decode_linear, onednn_linear, panel_linear
+from pdserve.engine import decode_linear
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.common.sharding import kv_head_layout
 from pdserve.engine.layers import (
@@ -33,6 +33,7 @@ from pdserve.engine.layers import (
     RMSNorm,
     RowParallelLinear,
     SiluAndMul,
+    packed_linear,
     pad_rows,
     tp_rank_and_size,
 )
@@ -365,10 +366,8 @@ class LlamaForCausalLM(nn.Module):
             padded = pad_rows(x)  # (n rounded up, hidden)
             parts = [F.linear(padded, weight[i:i + LOGITS_CHUNK]) for i in range(0, weight.shape[0], LOGITS_CHUNK)]
             return torch.cat(parts, dim=1)[: x.shape[0]].float()
-        if getattr(self.lm_head, "panel_weight", None) is not None:  # weight_format.pack_lm_head, panels
-            return panel_linear.panel_linear(x, self.lm_head.panel_weight, weight.shape[0]).float()
-        if getattr(self.lm_head, "packed_handle", None) is not None:  # weight_format.pack_lm_head, oneDNN
-            return onednn_linear.packed_linear(x, self.lm_head, None).float()
+        if (logits := packed_linear(self.lm_head, x)) is not None:  # weight_format.pack_lm_head
+            return logits.float()
         if decode_linear.kernel_applies(x, weight):  # decode rows: the head streamed once (pdserve.engine.decode_linear)
             return decode_linear.decode_linear_kernel(x, weight).float()
         if x.device.type == "cpu" and x.shape[0] >= 4 and weight.shape[0] > 2 * LOGITS_CHUNK:
