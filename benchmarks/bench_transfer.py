@@ -14,7 +14,8 @@ of 512 and 2048 tokens:
   The two alternate, one run each, so the shared machine's changing load hits both alike;
   the ratio is raw / transfer of the medians, with the spread of the per-pair ratios;
 * **own work**: the sending core's share that raw gloo does not have, alone (no wire): the
-  gather of every layer's blocks into a staging buffer, and the checksum of the gathered layers;
+  gather of every layer's blocks into a staging buffer with their checksum, in one native pass
+  (or, without the kernel, ``index_select`` then the torch checksum);
 * **exposed transfer**: the prefill forward of the same prompt on the bench model alone,
   then with every layer sent as soon as it is written (``on_layer_done``) and waited for;
   the extra time as a share of the forward alone (the difference of two noisy forwards),
@@ -85,22 +86,28 @@ def decode_main(ctrl, out, raw_port: int) -> None:
 
 
 def own_work(kv_cache: torch.Tensor, block_ids: list[int], repeats: int) -> dict:
-    """What pdserve adds to raw gloo on the sending core, measured alone (no wire): gathering every
-    layer's blocks into a staging buffer, and checksumming the gathered layers (median seconds)."""
-    from pdserve.kvtransfer.checksum import KVChecksum
+    """What pdserve adds to raw gloo on the sending core, measured alone (no wire), as the sender does
+    it: each layer's blocks gathered into a staging buffer and checksummed in one native pass
+    (``gather_with_checksum``), or where that kernel is not built, ``index_select`` then the torch
+    checksum. Median seconds for every layer: ``gather_s`` (the one pass, or the gather) and
+    ``checksum_s`` (0 for the one pass)."""
+    from pdserve.kvtransfer.checksum import KVChecksum, gather_with_checksum
 
     index = torch.tensor(block_ids)
     staging = torch.empty((kv_cache.shape[0], 2, len(block_ids), *kv_cache.shape[3:]), dtype=kv_cache.dtype)
     gather, checksum = [], []
     for _ in range(repeats + 1):
-        t0 = time.monotonic()
-        for layer in range(kv_cache.shape[0]):
-            torch.index_select(kv_cache[layer], 1, index, out=staging[layer])
-        t1 = time.monotonic()
         sums = KVChecksum()
-        for layer in range(kv_cache.shape[0]):
-            sums.update(staging[layer])
-        sums.value
+        t0 = time.monotonic()
+        fused = [gather_with_checksum(kv_cache[layer], index, staging[layer]) for layer in range(kv_cache.shape[0])]
+        t1 = time.monotonic()
+        if None in fused:
+            for layer in range(kv_cache.shape[0]):
+                torch.index_select(kv_cache[layer], 1, index, out=staging[layer])
+            t1 = time.monotonic()
+            for layer in range(kv_cache.shape[0]):
+                sums.update(staging[layer])
+            sums.value
         gather.append(t1 - t0)
         checksum.append(time.monotonic() - t1)
     return {"gather_s": statistics.median(gather[1:]), "checksum_s": statistics.median(checksum[1:])}

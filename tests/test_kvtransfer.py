@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from pdserve.common.protocol import KVTransferHeader
-from pdserve.kvtransfer.checksum import KVChecksum, combine_checksums, kv_checksum
+import pdserve.kvtransfer.checksum as checksum_mod
+from pdserve.kvtransfer.checksum import KVChecksum, combine_checksums, gather_with_checksum, kv_checksum
 from pdserve.kvtransfer.pair import PairStoreServer, transfer_backend
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
@@ -174,6 +175,67 @@ def test_checksum_fold_is_order_sensitive():
     assert cs.value != combine_checksums(combine_checksums(0, kv_checksum(y)), kv_checksum(x))
     assert cs.num_bytes == 800
     assert 0 <= cs.value < 2**63
+
+
+def _torch_checksum(t: torch.Tensor) -> int:
+    """The checksum from the torch reductions alone (the path without the native kernel)."""
+    return checksum_mod._to_int(*checksum_mod._word_sums(t).tolist(), t.numel() * t.element_size())
+
+
+needs_kernel = pytest.mark.skipif(checksum_mod._kernel() is None, reason="the native kv_gather kernel is not built here")
+
+
+@needs_kernel
+def test_native_checksum_equals_the_torch_reductions():
+    g = torch.Generator().manual_seed(SEED)
+    data = torch.randint(0, 256, (3 * 4096 + 77,), dtype=torch.uint8, generator=g)
+    for n in [0, 1, 7, 8, 255, 256, 257, 4096, 4096 + 100, data.numel()]:
+        assert kv_checksum(data[:n]) == _torch_checksum(data[:n]), n
+        assert kv_checksum(data[3:3 + n]) == _torch_checksum(data[3:3 + n]), n  # unaligned start
+    x = torch.randn(5, 7, 3, generator=g)
+    cs = KVChecksum()
+    cs.update(x)
+    cs.update(x[1:].transpose(0, 1))  # not contiguous: the bytes of its contiguous copy
+    assert cs.value == combine_checksums(combine_checksums(0, _torch_checksum(x)),
+                                         _torch_checksum(x[1:].transpose(0, 1).contiguous()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["float32", "head_slice", "quantized_rows", "latent"])
+def test_gather_with_checksum_equals_index_select_then_checksum(case):
+    g = torch.Generator().manual_seed(SEED)
+    if case == "quantized_rows":  # 1 head of 64 + 4 scale bytes: 1088-byte blocks, rows straddle blocks
+        cache = torch.randint(0, 256, (2, 9, 16, 1, 68), dtype=torch.uint8, generator=g)
+    elif case == "latent":
+        cache = torch.randn(1, 9, 4, 1, 24, generator=g)
+    else:
+        cache = torch.randn(2, 9, 4, 4, 8, generator=g)
+    layer = cache[:, :, :, 1:3] if case == "head_slice" else cache  # a TP piece's heads: a strided view
+    index = torch.tensor([7, 0, 3, 3, 8])
+    out = torch.full((layer.shape[0], len(index), *layer.shape[2:]), 0, dtype=layer.dtype)
+    sums = gather_with_checksum(layer, index, out)
+    expected = torch.index_select(layer, 1, index)
+    assert sums is not None and torch.equal(out, expected)
+    cs = KVChecksum()
+    cs.add(sums, out.nbytes)
+    assert cs.value == combine_checksums(0, _torch_checksum(expected))
+    with pytest.raises(IndexError):
+        gather_with_checksum(layer, torch.tensor([1, 9]), out[:, :2].contiguous())
+    # shapes it does not take: the caller falls back to index_select (nothing written)
+    assert gather_with_checksum(layer, index, torch.empty(out.shape, dtype=torch.float64)) is None
+    assert gather_with_checksum(layer, index.to(torch.int32), out) is None
+
+
+def test_checksums_without_the_native_kernel(monkeypatch):
+    """With no kernel built, the torch path gives the sums and the gather declines (the sender then
+    uses index_select)."""
+    layer = torch.randn(2, 6, 4, 2, 8)
+    index = torch.tensor([5, 1])
+    out = torch.empty(2, 2, 4, 2, 8)
+    native = kv_checksum(out.copy_(layer[:, index]))
+    monkeypatch.setattr(checksum_mod, "_LIB", None)
+    assert gather_with_checksum(layer, index, out) is None
+    assert kv_checksum(out) == native == _torch_checksum(out)
 
 
 # -- staging pool ------------------------------------------------------------

@@ -24,6 +24,12 @@ multiplications wrapping modulo 2**64 (two's complement), which torch's CPU
 and CUDA kernels do; sums modulo 2**64 do not depend on the order of the
 additions, so equal bytes give the same value on CPU and CUDA.
 
+On CPU the sums come from the native kernel ``kv_gather.cpp`` where it builds: one
+vectorized pass with no temporaries (``s2`` as the sum of the running row sums, so no
+weights), and ``gather_with_checksum`` sums each block as it copies it out of the paged
+cache, so the sending core reads the bytes once. Without a compiler the torch reductions
+below give the same values.
+
 Per-layer checksums fold into one per request with ``combine_checksums``
 (order-sensitive); ``KVChecksum`` does that incrementally and only turns the
 device values into Python ints (a CUDA sync) when ``value`` is read.
@@ -31,7 +37,11 @@ device values into Python ints (a CUDA sync) when ``value`` is read.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
+
+from pdserve.engine.kernels import load_kv_gather
 
 _ROW_WORDS = 32  # int64 words per row: 256 bytes, the grain at which moved data is caught
 _ROW_BYTES = 8 * _ROW_WORDS
@@ -56,6 +66,55 @@ def _row_sums(t: torch.Tensor) -> torch.Tensor:
     tail = data.new_zeros(_ROW_BYTES)
     tail[:num_bytes - num_full] = data[num_full:]
     return torch.cat([row_sums, tail.view(torch.int64).sum().view(1)])
+
+
+def _kernel():
+    """The native library (``load_kv_gather``), or None where it is not built."""
+    global _LIB
+    if _LIB is False:
+        _LIB = load_kv_gather()
+    return _LIB
+
+
+_LIB = False  # not looked up yet
+
+
+def _native_sums(t: torch.Tensor) -> tuple[int, int] | None:
+    """``(sum_k r_k, s2)`` of a CPU tensor's bytes from the native kernel, or None where it is not built
+    (or ``t`` is not on the CPU)."""
+    if t.device.type != "cpu" or (lib := _kernel()) is None:
+        return None
+    t = t.detach().contiguous()
+    out = (ctypes.c_int64 * 2)()
+    lib.pdserve_kv_checksum(t.data_ptr(), t.numel() * t.element_size(), out)
+    return out[0], out[1]
+
+
+def gather_with_checksum(kv_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> tuple[int, int] | None:
+    """``out[:] = kv_layer[:, block_ids]`` and the checksum sums of ``out``'s bytes, in one pass.
+
+    ``kv_layer``: one layer of a paged cache, [kv_slots, num_blocks_total, block_size, H, row] (a view of
+    some KV heads is fine: each token's heads must be one run); ``block_ids``: [n] int64 on the CPU;
+    ``out``: [kv_slots, n, block_size, H, row], contiguous, same dtype. Returns ``(sum_k r_k, s2)`` for
+    ``KVChecksum.add``, or None, having done nothing, where the native kernel cannot take it (not
+    built, not on the CPU, a layout it does not walk): the caller then gathers and checksums with torch.
+    Raises IndexError for a block id outside the cache (nothing is copied).
+    """
+    if kv_layer.device.type != "cpu" or kv_layer.dim() != 5 or kv_layer.dtype != out.dtype \
+            or block_ids.dtype != torch.int64 or not block_ids.is_contiguous() or not out.is_contiguous():
+        return None
+    slots, total, block_size, heads, row = kv_layer.shape
+    if out.shape != (slots, block_ids.numel(), block_size, heads, row):
+        return None
+    stride, elem = kv_layer.stride(), kv_layer.element_size()
+    if stride[4] != 1 or (heads > 1 and stride[3] != row) or (lib := _kernel()) is None:
+        return None  # a token's heads not one run (never so in a paged cache), or no kernel
+    sums = (ctypes.c_int64 * 2)()
+    if lib.pdserve_kv_gather_checksum(kv_layer.data_ptr(), slots, stride[0] * elem, total, block_ids.data_ptr(),
+                                      block_ids.numel(), stride[1] * elem, block_size, stride[2] * elem,
+                                      heads * row * elem, out.data_ptr(), sums):
+        raise IndexError(f"block ids {block_ids.tolist()} outside a cache of {total} blocks")
+    return sums[0], sums[1]
 
 
 def _weights(num_rows: int, device: torch.device) -> torch.Tensor:
@@ -83,7 +142,8 @@ def _to_int(words: int, s2: int, num_bytes: int) -> int:
 
 def kv_checksum(t: torch.Tensor) -> int:
     """Checksum of ``t``'s bytes (any shape, dtype and device): an int in [0, 2**61 - 1); see the module doc."""
-    return _to_int(*_word_sums(t).tolist(), t.numel() * t.element_size())
+    sums = _native_sums(t)
+    return _to_int(*(sums if sums is not None else _word_sums(t).tolist()), t.numel() * t.element_size())
 
 
 def combine_checksums(a: int, b: int) -> int:
@@ -99,12 +159,19 @@ class KVChecksum:
     """
 
     def __init__(self) -> None:
-        self._parts: list[tuple[torch.Tensor, int]] = []  # (_word_sums [2], num_bytes) per tensor
+        # per tensor: (its sums, num_bytes); the sums are _word_sums' [2] tensor (queued device work) or
+        # the native kernel's two ints
+        self._parts: list[tuple[torch.Tensor | tuple[int, int], int]] = []
         self._weights: torch.Tensor | None = None  # [R] of the last part (a request's layers share R)
         self.num_bytes = 0
 
     def update(self, t: torch.Tensor) -> None:
+        """Append ``t``'s bytes (any shape, dtype and device; a CUDA tensor's sums stay queued on it)."""
         num_bytes = t.numel() * t.element_size()
+        sums = _native_sums(t)
+        if sums is not None:
+            self.add(sums, num_bytes)
+            return
         num_rows = -(-num_bytes // _ROW_BYTES)
         weights = self._weights
         if weights is None or weights.numel() != num_rows or weights.device != t.device:
@@ -112,11 +179,18 @@ class KVChecksum:
         self._parts.append((_word_sums(t, weights), num_bytes))
         self.num_bytes += num_bytes
 
+    def add(self, sums: tuple[int, int], num_bytes: int) -> None:
+        """Append a tensor of ``num_bytes`` bytes whose sums were taken already (``gather_with_checksum``)."""
+        self._parts.append((sums, num_bytes))
+        self.num_bytes += num_bytes
+
     @property
     def value(self) -> int:
         folded = 0
         if self._parts:
-            sums = torch.stack([s for s, _ in self._parts]).tolist()
+            queued = [s for s, _ in self._parts if isinstance(s, torch.Tensor)]
+            done = iter(torch.stack(queued).tolist() if queued else [])
+            sums = [next(done) if isinstance(s, torch.Tensor) else s for s, _ in self._parts]
             for (words, s2), (_, num_bytes) in zip(sums, self._parts):
                 folded = combine_checksums(folded, _to_int(words, s2, num_bytes))
         return folded

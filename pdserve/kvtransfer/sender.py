@@ -24,7 +24,7 @@ import torch
 
 import pdserve.kvtransfer.wire as wire
 from pdserve.common import faults
-from pdserve.kvtransfer.checksum import KVChecksum
+from pdserve.kvtransfer.checksum import KVChecksum, gather_with_checksum
 from pdserve.kvtransfer.pair import KVPair
 from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import KVTransferError, layer_prefix
@@ -140,12 +140,17 @@ class OutgoingKV:
                 cached = self._indices[id(block_ids)] = (block_ids, torch.tensor(block_ids, dtype=torch.int64,
                                                                                  device=kv_layer.device))
             index = cached[1]
-        torch.index_select(kv_layer, 1, index, out=staged)
+        sums = gather_with_checksum(kv_layer, index, staged)  # one pass: each block summed as it is copied
+        if sums is None:  # no native kernel (or a device cache): gather now, checksum once the send is issued
+            torch.index_select(kv_layer, 1, index, out=staged)
         self.num_bytes += staged.nbytes
         tensors = [staged]
         if (fault := faults.kv_send_fault(self.request_id)) is None or self._inject(fault, layer_idx, tensors):
             self.pair._enqueue(self, tensors, last=layer_idx == self.num_layers - 1)
-        self._checksum.update(staged)  # while the send is under way, and staged still in cache
+        if sums is not None:
+            self._checksum.add(sums, staged.nbytes)
+        else:
+            self._checksum.update(staged)  # while the send is under way, and staged still in cache
 
     def _inject(self, fault: dict, layer_idx: int, tensors: list[torch.Tensor]) -> bool:
         """Test-only (``pdserve.common.faults``): misbehave as asked; False if nothing is to be sent."""

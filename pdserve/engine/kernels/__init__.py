@@ -4,7 +4,8 @@
 attention of prompt rows over their own keys), ``elementwise.cpp`` (RMSNorm, SwiGLU and rotary
 embedding in one pass each, for eager forwards), ``int8_linear.cpp`` (weight-only int8 matmul) and
 ``decode_linear.cpp`` (float32 / bfloat16 matmul for a few rows: decode steps) and ``panel_linear.cpp``
-(float32 matmul on weights packed in 16-feature panels: decode batches of 8-64 rows) are plain C++ with a
+(float32 matmul on weights packed in 16-feature panels: decode batches of 8-64 rows) and ``kv_gather.cpp``
+(the KV transfer's gather and checksum in one pass) are plain C++ with a
 C ABI (no torch headers; they share ``vec8.h``, the vector helpers and a vectorized exp), so each
 builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), keyed by the source, the
@@ -158,6 +159,17 @@ def load_prefill_attention() -> ctypes.CDLL | None:
     cannot be built here (logged once; prompts then attend with torch's SDPA)."""
     return _load("prefill_attention", [_P, _P, _P, _P, *[_I64] * 14, ctypes.c_float, ctypes.c_int],
                  "prefill attention", "prompt rows attend with torch's scaled_dot_product_attention")
+
+
+def load_kv_gather() -> ctypes.CDLL | None:
+    """The compiled KV transfer library (``kv_gather.cpp``: ``pdserve_kv_checksum`` and
+    ``pdserve_kv_gather_checksum``), or None where it cannot be built here (logged once; the transfer
+    then gathers with ``index_select`` and checksums with torch reductions)."""
+    return _load("kv_gather", {"pdserve_kv_checksum": [_P, _I64, _P],
+                               "pdserve_kv_gather_checksum": [_P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64,
+                                                              _I64, _P, _P]},
+                 "KV gather", "the KV transfer gathers and checksums with torch operators",
+                 functions=("pdserve_kv_checksum", "pdserve_kv_gather_checksum"))
 
 
 _ELEMENTWISE_ARGS = {
