@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.kernels import load_paged_attention
@@ -71,3 +72,28 @@ def test_no_request_pays_a_recompilation(model_dir):
         for batch in (1, 3, KERNEL_MAX_ROWS + 4):
             llm.generate([[5 + i, 17, 300, 41 + i] for i in range(batch)], params, use_tqdm=False)
         assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+
+
+def test_two_compiled_models_in_one_process_keep_their_own_graphs(model_dir, compiled, prompts, hf_greedy,  # noqa: F811
+                                                                   tmp_path):
+    """With dynamo's guards on the model's modules dropped, one model's graphs still never serve another's step
+    (here: a qwen3 of another width and depth, compiled after the tiny model, then the tiny model again): each
+    gives transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.checkpoints import FAMILIES, greedy_reference, write_checkpoint
+
+    other_dir = write_checkpoint(FAMILIES["qwen3"](), tmp_path / "qwen3", model_dir)
+    other = LLM(other_dir, max_num_batched_tokens=32, kv_cache_memory="1MiB", enforce_eager=False)
+    try:
+        assert other.core.runner._compiled_decode is not None
+        tokenizer = AutoTokenizer.from_pretrained(other_dir)
+        hf = AutoModelForCausalLM.from_pretrained(other_dir, dtype=torch.float32).eval()
+        ids = [tokenizer.encode(p) for p in prompts[2:5]]
+        want = [tokens for tokens, _ in greedy_reference(hf, ids, 12)]
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        got = other.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+        assert token_ids(got) == want
+        assert token_ids(compiled.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy
+    finally:
+        other.close()
