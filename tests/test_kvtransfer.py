@@ -1,4 +1,5 @@
-"""KV transfer: checksums, and real prefill/decode processes pairing over gloo (CPU).
+"""KV transfer: staging buffers, and real prefill/decode processes pairing over gloo (CPU) (checksums:
+tests/test_kv_checksum.py).
 
 Multiprocessing queues stand in for ZMQ here (test plumbing only): headers go
 prefill -> decode over a queue, results come back to the test over another.
@@ -17,8 +18,7 @@ import pytest
 import torch
 
 from pdserve.common.protocol import KVTransferHeader
-import pdserve.kvtransfer.checksum as checksum_mod
-from pdserve.kvtransfer.checksum import KVChecksum, combine_checksums, gather_with_checksum, kv_checksum
+from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.pair import PairStoreServer, transfer_backend
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
@@ -135,109 +135,6 @@ def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: st
     pairs.close()
 
 
-# -- checksum ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_checksum_equal_bytes_and_sensitivity(dtype):
-    a = torch.randn(2, 6, 4, 2, 8).to(dtype)
-    assert kv_checksum(a) == kv_checksum(a.clone())
-    assert kv_checksum(a) == kv_checksum(a.view(torch.int16) if dtype == torch.bfloat16 else a.view(torch.int32))
-    one = a.clone()
-    one[1, 3, 2, 1, 5] += 1
-    assert kv_checksum(one) != kv_checksum(a)
-    swapped = a.clone()
-    swapped[:, [1, 4]] = a[:, [4, 1]]
-    assert kv_checksum(swapped) != kv_checksum(a)
-    assert kv_checksum(a[:, :5]) != kv_checksum(a)  # truncation
-
-
-def test_checksum_rows_tails_and_offsets():
-    data = torch.randint(0, 256, (4096 + 100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(SEED))
-    base = kv_checksum(data)
-    assert kv_checksum(data[1:]) == kv_checksum(data[1:].clone())  # a view at an odd byte offset
-    moved = data.clone()
-    moved[:256], moved[256:512] = data[256:512].clone(), data[:256].clone()  # two 256-byte rows swapped
-    assert kv_checksum(moved) != base
-    tail = data.clone()
-    tail[-50:] = 0  # the partial last row: a cut that left other bytes behind
-    assert kv_checksum(tail) != base
-    assert kv_checksum(data[:-1]) != base
-    assert kv_checksum(torch.empty(0)) == kv_checksum(torch.empty(0, dtype=torch.uint8))
-
-
-def test_checksum_fold_is_order_sensitive():
-    x, y = torch.randn(100), torch.randn(100)
-    cs = KVChecksum()
-    cs.update(x)
-    cs.update(y)
-    assert cs.value == combine_checksums(combine_checksums(0, kv_checksum(x)), kv_checksum(y))
-    assert cs.value != combine_checksums(combine_checksums(0, kv_checksum(y)), kv_checksum(x))
-    assert cs.num_bytes == 800
-    assert 0 <= cs.value < 2**63
-
-
-def _torch_checksum(t: torch.Tensor) -> int:
-    """The checksum from the torch reductions alone (the path without the native kernel)."""
-    return checksum_mod._to_int(*checksum_mod._word_sums(t).tolist(), t.numel() * t.element_size())
-
-
-needs_kernel = pytest.mark.skipif(checksum_mod._kernel() is None, reason="the native kv_gather kernel is not built here")
-
-
-@needs_kernel
-def test_native_checksum_equals_the_torch_reductions():
-    g = torch.Generator().manual_seed(SEED)
-    data = torch.randint(0, 256, (3 * 4096 + 77,), dtype=torch.uint8, generator=g)
-    for n in [0, 1, 7, 8, 255, 256, 257, 4096, 4096 + 100, data.numel()]:
-        assert kv_checksum(data[:n]) == _torch_checksum(data[:n]), n
-        assert kv_checksum(data[3:3 + n]) == _torch_checksum(data[3:3 + n]), n  # unaligned start
-    x = torch.randn(5, 7, 3, generator=g)
-    cs = KVChecksum()
-    cs.update(x)
-    cs.update(x[1:].transpose(0, 1))  # not contiguous: the bytes of its contiguous copy
-    assert cs.value == combine_checksums(combine_checksums(0, _torch_checksum(x)),
-                                         _torch_checksum(x[1:].transpose(0, 1).contiguous()))
-
-
-@needs_kernel
-@pytest.mark.parametrize("case", ["float32", "head_slice", "quantized_rows", "latent"])
-def test_gather_with_checksum_equals_index_select_then_checksum(case):
-    g = torch.Generator().manual_seed(SEED)
-    if case == "quantized_rows":  # 1 head of 64 + 4 scale bytes: 1088-byte blocks, rows straddle blocks
-        cache = torch.randint(0, 256, (2, 9, 16, 1, 68), dtype=torch.uint8, generator=g)
-    elif case == "latent":
-        cache = torch.randn(1, 9, 4, 1, 24, generator=g)
-    else:
-        cache = torch.randn(2, 9, 4, 4, 8, generator=g)
-    layer = cache[:, :, :, 1:3] if case == "head_slice" else cache  # a TP piece's heads: a strided view
-    index = torch.tensor([7, 0, 3, 3, 8])
-    out = torch.full((layer.shape[0], len(index), *layer.shape[2:]), 0, dtype=layer.dtype)
-    sums = gather_with_checksum(layer, index, out)
-    expected = torch.index_select(layer, 1, index)
-    assert sums is not None and torch.equal(out, expected)
-    cs = KVChecksum()
-    cs.add(sums, out.nbytes)
-    assert cs.value == combine_checksums(0, _torch_checksum(expected))
-    with pytest.raises(IndexError):
-        gather_with_checksum(layer, torch.tensor([1, 9]), out[:, :2].contiguous())
-    # shapes it does not take: the caller falls back to index_select (nothing written)
-    assert gather_with_checksum(layer, index, torch.empty(out.shape, dtype=torch.float64)) is None
-    assert gather_with_checksum(layer, index.to(torch.int32), out) is None
-
-
-def test_checksums_without_the_native_kernel(monkeypatch):
-    """With no kernel built, the torch path gives the sums and the gather declines (the sender then
-    uses index_select)."""
-    layer = torch.randn(2, 6, 4, 2, 8)
-    index = torch.tensor([5, 1])
-    out = torch.empty(2, 2, 4, 2, 8)
-    native = kv_checksum(out.copy_(layer[:, index]))
-    monkeypatch.setattr(checksum_mod, "_LIB", None)
-    assert gather_with_checksum(layer, index, out) is None
-    assert kv_checksum(out) == native == _torch_checksum(out)
-
-
 # -- staging pool ------------------------------------------------------------
 
 
@@ -275,13 +172,6 @@ def test_staging_pool_bounds_idle_bytes_and_forgets_unreturned_buffers():
 def test_transfer_backend():
     assert transfer_backend("cpu") == "gloo"
     assert transfer_backend(torch.device("cuda", 1)) == "nccl"
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_checksum_same_on_cuda():
-    a = torch.randn(2, 40, 16, 4, 64).to(torch.bfloat16)
-    assert kv_checksum(a.cuda()) == kv_checksum(a)
 
 
 # -- end to end ----------------------------------------------------------------
