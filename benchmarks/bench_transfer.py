@@ -88,10 +88,10 @@ def decode_main(ctrl, out, raw_port: int) -> None:
 def own_work(kv_cache: torch.Tensor, block_ids: list[int], repeats: int) -> dict:
     """What pdserve adds to raw gloo on the sending core, measured alone (no wire), as the sender does
     it: each layer's blocks gathered into a staging buffer and checksummed in one native pass
-    (``gather_with_checksum``), or where that kernel is not built, ``index_select`` then the torch
+    (``BlockGather``), or where that kernel is not built, ``index_select`` then the torch
     checksum. Median seconds for every layer: ``gather_s`` (the one pass, or the gather) and
     ``checksum_s`` (0 for the one pass)."""
-    from pdserve.kvtransfer.checksum import KVChecksum, gather_with_checksum
+    from pdserve.kvtransfer.checksum import BlockGather, KVChecksum
 
     index = torch.tensor(block_ids)
     staging = torch.empty((kv_cache.shape[0], 2, len(block_ids), *kv_cache.shape[3:]), dtype=kv_cache.dtype)
@@ -99,9 +99,11 @@ def own_work(kv_cache: torch.Tensor, block_ids: list[int], repeats: int) -> dict
     for _ in range(repeats + 1):
         sums = KVChecksum()
         t0 = time.monotonic()
-        fused = [gather_with_checksum(kv_cache[layer], index, staging[layer]) for layer in range(kv_cache.shape[0])]
+        plan = BlockGather.plan(kv_cache[0], index, staging[0])
+        for layer in range(kv_cache.shape[0]) if plan is not None else ():
+            plan(kv_cache[layer], staging[layer])
         t1 = time.monotonic()
-        if None in fused:
+        if plan is None:
             for layer in range(kv_cache.shape[0]):
                 torch.index_select(kv_cache[layer], 1, index, out=staging[layer])
             t1 = time.monotonic()

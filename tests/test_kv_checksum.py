@@ -8,6 +8,9 @@ import torch
 
 import pdserve.kvtransfer.checksum as checksum_mod
 from pdserve.kvtransfer.checksum import KVChecksum, combine_checksums, gather_with_checksum, kv_checksum
+from pdserve.kvtransfer.sender import OutgoingKV
+from pdserve.kvtransfer.staging import StagingPool
+from pdserve.kvtransfer.wire import KVTransferError
 
 SEED = 1234
 
@@ -117,3 +120,54 @@ def test_checksums_without_the_native_kernel(monkeypatch):
 def test_checksum_same_on_cuda():
     a = torch.randn(2, 40, 16, 4, 64).to(torch.bfloat16)
     assert kv_checksum(a.cuda()) == kv_checksum(a)
+
+
+class _RecordingPair:
+    """What OutgoingKV needs of a pair, keeping the tensors it would put on the wire, as gloo reads them
+    after the call (no process group: the sender's own work is what is tested here; tests/test_kvtransfer.py
+    sends over gloo)."""
+
+    name, peer_desc = "P->D", "D"
+
+    def __init__(self):
+        self.staging = StagingPool()
+        self.sent: list[torch.Tensor] = []
+
+    def _register(self, outgoing):
+        pass
+
+    def _enqueue(self, outgoing, tensors, last):
+        self.sent.extend(tensors)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_sender_gathers_every_layer_and_checksums_what_it_sends(native, monkeypatch):
+    """OutgoingKV's layers (planned native gather, or index_select and torch sums without the kernel): the
+    blocks asked for, and a checksum equal to the receiver's over the same bytes; misuse still raises."""
+    if native and checksum_mod._kernel() is None:
+        pytest.skip("the native kv_gather kernel is not built here")
+    if not native:
+        monkeypatch.setattr(checksum_mod, "_LIB", None)
+    g = torch.Generator().manual_seed(SEED)
+    cache = torch.randn(3, 2, 10, 4, 4, 8, generator=g)  # [layers, K/V, blocks, block_size, heads, head_dim]
+    blocks = [6, 2, 9]
+    pair = _RecordingPair()
+    out = OutgoingKV(pair, "r0", 3)
+    out.start(cache[0][:, :, :, 1:3], blocks)
+    assert (out._gather is not None) == native
+    for layer in range(3):
+        out.send_layer(layer, cache[layer][:, :, :, 1:3], blocks)  # a TP piece's heads: a strided view
+    layers = pair.sent[1:]  # after the meta
+    receiver = KVChecksum()
+    for layer, sent in enumerate(layers):
+        assert torch.equal(sent, cache[layer][:, blocks, :, 1:3])
+        receiver.update(sent)
+    assert out._checksum.value == receiver.value
+    assert out.num_bytes == receiver.num_bytes
+
+    other = OutgoingKV(pair, "r1", 3)
+    other.send_layer(0, cache[0], blocks)
+    with pytest.raises(KVTransferError, match="out of order"):
+        other.send_layer(2, cache[2], blocks)
+    with pytest.raises(KVTransferError, match="per block"):
+        other.send_layer(1, cache[1][:, :, :, :2], blocks)  # fewer heads than layer 0

@@ -24,7 +24,7 @@ import torch
 
 import pdserve.kvtransfer.wire as wire
 from pdserve.common import faults
-from pdserve.kvtransfer.checksum import KVChecksum, gather_with_checksum
+from pdserve.kvtransfer.checksum import BlockGather, KVChecksum
 from pdserve.kvtransfer.pair import KVPair
 from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import KVTransferError, layer_prefix
@@ -64,6 +64,8 @@ class OutgoingKV:
         # _staging[i] and sent from there, so P may reuse its blocks once the request is done.
         self._staging: torch.Tensor | None = None
         self._checksum = KVChecksum()  # over each gathered layer, as it is gathered
+        self._rows: tuple[torch.Tensor, ...] = ()  # _staging's layers
+        self._gather: BlockGather | None = None  # set by start where the native one-pass gather takes the cache
         # Owned by the pair's sequencer (under its lock):
         self._queued: deque[torch.Tensor] = deque()
         self._all_queued = False
@@ -97,6 +99,9 @@ class OutgoingKV:
         meta = wire.make_meta(self.request_id, self.num_layers, staging[0], self.kv_dtype, self.layer_num_blocks)
         self._index = torch.tensor(block_ids, dtype=torch.int64, device=kv_layer.device)
         self._staging = staging
+        self._rows = staging.unbind(0)  # each layer's staging row
+        # the native gather + checksum, planned once for every layer (None: index_select and torch sums)
+        self._gather = None if self.layer_num_blocks else BlockGather.plan(kv_layer, self._index, self._rows[0])
         fault = faults.kv_send_fault(self.request_id)
         if fault is None or fault["mode"] != "never":
             self.pair._enqueue(self, [meta], last=False)
@@ -116,6 +121,17 @@ class OutgoingKV:
         if layer_idx != self._next_layer:
             raise KVTransferError(
                 f"request {self.request_id}: send_layer({layer_idx}) out of order, expected layer {self._next_layer}")
+        gather = self._gather
+        if gather is not None and self._error is None:  # the planned layout (every layer of the cache): no more checks
+            self._next_layer += 1
+            staged = self._rows[layer_idx]
+            try:
+                sums = gather(kv_layer, staged)
+            except ValueError:  # not the planned layout: the checks below say what is wrong
+                self._next_layer -= 1
+            else:
+                self._issue(layer_idx, staged, sums)
+                return
         if kv_layer.dim() != 5 or kv_layer.shape[0] not in (1, 2):
             raise KVTransferError(f"request {self.request_id}: kv_layer must be [kv_slots (1 or 2), num_blocks, "
                                   f"block_size, H, D], got {list(kv_layer.shape)}")
@@ -140,9 +156,12 @@ class OutgoingKV:
                 cached = self._indices[id(block_ids)] = (block_ids, torch.tensor(block_ids, dtype=torch.int64,
                                                                                  device=kv_layer.device))
             index = cached[1]
-        sums = gather_with_checksum(kv_layer, index, staged)  # one pass: each block summed as it is copied
-        if sums is None:  # no native kernel (or a device cache): gather now, checksum once the send is issued
-            torch.index_select(kv_layer, 1, index, out=staged)
+        torch.index_select(kv_layer, 1, index, out=staged)
+        self._issue(layer_idx, staged, None)
+
+    def _issue(self, layer_idx: int, staged: torch.Tensor, sums: tuple[int, int] | None) -> None:
+        """Queue the gathered layer ``staged`` on the pair; its checksum: ``sums`` (taken by the gather), or
+        computed now, while the send is under way and ``staged`` is still in cache."""
         self.num_bytes += staged.nbytes
         tensors = [staged]
         if (fault := faults.kv_send_fault(self.request_id)) is None or self._inject(fault, layer_idx, tensors):
@@ -198,6 +217,7 @@ class OutgoingKV:
             value = self._checksum.value
         self._works.clear()
         staging, self._staging = self._staging, None
+        self._rows, self._gather = (), None
         if staging is not None:  # every send completed: nothing reads it any more
             self.pair.staging.give(staging)
         return self.num_bytes, value
