@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pdserve.kvtransfer.checksum as checksum_mod
-from pdserve.kvtransfer.checksum import KVChecksum, combine_checksums, gather_with_checksum, kv_checksum
+from pdserve.kvtransfer.checksum import BlockGather, KVChecksum, combine_checksums, kv_checksum
 from pdserve.kvtransfer.sender import OutgoingKV
 from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import KVTransferError
@@ -57,6 +57,12 @@ def test_checksum_fold_is_order_sensitive():
 def _torch_checksum(t: torch.Tensor) -> int:
     """The checksum from the torch reductions alone (the path without the native kernel)."""
     return checksum_mod._to_int(*checksum_mod._word_sums(t).tolist(), t.numel() * t.element_size())
+
+
+def gather_with_checksum(kv_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor):
+    """One layer through a ``BlockGather`` planned for it: its sums, or None where no plan is made."""
+    plan = BlockGather.plan(kv_layer, block_ids, out)
+    return plan(kv_layer, out) if plan is not None else None
 
 
 needs_kernel = pytest.mark.skipif(checksum_mod._kernel() is None, reason="the native kv_gather kernel is not built here")

@@ -141,13 +141,6 @@ class BlockGather:
         return sums[0], sums[1]
 
 
-def gather_with_checksum(kv_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> tuple[int, int] | None:
-    """``out[:] = kv_layer[:, block_ids]`` and the checksum sums of ``out``'s bytes in one native pass (a
-    ``BlockGather`` planned and run once); None, having done nothing, where the kernel cannot take it."""
-    plan = BlockGather.plan(kv_layer, block_ids, out)
-    return plan(kv_layer, out) if plan is not None else None
-
-
 def _weights(num_rows: int, device: torch.device) -> torch.Tensor:
     """[R] int64: row k's weight in ``s2``, R - k."""
     return torch.arange(num_rows, 0, -1, dtype=torch.int64, device=device)

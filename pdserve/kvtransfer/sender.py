@@ -112,7 +112,9 @@ class OutgoingKV:
         ``kv_layer``: this layer of P's paged cache, [kv_slots, num_blocks_total, block_size, num_kv_heads,
         head_dim] (any strides: a TP piece's head range is a view). The blocks are gathered into this request's
         staging buffer (one contiguous [kv_slots, len(block_ids), block_size, num_kv_heads, head_dim] per layer),
-        which is what goes on the wire; it is checksummed there once its send is issued, still in cache.
+        which is what goes on the wire. On a CPU cache with one block list for every layer the gather and
+        its checksum are one native pass (``BlockGather``); otherwise the gathered layer is checksummed once
+        its send is issued, still in cache.
         The ``block_ids`` of ``start`` (or of layer 0) hold for every layer; with ``layer_num_blocks``
         each layer's own are given here (as many as its count; it fills the front of its staging row).
         A failed pair is not raised here (``wait`` reports it); misuse (layer order, shape change, a
@@ -121,15 +123,14 @@ class OutgoingKV:
         if layer_idx != self._next_layer:
             raise KVTransferError(
                 f"request {self.request_id}: send_layer({layer_idx}) out of order, expected layer {self._next_layer}")
-        gather = self._gather
-        if gather is not None and self._error is None:  # the planned layout (every layer of the cache): no more checks
-            self._next_layer += 1
+        if self._gather is not None and self._error is None:  # planned at start: every layer of the cache fits
             staged = self._rows[layer_idx]
             try:
-                sums = gather(kv_layer, staged)
+                sums = self._gather(kv_layer, staged)
             except ValueError:  # not the planned layout: the checks below say what is wrong
-                self._next_layer -= 1
+                pass
             else:
+                self._next_layer += 1
                 self._issue(layer_idx, staged, sums)
                 return
         if kv_layer.dim() != 5 or kv_layer.shape[0] not in (1, 2):
