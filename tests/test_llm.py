@@ -72,6 +72,23 @@ def test_greedy_matches_hf_with_chunked_prefill(llm, prompts, hf_greedy):
     assert_all_blocks_free(llm)
 
 
+def test_only_sampled_rows_run_past_the_last_attention(model_dir, prompts, hf_greedy):
+    """A prefill step's last layer runs its feed-forward on the rows it samples, not on all its rows
+    (``ModelRunner._out_rows``), and the tokens stay transformers'."""
+    llm = LLM(model_dir, max_num_batched_tokens=32, kv_cache_memory="1MiB", enforce_eager=True)
+    try:
+        layers = llm.core.runner.model.model.layers
+        first, last = [], []
+        layers[0].mlp.register_forward_hook(lambda module, args, out: first.append(args[0].shape[0]))
+        layers[-1].mlp.register_forward_hook(lambda module, args, out: last.append(args[0].shape[0]))
+        assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy
+        prefills = [(f, n) for f, n in zip(first, last) if f > len(prompts)]  # steps of more rows than requests
+        assert prefills and all(n <= len(prompts) for _, n in prefills)
+        assert_all_blocks_free(llm)
+    finally:
+        llm.close()
+
+
 def test_greedy_matches_hf_under_preemption(model_dir, prompts, hf_greedy):
     # 10 blocks of 16 tokens: the longest request alone needs 9, so running ones get preempted.
     small = LLM(model_dir, max_num_batched_tokens=32, kv_cache_memory="80KiB")

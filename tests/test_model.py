@@ -169,6 +169,27 @@ def test_matches_hf(name, tmp_path):
     assert out == expected.tolist()
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_last_layer_runs_only_the_rows_asked_for(name, tmp_path):
+    """``out_rows``: past attention the last layer runs on those rows alone (its feed-forward sees 3
+    of 13 rows), their logits are transformers', and the cache holds every row's K/V as without it."""
+    hf = make_checkpoint(name, tmp_path)
+    model = load_model(str(tmp_path), torch.float32, "cpu")
+    prompt = torch.randint(2, 500, (13,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    rows = torch.tensor([12, 3, 7])
+    meta = AttentionMetadata.build([[5, 2, 9, 0]], [0], [len(prompt)], BLOCK_SIZE)
+    ffn_rows = []
+    model.model.layers[-1].mlp.register_forward_hook(lambda module, args, out: ffn_rows.append(args[0].shape[0]))
+    full_cache, cache = new_cache(model), new_cache(model)
+    model(torch.tensor(prompt), torch.arange(len(prompt)), full_cache, meta)
+    hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), cache, meta, out_rows=rows)
+    assert ffn_rows == [len(prompt), 3]
+    torch.testing.assert_close(model.compute_logits(hidden), ref[rows], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache, full_cache, atol=0, rtol=0, equal_nan=True)
+
+
 def test_batched_decode_mixed_with_prefill(tmp_path):
     """Two sequences in one forward (one decoding, one prefilling) equal running them alone."""
     make_checkpoint("qwen2_untied", tmp_path)

@@ -336,6 +336,7 @@ class ModelRunner:
             hidden_in = ranks.recv_hidden(len(step.input_ids), self.hidden_size, self.dtype)
         if on_layer_done is None and agent is not None and agent.sending:
             on_layer_done = agent.on_layer_done
+        out_rows = None  # the sampled rows, where the last layer computes only those (_out_rows)
         try:
             md = inp.attn_metadata
             compiled = self._compiled_decode is not None and not step.lora_slots  # adapters: eager
@@ -343,19 +344,37 @@ class ModelRunner:
                     and (md.rope_seq_lens is None or torch.equal(md.rope_seq_lens, md.seq_lens))):  # position + 1
                 hidden = self._compiled_decode(inp, self.kv_cache)
             else:
-                hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, md, on_layer_done, hidden=hidden_in)
+                out_rows = self._out_rows(step, inp)
+                hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, md, on_layer_done, hidden=hidden_in,
+                                    out_rows=out_rows)
         except Exception as e:
             if agent is not None and agent.sending:
                 agent.abort_sends(f"prefill forward failed: {e}")
             raise
         if agent is not None and agent.sending:
             agent.after_forward()
-        if ranks is None:
-            return hidden[inp.sample_indices]
-        if not ranks.is_last_stage:
+        if ranks is not None and not ranks.is_last_stage:
             ranks.send_hidden(hidden)
-        rows = hidden[inp.sample_indices] if ranks.is_last_stage else None
+            rows = None
+        else:
+            rows = hidden[:len(step.sample_indices)] if out_rows is not None else hidden[inp.sample_indices]
+        if ranks is None:
+            return rows
         return ranks.exchange_sample_rows(rows, (len(step.sample_indices), self.hidden_size), self.dtype)
+
+    def _out_rows(self, step: ExecuteModel, inp: ModelInput) -> torch.Tensor | None:
+        """The rows the last layer must compute past attention: those sampled (``sample_indices``), where
+        they are fewer than the step's rows and this rank holds the model's last layer; else None (all).
+        Not with LoRA adapters, whose rows find their adapter by position in the step. A step that samples
+        nothing (a prompt's middle chunk) still computes its last row, whose result is dropped: no op of any
+        family need take an empty batch."""
+        if len(step.sample_indices) == len(step.input_ids) or step.lora_slots:
+            return None
+        if self.ranks is not None and not self.ranks.is_last_stage:
+            return None
+        if not step.sample_indices:
+            return torch.tensor([len(step.input_ids) - 1], device=self.device)
+        return inp.sample_indices
 
     def broadcast_kv(self, ops: KVStepOps) -> None:
         """Driver: a step with KV transfer work only (every rank's agent does its part now)."""

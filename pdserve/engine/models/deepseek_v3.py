@@ -32,7 +32,7 @@ from torch import nn
 from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, _divide, tp_rank_and_size
 from pdserve.engine.rotary import RotaryEmbedding
-from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, _rope_settings
+from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, _rope_settings, select_rows
 from pdserve.engine.models.moe import FusedExperts, _matmul, map_expert_name
 
 
@@ -108,7 +108,9 @@ class MLAttention(nn.Module):
             self.scale *= _mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache_layer: torch.Tensor,
-                attn_metadata: AttentionMetadata, layer: int | None = None) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, layer: int | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``LlamaAttention.forward``: [N, hidden] -> [N, hidden], or [n, hidden] for ``out_rows`` [n]."""
         n, h, c = hidden.shape[0], self.num_heads, self.kv_lora_rank
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if self.q_lora_rank else self.q_proj(hidden)
         q_nope, q_pe = q.view(n, h, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
@@ -121,8 +123,9 @@ class MLAttention(nn.Module):
         key = torch.cat([latent, k_pe], dim=-1)  # (N, 1, C + R)
         # (N, H, C): the value is the latent, the key row's first C values (the cache stores the key row only)
         out = paged_attention(query, key, latent, kv_cache_layer, attn_metadata, self.scale, None, layer)
-        o = torch.einsum("nhc,hvc->nhv", out, w[:, self.nope:])  # (N, H, V): expanded by W_UV
-        return self.o_proj(o.reshape(n, h * self.v_head_dim))
+        out = select_rows(out, out_rows)  # (n, H, C)
+        o = torch.einsum("nhc,hvc->nhv", out, w[:, self.nope:])  # (n, H, V): expanded by W_UV
+        return self.o_proj(o.reshape(out.shape[0], h * self.v_head_dim))
 
 
 class GroupLimitedRouter(nn.Module):

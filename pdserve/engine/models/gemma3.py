@@ -29,7 +29,7 @@ from torch import nn
 
 from pdserve.engine.layers import RMSNorm
 from pdserve.engine.rotary import RotaryEmbedding
-from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, select_rows
 from pdserve.engine.models.qwen3 import Qwen3Attention
 
 
@@ -101,9 +101,11 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, device=device)
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, dtype=dtype, device=device)
 
-    def forward(self, positions, hidden, kv_cache_layer, attn_metadata, layer: int | None = None) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(hidden), kv_cache_layer, attn_metadata, layer)
-        hidden = hidden + self.post_attention_layernorm(attn)
+    def forward(self, positions, hidden, kv_cache_layer, attn_metadata, layer: int | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        attn = self.self_attn(positions, self.input_layernorm(hidden), kv_cache_layer, attn_metadata, layer,
+                              out_rows)
+        hidden = select_rows(hidden, out_rows) + self.post_attention_layernorm(attn)
         return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pdserve.engine.layers import Float32ScaleRMSNorm, _divide, tp_rank_and_size
-from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, select_rows
 
 
 Olmo2RMSNorm = Float32ScaleRMSNorm  # OLMo 2's norm multiplies by its weight in float32, then casts
@@ -87,9 +87,10 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
         eps = config.rms_norm_eps
         self.post_feedforward_layernorm = Olmo2RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
 
-    def forward(self, positions, hidden, kv_cache_layer, attn_metadata, layer: int | None = None) -> torch.Tensor:
-        hidden = hidden + self.post_attention_layernorm(
-            self.self_attn(positions, hidden, kv_cache_layer, attn_metadata, layer))
+    def forward(self, positions, hidden, kv_cache_layer, attn_metadata, layer: int | None = None,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = select_rows(hidden, out_rows) + self.post_attention_layernorm(
+            self.self_attn(positions, hidden, kv_cache_layer, attn_metadata, layer, out_rows))
         return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
 
 
