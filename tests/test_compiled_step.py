@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine import panel_linear
 from pdserve.engine.kernels import load_paged_attention
 from tests.test_llm import GREEDY, hf_greedy, prompts, token_ids  # noqa: F401  (fixtures)
 
@@ -97,3 +100,38 @@ def test_two_compiled_models_in_one_process_keep_their_own_graphs(model_dir, com
         assert token_ids(compiled.generate(prompts, GREEDY, use_tqdm=False)) == hf_greedy
     finally:
         other.close()
+
+
+@pytest.mark.skipif(not panel_linear.build_kernel(), reason="no C++ compiler to build the panel kernel")
+def test_two_models_of_one_shape_each_run_their_own_graphs(model_dir, prompts, tmp_path):  # noqa: F811
+    """A packed linear's handle is a constant of the compiled graph, unguarded: two models of one shape
+    (the tiny model, and a twin with other weights) each compile their own graphs and each give their own
+    transformers greedy tokens, the second one compiled while the first still lives."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.checkpoints import greedy_reference
+
+    twin_dir = tmp_path / "twin"
+    shutil.copytree(model_dir, twin_dir)
+    weights = load_file(twin_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(7)
+    for name, w in weights.items():
+        if name.endswith("proj.weight"):
+            weights[name] = w + 0.5 * w.std() * torch.randn(w.shape, generator=generator)
+    save_file(weights, twin_dir / "model.safetensors", metadata={"format": "pt"})
+    ids = [AutoTokenizer.from_pretrained(model_dir).encode(p) for p in prompts[2:5]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llms = []
+    try:
+        for directory in (model_dir, twin_dir):
+            hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+            want = [tokens for tokens, _ in greedy_reference(hf, ids, 12)]
+            llms.append(LLM(str(directory), linear_weight_format="panel", kv_cache_memory="1MiB", enforce_eager=False))
+            assert llms[-1].core.runner._compiled_decode is not None
+            got = llms[-1].generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
+            assert token_ids(got) == want
+        assert token_ids(llms[0].generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)) != want
+    finally:
+        for llm in llms:
+            llm.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,9 +30,6 @@ if TYPE_CHECKING:
     from pdserve.engine.model_runner import ModelInput, ModelRunner
 
 logger = logging.getLogger(__name__)
-
-RECOMPILE_LIMIT = 64  # graphs of the compiled decode step per process (see CompiledDecodeStep.build)
-
 
 # Inductor's wrapper checks every input's and every opaque operator's output size and stride with a call
 # each (~176 a step on the bench preset): 0.1 ms of the Python that runs the graph at batch 1 (0.61-0.63 ->
@@ -71,17 +69,19 @@ class CompiledDecodeStep:
         if runner.ranks is not None or runner.attention_backend != "paged":
             logger.info("decode step runs eagerly (compiled only for single-rank workers on the paged backend)")
             return None
-        # Dynamo keys its graphs by code object, and every step's _forward is the same one: a process
-        # with several models (tests, benchmarks, LLM objects side by side) adds ~3 graphs per model, and
-        # at the default limit of 8 the later models' steps would quietly run eagerly.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         step = cls(runner)
+        # Dynamo keeps its graphs (and its recompilation limit) per code object. Each step compiles a
+        # code object of its own, a copy of _forward's, so one model's graphs can never serve another
+        # model's step, whatever guards are dropped below: the packed linears' handles, for one, are
+        # constants of the graph, and two models of one shape would otherwise share it.
+        method = step._forward.__func__
+        own = types.FunctionType(method.__code__.replace(), method.__globals__, method.__name__,
+                                 method.__defaults__, method.__closure__)
         # Dynamo's guards on the model's modules (a hooks dict per module, each parameter's tensor checks:
         # ~1,450 of the step's ~2,300 guards) cost 0.25-0.3 ms of every step at batch 1 on the bench preset.
         # They would catch a module changed after the compile, and nothing changes one: weights are loaded
-        # and packed, and LoRA slots attached, before it. The guards left (on the step, the runner and the
-        # inputs) still keep each model's graphs to its own steps (tests/test_compiled_step.py).
-        compiled = torch.compile(step._forward, dynamic=True,
+        # and packed, and LoRA slots attached, before it.
+        compiled = torch.compile(types.MethodType(own, step), dynamic=True,
                                  options={"guard_filter_fn": _keep_guards, **_INDUCTOR_OPTIONS})
         start = time.monotonic()
         try:

@@ -92,9 +92,11 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 def packed_linear(module: nn.Module, x2: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x2 [M, K] through ``module``'s packed weight [N, K] -> [M, N] (+ bias): 16-feature panels
     (``weight_format.pack_panel_weights``) or oneDNN's blocked layout (``pack_linear_weights``); None
-    when its weight is not packed. A decoder linear or an LM head (``weight_format.pack_lm_head``)."""
-    if getattr(module, "panel_weight", None) is not None:
-        return panel_linear.panel_linear(x2, module.panel_weight, module.weight.shape[0], bias)
+    when its weight is not packed. A decoder linear or an LM head (``weight_format.pack_lm_head``).
+    Reads only the packed layouts' handles and ints until it knows the layout: under torch.compile a
+    tensor attribute read here would become a graph input, guarded before every step."""
+    if getattr(module, "panel_handle", None) is not None:
+        return panel_linear.packed_linear(x2, module, bias)
     if getattr(module, "packed_handle", None) is not None:
         return onednn_linear.packed_linear(x2, module, bias)
     return None
@@ -187,6 +189,8 @@ class ColumnParallelLinear(nn.Module):
     packed_weight = None  # the weight in oneDNN's blocked layout (weight_format.pack_linear_weights), or None
     packed_handle = None  # packed_weight's handle for torch.ops.pdserve.onednn_linear (compiled graphs)
     panel_weight = None  # the weight in 16-feature panels (weight_format.pack_panel_weights), or None
+    panel_handle = None  # panel_weight's handle for torch.ops.pdserve.panel_linear_by_handle (compiled graphs)
+    packed_out_features = None  # N of the packed weight [N, K] (either layout)
 
     def __init__(
         self,
@@ -251,7 +255,7 @@ class RowParallelLinear(nn.Module):
 
     batch_invariant: bool = False
     lora = None
-    packed_weight = packed_handle = panel_weight = None  # as ColumnParallelLinear's
+    packed_weight = packed_handle = panel_weight = panel_handle = packed_out_features = None  # as ColumnParallelLinear's
 
     def __init__(
         self,

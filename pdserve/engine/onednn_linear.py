@@ -56,5 +56,5 @@ def packed_linear(x2: torch.Tensor, layer, bias: torch.Tensor | None) -> torch.T
     oneDNN directly when eager, the op by handle under torch.compile, which never sees the packed
     tensor."""
     if torch.compiler.is_compiling():
-        return torch.ops.pdserve.onednn_linear(x2, layer.packed_handle, layer.weight.shape[0], bias)
+        return torch.ops.pdserve.onednn_linear(x2, layer.packed_handle, layer.packed_out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(x2, layer.packed_weight, bias, "none", [None], "")

@@ -9,11 +9,16 @@ so the stream and the FMAs overlap: 14 against 20 ms at 20 rows, 9 against 12.5 
 5-25% behind at 288-512-row prompt chunks (``python benchmarks/bench_linear_formats.py``).
 
 ``weight_format.pack_panel_weights`` packs a model's layers once, at load (``--linear-weight-format
-panel``, or ``auto`` where it times fastest); ``torch.ops.pdserve.panel_linear`` is one opaque node of
-a compiled decode step, and the packed weight is a plain tensor the graph takes as an input.
+panel``, or ``auto`` where it times fastest). In a compiled decode step each linear is one opaque node,
+``torch.ops.pdserve.panel_linear_by_handle``, which names its panels by an integer handle (as
+``onednn_linear`` does): the graph never takes the weights as inputs, so dynamo does not guard 96
+tensors (the panels and the plain weights' placeholders) before every step, nor fetch and pass them.
 """
 
 from __future__ import annotations
+
+import itertools
+import weakref
 
 import torch
 
@@ -83,8 +88,48 @@ def _(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
+# handle -> panels. Weak: the layer owns its panels, a dropped model frees them.
+_PANELS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+def register_panels(panels: torch.Tensor) -> int:
+    """A handle for ``panels`` (a ``pack_panels`` result), valid while the caller keeps the tensor alive."""
+    handle = next(_HANDLES)
+    _PANELS[handle] = panels
+    return handle
+
+
+_LIBRARY.define("panel_linear_by_handle(Tensor x, int handle, int out_features) -> Tensor")
+
+
+def _panel_linear_by_handle_cpu(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """``panel_linear`` with the panels of ``handle`` (``register_panels``). Raises KeyError for a handle
+    whose panels were freed."""
+    return _panel_linear_cpu(x, _PANELS[handle], out_features)
+
+
+_LIBRARY.impl("panel_linear_by_handle", _panel_linear_by_handle_cpu, "CPU")
+
+
+@torch.library.register_fake("pdserve::panel_linear_by_handle")
+def _(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
 def panel_linear(x2: torch.Tensor, panels: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [M, K] through a weight packed by ``pack_panels`` -> [M, out_features] (+ bias)."""
     y = torch.ops.pdserve.panel_linear(x2, panels, out_features)
+    return y if bias is None else y + bias
+
+
+def packed_linear(x2: torch.Tensor, layer, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 [M, K] through ``layer``'s panels (``weight_format.pack_panel_weights``: ``panel_weight``, its
+    ``panel_handle`` and ``packed_out_features`` N) -> [M, N] (+ bias): the op by handle under
+    torch.compile, which never sees the panels, the kernel directly when eager."""
+    if torch.compiler.is_compiling():
+        y = torch.ops.pdserve.panel_linear_by_handle(x2, layer.panel_handle, layer.packed_out_features)
+    else:
+        y = _panel_linear_cpu(x2, layer.panel_weight, layer.packed_out_features)
     return y if bias is None else y + bias

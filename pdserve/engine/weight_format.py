@@ -66,7 +66,7 @@ def pack_panel_weights(model: nn.Module) -> int:
     """Pack every float32 ``ColumnParallelLinear``/``RowParallelLinear`` weight of ``model`` into 16-feature
     column panels, once, and compute those layers through the panel kernel from then on
     (``pdserve.engine.panel_linear``: a decode batch's rows overlap the weight stream with their FMAs).
-    ``panel_weight`` holds the panels (a plain tensor, which a compiled decode step takes as an input)
+    ``panel_weight`` holds the panels (``panel_handle`` names them to a compiled decode step's op)
     and ``weight`` becomes a zero-stride view of its shape and dtype over no memory. Int8,
     batch-invariant, bfloat16 and already packed layers are left as they are. Returns the number of
     layers packed: 0 where the kernel cannot be built here."""
@@ -95,14 +95,17 @@ def _is_packed(module: nn.Module) -> bool:
 
 def _drop_plain(module: nn.Module) -> None:
     """``module.weight`` becomes a zero-stride view of its shape and dtype over no memory (its values now
-    live in a packed copy)."""
+    live in a packed copy); ``packed_out_features`` keeps its N as an int, which a compiled step reads
+    instead of the placeholder's shape."""
     weight = module.weight
+    module.packed_out_features = weight.shape[0]
     module.weight = nn.Parameter(torch.zeros((), dtype=weight.dtype).expand(weight.shape), requires_grad=False)
 
 
 def _pack_panels(module: nn.Module) -> None:
     """Move ``module.weight`` [N, K] into panels: ``panel_weight`` [ceil(N / 16), K, 16]."""
     module.panel_weight = panel_linear.pack_panels(module.weight)
+    module.panel_handle = panel_linear.register_panels(module.panel_weight)
     _drop_plain(module)
 
 
