@@ -198,6 +198,35 @@ def test_latent_cache_values_are_the_key_rows_head(kv_dtype, batch_invariant):
             torch.testing.assert_close(outs["paged"][starts[i]:starts[i + 1]], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_op_writes_and_attends_in_one_call(window):
+    """The decode op on a float32 K/V cache makes one native call (the new rows' write, then attention):
+    against the reference backend on a copy of the cache, the same outputs and the same cache (only the
+    layer asked for written), with K/V rows strided as the fused QKV projection leaves them. A slot outside
+    the cache raises and writes nothing."""
+    num_layers, num_blocks, block_size, num_heads, num_kv_heads, head_dim = 3, 12, 4, 6, 2, 16
+    tables, computed, new = _batch(random.Random(1), [(1, 1), (1, 7), (1, 13)], block_size, num_blocks)
+    torch.manual_seed(1)
+    cache = torch.randn(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(3, q_size + 2 * kv_size + 4)  # rows longer than q, k and v: strided views
+    q = qkv[:, :q_size].view(3, num_heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(3, num_kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:q_size + 2 * kv_size].view(3, num_kv_heads, head_dim)
+    expected_cache = cache.clone()
+    want = _run("reference", expected_cache[1], q, k, v, tables, computed, new, block_size, window, 0.25)
+    md = AttentionMetadata.build(tables, computed, new, block_size, backend="paged")
+    got = paged_attention(q, k, v, cache, md, 0.25, window, layer=1)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, expected_cache)
+    bad_slots = md.slot_mapping.clone()
+    bad_slots[2] = num_blocks * block_size
+    with pytest.raises(ValueError, match="code 6"):
+        torch.ops.pdserve.paged_decode_attention(q, k, v, cache, 1, bad_slots, md.block_tables, md.seq_lens,
+                                                 md.query_start_loc, 0.25, 0)
+    assert torch.equal(cache, expected_cache)
+
+
 def test_latent_decode_op_writes_one_row_and_reads_values_from_it():
     """The compiled decode op (``paged_decode_attention``) over a latent cache: one new row per token is
     written into the single slot, and a decode over one cached token returns that row's head."""

@@ -102,6 +102,10 @@ def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     the cache in place, never a copy of it. It takes the whole cache and an index because
     inductor (torch 2.13) loses the storage offset of a view passed to a mutating operator.
     """
+    if (not kv_cache_dtype and sinks is None and query.dtype == kv_cache.dtype == torch.float32
+            and kv_cache.shape[1] == 2 and kv_cache.is_contiguous()):
+        return _decode_float32(query, key, value, kv_cache, layer, slot_mapping, block_tables, seq_lens,
+                               query_start_loc, scale, sliding_window or 0)
     kv_cache_layer = kv_cache[layer]
     kv_dtype = kv_cache_dtype or None
     write_kv_cache(key, value, kv_cache_layer, slot_mapping, kv_dtype)
@@ -115,6 +119,32 @@ def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     metadata = AttentionMetadata(slot_mapping, block_tables, seq_lens, query_start_loc, max_query_len=1,
                                  max_seq_len=0, backend="paged", kv_cache_dtype=kv_dtype)
     return attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window or None, sinks)
+
+
+def _decode_float32(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                    slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, sliding_window: int) -> torch.Tensor:
+    """``paged_decode_attention`` on a float32 cache of K and V: the new rows' write and the attention in one
+    native call (``pdserve_paged_decode_attention``), with no torch op between them. Shapes as there;
+    returns (N, H, D). Raises ValueError for what the kernel rejects (a slot out of range: nothing written)."""
+    num_seqs, num_heads, head_dim = query.shape
+    _, _, num_blocks, block_size, num_kv_heads, row_len = kv_cache.shape
+    if row_len != head_dim or value.shape[-1] != head_dim:
+        raise ValueError(f"K and V rows of {row_len} values do not fit a head_dim of {head_dim}")
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()  # kept alive for the call
+    if not (block_tables.is_contiguous() and seq_lens.is_contiguous() and query_start_loc.is_contiguous()
+            and slot_mapping.is_contiguous()):
+        raise ValueError("the paged kernel reads the metadata as contiguous tensors")
+    out = torch.empty(num_seqs, num_heads, head_dim)
+    rc = load_paged_attention().pdserve_paged_decode_attention(
+        out.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), layer,
+        slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
+        query_start_loc.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale,
+        sliding_window, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"paged decode attention kernel rejected its inputs (code {rc}): {num_heads} heads, "
+                         f"{num_kv_heads} KV heads, head_dim {head_dim}, slots {slot_mapping.tolist()}")
+    return out
 
 
 _LIBRARY.impl("paged_decode_attention", paged_decode_attention, "CPU")

@@ -124,9 +124,12 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 def load_paged_attention() -> ctypes.CDLL | None:
     """The compiled paged-attention library, or None where it cannot be built here (logged once)."""
     return _load("paged_attention",
-                 [_P, _P, _P, ctypes.c_int, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                  ctypes.c_float, _I64, _P, ctypes.c_int],
-                 "paged-attention", "paged attention runs on the plain-torch (gathering) path")
+                 {"pdserve_paged_attention": [_P, _P, _P, ctypes.c_int, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64,
+                                              _I64, _I64, _I64, _I64, ctypes.c_float, _I64, _P, ctypes.c_int],
+                  "pdserve_paged_decode_attention": [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64,
+                                                     _I64, _I64, _I64, ctypes.c_float, _I64, ctypes.c_int]},
+                 "paged-attention", "paged attention runs on the plain-torch (gathering) path",
+                 functions=("pdserve_paged_attention", "pdserve_paged_decode_attention"))
 
 
 def load_int8_linear() -> ctypes.CDLL | None:
