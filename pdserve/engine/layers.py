@@ -255,7 +255,8 @@ class RowParallelLinear(nn.Module):
 
     batch_invariant: bool = False
     lora = None
-    packed_weight = packed_handle = panel_weight = panel_handle = packed_out_features = None  # as ColumnParallelLinear's
+    # as ColumnParallelLinear's
+    packed_weight = packed_handle = panel_weight = panel_handle = packed_out_features = None
 
     def __init__(
         self,
