@@ -13,22 +13,17 @@ everything around it.
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 
-# handle -> packed weight. Weak: the layer owns its packed weight, a dropped model frees it.
-_PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-_HANDLES = itertools.count()
+from pdserve.engine.op_handles import OpHandles
+
+_PACKED: OpHandles[torch.Tensor] = OpHandles()  # handle -> packed weight (the layer owns it)
 
 
 def register_packed_weight(packed: torch.Tensor) -> int:
     """A handle for ``packed`` (a ``torch.ops.mkldnn._reorder_linear_weight`` result), valid while the
     caller keeps the tensor alive."""
-    handle = next(_HANDLES)
-    _PACKED[handle] = packed
-    return handle
+    return _PACKED.register(packed)
 
 
 # A plain operator definition with a CPU kernel, as decode_linear's (no custom_op wrappers per call).

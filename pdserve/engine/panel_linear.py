@@ -17,12 +17,10 @@ tensors (the panels and the plain weights' placeholders) before every step, nor 
 
 from __future__ import annotations
 
-import itertools
-import weakref
-
 import torch
 
 from pdserve.engine.kernels import load_panel_linear
+from pdserve.engine.op_handles import OpHandles
 
 LANES = 16  # output features per panel
 
@@ -88,16 +86,12 @@ def _(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
-# handle -> panels. Weak: the layer owns its panels, a dropped model frees them.
-_PANELS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-_HANDLES = itertools.count()
+_PANELS: OpHandles[torch.Tensor] = OpHandles()  # handle -> panels (the layer owns them)
 
 
 def register_panels(panels: torch.Tensor) -> int:
     """A handle for ``panels`` (a ``pack_panels`` result), valid while the caller keeps the tensor alive."""
-    handle = next(_HANDLES)
-    _PANELS[handle] = panels
-    return handle
+    return _PANELS.register(panels)
 
 
 _LIBRARY.define("panel_linear_by_handle(Tensor x, int handle, int out_features) -> Tensor")

@@ -23,9 +23,7 @@ counts exchanged first); it moves the same [N, hidden] as TP's.
 
 from __future__ import annotations
 
-import itertools
 import re
-import weakref
 from typing import Any
 
 import torch
@@ -34,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.layers import _divide, batch_invariant_linear, linear, tp_rank_and_size
+from pdserve.engine.op_handles import OpHandles
 
 GATE, UP, DOWN = 0, 1, 2  # an expert tensor's part: the shard_id's second item
 
@@ -97,8 +96,7 @@ class FusedExperts(nn.Module):
                                       requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
-        self.op_key = next(_EXPERT_KEYS)  # how the opaque operator finds this module (see moe_experts)
-        _EXPERT_MODULES[self.op_key] = self
+        self.op_key = _EXPERT_MODULES.register(self)  # how the opaque operator finds this module (moe_experts)
 
     def expected_shards(self, param_name: str) -> list[tuple[int, int]]:
         """The checkpoint tensors ``param_name`` (``w13_weight`` / ``w2_weight``) is filled from."""
@@ -179,8 +177,7 @@ class FusedExperts(nn.Module):
 # a shape that depends on data) broke the graph at every MoE layer, and the step fell back to eager
 # layer by layer after dynamo's recompile limit. The operator takes the module's ``op_key`` (an int),
 # not its weights: the weights are the module's, read inside, never graph inputs.
-_EXPERT_KEYS = itertools.count()
-_EXPERT_MODULES: "weakref.WeakValueDictionary[int, FusedExperts]" = weakref.WeakValueDictionary()
+_EXPERT_MODULES: "OpHandles[FusedExperts]" = OpHandles()
 _LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
 _LIBRARY.define("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, int op_key) -> Tensor")
 
