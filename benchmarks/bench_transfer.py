@@ -6,7 +6,8 @@ Two processes on two pinned cores (prefill side on core 0, decode side on core 1
 of 512 and 2048 tokens:
 
 * **transfer**: one request's KV through ``PrefillPairs``/``DecodePairs`` (metadata tensor,
-  one gather + checksum + send per layer, the receiver's checksum), timed from the first
+  each layer gathered, checksummed and sent in runs of at most
+  512 KiB (``wire.layer_runs``), the receiver's checksum), timed from the first
   ``send_layer`` until both sides hold their bytes and checksum (the decode side the whole
   received KV, the prefill side its completed sends): what the decode worker compares;
 * **raw**: the same layer tensors, already contiguous, with plain gloo send/recv (every
@@ -88,20 +89,22 @@ def decode_main(ctrl, out, raw_port: int) -> None:
 def own_work(kv_cache: torch.Tensor, block_ids: list[int], repeats: int) -> dict:
     """What pdserve adds to raw gloo on the sending core, measured alone (no wire), as the sender does
     it: each layer's blocks gathered into a staging buffer and checksummed in one native pass
-    (``BlockGather``), or where that kernel is not built, ``index_select`` then the torch
-    checksum. Median seconds for every layer: ``gather_s`` (the one pass, or the gather) and
-    ``checksum_s`` (0 for the one pass)."""
+    (``BlockGather``), run by run (``wire.layer_runs``, with nothing sent between runs), or where
+    that kernel is not built, ``index_select`` then the torch checksum. Median seconds for every
+    layer: ``gather_s`` (the one pass, or the gather) and ``checksum_s`` (0 for the one pass)."""
     from pdserve.kvtransfer.checksum import BlockGather, KVChecksum
+    from pdserve.kvtransfer.wire import layer_runs
 
     index = torch.tensor(block_ids)
     staging = torch.empty((kv_cache.shape[0], 2, len(block_ids), *kv_cache.shape[3:]), dtype=kv_cache.dtype)
+    runs = layer_runs(2, len(block_ids), staging[0, 0, 0].nbytes, "cpu")
     gather, checksum = [], []
     for _ in range(repeats + 1):
         sums = KVChecksum()
         t0 = time.monotonic()
         plan = BlockGather.plan(kv_cache[0], index, staging[0])
         for layer in range(kv_cache.shape[0]) if plan is not None else ():
-            plan(kv_cache[layer], staging[layer])
+            plan.in_runs(kv_cache[layer], staging[layer], runs, lambda i: None)
         t1 = time.monotonic()
         if plan is None:
             for layer in range(kv_cache.shape[0]):

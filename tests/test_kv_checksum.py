@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import pdserve.kvtransfer.checksum as checksum_mod
-from pdserve.kvtransfer.checksum import BlockGather, KVChecksum, combine_checksums, kv_checksum
+import pdserve.kvtransfer.wire as wire
+from pdserve.kvtransfer.checksum import BlockGather, KVChecksum, combine_checksums, join_sums, kv_checksum
 from pdserve.kvtransfer.sender import OutgoingKV
 from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import KVTransferError
@@ -109,6 +110,48 @@ def test_gather_with_checksum_equals_index_select_then_checksum(case):
     assert gather_with_checksum(layer, index.to(torch.int32), out) is None
 
 
+@needs_kernel
+def test_gather_in_runs_equals_one_gather(monkeypatch):
+    """``BlockGather.in_runs`` (a layer gathered run by run, each run handed on before the next is
+    gathered) writes the bytes of one gather and returns its sums; ``join_sums`` joins ranges' sums
+    the same way; a bad block id raises before any run is gathered."""
+    monkeypatch.setattr(wire, "CPU_MESSAGE_BYTES", 1024)  # two of these 512-byte blocks a run
+    g = torch.Generator().manual_seed(SEED)
+    cache = torch.randn(2, 9, 4, 4, 8, generator=g)
+    index = torch.tensor([7, 0, 3, 8, 5])
+    expected = torch.index_select(cache, 1, index)
+    one, by_runs = torch.zeros_like(expected), torch.zeros_like(expected)
+    plan = BlockGather.plan(cache, index, one)
+    whole = tuple(v & checksum_mod._U64 for v in plan(cache, one))
+    runs = wire.layer_runs(2, len(index), 512, "cpu")
+    assert runs == [(0, 0, 2), (0, 2, 4), (0, 4, 5), (1, 0, 2), (1, 2, 4), (1, 4, 5)]
+    handed = []
+
+    def each(i: int) -> None:  # run i is gathered, run i + 1 not yet
+        slot, first, end = runs[i]
+        handed.append(i)
+        assert torch.equal(by_runs[slot, first:end], expected[slot, first:end])
+        if i + 1 < len(runs):
+            nslot, nfirst, nend = runs[i + 1]
+            assert not by_runs[nslot, nfirst:nend].any()
+
+    assert plan.in_runs(cache, by_runs, runs, each) == whole
+    assert handed == list(range(len(runs))) and torch.equal(by_runs, expected)
+    data = expected.reshape(-1).view(torch.uint8)
+    for end in (data.numel(), data.numel() - 100):  # the last range need not be whole rows
+        cuts = [0, 3 * 256, 5 * 256, end]
+        parts = [(checksum_mod._native_sums(data[a:b]), b - a) for a, b in zip(cuts, cuts[1:])]
+        assert join_sums(parts) == tuple(v & checksum_mod._U64 for v in checksum_mod._native_sums(data[:end]))
+    assert join_sums(parts[:1] + [(checksum_mod._native_sums(data[768:]), data.numel() - 768)]) == whole
+    with pytest.raises(ValueError, match="whole"):
+        join_sums([(parts[0][0], 100), parts[1]])
+    bad = torch.tensor([1, 9])
+    fresh = torch.zeros(2, 2, 4, 4, 8)
+    with pytest.raises(IndexError):
+        BlockGather.plan(cache, bad, fresh).in_runs(cache, fresh, wire.layer_runs(2, 2, 512, "cpu"), handed.append)
+    assert handed == list(range(len(runs))) and not fresh.any()
+
+
 def test_checksums_without_the_native_kernel(monkeypatch):
     """With no kernel built, the torch path gives the sums and the gather declines (the sender then
     uses index_select)."""
@@ -146,14 +189,18 @@ class _RecordingPair:
         self.sent.extend(tensors)
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_sender_gathers_every_layer_and_checksums_what_it_sends(native, monkeypatch):
+@pytest.mark.parametrize("native,message_bytes", [(True, None), (True, 512), (False, None)])
+def test_sender_gathers_every_layer_and_checksums_what_it_sends(native, message_bytes, monkeypatch):
     """OutgoingKV's layers (planned native gather, or index_select and torch sums without the kernel): the
-    blocks asked for, and a checksum equal to the receiver's over the same bytes; misuse still raises."""
+    blocks asked for, as each layer's messages (``wire.layer_runs``: per K/V slot, in runs of at most
+    ``CPU_MESSAGE_BYTES``; 512: two of these 256-byte blocks a run, so a slot's three blocks go in two
+    messages), and a checksum equal to the receiver's over the same bytes; misuse still raises."""
     if native and checksum_mod._kernel() is None:
         pytest.skip("the native kv_gather kernel is not built here")
     if not native:
         monkeypatch.setattr(checksum_mod, "_LIB", None)
+    if message_bytes is not None:
+        monkeypatch.setattr(wire, "CPU_MESSAGE_BYTES", message_bytes)
     g = torch.Generator().manual_seed(SEED)
     cache = torch.randn(3, 2, 10, 4, 4, 8, generator=g)  # [layers, K/V, blocks, block_size, heads, head_dim]
     blocks = [6, 2, 9]
@@ -163,11 +210,16 @@ def test_sender_gathers_every_layer_and_checksums_what_it_sends(native, monkeypa
     assert (out._gather is not None) == native
     for layer in range(3):
         out.send_layer(layer, cache[layer][:, :, :, 1:3], blocks)  # a TP piece's heads: a strided view
-    layers = pair.sent[1:]  # after the meta
+    runs = wire.layer_runs(2, len(blocks), 4 * 2 * 8 * 4, "cpu")
+    assert len(runs) == (4 if message_bytes == 512 else 2)
+    messages = pair.sent[1:]  # after the meta
+    assert len(messages) == 3 * len(runs)
     receiver = KVChecksum()
-    for layer, sent in enumerate(layers):
-        assert torch.equal(sent, cache[layer][:, blocks, :, 1:3])
-        receiver.update(sent)
+    for layer in range(3):
+        expected = cache[layer][:, blocks, :, 1:3]
+        for (slot, first, end), sent in zip(runs, messages[layer * len(runs):(layer + 1) * len(runs)]):
+            assert torch.equal(sent, expected[slot, first:end])
+        receiver.update(expected)  # the receiver sums each layer whole, once its messages are in
     assert out._checksum.value == receiver.value
     assert out.num_bytes == receiver.num_bytes
 

@@ -23,6 +23,7 @@ from pdserve.kvtransfer.pair import PairStoreServer, transfer_backend
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
 from pdserve.kvtransfer.staging import StagingPool
+import pdserve.kvtransfer.wire as wire
 from pdserve.kvtransfer.wire import dtype_from_name, dtype_name
 
 CTX = mp.get_context("spawn")
@@ -64,10 +65,12 @@ def stop(*procs) -> None:
 # -- process bodies ----------------------------------------------------------
 
 
-def decode_main(ctrl, out, timeout_s: float) -> None:
+def decode_main(ctrl, out, timeout_s: float, message_bytes: int | None = None) -> None:
     """A decode worker: DecodePairs driven by (cmd, arg) messages on ``ctrl``. Each received staging
     tensor is handed back once read, as the decode worker's install does, so later requests land in
-    reused buffers."""
+    reused buffers. ``message_bytes``: ``wire.CPU_MESSAGE_BYTES`` here (both sides must agree)."""
+    if message_bytes is not None:
+        wire.CPU_MESSAGE_BYTES = message_bytes
 
     def on_received(r):
         if isinstance(r, ReceivedKV):
@@ -96,10 +99,12 @@ def decode_main(ctrl, out, timeout_s: float) -> None:
 
 def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: str, timeout_s: float,
                  die_at_layer: int | None = None, bad_header: str | None = None, early_meta: bool = False,
-                 kv_slots: int = 2) -> None:
+                 kv_slots: int = 2, message_bytes: int | None = None) -> None:
     """A prefill worker: pairs with D, sends ``plan``'s requests, reports on_done results.
     ``early_meta``: every request's meta goes out (``OutgoingKV.start``) before any of its batch's
-    layers, as the agent does before a forward."""
+    layers, as the agent does before a forward. ``message_bytes``: as ``decode_main``'s."""
+    if message_bytes is not None:
+        wire.CPU_MESSAGE_BYTES = message_bytes
     dtype_t = dtype_from_name(dtype)
     pairs = PrefillPairs("P", "cpu", timeout_s)
     pairs.request_pair("D", HOST, store_port, generation)
@@ -177,14 +182,18 @@ def test_transfer_backend():
 # -- end to end ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,early_meta,kv_slots", [(torch.float32, False, 2), (torch.bfloat16, True, 2),
-                                                       (torch.float32, True, 1)])
-def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots):
+@pytest.mark.parametrize("dtype,early_meta,kv_slots,message_bytes",
+                         [(torch.float32, False, 2, None), (torch.bfloat16, True, 2, None), (torch.float32, True, 1, None),
+                          (torch.float32, True, 2, 512), (torch.bfloat16, False, 2, 256)])
+def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots, message_bytes):
     """Requests interleaved layer by layer arrive whole and checked, in staging buffers the pools
     reuse (sender and receiver); with ``early_meta`` every meta of a batch goes out before its layers.
-    ``kv_slots`` 1: a latent cache (MLA) ships one row per token, half the bytes of K and V."""
+    ``kv_slots`` 1: a latent cache (MLA) ships one row per token, half the bytes of K and V.
+    ``message_bytes``: a layer in runs of at most that many bytes (``wire.layer_runs``; 512: two
+    256-byte float32 blocks, gathered and sent run by run; 256: two 128-byte bfloat16 blocks, which
+    are not whole checksum rows, so the layer is gathered whole and sent in runs)."""
     ctrl, out_d, out_p = CTX.Queue(), CTX.Queue(), CTX.Queue()
-    d = CTX.Process(target=decode_main, args=(ctrl, out_d, 10.0), daemon=True)
+    d = CTX.Process(target=decode_main, args=(ctrl, out_d, 10.0, message_bytes), daemon=True)
     d.start()
     procs = [d]
     try:
@@ -193,7 +202,7 @@ def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots):
         _, generation = out_d.get(timeout=5)
         t0 = time.monotonic()
         p = CTX.Process(target=prefill_main, args=(port, generation, ctrl, out_p, PLAN, dtype_name(dtype), 10.0,
-                                                   None, None, early_meta, kv_slots), daemon=True)
+                                                   None, None, early_meta, kv_slots, message_bytes), daemon=True)
         p.start()
         procs.append(p)
         requests = [r for batch in PLAN for r in batch]

@@ -333,9 +333,9 @@ class RemotePrefillRequest(_Msg):
 class KVTransferHeader(_Msg):
     """Prefill -> decode, sent just before the KV tensors of one request.
 
-    The tensors follow on the pair's process group, one per layer, in layer
-    order, each of shape ``[kv_slots, num_blocks, block_size, num_kv_heads, head_dim]``
-    and dtype ``dtype``: the KV cache dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``,
+    The tensors follow on the pair's process group, layer by layer, each layer of shape
+    ``[kv_slots, num_blocks, block_size, num_kv_heads, head_dim]`` in the messages of
+    ``wire.layer_runs`` (each slot's blocks in runs of at most 512 KiB on a CPU pair), and dtype ``dtype``: the KV cache dtype name (``"float32"``, ``"bfloat16"``, ``"float16"``,
     or a quantized ``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``, whose tensors are uint8 with a last
     axis of ``head_dim + 4`` bytes: the quantized row, then its float32 scale). ``head_dim`` is
     always the model's (``pdserve.kvtransfer.wire``). ``kv_slots``: 2 (K and V) or 1 (a latent

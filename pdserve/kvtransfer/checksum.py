@@ -38,13 +38,14 @@ device values into Python ints (a CUDA sync) when ``value`` is read.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
 from pdserve.engine.kernels import load_kv_gather
 
 _ROW_WORDS = 32  # int64 words per row: 256 bytes, the grain at which moved data is caught
-_ROW_BYTES = 8 * _ROW_WORDS
+ROW_BYTES = 8 * _ROW_WORDS
 _Q = 2**61 - 1  # prime modulus of the fold
 _MIX = 0x2545F4914F6CDD1D % _Q  # odd multiplier of the fold
 _U64 = 2**64 - 1
@@ -56,14 +57,14 @@ def _row_sums(t: torch.Tensor) -> torch.Tensor:
     aligned)."""
     data = t.detach().contiguous().reshape(-1).view(torch.uint8)  # [num_bytes]
     num_bytes = data.numel()
-    num_full = num_bytes // _ROW_BYTES * _ROW_BYTES
+    num_full = num_bytes // ROW_BYTES * ROW_BYTES
     full = data[:num_full]
     if full.storage_offset() % 8:  # int64 words must be aligned: a view at an odd offset is copied
         full = full.clone()
     row_sums = full.view(torch.int64).view(-1, _ROW_WORDS).sum(1)  # [R_full]
     if num_full == num_bytes:
         return row_sums
-    tail = data.new_zeros(_ROW_BYTES)
+    tail = data.new_zeros(ROW_BYTES)
     tail[:num_bytes - num_full] = data[num_full:]
     return torch.cat([row_sums, tail.view(torch.int64).sum().view(1)])
 
@@ -127,18 +128,67 @@ class BlockGather:
                 block_size, stride[2] * elem, heads * row * elem)
         return cls((kv_layer.shape, stride, kv_layer.dtype), out.shape, block_ids, args, lib)
 
-    def __call__(self, kv_layer: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
-        """Gather this layer's blocks into ``out`` (a staging row); ``(sum_k r_k, s2)`` of its bytes, for
-        ``KVChecksum.add``. Raises ValueError if ``kv_layer`` or ``out`` is not laid out as planned, and
-        IndexError for a block id outside the cache (nothing is copied)."""
+    def _check(self, kv_layer: torch.Tensor, out: torch.Tensor) -> None:
         if (kv_layer.shape, kv_layer.stride(), kv_layer.dtype) != self._layout or out.shape != self._out_shape \
                 or out.dtype != self._layout[2] or not out.is_contiguous():
             raise ValueError(f"layer {list(kv_layer.shape)} {kv_layer.stride()} {kv_layer.dtype} -> row "
                              f"{list(out.shape)} is not the planned {self._layout} -> {list(self._out_shape)}")
+
+    def __call__(self, kv_layer: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+        """Gather this layer's blocks into ``out`` (a staging row); ``(sum_k r_k, s2)`` of its bytes, for
+        ``KVChecksum.add``. Raises ValueError if ``kv_layer`` or ``out`` is not laid out as planned, and
+        IndexError for a block id outside the cache (nothing is copied)."""
+        self._check(kv_layer, out)
         sums = (ctypes.c_int64 * 2)()
         if self._lib.pdserve_kv_gather_checksum(kv_layer.data_ptr(), *self._args, out.data_ptr(), sums):
             raise IndexError(f"block ids {self._index.tolist()} outside a cache of {self._args[2]} blocks")
         return sums[0], sums[1]
+
+    def in_runs(self, kv_layer: torch.Tensor, out: torch.Tensor, runs: list[tuple[int, int, int]],
+                each: Callable[[int], None]) -> tuple[int, int]:
+        """``self(kv_layer, out)`` a run at a time: for each ``(slot, first, end)`` of ``runs``
+        (``wire.layer_runs``, in order) ``out[slot, first:end]`` is gathered and summed, then ``each(i)``
+        is called (the sender sends run i while it is still in cache). Every run must be whole
+        ``ROW_BYTES`` rows (blocks of a multiple of 256 bytes), so their sums join (``join_sums``).
+        Returns the layer's sums, as ``self(kv_layer, out)`` would. Raises ValueError as ``__call__``,
+        or if a run is not whole rows, and IndexError for a block id outside the cache, before anything
+        is gathered."""
+        self._check(kv_layer, out)
+        slots, slot_stride, total, ids, n, block_stride, block_size, token_stride, token_bytes = self._args
+        block_bytes = block_size * token_bytes
+        if block_bytes % ROW_BYTES:
+            raise ValueError(f"blocks of {block_bytes} bytes are not whole {ROW_BYTES}-byte checksum rows")
+        if n and (int(self._index.min()) < 0 or int(self._index.max()) >= total):
+            raise IndexError(f"block ids {self._index.tolist()} outside a cache of {total} blocks")
+        src, dst = kv_layer.data_ptr(), out.data_ptr()
+        sums = (ctypes.c_int64 * 2)()
+        words = s2 = 0
+        for i, (slot, first, end) in enumerate(runs):
+            self._lib.pdserve_kv_gather_checksum(src + slot * slot_stride, 1, slot_stride, total, ids + 8 * first,
+                                                 end - first, block_stride, block_size, token_stride, token_bytes,
+                                                 dst + (slot * n + first) * block_bytes, sums)
+            s2 = (s2 + (end - first) * block_bytes // ROW_BYTES * words + sums[1]) & _U64  # join_sums, inline
+            words = (words + sums[0]) & _U64
+            each(i)
+        return words, s2
+
+
+def join_sums(parts: list[tuple[tuple[int, int], int]]) -> tuple[int, int]:
+    """The ``(sum_k r_k, s2)`` of byte ranges laid end to end, from each range's own sums and byte
+    count (``[((words, s2), num_bytes), ...]``, e.g. ``BlockGather`` results, in order). For A then B
+    the words add, and s2(A B) = s2(A) + R_B * words(A) + s2(B), R_B being B's row count: each of A's
+    rows is R_B rows further from the end. Every range but the last must be whole 256-byte rows.
+
+    Raises:
+        ValueError: a range before the last is not whole rows.
+    """
+    words = s2 = 0
+    for i, ((w, s), num_bytes) in enumerate(parts):
+        if num_bytes % ROW_BYTES and i < len(parts) - 1:
+            raise ValueError(f"range {i} of {len(parts)} is {num_bytes} bytes, not whole {ROW_BYTES}-byte rows")
+        s2 = (s2 + -(-num_bytes // ROW_BYTES) * words + s) & _U64
+        words = (words + w) & _U64
+    return words, s2
 
 
 def _weights(num_rows: int, device: torch.device) -> torch.Tensor:
@@ -196,7 +246,7 @@ class KVChecksum:
         if sums is not None:
             self.add(sums, num_bytes)
             return
-        num_rows = -(-num_bytes // _ROW_BYTES)
+        num_rows = -(-num_bytes // ROW_BYTES)
         weights = self._weights
         if weights is None or weights.numel() != num_rows or weights.device != t.device:
             weights = self._weights = _weights(num_rows, t.device)

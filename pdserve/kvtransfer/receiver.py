@@ -236,15 +236,18 @@ class DecodePairs:
                                     header.num_kv_heads,
                                     wire.row_len(header.dtype, header.head_dim)),  # + 4 scale bytes when quantized
                                    wire.dtype_from_name(header.dtype), self.device)
-            # Every layer's receive is posted at once; each layer is checksummed as soon as it is in,
+            # Every layer's receives (one a message: wire.layer_runs) are posted at once; each layer is
+            # checksummed as soon as it is in,
             # while the next ones are still arriving.
             what = [f"request {rid}: layer {i}/{header.num_layers}" for i in range(header.num_layers)]
             layers = [kv[i] for i in range(header.num_layers)] if not header.layer_num_blocks else \
                 [wire.layer_prefix(kv[i], n) for i, n in enumerate(header.layer_num_blocks)]  # a window's: fewer
-            works = [pair.irecv(layer, what[i]) for i, layer in enumerate(layers)]
+            works = [[pair.irecv(message, what[i]) for message in wire.layer_messages(layer)]
+                     for i, layer in enumerate(layers)]
             checksum = KVChecksum()
-            for i, work in enumerate(works):  # each layer may take timeout_s after the one before
-                pair.wait(work, self.timeout_s, what[i])
+            for i, layer_works in enumerate(works):  # each layer may take timeout_s after the one before
+                for work in layer_works:
+                    pair.wait(work, self.timeout_s, what[i])
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
                 checksum.update(layers[i])

@@ -24,7 +24,7 @@ import torch
 
 import pdserve.kvtransfer.wire as wire
 from pdserve.common import faults
-from pdserve.kvtransfer.checksum import BlockGather, KVChecksum
+from pdserve.kvtransfer.checksum import ROW_BYTES, BlockGather, KVChecksum
 from pdserve.kvtransfer.pair import KVPair
 from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import KVTransferError, layer_prefix
@@ -66,6 +66,8 @@ class OutgoingKV:
         self._checksum = KVChecksum()  # over each gathered layer, as it is gathered
         self._rows: tuple[torch.Tensor, ...] = ()  # _staging's layers
         self._gather: BlockGather | None = None  # set by start where the native one-pass gather takes the cache
+        self._runs: list[tuple[int, int, int]] = []  # a layer's messages (wire.layer_runs), set by start
+        self._by_runs = False  # whether send_layer gathers and sends run by run (start)
         # Owned by the pair's sequencer (under its lock):
         self._queued: deque[torch.Tensor] = deque()
         self._all_queued = False
@@ -103,6 +105,12 @@ class OutgoingKV:
         # the native gather + checksum, planned once for every layer (None: index_select and torch sums)
         self._gather = None if self.layer_num_blocks else BlockGather.plan(kv_layer, self._index, self._rows[0])
         fault = faults.kv_send_fault(self.request_id)
+        row = self._rows[0]
+        block_bytes = row[0, 0].nbytes if row.shape[1] else 0
+        self._runs = wire.layer_runs(row.shape[0], row.shape[1], block_bytes, row.device.type)
+        # gathered, summed and sent run by run where the runs' sums join (and no test fault is set)
+        self._by_runs = self._gather is not None and len(self._runs) > 1 and block_bytes % ROW_BYTES == 0 \
+            and fault is None
         if fault is None or fault["mode"] != "never":
             self.pair._enqueue(self, [meta], last=False)
 
@@ -126,12 +134,22 @@ class OutgoingKV:
         if self._gather is not None and self._error is None:  # planned at start: every layer of the cache fits
             staged = self._rows[layer_idx]
             try:
-                sums = self._gather(kv_layer, staged)
+                if self._by_runs:  # each run leaves while it is still in this core's cache (wire.layer_runs)
+                    messages = [staged[slot, first:end] for slot, first, end in self._runs]
+                    last = len(messages) - 1 if layer_idx == self.num_layers - 1 else -1
+                    sums = self._gather.in_runs(kv_layer, staged, self._runs,
+                                                lambda i: self.pair._enqueue(self, [messages[i]], last=i == last))
+                else:
+                    sums = self._gather(kv_layer, staged)
             except ValueError:  # not the planned layout: the checks below say what is wrong
                 pass
             else:
                 self._next_layer += 1
-                self._issue(layer_idx, staged, sums)
+                if self._by_runs:
+                    self.num_bytes += staged.nbytes
+                    self._checksum.add(sums, staged.nbytes)
+                else:
+                    self._issue(layer_idx, staged, sums)
                 return
         if kv_layer.dim() != 5 or kv_layer.shape[0] not in (1, 2):
             raise KVTransferError(f"request {self.request_id}: kv_layer must be [kv_slots (1 or 2), num_blocks, "
@@ -164,7 +182,7 @@ class OutgoingKV:
         """Queue the gathered layer ``staged`` on the pair; its checksum: ``sums`` (taken by the gather), or
         computed now, while the send is under way and ``staged`` is still in cache."""
         self.num_bytes += staged.nbytes
-        tensors = [staged]
+        tensors = wire.layer_messages(staged)
         if (fault := faults.kv_send_fault(self.request_id)) is None or self._inject(fault, layer_idx, tensors):
             self.pair._enqueue(self, tensors, last=layer_idx == self.num_layers - 1)
         if sums is not None:

@@ -6,7 +6,8 @@ A pair's group carries one ordered stream (a single tag), rank 0 -> rank 1:
     then per request, in the order the KVTransferHeaders were sent:
     meta    int64[10] [MAGIC, crc32(request_id), num_layers, num_blocks,
                        block_size, num_kv_heads, head_dim, dtype_code, kv_slots, layer_blocks]
-    layer i           [kv_slots, num_blocks_i, block_size, num_kv_heads, row_len], i = 0..num_layers-1
+    layer i           [kv_slots, num_blocks_i, block_size, num_kv_heads, row_len], i = 0..num_layers-1,
+                      as the messages of ``layer_runs``: slot by slot, each slot's blocks in runs
 
 ``num_blocks_i`` is ``num_blocks`` for every layer, unless the header's ``layer_num_blocks``
 names each layer's count (a model whose sliding-window layers keep fewer blocks than its full
@@ -25,6 +26,16 @@ cache (int8, fp8_e4m3, fp8_e5m2; ``pdserve.common.kv_quant``) a layer is uint8
 and ``row_len = head_dim + 4``: each (token, KV head) row is its head_dim
 quantized bytes followed by its float32 scale, shipped as the cache holds them.
 
+A layer travels as several messages, in its bytes' order (``layer_runs``): each KV slot's
+blocks, in runs of at most ``CPU_MESSAGE_BYTES`` (never less than one block) on a CPU pair,
+whole on a CUDA one. The sender gathers and sends one run at a time, so on a CPU the run it
+just gathered is still in its core's L2 cache when the kernel copies it into the socket; a
+whole layer (1-4 MiB for a 512-2048-token prompt of the bench model) was not. Smaller runs
+lose more to gloo's cost per message than they gain: on a 2-core Zen 5 class machine, 12 MiB
+moved at 0.60x raw gloo in 128 KiB runs, 0.46x in 256 KiB runs, 0.86-0.88x in 512 KiB runs,
+against 0.78-0.80x as whole layers (``benchmarks/bench_transfer.py``; docs/benchmarks.md,
+thirteenth session). The split never changes the bytes, only where one message ends.
+
 The receiver checks ``meta`` against the ZMQ header before posting any layer
 receive, so a disagreement is reported instead of corrupting memory (gloo
 aborts the process when more bytes arrive than a receive expects, and silently
@@ -40,8 +51,9 @@ import torch
 from pdserve.common.protocol import KVTransferHeader
 from pdserve.common.kv_quant import KV_CACHE_FORMATS
 
-MAGIC = 0x4B565846  # "KVXF"
+MAGIC = 0x4B565832  # "KVX2": a layer in runs (layer_runs); "KVXF", one message a layer, is retired
 TAG = 0
+CPU_MESSAGE_BYTES = 512 * 1024  # most bytes in one message of a layer on a CPU pair (layer_runs)
 
 # KV dtype name -> meta code. 1-4: plain elements of that torch dtype; 5, 9, 10: quantized rows with
 # their scale (int8, fp8 e4m3, fp8 e5m2). 6-8 (uint8, float8_e4m3fn, float8_e5m2 as plain elements)
@@ -108,6 +120,26 @@ def layer_prefix(layer: torch.Tensor, num_blocks: int) -> torch.Tensor:
     kv_slots, _, *rest = layer.shape
     numel = kv_slots * num_blocks * layer[0, 0].numel()
     return layer.view(-1)[:numel].view(kv_slots, num_blocks, *rest)
+
+
+def layer_runs(kv_slots: int, num_blocks: int, block_bytes: int, device_type: str) -> list[tuple[int, int, int]]:
+    """The messages a layer [kv_slots, num_blocks, ...] travels in, in order: ``(slot, first block, end
+    block)`` each. On a CPU pair each slot's blocks go in runs of ``CPU_MESSAGE_BYTES // block_bytes``
+    blocks (at least one); elsewhere each slot's blocks in one message (NCCL has no cache to keep
+    warm, and each message costs a launch). ``block_bytes``: one block of one slot, in bytes. A layer
+    of no blocks has no messages."""
+    per = max(1, CPU_MESSAGE_BYTES // max(block_bytes, 1)) if device_type == "cpu" else max(num_blocks, 1)
+    return [(slot, first, min(first + per, num_blocks)) for slot in range(kv_slots)
+            for first in range(0, num_blocks, per)]
+
+
+def layer_messages(layer: torch.Tensor) -> list[torch.Tensor]:
+    """``layer`` [kv_slots, num_blocks, block_size, H, row_len] (contiguous) as its messages
+    (``layer_runs``): contiguous views that cover its bytes once, in order."""
+    kv_slots, num_blocks = layer.shape[:2]
+    block_bytes = layer[0, 0].numel() * layer.element_size() if num_blocks else 0
+    return [layer[slot, first:end] for slot, first, end in
+            layer_runs(kv_slots, num_blocks, block_bytes, layer.device.type)]
 
 
 def make_meta(request_id: str, num_layers: int, layer: torch.Tensor, kv_dtype: str | None = None,
