@@ -120,9 +120,10 @@ class OutgoingKV:
         ``kv_layer``: this layer of P's paged cache, [kv_slots, num_blocks_total, block_size, num_kv_heads,
         head_dim] (any strides: a TP piece's head range is a view). The blocks are gathered into this request's
         staging buffer (one contiguous [kv_slots, len(block_ids), block_size, num_kv_heads, head_dim] per layer),
-        which is what goes on the wire. On a CPU cache with one block list for every layer the gather and
-        its checksum are one native pass (``BlockGather``); otherwise the gathered layer is checksummed once
-        its send is issued, still in cache.
+        which goes on the wire as the layer's messages (``wire.layer_runs``). On a CPU cache with one block
+        list for every layer the gather and its checksum are one native pass (``BlockGather``), run by run
+        where blocks are whole checksum rows: each run is sent as soon as it is gathered. Otherwise the
+        gathered layer is checksummed once its sends are issued, still in cache.
         The ``block_ids`` of ``start`` (or of layer 0) hold for every layer; with ``layer_num_blocks``
         each layer's own are given here (as many as its count; it fills the front of its staging row).
         A failed pair is not raised here (``wait`` reports it); misuse (layer order, shape change, a
