@@ -100,10 +100,11 @@ class BlockGather:
     addresses. ~20 us of Python a layer less than taking each layer from scratch.
     """
 
-    __slots__ = ("_layout", "_out_shape", "_index", "_args", "_lib")
+    __slots__ = ("_layout", "_out_shape", "_index", "_args", "_lib", "_ids_in_range")
 
     def __init__(self, layout: tuple, out_shape: torch.Size, index: torch.Tensor, args: tuple, lib) -> None:
         self._layout, self._out_shape, self._index, self._args, self._lib = layout, out_shape, index, args, lib
+        self._ids_in_range: bool | None = None  # in_runs' check of the (fixed) block ids, once
 
     @classmethod
     def plan(cls, kv_layer: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> BlockGather | None:
@@ -158,7 +159,9 @@ class BlockGather:
         block_bytes = block_size * token_bytes
         if block_bytes % ROW_BYTES:
             raise ValueError(f"blocks of {block_bytes} bytes are not whole {ROW_BYTES}-byte checksum rows")
-        if n and (int(self._index.min()) < 0 or int(self._index.max()) >= total):
+        if self._ids_in_range is None:
+            self._ids_in_range = not n or (int(self._index.min()) >= 0 and int(self._index.max()) < total)
+        if not self._ids_in_range:
             raise IndexError(f"block ids {self._index.tolist()} outside a cache of {total} blocks")
         src, dst = kv_layer.data_ptr(), out.data_ptr()
         sums = (ctypes.c_int64 * 2)()
