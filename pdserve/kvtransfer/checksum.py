@@ -165,15 +165,14 @@ class BlockGather:
             raise IndexError(f"block ids {self._index.tolist()} outside a cache of {total} blocks")
         src, dst = kv_layer.data_ptr(), out.data_ptr()
         sums = (ctypes.c_int64 * 2)()
-        words = s2 = 0
+        parts = []
         for i, (slot, first, end) in enumerate(runs):
             self._lib.pdserve_kv_gather_checksum(src + slot * slot_stride, 1, slot_stride, total, ids + 8 * first,
                                                  end - first, block_stride, block_size, token_stride, token_bytes,
                                                  dst + (slot * n + first) * block_bytes, sums)
-            s2 = (s2 + (end - first) * block_bytes // ROW_BYTES * words + sums[1]) & _U64  # join_sums, inline
-            words = (words + sums[0]) & _U64
+            parts.append(((sums[0], sums[1]), (end - first) * block_bytes))
             each(i)
-        return words, s2
+        return join_sums(parts)
 
 
 def join_sums(parts: list[tuple[tuple[int, int], int]]) -> tuple[int, int]:
