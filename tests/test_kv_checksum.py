@@ -207,7 +207,7 @@ def test_sender_gathers_every_layer_and_checksums_what_it_sends(native, message_
     pair = _RecordingPair()
     out = OutgoingKV(pair, "r0", 3)
     out.start(cache[0][:, :, :, 1:3], blocks)
-    assert (out._gather is not None) == native
+    assert [plan.gather is not None for plan in out._plans.values()] == [native]  # planned at start
     for layer in range(3):
         out.send_layer(layer, cache[layer][:, :, :, 1:3], blocks)  # a TP piece's heads: a strided view
     runs = wire.layer_runs(2, len(blocks), 4 * 2 * 8 * 4, "cpu")

@@ -32,6 +32,22 @@ NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 4, 12, 4, 2, 8
 SEED = 1234
 # Batches of (request_id, block_ids); requests in one batch send layer by layer, interleaved.
 PLAN = [[("r0", [3, 7, 1]), ("r1", [0, 5])], [("r2", [2, 4, 6, 8, 11])]]
+# Per-layer block lists, as KV cache groups give them (each layer reads its group's table): layers 0 and 2 share
+# one list object, as the agent passes them. g0: equal counts, other blocks per layer (the gpt-oss bug: a plan
+# made for layer 0's blocks gathered them for every layer); g1: a window's layers send fewer (layer_num_blocks).
+_FULL, _WINDOW = [3, 7, 1], [9, 10, 2]
+GROUPS_PLAN = [[("g0", [_FULL, [0, 5, 8], _FULL, [11, 4, 6]]), ("g1", [_FULL, [10], _FULL, [5, 11]])]]
+
+
+def layer_lists(block_ids) -> list[list[int]]:
+    """A plan entry's blocks per layer (one list: every layer's)."""
+    return block_ids if isinstance(block_ids[0], list) else [block_ids] * NUM_LAYERS
+
+
+def layer_counts(block_ids) -> list[int]:
+    """A header's ``layer_num_blocks`` for a plan entry: [] where every layer sends as many blocks."""
+    counts = [len(ids) for ids in layer_lists(block_ids)]
+    return counts if min(counts) != max(counts) else []
 
 
 def make_cache(dtype: torch.dtype, kv_slots: int = 2) -> list[torch.Tensor]:
@@ -41,13 +57,15 @@ def make_cache(dtype: torch.dtype, kv_slots: int = 2) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g).to(dtype) for _ in range(NUM_LAYERS)]
 
 
-def make_header(request_id: str, block_ids: list[int], generation: int, dtype: torch.dtype,
+def make_header(request_id: str, block_ids, generation: int, dtype: torch.dtype,
                 prefill_worker_id: str = "P", num_blocks: int | None = None, kv_slots: int = 2) -> KVTransferHeader:
+    """``block_ids``: one list (every layer's) or a list per layer (``layer_lists``)."""
+    widest = max(len(ids) for ids in layer_lists(block_ids))
     return KVTransferHeader(
         request_id=request_id, prefill_worker_id=prefill_worker_id, pair_generation=generation,
-        num_layers=NUM_LAYERS, num_blocks=len(block_ids) if num_blocks is None else num_blocks,
+        num_layers=NUM_LAYERS, num_blocks=widest if num_blocks is None else num_blocks,
         block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, dtype=dtype_name(dtype),
-        num_tokens=len(block_ids) * BLOCK_SIZE, kv_slots=kv_slots)
+        num_tokens=widest * BLOCK_SIZE, kv_slots=kv_slots, layer_num_blocks=layer_counts(block_ids))
 
 
 def as_bytes(t: torch.Tensor) -> bytes:
@@ -122,15 +140,16 @@ def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: st
             n = len(block_ids) + 1 if rid == bad_header else None
             header = make_header(rid, block_ids, generation, dtype_t, num_blocks=n, kv_slots=kv_slots)
             headers.put(("header", msgspec.msgpack.encode(header)))
-            outgoing.append((OutgoingKV(pair, rid, NUM_LAYERS), block_ids))
+            lists = layer_lists(block_ids)
+            outgoing.append((OutgoingKV(pair, rid, NUM_LAYERS, layer_num_blocks=layer_counts(block_ids)), lists))
             if early_meta:
-                outgoing[-1][0].start(cache[0], block_ids)
+                outgoing[-1][0].start(cache[0], max(lists, key=len))
         for layer in range(NUM_LAYERS):
             if layer == die_at_layer:
                 time.sleep(0.3)  # let D take the first layers
                 os._exit(1)
-            for out_kv, block_ids in outgoing:
-                out_kv.send_layer(layer, cache[layer], block_ids)
+            for out_kv, lists in outgoing:
+                out_kv.send_layer(layer, cache[layer], lists[layer])
         for out_kv, _ in outgoing:
             completer.submit(out_kv)
     for _ in range(sum(len(b) for b in plan)):
@@ -182,16 +201,20 @@ def test_transfer_backend():
 # -- end to end ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,early_meta,kv_slots,message_bytes",
-                         [(torch.float32, False, 2, None), (torch.bfloat16, True, 2, None), (torch.float32, True, 1, None),
-                          (torch.float32, True, 2, 512), (torch.bfloat16, False, 2, 256)])
-def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots, message_bytes):
+@pytest.mark.parametrize("dtype,early_meta,kv_slots,message_bytes,plan",
+                         [(torch.float32, False, 2, None, PLAN), (torch.bfloat16, True, 2, None, PLAN),
+                          (torch.float32, True, 1, None, PLAN), (torch.float32, True, 2, 512, PLAN),
+                          (torch.bfloat16, False, 2, 256, PLAN), (torch.float32, True, 2, 512, GROUPS_PLAN),
+                          (torch.float32, False, 2, None, GROUPS_PLAN), (torch.bfloat16, True, 2, 256, GROUPS_PLAN)])
+def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots, message_bytes, plan):
     """Requests interleaved layer by layer arrive whole and checked, in staging buffers the pools
     reuse (sender and receiver); with ``early_meta`` every meta of a batch goes out before its layers.
     ``kv_slots`` 1: a latent cache (MLA) ships one row per token, half the bytes of K and V.
     ``message_bytes``: a layer in runs of at most that many bytes (``wire.layer_runs``; 512: two
     256-byte float32 blocks, gathered and sent run by run; 256: two 128-byte bfloat16 blocks, which
-    are not whole checksum rows, so the layer is gathered whole and sent in runs)."""
+    are not whole checksum rows, so the layer is gathered whole and sent in runs). ``GROUPS_PLAN``:
+    each layer sends its own blocks (KV cache groups), with equal and with unequal counts; every layer
+    arrives with its own blocks' bytes."""
     ctrl, out_d, out_p = CTX.Queue(), CTX.Queue(), CTX.Queue()
     d = CTX.Process(target=decode_main, args=(ctrl, out_d, 10.0, message_bytes), daemon=True)
     d.start()
@@ -201,11 +224,11 @@ def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots, message_bytes):
         ctrl.put(("generation", "P"))
         _, generation = out_d.get(timeout=5)
         t0 = time.monotonic()
-        p = CTX.Process(target=prefill_main, args=(port, generation, ctrl, out_p, PLAN, dtype_name(dtype), 10.0,
+        p = CTX.Process(target=prefill_main, args=(port, generation, ctrl, out_p, plan, dtype_name(dtype), 10.0,
                                                    None, None, early_meta, kv_slots, message_bytes), daemon=True)
         p.start()
         procs.append(p)
-        requests = [r for batch in PLAN for r in batch]
+        requests = [r for batch in plan for r in batch]
         received = {m[1]: m for m in (out_d.get(timeout=20) for _ in requests)}
         done = {m[1]: m for m in (out_p.get(timeout=20) for _ in requests)}
         print(f"\n{dtype}: {len(requests)} requests received {time.monotonic() - t0:.2f}s after P started")
@@ -213,23 +236,29 @@ def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots, message_bytes):
         for rid, block_ids in requests:
             kind, _, kv_bytes, shape, kv_dtype, num_bytes, checksum = received[rid]
             assert kind == "received", received[rid]
-            expected = torch.stack([layer[:, block_ids] for layer in cache])  # [L, kv_slots, nb, bs, H, D]
-            assert shape == list(expected.shape) and kv_dtype == str(dtype)
-            assert kv_bytes == as_bytes(expected)
+            lists = layer_lists(block_ids)
+            layers = [layer[:, ids] for layer, ids in zip(cache, lists)]  # each [kv_slots, its blocks, bs, H, D]
+            widest = max(len(ids) for ids in lists)
+            assert shape == [NUM_LAYERS, kv_slots, widest, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM]
+            assert kv_dtype == str(dtype)
+            staged = torch.frombuffer(bytearray(kv_bytes), dtype=dtype).view(shape)
+            for i, layer in enumerate(layers):  # a layer of fewer blocks fills the front of its row
+                assert as_bytes(wire.layer_prefix(staged[i], len(lists[i]))) == as_bytes(layer), f"{rid} layer {i}"
             _, _, sent_bytes, sent_checksum, error = done[rid]
             assert error is None
-            assert num_bytes == sent_bytes == expected.nbytes == kv_slots * NUM_LAYERS * len(block_ids) * \
-                BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
+            assert num_bytes == sent_bytes == sum(t.nbytes for t in layers) == kv_slots * BLOCK_SIZE * \
+                sum(len(ids) for ids in lists) * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
             assert checksum == sent_checksum
             reference = KVChecksum()
-            for layer in expected:
+            for layer in layers:
                 reference.update(layer)
             assert checksum == reference.value
-        # P: r0 and r1 are gathered at once, r2 (5 blocks) fits in neither; every buffer came back
-        assert out_p.get(timeout=5) == ("staging", 3, 0)
-        # D: r1 (2 blocks) lands in r0's returned buffer (3 blocks); r2 needs a new one
-        ctrl.put(("num_allocated", None))
-        assert out_d.get(timeout=5) == ("num_allocated", 2)
+        if plan is PLAN:
+            # P: r0 and r1 are gathered at once, r2 (5 blocks) fits in neither; every buffer came back
+            assert out_p.get(timeout=5) == ("staging", 3, 0)
+            # D: r1 (2 blocks) lands in r0's returned buffer (3 blocks); r2 needs a new one
+            ctrl.put(("num_allocated", None))
+            assert out_d.get(timeout=5) == ("num_allocated", 2)
     finally:
         ctrl.put(("stop", None))
         stop(*procs)

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -32,6 +33,18 @@ from pdserve.kvtransfer.wire import KVTransferError, layer_prefix
 logger = logging.getLogger(__name__)
 
 _JOIN_S = 0.5  # how long close() waits for each thread (seconds); threads are daemons
+
+
+@dataclass
+class _BlocksPlan:
+    """How one list of block ids is gathered and sent, worked out once per request (KV cache groups give a
+    request several lists: one per group and first block; every layer of a list reuses its plan)."""
+
+    block_ids: list[int]  # the very list (kept alive, so its id() cannot be reused while planned)
+    index: torch.Tensor  # [len(block_ids)] int64, on the cache's device
+    gather: BlockGather | None  # the native one-pass gather and checksum (None: index_select, torch sums)
+    runs: list[tuple[int, int, int]]  # the layer's messages (wire.layer_runs)
+    by_runs: bool  # gathered, summed and sent run by run
 
 
 class OutgoingKV:
@@ -56,18 +69,15 @@ class OutgoingKV:
         if self.layer_num_blocks and len(self.layer_num_blocks) != num_layers:
             raise KVTransferError(f"request {request_id}: {len(self.layer_num_blocks)} layer block counts for "
                                   f"{num_layers} layers")
-        self._indices: dict[int, tuple[list[int], torch.Tensor]] = {}  # id(block_ids) -> (them, on the device)
+        self._plans: dict[int, _BlocksPlan] = {}  # id(block_ids) -> its plan (_plan_for)
         self.num_bytes = 0  # KV bytes handed to the pair so far
         self._next_layer = 0
-        self._index: torch.Tensor | None = None  # [num_blocks] int64 block ids, on the cache's device
         # [num_layers, kv_slots, num_blocks, block_size, H, row_len] from pair.staging: layer i is gathered into
         # _staging[i] and sent from there, so P may reuse its blocks once the request is done.
         self._staging: torch.Tensor | None = None
         self._checksum = KVChecksum()  # over each gathered layer, as it is gathered
         self._rows: tuple[torch.Tensor, ...] = ()  # _staging's layers
-        self._gather: BlockGather | None = None  # set by start where the native one-pass gather takes the cache
-        self._runs: list[tuple[int, int, int]] = []  # a layer's messages (wire.layer_runs), set by start
-        self._by_runs = False  # whether send_layer gathers and sends run by run (start)
+        self._faulty = False  # a test fault is set for this request (start): no run-by-run sends
         # Owned by the pair's sequencer (under its lock):
         self._queued: deque[torch.Tensor] = deque()
         self._all_queued = False
@@ -86,9 +96,9 @@ class OutgoingKV:
         The decode side checks the meta and posts its layer receives while the forward computes
         layer 0, so the first layer flows as soon as it is sent. Optional (``send_layer(0)`` does it
         otherwise) and idempotent. ``kv_layer``: any layer of P's cache in the shape ``send_layer``
-        takes (only its shape, dtype and device are read); ``block_ids``: the blocks every layer
-        sends, or with ``layer_num_blocks`` the largest layer's. Misuse (a bad shape, a dtype the meta
-        cannot name) raises KVTransferError.
+        takes (only its shape, dtype and device are read); ``block_ids``: the blocks the largest layer
+        sends (every layer's count, without ``layer_num_blocks``); its gather is planned now. Misuse (a
+        bad shape, a dtype the meta cannot name) raises KVTransferError.
         """
         if self._staging is not None or self._error is not None:
             return
@@ -99,84 +109,85 @@ class OutgoingKV:
         shape = (self.num_layers, kv_layer.shape[0], num_blocks, *kv_layer.shape[2:])
         staging = self.pair.staging.take(shape, kv_layer.dtype, kv_layer.device)
         meta = wire.make_meta(self.request_id, self.num_layers, staging[0], self.kv_dtype, self.layer_num_blocks)
-        self._index = torch.tensor(block_ids, dtype=torch.int64, device=kv_layer.device)
         self._staging = staging
         self._rows = staging.unbind(0)  # each layer's staging row
-        # the native gather + checksum, planned once for every layer (None: index_select and torch sums)
-        self._gather = None if self.layer_num_blocks else BlockGather.plan(kv_layer, self._index, self._rows[0])
         fault = faults.kv_send_fault(self.request_id)
-        row = self._rows[0]
-        block_bytes = row[0, 0].nbytes if row.shape[1] else 0
-        self._runs = wire.layer_runs(row.shape[0], row.shape[1], block_bytes, row.device.type)
-        # gathered, summed and sent run by run where the runs' sums join (and no test fault is set)
-        self._by_runs = self._gather is not None and len(self._runs) > 1 and block_bytes % ROW_BYTES == 0 \
-            and fault is None
+        self._faulty = fault is not None
+        if len(block_ids) <= num_blocks:
+            self._plan_for(kv_layer, block_ids, layer_prefix(self._rows[0], len(block_ids)))
         if fault is None or fault["mode"] != "never":
             self.pair._enqueue(self, [meta], last=False)
+
+    def _plan_for(self, kv_layer: torch.Tensor, block_ids: list[int], staged: torch.Tensor) -> _BlocksPlan:
+        """The plan of ``block_ids`` (made on its first use: the layers of one KV cache group share one
+        list) for gathering ``kv_layer``'s blocks into ``staged`` [kv_slots, len(block_ids), ...]."""
+        plan = self._plans.get(id(block_ids))
+        if plan is not None and plan.block_ids is block_ids:
+            return plan
+        index = torch.tensor(block_ids, dtype=torch.int64, device=kv_layer.device)
+        gather = BlockGather.plan(kv_layer, index, staged)  # None: not the CPU, no kernel, another layout
+        block_bytes = staged[0, 0].nbytes if staged.shape[1] else 0
+        runs = wire.layer_runs(staged.shape[0], staged.shape[1], block_bytes, staged.device.type)
+        by_runs = gather is not None and len(runs) > 1 and block_bytes % ROW_BYTES == 0 and not self._faulty
+        plan = self._plans[id(block_ids)] = _BlocksPlan(block_ids, index, gather, runs, by_runs)
+        return plan
 
     def send_layer(self, layer_idx: int, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
         """Gather ``kv_layer[:, block_ids]`` and start sending it; returns without waiting.
 
         ``kv_layer``: this layer of P's paged cache, [kv_slots, num_blocks_total, block_size, num_kv_heads,
-        head_dim] (any strides: a TP piece's head range is a view). The blocks are gathered into this request's
-        staging buffer (one contiguous [kv_slots, len(block_ids), block_size, num_kv_heads, head_dim] per layer),
-        which goes on the wire as the layer's messages (``wire.layer_runs``). On a CPU cache with one block
-        list for every layer the gather and its checksum are one native pass (``BlockGather``), run by run
-        where blocks are whole checksum rows: each run is sent as soon as it is gathered. Otherwise the
-        gathered layer is checksummed once its sends are issued, still in cache.
-        The ``block_ids`` of ``start`` (or of layer 0) hold for every layer; with ``layer_num_blocks``
-        each layer's own are given here (as many as its count; it fills the front of its staging row).
-        A failed pair is not raised here (``wait`` reports it); misuse (layer order, shape change, a
-        layer's block count) raises KVTransferError.
+        head_dim] (any strides: a TP piece's head range is a view). ``block_ids``: this layer's own blocks
+        (layers of different KV cache groups send different blocks, even where their counts agree): as
+        many as the stream's block count, or with ``layer_num_blocks`` as many as the layer's count (they
+        fill the front of its staging row). Pass the same list object for layers that share it: its gather
+        is planned once (``_plan_for``). The blocks are gathered into this request's staging buffer (one
+        contiguous [kv_slots, len(block_ids), block_size, num_kv_heads, head_dim] per layer), which goes on
+        the wire as the layer's messages (``wire.layer_runs``). On a CPU cache the gather and its checksum
+        are one native pass (``BlockGather``), run by run where blocks are whole checksum rows: each run
+        is sent as soon as it is gathered. Otherwise the gathered layer is checksummed once its sends are
+        issued, still in cache. A failed pair is not raised here (``wait`` reports it); misuse (layer
+        order, shape change, a layer's block count) raises KVTransferError.
         """
         if layer_idx != self._next_layer:
             raise KVTransferError(
                 f"request {self.request_id}: send_layer({layer_idx}) out of order, expected layer {self._next_layer}")
-        if self._gather is not None and self._error is None:  # planned at start: every layer of the cache fits
-            staged = self._rows[layer_idx]
+        if self._staging is None:
+            self.start(kv_layer, block_ids)
+        self._next_layer += 1
+        if self._error is not None:
+            return
+        staged = self._rows[layer_idx]  # [kv_slots, num_blocks, block_size, H, D], contiguous
+        want = self.layer_num_blocks[layer_idx] if self.layer_num_blocks else staged.shape[1]
+        if len(block_ids) != want:
+            raise KVTransferError(f"request {self.request_id}: layer {layer_idx} sends {len(block_ids)} blocks, "
+                                  f"its count is {want}")
+        if self.layer_num_blocks:  # this layer's own blocks, into the front of its staging row
+            staged = layer_prefix(staged, len(block_ids))
+        plan = self._plan_for(kv_layer, block_ids, staged)
+        if plan.gather is not None:
             try:
-                if self._by_runs:  # each run leaves while it is still in this core's cache (wire.layer_runs)
-                    messages = [staged[slot, first:end] for slot, first, end in self._runs]
+                if plan.by_runs:  # each run leaves while it is still in this core's cache (wire.layer_runs)
+                    messages = [staged[slot, first:end] for slot, first, end in plan.runs]
                     last = len(messages) - 1 if layer_idx == self.num_layers - 1 else -1
-                    sums = self._gather.in_runs(kv_layer, staged, self._runs,
-                                                lambda i: self.pair._enqueue(self, [messages[i]], last=i == last))
+                    sums = plan.gather.in_runs(kv_layer, staged, plan.runs,
+                                               lambda i: self.pair._enqueue(self, [messages[i]], last=i == last))
                 else:
-                    sums = self._gather(kv_layer, staged)
+                    sums = plan.gather(kv_layer, staged)
             except ValueError:  # not the planned layout: the checks below say what is wrong
                 pass
             else:
-                self._next_layer += 1
-                if self._by_runs:
+                if plan.by_runs:
                     self.num_bytes += staged.nbytes
                     self._checksum.add(sums, staged.nbytes)
                 else:
                     self._issue(layer_idx, staged, sums)
                 return
-        if kv_layer.dim() != 5 or kv_layer.shape[0] not in (1, 2):
-            raise KVTransferError(f"request {self.request_id}: kv_layer must be [kv_slots (1 or 2), num_blocks, "
-                                  f"block_size, H, D], got {list(kv_layer.shape)}")
-        self._next_layer += 1
-        self.start(kv_layer, block_ids)
-        if self._error is not None:
-            return
-        staged = self._staging[layer_idx]  # [kv_slots, num_blocks, block_size, H, D], contiguous
-        if (kv_layer.shape[0], *kv_layer.shape[2:]) != (staged.shape[0], *staged.shape[2:]) \
+        if kv_layer.dim() != 5 or (kv_layer.shape[0], *kv_layer.shape[2:]) != (staged.shape[0], *staged.shape[2:]) \
                 or kv_layer.dtype != staged.dtype:
-            raise KVTransferError(f"request {self.request_id}: layer {layer_idx} is {kv_layer.shape[0]} x "
-                                  f"{list(kv_layer.shape[2:])} {kv_layer.dtype} per block, layer 0 was "
-                                  f"{staged.shape[0]} x {list(staged.shape[2:])} {staged.dtype}")
-        index = self._index
-        if self.layer_num_blocks:  # this layer's own blocks, into the front of its staging row
-            if len(block_ids) != self.layer_num_blocks[layer_idx]:
-                raise KVTransferError(f"request {self.request_id}: layer {layer_idx} sends {len(block_ids)} blocks, "
-                                      f"its count is {self.layer_num_blocks[layer_idx]}")
-            staged = layer_prefix(staged, len(block_ids))
-            cached = self._indices.get(id(block_ids))
-            if cached is None or cached[0] is not block_ids:
-                cached = self._indices[id(block_ids)] = (block_ids, torch.tensor(block_ids, dtype=torch.int64,
-                                                                                 device=kv_layer.device))
-            index = cached[1]
-        torch.index_select(kv_layer, 1, index, out=staged)
+            raise KVTransferError(f"request {self.request_id}: layer {layer_idx} is {list(kv_layer.shape)} "
+                                  f"{kv_layer.dtype}, the stream's layers are {staged.shape[0]} x "
+                                  f"{list(staged.shape[2:])} {staged.dtype} per block")
+        torch.index_select(kv_layer, 1, plan.index, out=staged)
         self._issue(layer_idx, staged, None)
 
     def _issue(self, layer_idx: int, staged: torch.Tensor, sums: tuple[int, int] | None) -> None:
@@ -237,7 +248,8 @@ class OutgoingKV:
             value = self._checksum.value
         self._works.clear()
         staging, self._staging = self._staging, None
-        self._rows, self._gather = (), None
+        self._rows = ()
+        self._plans.clear()
         if staging is not None:  # every send completed: nothing reads it any more
             self.pair.staging.give(staging)
         return self.num_bytes, value
