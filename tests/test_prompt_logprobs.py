@@ -193,6 +193,32 @@ def test_echo_with_max_tokens_0_returns_the_prompt(cluster, hf):
     assert sum((c["logprobs"]["text_offset"] for c in chunks), []) == body["choices"][0]["logprobs"]["text_offset"]
 
 
+def test_return_token_ids_gives_the_prompt_and_output_ids(cluster, hf):
+    """vLLM's ``return_token_ids``: the prompt's ids and each choice's output ids, which decode to its text
+    (cut at a stop string: no id past the one that completed it); absent unless asked; a 400 with
+    ``stream``, which does not carry them yet."""
+    tok, _ = hf
+    prompt = PROMPTS[1]
+    body = post(cluster, {"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True}).json()
+    choice = body["choices"][0]
+    assert choice["prompt_token_ids"] == tok.encode(prompt)
+    assert len(choice["token_ids"]) == body["usage"]["completion_tokens"] == 6
+    assert tok.decode(choice["token_ids"]) == choice["text"]
+    plain = post(cluster, {"prompt": prompt, "max_tokens": 6, "temperature": 0}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain and plain["text"] == choice["text"]
+    stop = tok.decode(choice["token_ids"][2:4])
+    cut = post(cluster, {"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+                         "stop": [stop]}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["token_ids"] == choice["token_ids"][:len(cut["token_ids"])]
+    assert tok.decode(cut["token_ids"]).startswith(cut["text"] + stop[:1]) and len(cut["token_ids"]) <= 4
+    chat = post(cluster, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3,
+                          "temperature": 0, "return_token_ids": True}, "/v1/chat/completions").json()
+    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    assert tok.decode(chat["choices"][0]["token_ids"]) == chat["choices"][0]["message"]["content"]
+    streamed = post(cluster, {"prompt": prompt, "max_tokens": 2, "stream": True, "return_token_ids": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_token_ids"
+
+
 def test_lm_eval_loglikelihood_matches_hf(cluster, hf):
     """lm-evaluation-harness ``local-completions``: token prompt, echo, max_tokens 1, logprobs 1,
     temperature 0; the continuation's loglikelihood is the sum of token_logprobs[ctxlen:-1]."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 
+import msgspec
 import pytest
 import torch
 import zmq
@@ -285,8 +286,11 @@ def test_policy_fail_fails_the_request_with_503_and_frees_its_blocks(llm, peers,
     assert [m.request_id for m in prefill.wait_for(AbortRequest)] == ["doomed"]  # P is told to drop it
 
 
-@pytest.mark.parametrize("bad", ["checksum", "shape"])
+@pytest.mark.parametrize("bad", ["checksum", "shape", "first_block", "num_tokens"])
 def test_checksum_or_shape_mismatch_resets_the_pair_and_recomputes(llm, peers, decode_worker, bad):
+    """A corrupted piece (checksum), or a header whose blocks are not the ones the request's block table
+    expects (one block short, another first block, another prompt length): the pair is reset and the
+    decode worker recomputes the prompt itself, exactly."""
     router, prefill = peers
     ids = prompt_ids(llm, "pack my box with five dozen liquor jugs")
     ask = park(decode_worker, prefill, generate("r", ids, prefill))
@@ -298,8 +302,11 @@ def test_checksum_or_shape_mismatch_resets_the_pair_and_recomputes(llm, peers, d
         corrupted[0, 0, 0, 0, 0, 0] += 1.0
         arrive(decode_worker, received("r", corrupted))
         decode_worker.handle(done("r", kv, first))
-    else:  # a header one block short: caught before any byte is installed
+    elif bad == "shape":  # a header one block short: caught before any byte is installed
         deliver(decode_worker, header("r", kv[:, :, :-1], ask))
+    else:  # the blocks' count is right, but they would start a block later / cover another prompt
+        wrong = {"first_block": dict(first_block=1), "num_tokens": dict(num_tokens=len(ids) + 16)}[bad]
+        deliver(decode_worker, msgspec.structs.replace(header("r", kv, ask), **wrong))
     drive(decode_worker, lambda: router.finished("r") is not None)
     assert router.tokens("r") == greedy_reference(llm, ids)  # recomputed here, exactly
     assert decode_worker.stats.kv_transfer_failures == 1 and decode_worker.stats.num_kv_transfers == 0

@@ -38,9 +38,14 @@ from pdserve.common.protocol import (KVTransferHeader, RankReport, RankReportKin
 
 def header_fields(header: KVTransferHeader) -> tuple:
     """What a decode worker checks in a piece's header against the request it names: layers, KV heads,
-    blocks, blocks per layer, block size, head dim, dtype, KV slots (``DecodeWorker._wanted_header``)."""
+    blocks, blocks per layer, block size, head dim, dtype, KV slots, the prompt's tokens and its first
+    block sent (``DecodeWorker._wanted_header``). Each layer's blocks are its logical blocks [the prompt's
+    last block + 1 - its count, the prompt's last block], so the tokens, the counts and the first block
+    name every layer's blocks: a piece that would fill other blocks than a layer's window wants is
+    refused before any byte is installed."""
     return (header.first_layer, header.num_layers, header.first_kv_head, header.num_kv_heads, header.num_blocks,
-            header.layer_num_blocks, header.block_size, header.head_dim, header.dtype, header.kv_slots)
+            header.layer_num_blocks, header.block_size, header.head_dim, header.dtype, header.kv_slots,
+            header.num_tokens, header.first_block)
 
 
 def watchable(params: SamplingParams) -> bool:

@@ -217,20 +217,24 @@ class DecodeWorker(WorkerBase):
         got = header_fields(header)
         if got != want:
             return (f"KV piece {header.prefill_rank}->{header.decode_rank} (layers, KV heads, blocks, blocks per "
-                    f"layer, block size, head dim, dtype, KV slots) {got} does not match this worker's {want}")
+                    f"layer, block size, head dim, dtype, KV slots, prompt tokens, first block) {got} does not "
+                    f"match this worker's {want}")
         return None
 
     def _wanted_header(self, request: Request, piece: KVPiece) -> tuple:
         """What ``piece``'s header must say for ``request`` (``header_fields``' order): its layers and KV
-        heads, the blocks each layer receives, this worker's block size, head dim, KV dtype and slots.
-        Fixed while the request waits for its KV (its blocks were reserved when it was admitted)."""
+        heads, the blocks each layer receives (per layer: its KV cache group's first block after the hits
+        and out of the window, to the prompt's end), this worker's block size, head dim, KV dtype and
+        slots, the prompt's tokens and the first block any layer receives. Fixed while the request waits
+        for its KV (its blocks were reserved when it was admitted)."""
         end = len(request.block_table)
         firsts = (self._layer_first_blocks(request)  # per global layer
                   or [self._first_sent_block(request)] * self.runner.model.config.num_hidden_layers)
         counts = [end - firsts[layer] for layer in range(piece.slice.layer_start, piece.slice.layer_end)]
         return (piece.slice.layer_start, piece.slice.num_layers, piece.slice.head_start, piece.slice.num_heads,
                 max(counts), counts if min(counts) != max(counts) else [], self.runner.block_size,
-                self.runner.head_dim, dtype_name(self.runner.kv_cache_format.name), self.runner.kv_slots)
+                self.runner.head_dim, dtype_name(self.runner.kv_cache_format.name), self.runner.kv_slots,
+                request.num_prompt_tokens, self._first_sent_block(request))
 
     # ---- remote prefill -----------------------------------------------------------
 

@@ -76,6 +76,7 @@ class SamplingRequest(_Request):
     priority: int = 0  # vLLM: with --scheduling-policy priority, lower runs sooner
     bad_words: list[str] | None = None  # never generated (tokenized by the router, as vLLM does)
     prompt_logprobs: int | None = None  # logprobs of each prompt token and this many alternatives
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the response
     # beam search (vLLM's names; early_stopping as transformers': true, false or "never")
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -188,24 +189,31 @@ class PromptLogprob(_Response):
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
-class _OmitsUnaskedPromptLogprobs(_Response):
-    """A response with vLLM's ``prompt_logprobs`` field (declared by the subclass, where it sits in
-    the JSON): the key is in the JSON only when the request asked."""
+_UNASKED = ("prompt_logprobs", "prompt_token_ids", "token_ids")  # vLLM's fields left out unless asked for
+
+
+class _OmitsUnaskedFields(_Response):
+    """A response or choice with some of vLLM's optional fields (``_UNASKED``: ``prompt_logprobs``, and
+    ``prompt_token_ids`` / ``token_ids`` of ``return_token_ids``; declared by the subclass, where they sit
+    in the JSON): each key is in the JSON only when the request asked."""
 
     @model_serializer(mode="wrap")
-    def _drop_unasked_prompt_logprobs(self, handler) -> dict[str, Any]:
+    def _drop_unasked_fields(self, handler) -> dict[str, Any]:
         data = handler(self)
-        if self.prompt_logprobs is None:
-            data.pop("prompt_logprobs", None)
+        for name in _UNASKED:
+            if name in data and data[name] is None:
+                del data[name]
         return data
 
 
-class CompletionChoice(_OmitsUnaskedPromptLogprobs):
+class CompletionChoice(_OmitsUnaskedFields):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
     prompt_logprobs: PromptLogprobs | None = None  # only in the JSON when the request asked
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (vLLM's), else left out
+    token_ids: list[int] | None = None  # with return_token_ids: the choice's output token ids
 
 
 class CompletionResponse(_Response):
@@ -222,14 +230,15 @@ class ChatResponseMessage(_Response):
     content: str
 
 
-class ChatCompletionChoice(_Response):
+class ChatCompletionChoice(_OmitsUnaskedFields):
     index: int = 0
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's): the choice's output token ids
 
 
-class ChatCompletionResponse(_OmitsUnaskedPromptLogprobs):
+class ChatCompletionResponse(_OmitsUnaskedFields):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -237,6 +246,7 @@ class ChatCompletionResponse(_OmitsUnaskedPromptLogprobs):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension; only in the JSON when asked
+    prompt_token_ids: list[int] | None = None  # with return_token_ids (vLLM's), else left out
 
 
 class DeltaMessage(_Response):

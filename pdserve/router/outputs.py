@@ -61,6 +61,7 @@ class ChoiceOutput:
         self.logprobs = logprobs
         self.finish_reason: str | None = None
         self.entries: list[TokenEntry] = []  # every entry released so far, in order
+        self.token_ids: list[int] = []  # every output token the choice's text took, in order (none past a stop)
         self._no_text: list[TokenEntry] = []  # tokens whose text has not appeared yet
         self._unreleased: list[TokenEntry] = []  # tokens whose text is not fully emitted
 
@@ -91,6 +92,7 @@ class ChoiceOutput:
         for i, token_id in enumerate(ids):
             start = len(detok.text)
             text += detok.add_tokens([token_id])
+            self.token_ids.append(token_id)
             if self.logprobs:
                 self._no_text.append(TokenEntry(token_id, logprobs[i], start))
                 if len(detok.text) > start:  # this token completed some text

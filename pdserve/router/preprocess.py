@@ -28,7 +28,13 @@ def check_model(model: str, served_model_name: str) -> None:
         raise model_not_found(model)
 
 
+def _check_return_token_ids(req: SamplingRequest) -> None:
+    if req.return_token_ids and (req.stream or req.use_beam_search):
+        raise not_supported("return_token_ids", "`return_token_ids` with `stream` or `use_beam_search`")
+
+
 def check_completion_supported(req: CompletionRequest) -> None:
+    _check_return_token_ids(req)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise not_supported("best_of", "`best_of` other than `n`")
     if req.suffix:
@@ -36,6 +42,7 @@ def check_completion_supported(req: CompletionRequest) -> None:
 
 
 def check_chat_supported(req: ChatCompletionRequest) -> None:
+    _check_return_token_ids(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     if req.tools or req.functions:

@@ -185,15 +185,17 @@ class OpenAIServing:
         if not await self._collect(run, raw):
             return Response(status_code=499)
         body = response([self._completion_choice(req, run, prompt_ids, c.index, c.text,
-                                                 logprobs(c.entries, always=True), c.finish_reason, True)
+                                                 logprobs(c.entries, always=True), c.finish_reason, True,
+                                                 c.token_ids if req.return_token_ids else None)
                          for c in run.choices], run.usage())
         return JSONResponse(body.model_dump())
 
     def _completion_choice(self, req: CompletionRequest, run: _Run, prompt_ids: list[int], index: int, text: str,
                            logprobs: CompletionLogprobs | None, finish_reason: str | None,
-                           first: bool) -> CompletionChoice:
+                           first: bool, token_ids: list[int] | None = None) -> CompletionChoice:
         """A completion choice (or a stream chunk of one), with ``echo`` and ``prompt_logprobs`` as vLLM
-        gives them.
+        gives them; ``token_ids``: the choice's output token ids, given with ``return_token_ids`` (then the
+        prompt's go with them).
 
         With ``echo`` the choice's ``first`` piece starts with the prompt's text (and, with ``logprobs``,
         the prompt's tokens); later pieces' text offsets count the prompt too. Echo with ``max_tokens``
@@ -207,6 +209,7 @@ class OpenAIServing:
             echo_only = preprocess.echo_only(req)
             if echo_only:
                 text, logprobs = "", None
+                token_ids = None if token_ids is None else []  # the engine's one token is not an output
             elif logprobs is not None:
                 logprobs = logprobs.model_copy(update={"text_offset": [o + len(prompt_text)
                                                                        for o in logprobs.text_offset]})
@@ -219,7 +222,8 @@ class OpenAIServing:
         if run.wants_prompt_logprobs and first:
             prompt_logprobs = prompt_logprobs_json(run.prompt_logprobs or [], self.token_texts)
         return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs,
-                                prompt_logprobs=prompt_logprobs)
+                                prompt_logprobs=prompt_logprobs, token_ids=token_ids,
+                                prompt_token_ids=list(prompt_ids) if token_ids is not None else None)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.monotonic()
@@ -259,8 +263,10 @@ class OpenAIServing:
             id=run.response_id, created=run.created, model=self.model_name, usage=run.usage(),
             choices=[ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                                           logprobs=logprobs(c.entries, always=True),
-                                          finish_reason=c.finish_reason)
+                                          finish_reason=c.finish_reason,
+                                          token_ids=c.token_ids if req.return_token_ids else None)
                      for c in run.choices],
+            prompt_token_ids=list(prompt_ids) if req.return_token_ids else None,
             prompt_logprobs=prompt_logprobs_json(run.prompt_logprobs or [], self.token_texts)
             if run.wants_prompt_logprobs else None)
         return JSONResponse(body.model_dump())
