@@ -10,6 +10,10 @@ os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
 # at load and take the faster, which differs between machines): tests/test_packed_weights.py covers
 # oneDNN's layout and the choice itself.
 os.environ.setdefault("PDSERVE_LINEAR_WEIGHT_FORMAT", "plain")
+# Engines in tests run every native kernel that builds (``--native-kernels all``), not the ones a timed
+# probe at load prefers on this machine: which path a test takes must not depend on the CPU.
+# tests/test_kernel_choice.py covers the probe and the torch paths themselves.
+os.environ.setdefault("PDSERVE_NATIVE_KERNELS", "all")
 
 import pytest  # noqa: E402
 

@@ -209,6 +209,10 @@ class RegisterWorker(_Msg):
     # The router address this copy was pushed to (a worker registers with every router of a tier):
     # the router names it in each GenerateRequest, so the worker knows where that request's outputs go.
     router_addr: str | None = None
+    # What computes on this worker, as measured at load (pdserve.engine.kernel_choice): per native kernel
+    # that has a torch path, "native" or "torch"; and the linear weights' layout (plain, onednn, panel).
+    kernels: dict[str, str] = {}
+    linear_weight_format: str | None = None
 
 
 class Heartbeat(_Msg):

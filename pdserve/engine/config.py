@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.utils import parse_cpu_list, parse_size
 from pdserve.common.kv_quant import KV_CACHE_DTYPE_CHOICES
+from pdserve.engine.kernel_choice import NATIVE_KERNEL_MODES, default_native_kernels
 from pdserve.engine.parallel import ParallelConfig
 from pdserve.engine.quantization import QUANTIZATION_METHODS, check_quantization_name
 
@@ -110,6 +111,10 @@ class EngineConfig:
             "prefill"); on a single-rank CPU engine that decodes, the layout whose matmuls (decode
             batches and a prompt chunk) run faster here, timed at load (``weight_format.choose_linear_weight_format``;
             ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` overrides what ``auto`` means there); ``plain`` elsewhere.
+        native_kernels: ``auto`` | ``all``. ``auto``: at load each native kernel that has a torch path
+            (prompt attention, the fused elementwise ops, the few-row decode matmul) is timed against
+            it on this CPU and the faster kept (``pdserve.engine.kernel_choice``); ``all``: every kernel
+            that builds, untimed. Default ``$PDSERVE_NATIVE_KERNELS`` or ``auto``.
         disable_hybrid_kv_cache_manager: a model whose layers mix sliding windows with full attention
             (Gemma 3, gpt-oss) keeps every block in every layer, one block table per request, instead of
             one table per layer group that frees what leaves a window (vLLM's flag of this name; see
@@ -156,6 +161,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     disable_hybrid_kv_cache_manager: bool = False
     linear_weight_format: str = field(default_factory=lambda: default_linear_weight_format())
+    native_kernels: str = field(default_factory=lambda: default_native_kernels())
     quantization: str | None = None
     enable_lora: bool = False
     max_loras: int = 1
@@ -169,6 +175,9 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be positive")
         if self.cpu_cores is not None:
             parse_cpu_list(self.cpu_cores)  # a bad list fails here, before any rank starts
+        if self.native_kernels not in NATIVE_KERNEL_MODES:
+            raise ValueError(f"native_kernels must be one of {', '.join(NATIVE_KERNEL_MODES)}, "
+                             f"got {self.native_kernels!r}")
         if self.linear_weight_format not in LINEAR_WEIGHT_FORMATS:
             raise ValueError(f"linear_weight_format must be one of {', '.join(LINEAR_WEIGHT_FORMATS)}, "
                              f"got {self.linear_weight_format!r}")
@@ -291,6 +300,11 @@ class EngineConfig:
                             "and the decode kernel for decode steps; auto: onednn on prefill workers; on a "
                             "single-rank CPU engine that decodes, the layout whose matmuls run fastest here, "
                             "timed at load")
+        g.add_argument("--native-kernels", choices=NATIVE_KERNEL_MODES, default=None,
+                       help="auto: each native kernel that replaces a torch path (prompt attention, fused "
+                            "RMSNorm/SwiGLU/RoPE, few-row decode matmuls) is timed against it at load on this "
+                            "CPU and the faster kept (the choice is logged and shown in /workers); all: every "
+                            "kernel that builds, untimed (default: $PDSERVE_NATIVE_KERNELS or auto)")
         g.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="models mixing sliding-window and full-attention layers (Gemma 3, gpt-oss): keep every "
                             "KV block in every layer (one block table) instead of freeing what leaves a window")
@@ -335,7 +349,8 @@ class EngineConfig:
                    linear_weight_format=args.linear_weight_format if args.linear_weight_format != "auto"
                    else ("onednn" if role == "prefill" else default_linear_weight_format()),
                    enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                   max_cpu_loras=args.max_cpu_loras, quantization=args.quantization)
+                   max_cpu_loras=args.max_cpu_loras, quantization=args.quantization,
+                   native_kernels=args.native_kernels or default_native_kernels())
 
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""
@@ -363,7 +378,7 @@ class EngineConfig:
             args.append("--enable-expert-parallel")
         if self.disable_hybrid_kv_cache_manager:
             args.append("--disable-hybrid-kv-cache-manager")
-        args += ["--linear-weight-format", self.linear_weight_format]
+        args += ["--linear-weight-format", self.linear_weight_format, "--native-kernels", self.native_kernels]
         if self.quantization is not None:
             args += ["--quantization", self.quantization]
         if self.enable_lora:

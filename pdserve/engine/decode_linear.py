@@ -31,6 +31,7 @@ _K_MULTIPLE = {torch.float32: 16, torch.bfloat16: 32}
 # Whether the kernel was built here: set by ``build_kernel`` (the model runner calls it at start-up),
 # read by ``kernel_applies`` as a plain global, which torch.compile can trace (loading cannot).
 _kernel_built = False
+_enabled = True  # kernel_choice may turn it off where torch's GEMM measures faster on this CPU
 _lib = None
 
 
@@ -42,12 +43,19 @@ def build_kernel() -> bool:
     return _kernel_built
 
 
+def set_enabled(on: bool) -> None:
+    """Use the kernel (``on``, where it is built) or torch's GEMM for every call from now on
+    (``pdserve.engine.kernel_choice``: whichever measured faster on this CPU)."""
+    global _enabled
+    _enabled = on
+
+
 def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``decode_linear_kernel`` should compute ``x`` [M, K] against ``weight`` [N, K]: both
     float32 or both bfloat16, on the CPU, 1 to ``KERNEL_MAX_ROWS`` rows, K a multiple of 16 (float32)
-    or 32 (bfloat16), and the kernel built."""
+    or 32 (bfloat16), and the kernel built and enabled (``set_enabled``)."""
     multiple = _K_MULTIPLE.get(x.dtype)
-    return (_kernel_built and multiple is not None and weight.dtype == x.dtype and x.device.type == "cpu"
+    return (_kernel_built and _enabled and multiple is not None and weight.dtype == x.dtype and x.device.type == "cpu"
             and 0 < x.shape[0] <= KERNEL_MAX_ROWS and x.shape[1] % multiple == 0)
 
 

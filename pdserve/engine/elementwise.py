@@ -10,19 +10,22 @@ hold the kernels to:
 - the tensors are not float32 on the CPU, or need gradients;
 - a forward under ``torch.compile`` is being traced (inductor fuses these operators itself, and
   the compiled decode step keeps its graph free of opaque calls it need not have);
-- no C++ compiler, or ``$PDSERVE_DISABLE_KERNELS``.
+- no C++ compiler, or ``$PDSERVE_DISABLE_KERNELS``;
+- torch's operators measured faster on this CPU when the engine loaded (``pdserve.engine.kernel_choice``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from pdserve.engine.kernel_choice import native
 from pdserve.engine.kernels import load_elementwise
 
 
 def _library(*tensors: torch.Tensor):
-    """The kernel library when every tensor is a float32 CPU tensor outside autograd and tracing."""
-    if torch.compiler.is_compiling():
+    """The kernel library when every tensor is a float32 CPU tensor outside autograd and tracing, and the
+    kernels measured faster than torch's operators here (``kernel_choice``)."""
+    if torch.compiler.is_compiling() or not native("elementwise"):
         return None
     for t in tensors:
         if t.dtype != torch.float32 or t.device.type != "cpu" or t.requires_grad:

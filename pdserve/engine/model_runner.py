@@ -28,6 +28,7 @@ from pdserve.engine.compiled_step import CompiledDecodeStep
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.engine.kv_cache_groups import kv_cache_groups_for
+from pdserve.engine.kernel_choice import KernelChoice, choose_kernels
 from pdserve.engine.weight_format import PACKED_LAYOUTS, choose_linear_weight_format, pack_model
 from pdserve.common.kv_quant import resolve_kv_cache_format
 from pdserve.engine.loader import load_model
@@ -142,6 +143,10 @@ class ModelRunner:
             quantize_model(self.model, self.quantization)
         if config.batch_invariant:
             self.model.set_batch_invariant(True)
+        self.kernel_choices: dict[str, KernelChoice] = {}  # native kernel or torch, timed here (kernel_choice)
+        if self.device.type == "cpu":
+            self.kernel_choices = choose_kernels(self.model, config.native_kernels, max_keys=config.max_model_len or
+                                                 int(getattr(hf_config, "max_position_embeddings", 2048)))
         self.num_packed_linears = 0  # layers whose weights are packed (--linear-weight-format onednn or panel)
         self.lm_head_packed = False  # the LM head's too (weight_format.pack_lm_head: an untied head)
         self.linear_weight_format = config.linear_weight_format

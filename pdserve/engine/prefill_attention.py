@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.kernel_choice import native, native_max_keys
 from pdserve.engine.kernels import load_prefill_attention
 
 
@@ -16,13 +17,15 @@ def causal_attention(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, 
     sees keys 0 .. L - Q + j), written into ``out`` [Q, H, V] float32.
 
     Float32 rows whose head dims are multiples of 16 go through ``prefill_attention.cpp`` (tiled,
-    online softmax: FlashAttention's scheme; 2x torch's flash SDPA on one core at 288-512 rows);
-    anything else, or no C++ compiler, through SDPA. For SDPA a chunk after cached rows (L > Q)
+    online softmax: FlashAttention's scheme) where it measured faster than SDPA on this CPU, at this
+    many keys, when the engine loaded (``pdserve.engine.kernel_choice``); anything else, or no C++
+    compiler, through SDPA. For SDPA a chunk after cached rows (L > Q)
     needs an explicit [Q, L] mask: it is kept in ``masks[index]`` and reused by later layers."""
     num_q, num_heads, head_dim = query.shape
     num_k, num_kv_heads, v_dim = value.shape
     lib = load_prefill_attention() if query.dtype == key.dtype == value.dtype == torch.float32 and \
-        head_dim % 16 == 0 and v_dim % 16 == 0 and query.device.type == "cpu" else None
+        head_dim % 16 == 0 and v_dim % 16 == 0 and query.device.type == "cpu" and native("prefill_attention") \
+        and ((limit := native_max_keys()) is None or key.shape[0] <= limit) else None
     if lib is not None and query.stride(-1) == key.stride(-1) == value.stride(-1) == out.stride(-1) == 1:
         with torch.profiler.record_function("pdserve::prefill_attention"):
             rc = lib.pdserve_prefill_attention(

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pdserve.engine import decode_linear, onednn_linear, panel_linear
+from pdserve.engine.kernels import builds_avx512
 from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear, linear
 
 
@@ -172,15 +173,19 @@ def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 6
     machine type (Zen 4 class) the kernel beat oneDNN at one row, and MKL ran 10-15% behind it on
     prompts. On another (Zen 5 class), oneDNN beat plain everywhere (8.1 against 9.6 ms for the bench
     preset's 48 linears at one row, 43 against 105 ms at 64 rows), and the panel kernel beat oneDNN
-    from 8 rows up (9.7 against 13.7 ms at 8 rows, 46 against 56 at 64; float32 only).
+    from 8 rows up (9.7 against 13.7 ms at 8 rows, 46 against 56 at 64; float32 only). On a third (an
+    AVX2 EPYC, no AVX-512) the decode kernel beat oneDNN at 1 and 8 rows (20 against 26 ms, 32 against
+    41 for 43 linears) and lost by 8% at 64, and panels, written for AVX-512's registers, ran 3-8x
+    slower than either: they are not timed without AVX-512.
 
     So this times the layouts on the model's own weights: the first linears up to ``PROBE_BYTES``,
     streamed from memory as in a step. It runs each of ``rows`` (decode batches and one prompt
     chunk), interleaving the layouts, best of ``repeats`` (start-up contention from other processes
-    biases none). The layout with the least summed time wins, a packed one over plain only when it
-    takes at most ``PROBE_MARGIN`` times plain's. A layout whose library is unavailable (oneDNN, the
-    panel kernel) or whose dtype it does not take (panel: float32) is not timed. Returns plain when
-    no packed layout qualifies or no float linear layer exists."""
+    biases none). Each row count weighs alike: the layout with the least mean slowdown against the
+    fastest at each row count wins, a packed one over plain only when its slowdown is at most
+    ``PROBE_MARGIN`` times plain's. A layout whose library is unavailable (oneDNN, the panel kernel) or
+    whose dtype it does not take (panel: float32) is not timed. Returns plain when no packed layout
+    qualifies or no float linear layer exists."""
     weights, total = [], 0
     for module in model.modules():
         if _packable(module, (torch.float32, torch.bfloat16)):
@@ -206,6 +211,8 @@ def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 6
             skipped.append(f"oneDNN cannot reorder these weights ({type(e).__name__})")
     if weights[0].dtype != torch.float32:
         skipped.append("panels take float32 only")
+    elif not builds_avx512():  # its 16-feature panels hold two AVX2 registers a row: 3-8x the decode kernel's time
+        skipped.append("panels are written for AVX-512")
     elif not panel_linear.build_kernel():
         skipped.append("the panel kernel cannot be built here")
     else:
@@ -227,12 +234,16 @@ def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 6
                 for layout, step in layouts.items():
                     best[layout, n] = min(best[layout, n], timed(step, n))
     sums = {layout: sum(best[layout, n] for n in rows) for layout in layouts}
-    score = {layout: t * (PROBE_MARGIN if layout == "plain" else 1.0) for layout, t in sums.items()}
+    # Each row count weighs alike: a layout's score is its mean slowdown against the fastest at each (a sum
+    # of times let the prompt chunk's 64 rows, 5-7x a decode step's time, decide alone).
+    fastest = {n: min(best[layout, n] for layout in layouts) for n in rows}
+    slowdown = {layout: sum(best[layout, n] / fastest[n] for n in rows) / len(rows) for layout in layouts}
+    score = {layout: s * (PROBE_MARGIN if layout == "plain" else 1.0) for layout, s in slowdown.items()}
     choice = min(score, key=score.get)
     names = " / ".join(LAYOUT_NAMES[layout] for layout in layouts)
     per_rows = ", ".join(f"{n}: " + " / ".join(f"{best[layout, n] * 1e3:.1f}" for layout in layouts) for n in rows)
     why = (f"{len(weights)} linears ({total / 2**20:.0f} MiB), ms {names} at rows {per_rows}; "
-           f"sum " + " / ".join(f"{t * 1e3:.1f}" for t in sums.values()))
+           f"mean slowdown " + " / ".join(f"{s:.2f}" for s in slowdown.values()))
     if skipped:
         why += f"; {'; '.join(skipped)}"
     return choice, why

@@ -154,7 +154,9 @@ class WorkerBase:
                               block_size=limits.block_size, kv_group_caps=list(limits.kv_group_caps),
                               max_model_len=limits.max_model_len,
                               vocab_size=limits.vocab_size, kv_layout=self.runner.kv_layout(), auth=self._auth(),
-                              router_addr=router_addr)
+                              router_addr=router_addr,
+                              kernels={k: c.path for k, c in self.runner.kernel_choices.items()},
+                              linear_weight_format=self.runner.linear_weight_format)
 
     def to_routers(self, msg, routers: list[str] | None = None) -> None:
         """Send ``msg`` to every router (or to ``routers``)."""

@@ -74,6 +74,8 @@ class WorkerInfo:
     # to it so its outputs come back here and not to another router of the tier. None: a worker that
     # did not say (it sends everything to its one router).
     router_addr: str | None = None
+    kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # native kernel -> "native" / "torch"
+    linear_weight_format: str | None = None  # plain, onednn or panel, as the worker chose at load
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -155,6 +157,8 @@ class WorkerInfo:
             "prefill_pending_tokens": self.prefill_pending_tokens,
             "prefill_tokens_per_s": None if (speed := self.prefill_tokens_per_s) is None else round(speed, 1),
             "vocab_size": self.vocab_size,
+            "kernels": self.kernels,
+            "linear_weight_format": self.linear_weight_format,
             "heartbeat_received": hb is not None,
         }
 
@@ -198,7 +202,8 @@ class WorkerRegistry:
             worker_id=msg.worker_id, role=WorkerRole(msg.role), input_addr=msg.input_addr,
             model_name=msg.model_name, num_blocks=msg.num_blocks, block_size=msg.block_size,
             max_model_len=msg.max_model_len, registered_at=now, last_seen=now, vocab_size=msg.vocab_size,
-            kv_layout=msg.kv_layout, router_addr=msg.router_addr, kv_group_caps=msg.kv_group_caps)
+            kv_layout=msg.kv_layout, router_addr=msg.router_addr, kv_group_caps=msg.kv_group_caps,
+            kernels=dict(msg.kernels), linear_weight_format=msg.linear_weight_format)
         logger.info("worker %s registered: %s at %s (num_blocks=%d, block_size=%d)", msg.worker_id,
                     WorkerRole(msg.role).name.lower(), msg.input_addr, msg.num_blocks, msg.block_size)
         self._warn_kv_mismatch(self._workers[msg.worker_id])

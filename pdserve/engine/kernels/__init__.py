@@ -7,7 +7,7 @@ embedding in one pass each, for eager forwards), ``int8_linear.cpp`` (weight-onl
 (float32 matmul on weights packed in 16-feature panels: decode batches of 8-64 rows) and ``kv_gather.cpp``
 (the KV transfer's gather and checksum in one pass) are plain C++ with a
 C ABI (no torch headers; they share ``vec8.h``, the vector helpers and a vectorized exp), so each
-builds in about a second with ``g++ -O3 -march=native -fopenmp``. The shared library is cached under
+builds in about a second with ``g++ -O3 -march=native -fopenmp`` (``$PDSERVE_KERNEL_ISA``: another x86-64 level). The shared library is cached under
 ``$PDSERVE_KERNEL_CACHE`` (default ``~/.cache/pdserve/kernels``), keyed by the source, the
 headers, the compiler flags and this CPU's instruction sets, so a restart or another worker on
 the same machine reuses it. With no compiler (or a failed build) a loader returns None and the engine
@@ -34,7 +34,15 @@ logger = logging.getLogger(__name__)
 _KERNEL_DIR = pathlib.Path(__file__).parent
 # No -ffast-math: linked into a shared library it sets flush-to-zero for the whole process
 # (crtfastmath.o), changing every other computation in it. The kernel vectorizes by hand instead.
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# $PDSERVE_KERNEL_ISA: which instruction set the kernels are built for. ``native`` (the default) is
+# this CPU's own (-march=native: AVX-512 code where it has AVX-512, AVX2 code where it has AVX2, NEON
+# on aarch64); the others build a lesser x86-64 level on a CPU that has more, so the AVX2 paths run
+# and are tested on an AVX-512 machine (with ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2
+# capping torch and oneDNN the same way). Each kernel picks its vector width from the macros the
+# level defines (__AVX512F__, __AVX2__).
+KERNEL_ISAS = {"native": "-march=native", "avx512": "-march=x86-64-v4", "avx2": "-march=x86-64-v3",
+               "generic": "-march=x86-64-v2"}
 _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
@@ -58,6 +66,28 @@ def _cpu_key() -> str:
     return "|".join(parts)
 
 
+def kernel_isa() -> str:
+    """The instruction set the kernels are built for: ``$PDSERVE_KERNEL_ISA`` (a key of ``KERNEL_ISAS``),
+    default ``native``. Raises ValueError for another value."""
+    isa = os.environ.get("PDSERVE_KERNEL_ISA", "native") or "native"
+    if isa not in KERNEL_ISAS:
+        raise ValueError(f"$PDSERVE_KERNEL_ISA must be one of {', '.join(KERNEL_ISAS)}, got {isa!r}")
+    return isa
+
+
+def compiler_flags() -> list[str]:
+    """The flags every kernel is compiled with (``kernel_isa``'s -march among them)."""
+    return [*_FLAGS, KERNEL_ISAS[kernel_isa()]]
+
+
+def builds_avx512() -> bool:
+    """Whether the kernels are built with AVX-512 here (``kernel_isa``, and for ``native`` this CPU's flags)."""
+    isa = kernel_isa()
+    if isa in ("avx2", "generic"):
+        return False
+    return isa == "avx512" or "avx512f" in _cpu_key().split()
+
+
 def cache_dir() -> pathlib.Path:
     """Where built kernels are kept ($PDSERVE_KERNEL_CACHE or ~/.cache/pdserve/kernels)."""
     return pathlib.Path(os.environ.get("PDSERVE_KERNEL_CACHE", pathlib.Path.home() / ".cache/pdserve/kernels"))
@@ -66,7 +96,8 @@ def cache_dir() -> pathlib.Path:
 def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
     """Compile ``source`` into the cache (atomically: concurrent builders each write a temp file and rename)."""
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join(_FLAGS).encode() + _cpu_key().encode()
+    flags = compiler_flags()
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + _cpu_key().encode()
                          ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
@@ -75,8 +106,8 @@ def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        logger.info("compiling %s (once per machine; cached in %s)", source.name, target.parent)
-        subprocess.run([compiler, *_FLAGS, str(source), "-o", tmp], check=True, capture_output=True, text=True,
+        logger.info("compiling %s for %s (once per machine; cached in %s)", source.name, flags[-1], target.parent)
+        subprocess.run([compiler, *flags, str(source), "-o", tmp], check=True, capture_output=True, text=True,
                        timeout=300)
         os.replace(tmp, target)
     finally:

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
-#ifdef __AVX2__
+#if defined(__AVX__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -14,9 +14,59 @@ namespace pdserve_kernels {
 
 typedef float v8 __attribute__((vector_size(32)));
 
+// x in every lane of a V (v8, or a wider float vector): one vbroadcastss. (Not ``V{} + x``: without
+// -ffast-math that is a real scalar add of 0.0 before the broadcast, since 0 + -0 is +0; in the prompt
+// attention kernel's inner loops it cost a dependent vaddss per broadcast, ~20% of the kernel's cycles.)
+template <typename V = v8>
+inline V splat(float x) {
+  V v;
+#ifdef __AVX512F__
+  if constexpr (sizeof(V) == 64) {
+    const __m512 b = _mm512_set1_ps(x);
+    std::memcpy(&v, &b, sizeof(v));
+    return v;
+  }
+#endif
+#ifdef __AVX__
+  if constexpr (sizeof(V) == 32) {
+    const __m256 b = _mm256_set1_ps(x);
+    std::memcpy(&v, &b, sizeof(v));
+    return v;
+  }
+#endif
+  for (unsigned i = 0; i < sizeof(V) / sizeof(float); ++i) v[i] = x;  // (GCC builds it lane by lane)
+  return v;
+}
+
 inline v8 load8(const float* p) { v8 v; std::memcpy(&v, p, sizeof(v)); return v; }
 
 inline void store8(float* p, v8 v) { std::memcpy(p, &v, sizeof(v)); }  // memcpy: unaligned-safe, one vmovups
+// a * b + c lane by lane, rounded once where the CPU has FMA (an explicit instruction: GCC contracts
+// ``a * b + c`` into an FMA in some loops and not in others, and a kernel whose tiles differ in that
+// gives a row other bits among other rows), else a multiply and an add.
+template <typename V>
+inline V fmadd(V a, V b, V c) {
+#ifdef __AVX512F__
+  if constexpr (sizeof(V) == 64) {
+    __m512 x, y, z;
+    std::memcpy(&x, &a, 64); std::memcpy(&y, &b, 64); std::memcpy(&z, &c, 64);
+    z = _mm512_fmadd_ps(x, y, z);
+    std::memcpy(&c, &z, 64);
+    return c;
+  }
+#endif
+#ifdef __FMA__
+  if constexpr (sizeof(V) == 32) {
+    __m256 x, y, z;
+    std::memcpy(&x, &a, 32); std::memcpy(&y, &b, 32); std::memcpy(&z, &c, 32);
+    z = _mm256_fmadd_ps(x, y, z);
+    std::memcpy(&c, &z, 32);
+    return c;
+  }
+#endif
+  return a * b + c;
+}
+
 // The lanes of v added in one fixed tree; hsum8 adds eight vectors' lanes in the same tree, so a
 // score has the same bits whichever path computed it.
 inline float hsum(v8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
