@@ -16,6 +16,9 @@ the median of ``--repeats`` prompts, in ms:
   ``generate`` for one prompt, which includes its engine's scheduling and sampling as pdserve's does.
   Skipped, with a line saying why, when that interpreter is missing.
 
+All three are loaded at once and take turns prompt by prompt (each length warmed once per system), so
+the machine's drift over minutes falls on each alike.
+
     python benchmarks/bench_prefill.py                                   # bench preset, 64-2048 tokens
     python benchmarks/bench_prefill.py --lengths 288 512 --repeats 5 --vllm-python /work/vllm-venv/bin/python
     PDSERVE_DISABLE_KERNELS=1 python benchmarks/bench_prefill.py --systems pdserve   # torch paths only
@@ -39,22 +42,19 @@ import torch
 
 CORE_DEFAULT = 1
 _VLLM_SCRIPT = r"""
-import json, os, random, sys, time
-lengths, repeats, model, seed = json.loads(sys.argv[1])
+import json, random, sys, time
+model, seed = json.loads(sys.argv[1])
 from vllm import LLM, SamplingParams
-llm = LLM(model=model, dtype="float32", max_model_len=4096, enforce_eager=False, seed=0)
+llm = LLM(model=model, dtype="float32", max_model_len=4096, seed=0)
 params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 rng = random.Random(seed)
 vocab = llm.get_tokenizer().vocab_size
-def run(n):
-    ids = [rng.randrange(3, vocab) for _ in range(n)]
+print("READY", flush=True)
+for line in sys.stdin:
+    ids = [rng.randrange(3, vocab) for _ in range(int(line))]
     t = time.perf_counter()
     llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-    return (time.perf_counter() - t) * 1e3
-for n in lengths:
-    run(n)  # warm this length (vLLM compiles per shape class)
-out = {n: sorted(run(n) for _ in range(repeats)) for n in lengths}
-print("RESULT " + json.dumps(out), flush=True)
+    print(f"MS {(time.perf_counter() - t) * 1e3}", flush=True)
 """
 
 
@@ -84,17 +84,21 @@ def fresh_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
 
 
-def bench_pdserve(model: str, lengths: list[int], repeats: int, seed: int) -> dict[int, list[float]]:
-    """The prefill worker's engine, in this process: ms from a request's arrival to its first token."""
+def pdserve_runner(model: str, seed: int):
+    """The prefill worker's engine, in this process: a function of a prompt length that prefills a fresh
+    prompt of it and returns the ms from its arrival to its first token."""
     from pdserve.common.protocol import SamplingParams
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.core import EngineCore
+
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args(["--model", model, "--num-threads", "1", "--enforce-eager",
                               "--kv-cache-memory", str(2**30)])
-    config = EngineConfig.from_cli_args(args, role="prefill")
-    core = EngineCore(config)
+    core = EngineCore(EngineConfig.from_cli_args(args, role="prefill"))
+    print("pdserve kernels: " + "; ".join(f"{k} -> {c.path}" + (f" up to {c.max_keys} keys" if c.max_keys else "")
+                                          for k, c in core.runner.kernel_choices.items())
+          + f"; linear weights {core.runner.linear_weight_format}", file=sys.stderr)
     vocab = core.runner.vocab_size
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -109,12 +113,10 @@ def bench_pdserve(model: str, lengths: list[int], repeats: int, seed: int) -> di
             core.step()
         return (time.perf_counter() - start) * 1e3
 
-    for n in lengths:
-        run(n)
-    return {n: sorted(run(n) for _ in range(repeats)) for n in lengths}
+    return run
 
 
-def bench_transformers(model: str, lengths: list[int], repeats: int, seed: int) -> dict[int, list[float]]:
+def transformers_runner(model: str, seed: int):
     """transformers' eager forward (SDPA attention), the last row's logits only."""
     from transformers import AutoModelForCausalLM
 
@@ -129,25 +131,35 @@ def bench_transformers(model: str, lengths: list[int], repeats: int, seed: int) 
             hf(ids, logits_to_keep=1, use_cache=False)
         return (time.perf_counter() - start) * 1e3
 
-    for n in lengths:
-        run(n)
-    return {n: sorted(run(n) for _ in range(repeats)) for n in lengths}
+    return run
 
 
-def bench_vllm(python: str, model: str, lengths: list[int], repeats: int, seed: int, core: int
-               ) -> dict[int, list[float]] | str:
-    """vLLM's offline LLM in its venv, one core; the reason instead where it cannot run."""
+def vllm_runner(python: str, model: str, seed: int, core: int):
+    """vLLM's offline LLM in its venv, on ``core``, kept running beside this process; the reason instead
+    where it cannot start."""
     if not pathlib.Path(python).exists():
         return f"no vLLM interpreter at {python} (benchmarks/setup_vllm_cpu.sh makes one)"
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_KVCACHE_SPACE": "1",
            "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
-    proc = subprocess.run(["taskset", "-c", str(core), python, "-c", _VLLM_SCRIPT,
-                           json.dumps([lengths, repeats, model, seed])],
-                          env=env, capture_output=True, text=True, timeout=1800)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {int(n): v for n, v in json.loads(line[7:]).items()}
-    return f"vLLM failed (exit {proc.returncode}): {proc.stderr.strip().splitlines()[-1:] or ''}"
+    proc = subprocess.Popen(["taskset", "-c", str(core), python, "-c", _VLLM_SCRIPT, json.dumps([model, seed])],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    for line in proc.stdout:
+        if line.startswith("READY"):
+            break
+    else:
+        return f"vLLM failed to start (exit {proc.wait()})"
+
+    def run(n: int) -> float:
+        proc.stdin.write(f"{n}\n")
+        proc.stdin.flush()
+        for out in proc.stdout:
+            if out.startswith("MS "):
+                return float(out[3:])
+        raise RuntimeError("vLLM stopped")
+
+    run.proc = proc
+    return run
 
 
 def main() -> int:
@@ -169,15 +181,32 @@ def main() -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
-    results: dict[str, dict[int, list[float]] | str] = {}
-    for system in args.systems:  # each in turn, on the same core, with the same prompt seed
-        print(f"{system} ...", file=sys.stderr, flush=True)
+    runners: dict[str, object] = {}
+    for system in args.systems:  # all loaded at once, on the same core, each with the same prompt seed
+        print(f"starting {system} ...", file=sys.stderr, flush=True)
         if system == "pdserve":
-            results[system] = bench_pdserve(args.model, args.lengths, args.repeats, seed)
+            runners[system] = pdserve_runner(args.model, seed)
         elif system == "transformers":
-            results[system] = bench_transformers(args.model, args.lengths, args.repeats, seed)
+            runners[system] = transformers_runner(args.model, seed)
         else:
-            results[system] = bench_vllm(args.vllm_python, args.model, args.lengths, args.repeats, seed, args.core)
+            runners[system] = vllm_runner(args.vllm_python, args.model, seed, args.core)
+    live = {s: r for s, r in runners.items() if not isinstance(r, str)}
+    results: dict[str, dict[int, list[float]] | str] = {s: r for s, r in runners.items() if isinstance(r, str)}
+    for system in live:
+        results[system] = {n: [] for n in args.lengths}
+    try:
+        for n in args.lengths:  # a warm-up prompt of each length for each system (vLLM compiles per shape)
+            for run in live.values():
+                run(n)
+        for _ in range(args.repeats):  # the systems take turns prompt by prompt: drift hits each alike
+            for n in args.lengths:
+                for system, run in live.items():
+                    results[system][n].append(run(n))
+    finally:
+        for run in live.values():
+            if hasattr(run, "proc"):
+                run.proc.stdin.close()
+                run.proc.wait(timeout=60)
     print(f"\nLone prompts, one core ({cpu_description()}), {pathlib.Path(args.model).name}, float32; "
           f"median of {args.repeats} fresh prompts, ms (seed {seed})\n")
     print("| prompt tokens | " + " | ".join(args.systems) + " |")

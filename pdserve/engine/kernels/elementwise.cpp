@@ -22,11 +22,19 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i32 __attribute__((vector_size(64)));
+// One vector: 16 floats with AVX-512, else 8 (AVX2). A 16-lane vector on AVX2 is two registers, and its
+// float <-> int32 conversions in the vectorized exp went through scalar code: SwiGLU ran 2.7x slower than
+// torch's operators on an AVX2 EPYC (2.56 against 0.96 ms for 256 rows of 2 x 2,048).
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vfi32 __attribute__((vector_size(4 * kLanes)));
 
-inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof(v)); return v; }
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
+inline vf loadv(const float* p) { vf v; std::memcpy(&v, p, sizeof(v)); return v; }
+inline void storev(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
 
 // Threads worth starting for `elements` values (a thread's start costs about as much as 32K values).
 inline int threads_for(int64_t elements, int num_threads) {
@@ -44,10 +52,10 @@ extern "C" int pdserve_silu_and_mul(float* out, const float* x, int64_t rows, in
     const float* up = gate + d;
     float* o = out + r * out_row;
     int64_t j = 0;
-    for (; j + 16 <= d; j += 16) {
-      const v16 g = load16(gate + j);
-      const v16 e = pdserve_kernels::vexp<v16, v16i32>(-g);
-      store16(o + j, g / (1.0f + e) * load16(up + j));
+    for (; j + kLanes <= d; j += kLanes) {
+      const vf g = loadv(gate + j);
+      const vf e = pdserve_kernels::vexp<vf, vfi32>(-g);
+      storev(o + j, g / (1.0f + e) * loadv(up + j));
     }
     for (; j < d; ++j) o[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
   }
@@ -61,18 +69,18 @@ extern "C" int pdserve_rms_norm(float* out, const float* x, const float* weight,
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * x_row;
     float* o = out + r * out_row;
-    v16 acc = {};
+    vf acc = {};
     int64_t j = 0;
-    for (; j + 16 <= hidden; j += 16) {
-      const v16 v = load16(xr + j);
+    for (; j + kLanes <= hidden; j += kLanes) {
+      const vf v = loadv(xr + j);
       acc += v * v;
     }
     float sum = 0.f;
-    for (int i = 0; i < 16; ++i) sum += acc[i];
+    for (int i = 0; i < kLanes; ++i) sum += acc[i];
     for (; j < hidden; ++j) sum += xr[j] * xr[j];
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
     j = 0;
-    for (; j + 16 <= hidden; j += 16) store16(o + j, load16(weight + j) * (load16(xr + j) * inv));
+    for (; j + kLanes <= hidden; j += kLanes) storev(o + j, loadv(weight + j) * (loadv(xr + j) * inv));
     for (; j < hidden; ++j) o[j] = weight[j] * (xr[j] * inv);
   }
   return 0;
@@ -96,10 +104,10 @@ extern "C" int pdserve_rope_rotate_half(float* out, const float* x, const float*
       float* olo = out + (n * heads + h) * head_dim;
       float* ohi = olo + half;
       int64_t i = 0;
-      for (; i + 16 <= half; i += 16) {
-        const v16 a = load16(lo + i), b = load16(hi + i), cv = load16(c + i), sv = load16(s + i);
-        store16(olo + i, a * cv - b * sv);
-        store16(ohi + i, b * cv + a * sv);
+      for (; i + kLanes <= half; i += kLanes) {
+        const vf a = loadv(lo + i), b = loadv(hi + i), cv = loadv(c + i), sv = loadv(s + i);
+        storev(olo + i, a * cv - b * sv);
+        storev(ohi + i, b * cv + a * sv);
       }
       for (; i < half; ++i) {
         const float a = lo[i], b = hi[i];
