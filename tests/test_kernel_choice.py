@@ -58,7 +58,7 @@ def test_auto_keeps_the_faster_path_of_each_kernel_and_the_call_sites_follow(tin
     choices = kernel_choice.choose_kernels(tiny_model, "auto", max_keys=512)
     assert {k: c.path for k, c in choices.items()} == {"prefill_attention": "torch", "elementwise": "native",
                                                       "decode_linear": "native"}
-    assert choices["prefill_attention"].native_ms == 10.0 and choices["prefill_attention"].torch_ms == 2.0  # 2 lengths
+    assert choices["prefill_attention"].native_ms == 15.0 and choices["prefill_attention"].torch_ms == 3.0  # 3 shapes
     assert not kernel_choice.native("prefill_attention") and kernel_choice.native("elementwise")
     calls = []
     lib = load_prefill_attention()
@@ -73,43 +73,48 @@ def test_auto_keeps_the_faster_path_of_each_kernel_and_the_call_sites_follow(tin
 
 
 def test_prompt_attention_takes_the_kernel_only_up_to_the_longest_length_it_won(tiny_model, monkeypatch):
-    """The kernel won at 128 and 512 keys and lost at 1,024: prompts over at most 512 keys take it, longer
-    ones SDPA; lost at the shortest: SDPA everywhere."""
+    """Per shape, the kernel takes the lengths up to the longest at which it won at every shorter one:
+    fresh prompts it won at 128 and 512 tokens and lost at 1,024 take it up to 512; chunks after cached
+    rows it lost at the shortest never do. Lost everywhere: SDPA for every prompt."""
     from pdserve.engine import prefill_attention
 
+    probes = [("fresh", n) for n in kernel_choice.ATTENTION_FRESH] + \
+        [("chunk", n) for n in kernel_choice.ATTENTION_CHUNK_KEYS]
     real_toggled = kernel_choice._toggled
-    for wins, want_path, want_limit in (({128, 512}, "native", 512), ({512}, "torch", None),
-                                        ({128, 512, 1024, 2048}, "native", None)):
-        sizes = []
+    for wins, want in (({("fresh", 128), ("fresh", 512), ("chunk", 2048)}, ("native", 512, 0)),
+                       (set(), ("torch", 0, 0)), (set(probes), ("native", None, None))):
+        calls = []
 
         def toggled(kernel, work):
-            sizes.append(kernel)
+            calls.append(kernel)
             return real_toggled(kernel, work)
 
         def fake_best(paths, repeats):
-            n = kernel_choice.ATTENTION_KEYS[len(sizes) - 1] if sizes[-1] == "prefill_attention" else 0
-            return {"native": 1.0, "torch": 2.0} if n in wins or sizes[-1] != "prefill_attention" \
-                else {"native": 2.0, "torch": 1.0}
+            attention = [k for k in calls if k == "prefill_attention"]
+            if calls[-1] != "prefill_attention":
+                return {"native": 1.0, "torch": 2.0}
+            won = probes[len(attention) - 1] in wins
+            return {"native": 1.0, "torch": 2.0} if won else {"native": 2.0, "torch": 1.0}
 
         monkeypatch.setattr(kernel_choice, "_toggled", toggled)
         monkeypatch.setattr(kernel_choice, "_best_ms", fake_best)
         choice = kernel_choice.choose_kernels(tiny_model, "auto", max_keys=4096)["prefill_attention"]
-        assert (choice.path, choice.max_keys) == (want_path, want_limit)
-        assert kernel_choice.native_max_keys() == want_limit
+        assert (choice.path, choice.max_keys, choice.max_chunk_keys) == want, choice.why
+        assert kernel_choice.native_max_keys(True) == want[1] and kernel_choice.native_max_keys(False) == want[2]
     kernel_choice.set_native("prefill_attention", True)
-    kernel_choice.set_native_max_keys(512)
+    kernel_choice.set_native_max_keys(512, 100)
     calls = []
     lib = load_prefill_attention()
     monkeypatch.setattr(prefill_attention, "load_prefill_attention", lambda: calls.append(1) or lib)
-    for num_k, kernel in ((300, True), (600, False)):
-        q, k, v = torch.randn(40, 4, 16), torch.randn(num_k, 2, 16), torch.randn(num_k, 2, 16)
-        out = torch.empty(40, 4, 16)
+    for rows, num_k, kernel in ((300, 300, True), (600, 600, False), (40, 90, True), (40, 300, False)):
+        q, k, v = torch.randn(rows, 4, 16), torch.randn(num_k, 2, 16), torch.randn(num_k, 2, 16)
+        out = torch.empty(rows, 4, 16)
         calls.clear()
         causal_attention(out, q, k, v, 2, 0.25, [None])
-        assert bool(calls) == kernel
-        mask = torch.ones(40, num_k, dtype=torch.bool).tril(num_k - 40)
+        assert bool(calls) == kernel, (rows, num_k)
+        mask = torch.ones(rows, num_k, dtype=torch.bool).tril(num_k - rows)
         torch.testing.assert_close(out, causal_sdpa(q, k, v, 2, 0.25, mask), atol=1e-5, rtol=1e-5)
-    kernel_choice.set_native_max_keys(None)
+    kernel_choice.set_native_max_keys(None, None)
 
 
 @pytest.mark.parametrize("kernel", kernel_choice.KERNELS)

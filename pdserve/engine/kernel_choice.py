@@ -11,10 +11,12 @@ the worker reports the choice (``/workers``: ``kernels``).
 The kernels it decides, each a name call sites ask ``native(name)`` about:
 
 - ``prefill_attention``: a prompt's causal attention (``prefill_attention.causal_attention``)
-  against torch's SDPA, one layer's heads over each of ``ATTENTION_KEYS`` keys (a chunk of at most
-  ``ATTENTION_CHUNK_ROWS`` rows over them). Which wins can change with the length (on an AVX2 EPYC the
-  kernel led up to ~1,000 keys and SDPA's GEMM blocks past it), so the kernel takes the prompts of at most
-  the longest length it won at and every shorter one (``native_max_keys``);
+  against torch's SDPA, one layer's heads, for fresh prompts of ``ATTENTION_FRESH`` tokens and for a
+  chunk of ``ATTENTION_CHUNK_ROWS`` rows after cached ones over ``ATTENTION_CHUNK_KEYS`` keys. Which wins
+  changes with the shape: on an AVX2 EPYC the kernel led on fresh prompts up to ~1,000 tokens (14.8
+  against 19.8 ms at 512) while SDPA's GEMM blocks led on every chunk (21 against 27 ms for 256 rows over
+  1,024 keys). So for each shape the kernel takes the lengths up to the longest it won at, with every
+  shorter one (``native_max_keys``);
 - ``elementwise``: RMSNorm, SwiGLU and rotary embedding in one pass each
   (``pdserve.engine.elementwise``) against their torch operators, the model's own layers on
   ``ELEMENTWISE_ROWS`` rows;
@@ -48,14 +50,17 @@ logger = logging.getLogger(__name__)
 KERNELS = ("prefill_attention", "elementwise", "decode_linear")
 NATIVE_KERNEL_MODES = ("auto", "all")
 REPEATS = 5
-ATTENTION_KEYS = (128, 512, 1024, 2048)
-ATTENTION_CHUNK_ROWS = 256
+ATTENTION_FRESH = (128, 512, 1024)  # fresh prompts' tokens the attention probe times
+ATTENTION_CHUNK_ROWS = 256  # a prompt chunk after cached rows (a prefill worker's long prompts go 256 a step)
+ATTENTION_CHUNK_KEYS = (512, 2048)  # the keys such a chunk attends over, probed
 ELEMENTWISE_ROWS = 256
 DECODE_ROWS = (1, 8)
 DECODE_PROBE_BYTES = 48 * 2**20  # the first linears' weights, up to this much (streamed as in a step)
 
 _native: dict[str, bool] = {}  # kernel -> whether its native path runs; absent: it does (if it builds)
-_native_max_keys: int | None = None  # prompt attention: the kernel only over at most this many keys (None: any)
+# prompt attention: the kernel only over at most this many keys (None: any), for a fresh prompt (rows = keys)
+# and for a chunk after cached rows (rows < keys)
+_native_max_keys: dict[bool, int | None] = {True: None, False: None}
 
 
 def native(kernel: str) -> bool:
@@ -63,15 +68,16 @@ def native(kernel: str) -> bool:
     return _native.get(kernel, True)
 
 
-def native_max_keys() -> int | None:
-    """The most keys a prompt's attention goes through the native kernel with (None: no limit)."""
-    return _native_max_keys
+def native_max_keys(fresh: bool = True) -> int | None:
+    """The most keys a prompt's attention goes through the native kernel with (None: no limit): for a fresh
+    prompt (``fresh``: as many rows as keys) or a chunk after cached rows."""
+    return _native_max_keys[fresh]
 
 
-def set_native_max_keys(limit: int | None) -> None:
-    """Prompt attention over more than ``limit`` keys takes SDPA (None: the kernel at any length)."""
-    global _native_max_keys
-    _native_max_keys = limit
+def set_native_max_keys(limit: int | None, chunk_limit: int | None = None) -> None:
+    """Prompt attention over more than ``limit`` keys (a fresh prompt) or ``chunk_limit`` (a chunk after
+    cached rows) takes SDPA (None: the kernel at any length)."""
+    _native_max_keys[True], _native_max_keys[False] = limit, chunk_limit
 
 
 def set_native(kernel: str, on: bool) -> None:
@@ -93,8 +99,9 @@ def default_native_kernels() -> str:
 @dataclass
 class KernelChoice:
     """One kernel's decision: ``path`` is ``native`` or ``torch``; the probe's best times in ms, summed over
-    its shapes (None where one path could not run); ``why`` the line logged; ``max_keys`` (prompt attention)
-    the longest prompt the native path takes (None: any)."""
+    its shapes (None where one path could not run); ``why`` the line logged; ``max_keys`` and
+    ``max_chunk_keys`` (prompt attention) the most keys the native path takes for a fresh prompt and for
+    a chunk after cached rows (None: any; 0: none)."""
 
     kernel: str
     path: str
@@ -102,6 +109,7 @@ class KernelChoice:
     torch_ms: float | None = None
     why: str = ""
     max_keys: int | None = None
+    max_chunk_keys: int | None = None
 
 
 def _best_ms(paths: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -141,11 +149,25 @@ def _first(model: nn.Module, attrs: tuple[str, ...]) -> nn.Module | None:
     return next((m for m in model.modules() if all(hasattr(m, a) for a in attrs)), None)
 
 
+def _attention_limit(times: list[tuple[int, dict[str, float]]]) -> tuple[int | None, bool]:
+    """From ``(keys, best ms per path)`` in increasing keys: the longest length up to which the kernel won
+    at every probed length (None: it lost at the shortest), and whether it won at all of them."""
+    limit = None
+    for n, t in times:
+        if t["native"] > t["torch"]:
+            return limit, False
+        limit = n
+    return limit, True
+
+
 def probe_prefill_attention(model: nn.Module, max_keys: int, repeats: int = REPEATS) -> KernelChoice | None:
-    """Causal attention with the heads of ``model``'s first attention layer over each of ``ATTENTION_KEYS``
-    keys up to ``max_keys`` (the model's longest context), kernel against SDPA. Native where it won at every
-    length up to one (``max_keys`` of the choice: the longest such; torch where it lost at the shortest).
-    None where the kernel cannot take these heads (not float32, head dims not multiples of 16, not built)."""
+    """Causal attention with the heads of ``model``'s first attention layer, kernel against SDPA, in the two
+    shapes a prompt takes: a fresh prompt of each of ``ATTENTION_FRESH`` tokens, and a chunk of
+    ``ATTENTION_CHUNK_ROWS`` rows after cached ones over each of ``ATTENTION_CHUNK_KEYS`` keys (lengths up
+    to ``max_keys``, the model's longest context). Per shape the kernel takes the lengths up to the
+    longest at which it won at every length probed (``max_keys`` / ``max_chunk_keys`` of the choice); the
+    path is ``torch`` where it lost at the shortest of both. None where the kernel cannot take these heads
+    (not float32, head dims not multiples of 16, not built)."""
     from pdserve.engine.kernels import load_prefill_attention
     from pdserve.engine.prefill_attention import causal_attention
 
@@ -159,30 +181,37 @@ def probe_prefill_attention(model: nn.Module, max_keys: int, repeats: int = REPE
             or load_prefill_attention() is None:
         return None
     g = torch.Generator().manual_seed(0)
-    lengths = [n for n in ATTENTION_KEYS if n <= max_keys] or [min(ATTENTION_KEYS[0], max_keys)]
     total = {"native": 0.0, "torch": 0.0}
-    limit, won_all, parts = None, True, []
-    for n in lengths:
-        rows = min(n, ATTENTION_CHUNK_ROWS)
+
+    def timed(rows: int, keys: int) -> dict[str, float]:
         q = torch.randn(rows, num_heads, head_dim, generator=g)
-        k = torch.randn(n, num_kv_heads, head_dim, generator=g)
-        v = torch.randn(n, num_kv_heads, v_dim, generator=g)
+        k = torch.randn(keys, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(keys, num_kv_heads, v_dim, generator=g)
         out = torch.empty(rows, num_heads, v_dim)
-        masks: list[torch.Tensor | None] = [None]  # SDPA's [rows, n] mask for a chunk, built once
+        masks: list[torch.Tensor | None] = [None]  # SDPA's [rows, keys] mask for a chunk, built once
         times = _best_ms(_toggled("prefill_attention", lambda: causal_attention(
-            out, q, k, v, num_heads // num_kv_heads, head_dim ** -0.5, masks)), repeats if n <= 512 else 3)
+            out, q, k, v, num_heads // num_kv_heads, head_dim ** -0.5, masks)), repeats if keys <= 512 else 2)
         for path in total:
             total[path] += times[path]
-        parts.append(f"{n}: {times['native']:.2f} / {times['torch']:.2f}")
-        if won_all and times["native"] <= times["torch"]:
-            limit = n
-        else:
-            won_all = False
-    path = "torch" if limit is None else "native"
-    max_native = None if won_all else limit
-    why = (f"{num_heads} heads of {head_dim}, ms native / torch at keys " + ", ".join(parts)
-           + ("" if path == "torch" or max_native is None else f"; native up to {max_native} keys"))
-    return KernelChoice("prefill_attention", path, total["native"], total["torch"], why, max_native)
+        return times
+
+    fresh = [(n, timed(n, n)) for n in ATTENTION_FRESH if n <= max_keys] or \
+        [(max_keys, timed(max_keys, max_keys))]
+    chunks = [(n, timed(ATTENTION_CHUNK_ROWS, n)) for n in ATTENTION_CHUNK_KEYS if n <= max_keys]
+    fresh_limit, fresh_all = _attention_limit(fresh)
+    chunk_limit, chunk_all = _attention_limit(chunks) if chunks else (None, False)
+    path = "native" if fresh_limit is not None or chunk_limit is not None else "torch"
+
+    def said(times: list[tuple[int, dict[str, float]]], limit: int | None, won_all: bool) -> str:
+        figures = ", ".join(f"{n}: {t['native']:.2f} / {t['torch']:.2f}" for n, t in times)
+        return f"{figures} ({'native' if won_all else 'torch' if limit is None else f'native up to {limit}'})"
+
+    why = (f"{num_heads} heads of {head_dim}, ms native / torch; fresh prompts of "
+           f"{said(fresh, fresh_limit, fresh_all)}" + (f"; chunks of {ATTENTION_CHUNK_ROWS} rows over "
+                                                       f"{said(chunks, chunk_limit, chunk_all)}" if chunks else ""))
+    return KernelChoice("prefill_attention", path, total["native"], total["torch"], why,
+                        max_keys=None if fresh_all else (fresh_limit or 0),
+                        max_chunk_keys=None if chunk_all or not chunks else (chunk_limit or 0))
 
 
 def probe_elementwise(model: nn.Module, repeats: int = REPEATS) -> KernelChoice | None:
@@ -281,7 +310,7 @@ def choose_kernels(model: nn.Module, mode: str, max_keys: int) -> dict[str, Kern
         if choice is not None:
             set_native(choice.kernel, choice.path == "native")
             if choice.kernel == "prefill_attention":
-                set_native_max_keys(choice.max_keys)
+                set_native_max_keys(choice.max_keys, choice.max_chunk_keys)
             choices[choice.kernel] = choice
     if choices:
         logger.info("native kernels, timed against torch on this CPU in %.2f s: %s", time.perf_counter() - start,

@@ -25,7 +25,7 @@ def causal_attention(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, 
     num_k, num_kv_heads, v_dim = value.shape
     lib = load_prefill_attention() if query.dtype == key.dtype == value.dtype == torch.float32 and \
         head_dim % 16 == 0 and v_dim % 16 == 0 and query.device.type == "cpu" and native("prefill_attention") \
-        and ((limit := native_max_keys()) is None or key.shape[0] <= limit) else None
+        and ((limit := native_max_keys(num_q == num_k)) is None or num_k <= limit) else None
     if lib is not None and query.stride(-1) == key.stride(-1) == value.stride(-1) == out.stride(-1) == 1:
         with torch.profiler.record_function("pdserve::prefill_attention"):
             rc = lib.pdserve_prefill_attention(
