@@ -336,8 +336,8 @@ def test_the_margin_grows_with_the_decode_workers_requests_in_flight():
 def test_local_prefill_margin_flag(model_dir):
     parser = RouterConfig.add_cli_args(argparse.ArgumentParser())
     defaults = parser.parse_args(["--model", "x"])
-    assert defaults.local_prefill_margin_s == float("inf")  # off by default
-    assert defaults.local_prefill_margin_per_request_s == 0.0
+    assert defaults.local_prefill_margin_s == 0.1  # the benchmarked price, on by default
+    assert defaults.local_prefill_margin_per_request_s == 0.03
     args = parser.parse_args(["--model", "x", "--local-prefill-margin-s", "1.5",
                               "--local-prefill-margin-per-request-s", "0.03"])
     assert routing_args(args)[-4:] == ["--local-prefill-margin-s", "1.5", "--local-prefill-margin-per-request-s",

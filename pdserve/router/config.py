@@ -32,6 +32,14 @@ def read_context_len(model: str) -> int | None:
     return None
 
 
+# Load-aware prefill placement's price of a local prefill, in seconds (routing.prefers_local_prefill): the
+# values every goodput run of 1P+1D in docs/benchmarks.md used (runs F-M on a Zen 5 class EPYC; issue 35's
+# AVX2 EPYC, where they lifted SLO attainment at 0.5 req/s from 63% to 81%), so `pdserve up` serves as
+# benchmarked. --local-prefill-margin-s inf turns placement off.
+DEFAULT_LOCAL_PREFILL_MARGIN_S = 0.1
+DEFAULT_LOCAL_PREFILL_MARGIN_PER_REQUEST_S = 0.03
+
+
 @dataclasses.dataclass
 class RouterConfig:
     """Everything the router process needs.
@@ -79,14 +87,13 @@ class RouterConfig:
         local_prefill_margin_s: load-aware prefill placement (``routing.prefers_local_prefill``): a
             prompt is prefilled by its decode worker instead of the chosen prefill worker when the
             decode worker is expected to finish it this many seconds sooner, by the prefill queues
-            in tokens and each worker's measured prefill speed; ``inf`` (the default) turns it off.
-            The margin is what a prefill costs the decode worker's running requests (their tokens
-            wait for it): it trades their TPOT for this prompt's TTFT, so it is for deployments
-            whose TTFT SLO binds first (docs/benchmarks.md has the measured trade).
+            in tokens and each worker's measured prefill speed; ``inf`` turns it off. The margin is
+            what a prefill costs the decode worker's running requests (their tokens wait for it): it
+            trades their TPOT for this prompt's TTFT. Default ``DEFAULT_LOCAL_PREFILL_MARGIN_S``.
         local_prefill_margin_per_request_s: added to the margin once per request in flight on the
-            decode worker (default 0): a local prefill delays each of them, so a small batch at light
-            load prefills locally at a short prefill queue and a large one near saturation only at a
-            long one.
+            decode worker (default ``DEFAULT_LOCAL_PREFILL_MARGIN_PER_REQUEST_S``): a local prefill
+            delays each of them, so a small batch at light load prefills locally at a short prefill
+            queue and a large one near saturation only at a long one.
         enable_lora: serve LoRA adapters as models of their own (``pdserve.router.lora``), with
             ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; the workers need
             ``--enable-lora`` too. lora_modules: ``name=PATH`` adapters served from the start.
@@ -127,8 +134,8 @@ class RouterConfig:
     routing_policy: str = "prefix_aware"
     routing_prefix_blocks: int = 4
     routing_balance_factor: float = 1.5
-    local_prefill_margin_s: float = float("inf")
-    local_prefill_margin_per_request_s: float = 0.0
+    local_prefill_margin_s: float = DEFAULT_LOCAL_PREFILL_MARGIN_S
+    local_prefill_margin_per_request_s: float = DEFAULT_LOCAL_PREFILL_MARGIN_PER_REQUEST_S
     enable_lora: bool = False
     lora_modules: list[str] = dataclasses.field(default_factory=list)
     max_lora_rank: int = 16
@@ -282,11 +289,13 @@ def add_routing_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--local-prefill-margin-s", type=float, default=RouterConfig.local_prefill_margin_s,
                    help="prefill a prompt on its decode worker when that is expected to finish it this many "
                         "seconds sooner than the prefill pool (queued prompt tokens / measured prefill "
-                        "speed); default inf: never (it trades the decode batch's TPOT for TTFT)")
+                        f"speed); default {DEFAULT_LOCAL_PREFILL_MARGIN_S}, inf: never (it trades the decode "
+                        "batch's TPOT for TTFT)")
     g.add_argument("--local-prefill-margin-per-request-s", type=float,
                    default=RouterConfig.local_prefill_margin_per_request_s,
                    help="added to --local-prefill-margin-s for each request in flight on the decode worker "
-                        "(default 0): local prefills at light load, rarely near saturation")
+                        f"(default {DEFAULT_LOCAL_PREFILL_MARGIN_PER_REQUEST_S}): local prefills at light load, "
+                        "rarely near saturation")
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:
