@@ -22,8 +22,8 @@
 // added in one fixed tree at the end: an output's summation order never depends on M, the tile it
 // falls in or the thread computing it (batch-invariant by construction, like int8_linear.cpp).
 //
-// Tiling: a tile is R rows of x times C rows of W: R * C accumulators, and the smaller side's vectors
-// (x's R or W's C) in registers while the other streams through one. With AVX-512 (32 zmm registers, 16-lane vectors) x's rows go through in tiles
+// Tiling: a tile is R rows of x times C rows of W: R * C accumulators, and one side's vectors in
+// registers while the other streams through one (AVX-512: W's C; AVX2: the smaller of x's R and W's C). With AVX-512 (32 zmm registers, 16-lane vectors) x's rows go through in tiles
 // of 8 (3 weight rows each), then 4 (6 weight rows) and up to 3 (8 weight rows); with AVX2 (16 ymm
 // registers, 8-lane vectors) in tiles of 4 (3 weight rows), then 3 (4), 2 (6) and 1 (8), so no tile
 // spills (a 16-lane tile on AVX2 needs twice the registers the CPU has: the first build of this kernel
@@ -61,9 +61,8 @@ inline float hsum(vf v) {
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
 
-// Weight rows per tile for R rows of x: the accumulators (R * C), the smaller of x's R vectors and the
-// C weight vectors (held while the other side streams through one register) and that register fit the
-// registers: 32 with AVX-512, 16 with AVX2.
+// Weight rows per tile for R rows of x: the accumulators (R * C), the held side's vectors and the
+// streaming register fit the registers: 32 with AVX-512, 16 with AVX2.
 template <int R>
 constexpr int tile_cols() {
   return kLanes == 16 ? (R <= 2 ? 8 : (R <= 4 ? 6 : 3)) : (R == 1 ? 8 : (R == 2 ? 6 : (R == 3 ? 4 : 3)));
@@ -79,14 +78,14 @@ inline void tile(float* out, const float* x, const float* w, int64_t m0, int64_t
   for (int64_t k = 0; k < K; k += kLanes) {
     for (int c = 0; c < C; ++c)
       if (k % 16 == 0) __builtin_prefetch(w + (n0 + c + C) * K + k, 0, 1);  // the next tile's rows, into L2
-    if constexpr (R < C) {  // hold x's R vectors, stream the weight rows through one register
+    if constexpr (kLanes == 8 && R < C) {  // AVX2: hold x's R vectors, stream the weight rows through one
       vf xv[R];
       for (int r = 0; r < R; ++r) xv[r] = loadv(x + (m0 + r) * K + k);
       for (int c = 0; c < C; ++c) {
         const vf wv = loadv(w + (n0 + c) * K + k);
         for (int r = 0; r < R; ++r) acc[r][c] = pdserve_kernels::fmadd(xv[r], wv, acc[r][c]);
       }
-    } else {  // hold the C weight vectors, stream x's rows
+    } else {  // hold the C weight vectors, stream x's rows (AVX-512's every tile fits this way)
       vf wv[C];
       for (int c = 0; c < C; ++c) wv[c] = loadv(w + (n0 + c) * K + k);
       for (int r = 0; r < R; ++r) {
