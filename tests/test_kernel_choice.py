@@ -197,6 +197,11 @@ q, k, v = torch.randn(150, 8, 64), torch.randn(150, 2, 64), torch.randn(150, 2, 
 out = torch.empty(150, 8, 64)
 causal_attention(out, q, k, v, 4, 0.125)
 torch.testing.assert_close(out, causal_sdpa(q, k, v, 4, 0.125), atol=1e-5, rtol=1e-5)
+from pdserve.engine import elementwise
+x, w, gate_up = torch.randn(33, 80), torch.randn(80), torch.randn(33, 2 * 72)
+torch.testing.assert_close(elementwise.rms_norm(x, w, 1e-6), w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+gate, up = gate_up.chunk(2, dim=-1)
+torch.testing.assert_close(elementwise.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
 built = sorted(p.name for p in kernels.cache_dir().iterdir())
 print("ok", built)
 """
@@ -206,7 +211,7 @@ print("ok", built)
 def test_kernels_built_for_a_lesser_isa_compute_what_torch_does(isa, tmp_path):
     """``$PDSERVE_KERNEL_ISA=avx2`` builds the 8-lane AVX2 code on any x86-64 CPU that runs it (an AVX-512
     machine included; torch and oneDNN capped to AVX2 alike), ``generic`` a build with no AVX at all:
-    the prompt attention and the few-row matmul agree with torch's. Each build lands in its own cache
+    the prompt attention, the few-row matmul, RMSNorm and SwiGLU agree with torch's. Each build lands in its own cache
     file (the flags are in its key)."""
     if os.uname().machine != "x86_64":
         pytest.skip("the ISA levels are x86-64's")
