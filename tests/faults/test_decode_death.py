@@ -24,7 +24,7 @@ from tests.test_scale import Load
 pytestmark = pytest.mark.cluster
 
 MAX_TOKENS = 40
-SEEDED = dict(model="tiny", prompt="a river bank in autumn", max_tokens=120, temperature=1.0, seed=11, n=2,
+SEEDED = dict(model="tiny", prompt="a river bank in autumn", max_tokens=240, temperature=1.0, seed=11, n=2,
               extra_body={"ignore_eos": True})
 
 
@@ -91,7 +91,6 @@ def test_killed_decode_worker_requests_migrate_and_finish_exactly(model_dir, tmp
 
         # 2. one decode worker left and killed mid-stream: the request waits for the restarted one
         scale_pools(url, decode=1, wait=True, timeout_s=60)
-        sole = decode_pool(url)[0]["id"]
         chunks: list = []
         result = {}
         thread = threading.Thread(target=lambda: result.update(texts=stream_texts(api, chunks)))
@@ -101,6 +100,13 @@ def test_killed_decode_worker_requests_migrate_and_finish_exactly(model_dir, tmp
             assert time.monotonic() < deadline and thread.is_alive(), "the seeded request never streamed"
             time.sleep(0.01)
         before = migrations(url)
+        # the worker that holds the request (not a drained one still listed), frozen first so that it
+        # cannot finish the stream between this check and the kill
+        holders = [w["id"] for w in decode_pool(url) if w["num_outstanding"] >= 1]
+        assert len(holders) == 1, decode_pool(url)
+        sole = holders[0]
+        cluster.workers[sole].handle.send_signal(signal.SIGSTOP)
+        assert thread.is_alive(), "the request finished before its decode worker was stopped"
         kill(cluster, sole)
         thread.join(timeout=120)
         assert result.get("texts") == undisturbed  # same tokens as undisturbed, none missing or repeated
