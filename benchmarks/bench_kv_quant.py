@@ -42,7 +42,7 @@ import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.bench.agreement import greedy_outputs, teacher_forced_logits
-from pdserve.engine.kv_cache import kv_cache_block_bytes
+from pdserve.engine.execution.kv_cache import kv_cache_block_bytes
 
 DTYPES = ["float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"]
 
@@ -196,8 +196,8 @@ def attention_speeds(names: list[str], batch: int, context: int, repeats: int = 
     (bench preset shapes: 12 query heads, 4 KV heads of 64; ``batch`` sequences of ``context`` tokens
     in shuffled blocks of 16; the new tokens' K/V written, quantized, first). The dtypes take turns
     call by call, so a busy machine's drift hits all alike; median."""
-    from pdserve.engine.attention import AttentionMetadata, paged_attention
-    from pdserve.engine.kv_cache import allocate_kv_cache
+    from pdserve.engine.layers.attention import AttentionMetadata, paged_attention
+    from pdserve.engine.execution.kv_cache import allocate_kv_cache
     from pdserve.common.kv_quant import kv_cache_format, quantize_rows
 
     num_heads, num_kv_heads, head_dim, block_size = 12, 4, 64, 16

@@ -7,10 +7,10 @@ For the ``bench`` preset's 48 decoder linears (12 layers of qkv, o, gate_up, dow
 of their shapes, 302 MiB in float32, so every pass streams them from memory as a decode step does),
 prints the median time of one pass over all of them at each row count through:
 
-* the decode kernel on plain weights (``pdserve.engine.decode_linear``, up to its row limit);
+* the decode kernel on plain weights (``pdserve.engine.layers.decode_linear``, up to its row limit);
 * oneDNN on weights reordered once into its blocked layout (``--linear-weight-format onednn``);
 * the panel kernel on weights packed once in 16-feature panels (``--linear-weight-format panel``,
-  ``pdserve.engine.panel_linear``);
+  ``pdserve.engine.layers.panel_linear``);
 * ``F.linear`` on plain weights (MKL's sgemm on a CPU build of torch).
 
 ``--linear-weight-format auto`` makes the same comparison at load on a model's own weights
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from pdserve.engine import decode_linear, panel_linear
+from pdserve.engine.layers import decode_linear, panel_linear
 
 HIDDEN, INTERMEDIATE, Q_KV, LAYERS = 768, 2048, 768 + 2 * 256, 12  # the bench preset
 

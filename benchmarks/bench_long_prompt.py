@@ -28,7 +28,7 @@ import httpx
 
 from pdserve.common.utils import free_port
 from pdserve.default_model.tiny_model import ensure_default_model
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 
 
 async def ttft_ms(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]) -> float:

@@ -84,7 +84,7 @@ def _dense(experts, x, ids, weights):
 
 
 def _kernel(args) -> str:
-    from pdserve.engine import decode_linear
+    from pdserve.engine.layers import decode_linear
 
     on = not args.no_kernel and decode_linear.build_kernel()
     return "decode linear kernel for <= 16 rows" if on else "MKL for every GEMM"

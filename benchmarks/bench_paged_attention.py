@@ -30,8 +30,8 @@ NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, NUM_HEADS, BLOCK_SIZE = 12, 4, 64, 12, 16
 
 def time_case(batch: int, context: int, dtype: torch.dtype, repeats: int) -> dict:
     """Median seconds of one step's attention (every layer) at ``batch`` sequences of ``context`` tokens."""
-    from pdserve.engine.paged_backend import paged_decode_attention  # noqa: F401  registers the op
-    from pdserve.engine.kv_cache import allocate_kv_cache
+    from pdserve.engine.layers.paged_backend import paged_decode_attention  # noqa: F401  registers the op
+    from pdserve.engine.execution.kv_cache import allocate_kv_cache
 
     blocks_per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_seq + 1

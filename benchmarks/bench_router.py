@@ -42,7 +42,7 @@ import torch
 
 from pdserve.common.utils import free_port
 from pdserve.default_model.tiny_model import ensure_default_model
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 
 ROUTER_CORE, OTHER_CORE = 0, 1
 

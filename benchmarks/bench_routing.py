@@ -36,7 +36,7 @@ import psutil
 
 from pdserve.bench import BenchRequest, DatasetConfig, ServeConfig, build_requests, run_benchmark_sync
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from pdserve.default_model.tiny_model import ensure_default_model
 from pdserve.router.routing import ROUTING_POLICIES
 

@@ -35,7 +35,7 @@ from pdserve.bench import BenchRequest, DatasetConfig, ServeConfig, build_reques
 from pdserve.bench.hf_static import hf_static_generate
 from pdserve.common.utils import free_port, parse_size
 from pdserve.default_model.tiny_model import ensure_default_model
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 
 
 def make_workload(n: int, vocab_size: int, seed: int, min_in: int, max_in: int, min_out: int, max_out: int,

@@ -9,7 +9,7 @@ hold with every block kept:
   (``KVCacheManager.free_out_of_window``). Also what those blocks weigh in Mistral-7B's geometry
   (32 layers, 8 KV heads of 128, bfloat16).
 * ``--family gemma3``: five sliding layers per full-attention one (12 layers: 10 sliding, 2 full),
-  so the layers form KV cache groups (``pdserve.engine.kv_cache_groups``): one full group and five
+  so the layers form KV cache groups (``pdserve.common.kv_cache_groups``): one full group and five
   sliding ones of 2 layers each. The same request runs twice, with the groups and with
   ``--disable-hybrid-kv-cache-manager`` (one table, every block kept). KV is counted in
   *layer-blocks* (one block of one layer), so the two layouts compare; also in Gemma 3 1B's
@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig
 from pdserve.common.protocol import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
-from pdserve.engine.kv_cache_manager import NULL_BLOCK
+from pdserve.engine.scheduling.kv_cache_manager import NULL_BLOCK
 
 MISTRAL_7B_TOKEN_BYTES = 32 * 2 * 8 * 128 * 2  # per token: layers x K/V x KV heads x head dim x bf16
 GEMMA3_1B_LAYER_TOKEN_BYTES = 2 * 1 * 256 * 2  # per token and layer: K/V x KV heads x head dim x bf16

@@ -121,9 +121,9 @@ def own_work(kv_cache: torch.Tensor, block_ids: list[int], repeats: int) -> dict
 def run(args) -> dict:
     from pdserve.common.protocol import KVTransferHeader
     from pdserve.common.utils import free_port
-    from pdserve.engine.attention import AttentionMetadata
-    from pdserve.engine.kv_cache import allocate_kv_cache
-    from pdserve.engine.loader import load_model
+    from pdserve.engine.layers.attention import AttentionMetadata
+    from pdserve.engine.execution.kv_cache import allocate_kv_cache
+    from pdserve.engine.models.loader import load_model
     from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs
     import torch.distributed as dist
 

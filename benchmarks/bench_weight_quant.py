@@ -34,7 +34,7 @@ import torch
 
 from pdserve.bench.agreement import greedy_agreement, greedy_outputs, teacher_forced_logits
 from pdserve.common.protocol import SamplingParams
-from pdserve.engine.quantization import weight_bytes
+from pdserve.engine.layers.quantization import weight_bytes
 from pdserve.llm import LLM
 from pdserve.default_model.tiny_model import ensure_default_model
 from pdserve.default_model.train import shipped_model_dir

@@ -17,7 +17,7 @@ import time
 import httpx
 
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import httpx
 import psutil
 
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from pdserve.default_model.tiny_model import ensure_default_model
 
 

@@ -29,7 +29,7 @@ import openai
 import psutil
 
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from pdserve.default_model.tiny_model import ensure_default_model
 
 WORDS = ("the quick brown fox jumps over lazy dogs while seven wizards quietly pack boxes of liquor near a "

@@ -32,7 +32,8 @@ def _setup_logging(level: str) -> None:
 
 def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
     from pdserve.common.auth import API_KEY_ENV, from_env
-    from pdserve.launcher import ClusterSpec, run_cluster
+    from pdserve.cluster.launcher import run_cluster
+    from pdserve.cluster.spec import ClusterSpec
     from pdserve.router.config import lora_args, routing_args, tracing_args
     from pdserve.default_model.train import shipped_model_dir
 
@@ -70,8 +71,8 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                        threads_per_worker=args.threads_per_worker, num_routers=args.num_routers,
                        **pool_parallel_sizes(args))
     if args.ray:
-        from pdserve.launcher import serve_until_stopped
-        from pdserve.launcher_ray import RayCluster
+        from pdserve.cluster.supervisor import serve_until_stopped
+        from pdserve.cluster.ray_launcher import RayCluster
 
         return serve_until_stopped(RayCluster(spec, address=args.address,
                                               prefill_resources=json.loads(args.prefill_resources or "{}"),
@@ -130,7 +131,7 @@ def _exit_now(code: int) -> None:
 def _cmd_rank(args: argparse.Namespace) -> int:
     from pdserve.common.auth import CLUSTER_SECRET_ENV, from_env
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.ranks import serve_rank
+    from pdserve.engine.execution.ranks import serve_rank
 
     secret = from_env(args.cluster_secret, CLUSTER_SECRET_ENV)
     _exit_now(serve_rank(EngineConfig.from_cli_args(args), cluster_secret=secret))
@@ -163,7 +164,7 @@ def _cmd_worker(role: str, args: argparse.Namespace) -> int:
 
 def _cmd_scale(args: argparse.Namespace) -> int:
     from pdserve.common.auth import API_KEY_ENV, from_env
-    from pdserve.scale import print_pools, scale_pools
+    from pdserve.cluster.scale import print_pools, scale_pools
 
     try:
         pools = scale_pools(args.router, prefill=args.prefill, decode=args.decode,

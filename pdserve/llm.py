@@ -41,9 +41,9 @@ from pdserve.common.utils import parse_size
 from pdserve.common.validation import ValidationError, check_context_length, check_prompt_ids, check_request
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
-from pdserve.engine.outputs import EngineCoreOutput
-from pdserve.engine.structured_output import check_structured_outputs
-from pdserve.engine.request import RequestStatus
+from pdserve.engine.scheduling.outputs import EngineCoreOutput
+from pdserve.engine.execution.structured_output import check_structured_outputs
+from pdserve.engine.scheduling.request import RequestStatus
 from pdserve.tokenizer.chat import render_chat_prompt
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 

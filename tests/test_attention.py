@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.layers.attention import AttentionMetadata, paged_attention
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64

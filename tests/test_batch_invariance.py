@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from pdserve.common.protocol import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.layers import INVARIANT_ROW_MULTIPLE, RMSNorm, SiluAndMul, batch_invariant_linear, pad_rows
-from pdserve.engine.rotary import RotaryEmbedding
+from pdserve.engine.layers.base import INVARIANT_ROW_MULTIPLE, RMSNorm, SiluAndMul, batch_invariant_linear, pad_rows
+from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.llm import LLM
 
 # (M, position of the probe row) pairs: every M in 1..40 and a few prefill-sized ones.
@@ -84,7 +84,7 @@ def test_config_refuses_what_cannot_be_invariant(model_dir):
 
 def test_engine_refuses_the_flag_without_the_kernel(model_dir, monkeypatch):
     """Where the kernel cannot run (CUDA, no compiler, $PDSERVE_DISABLE_KERNELS) auto picks reference."""
-    import pdserve.engine.model_runner as model_runner
+    import pdserve.engine.execution.model_runner as model_runner
 
     monkeypatch.setattr(model_runner, "select_backend", lambda *args, **kwargs: "reference")
     with pytest.raises(ValueError, match="--batch-invariant needs the paged attention kernel"):

@@ -23,7 +23,7 @@ from pdserve import LLM
 from pdserve.beam_search import BeamSearch, BeamSearchParams
 from pdserve.common.protocol import TokenLogprob
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 
 PROMPTS = ["the quick brown fox", "hello", "seven small birds sing in the old oak tree while a lazy dog sleeps"]
 # (beam_width, max_tokens, length_penalty, early_stopping)

@@ -218,7 +218,7 @@ def _worker_flags() -> list[str]:
 @pytest.fixture(scope="module")
 def small_cluster(model_dir, tmp_path_factory):
     from pdserve.common.utils import free_port
-    from pdserve.launcher import ClusterSpec, LocalCluster
+    from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 
     spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
                        worker_args=_worker_flags())

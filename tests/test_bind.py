@@ -19,7 +19,8 @@ from pdserve.common.utils import free_port
 # One rank: join, say READY, wait for "go", prove the group works, leave, say CLOSED, wait for "exit".
 RANK = textwrap.dedent("""
     import sys, torch
-    from pdserve.engine.parallel import ParallelConfig, RankGroup, RendezvousConfig
+    from pdserve.engine.config import ParallelConfig
+    from pdserve.engine.execution.parallel import RankGroup, RendezvousConfig
     rank, addr, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     group = RankGroup(ParallelConfig(tensor_parallel_size=2), RendezvousConfig(rank, addr, port, 30.0),
                       torch.device("cpu"))

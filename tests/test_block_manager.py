@@ -1,6 +1,6 @@
 import pytest
 
-from pdserve.engine.block_manager import BlockManager, NoFreeBlocksError
+from pdserve.engine.scheduling.block_manager import BlockManager, NoFreeBlocksError
 
 
 def test_allocate_and_free_return_blocks():
@@ -88,7 +88,7 @@ def test_prefix_hit_survives_free_and_is_verified():
 
 
 def test_hash_collision_is_a_miss_not_wrong_kv(monkeypatch):
-    from pdserve.engine import block_manager as mod
+    from pdserve.engine.scheduling import block_manager as mod
     bm = BlockManager(num_blocks=4, block_size=2)
     monkeypatch.setattr(mod, "chain_hash", lambda parent, tokens, salt=0: b"same")  # every block collides
     blocks, _ = cache_sequence(bm, [1, 2])

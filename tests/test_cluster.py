@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.curve import cluster_keys, secure_client
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 
 pytestmark = pytest.mark.cluster
 

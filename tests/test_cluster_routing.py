@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from pdserve.router.routing import HashRing, prefix_key
 
 pytestmark = pytest.mark.cluster

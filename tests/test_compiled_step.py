@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine import panel_linear
-from pdserve.engine.kernels import load_paged_attention
+from pdserve.engine.layers import panel_linear
+from pdserve.kernels import load_paged_attention
 from tests.test_llm import GREEDY, hf_greedy, prompts, token_ids  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: nothing is compiled")
@@ -67,7 +67,7 @@ def test_no_request_pays_a_recompilation(model_dir):
     graph (a recompilation costs a request about a second)."""
     import torch._dynamo.utils
 
-    from pdserve.engine.decode_linear import KERNEL_MAX_ROWS
+    from pdserve.engine.layers.decode_linear import KERNEL_MAX_ROWS
 
     with LLM(model_dir, kv_cache_memory="4MiB", enforce_eager=False, max_num_seqs=2 * KERNEL_MAX_ROWS) as llm:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine import decode_linear
-from pdserve.engine.decode_linear import KERNEL_MAX_ROWS, decode_linear_kernel, kernel_applies
-from pdserve.engine.layers import linear
+from pdserve.engine.layers import decode_linear
+from pdserve.engine.layers.decode_linear import KERNEL_MAX_ROWS, decode_linear_kernel, kernel_applies
+from pdserve.engine.layers.base import linear
 from tests.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(not decode_linear.build_kernel(), reason="no C++ compiler: float32 layers use torch's GEMM")

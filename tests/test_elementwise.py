@@ -1,4 +1,4 @@
-"""The one-pass RMSNorm, SwiGLU and RoPE kernels (``pdserve.engine.elementwise``) against the torch code
+"""The one-pass RMSNorm, SwiGLU and RoPE kernels (``pdserve.engine.layers.elementwise``) against the torch code
 they replace in eager forwards (which is also what the model-vs-transformers tests run through them)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import elementwise
-from pdserve.engine.kernels import load_elementwise
-from pdserve.engine.layers import RMSNorm, SiluAndMul
-from pdserve.engine.rotary import RotaryEmbedding, _rotate
+from pdserve.engine.layers import elementwise
+from pdserve.kernels import load_elementwise
+from pdserve.engine.layers.base import RMSNorm, SiluAndMul
+from pdserve.engine.layers.rotary import RotaryEmbedding, _rotate
 from tests.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(load_elementwise() is None, reason="no C++ compiler: the kernels are off")

@@ -1,5 +1,5 @@
 """KV cache groups: models that mix sliding-window and full-attention layers free the sliding
-layers' blocks (pdserve.engine.kv_cache_groups, vLLM's hybrid KV cache manager).
+layers' blocks (pdserve.common.kv_cache_groups, vLLM's hybrid KV cache manager).
 
 Gemma 3 and gpt-oss checkpoints written here by transformers, with 4-token blocks and a
 10-token window: the full-attention layers' table holds every block, each sliding group's only
@@ -14,8 +14,8 @@ import pytest
 from transformers import Gemma3TextConfig, GptOssConfig
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.kv_cache_groups import KVCacheGroups
-from pdserve.engine.kv_cache_manager import NULL_BLOCK
+from pdserve.common.kv_cache_groups import KVCacheGroups
+from pdserve.engine.scheduling.kv_cache_manager import NULL_BLOCK
 from tests.checkpoints import write_checkpoint
 from tests.test_sliding_window import (BLOCK, PROMPT_LENGTHS, WINDOW, live_blocks_needed, reference_tokens,
                                        serve_disaggregated, step_to_the_end, window_prompts)

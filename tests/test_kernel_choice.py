@@ -1,4 +1,4 @@
-"""Native kernel or torch, chosen per machine by measurement at load (``pdserve.engine.kernel_choice``), and
+"""Native kernel or torch, chosen per machine by measurement at load (``pdserve.engine.layers.kernel_choice``), and
 the kernels built for an instruction set below this CPU's (``$PDSERVE_KERNEL_ISA``)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from pdserve.engine import decode_linear, elementwise, kernel_choice
-from pdserve.engine.kernels import load_decode_linear, load_elementwise, load_prefill_attention
-from pdserve.engine.layers import RMSNorm, SiluAndMul
-from pdserve.engine.prefill_attention import causal_attention, causal_sdpa
+from pdserve.engine.layers import decode_linear, elementwise, kernel_choice
+from pdserve.kernels import load_decode_linear, load_elementwise, load_prefill_attention
+from pdserve.engine.layers.base import RMSNorm, SiluAndMul
+from pdserve.engine.layers.prefill_attention import causal_attention, causal_sdpa
 
 pytestmark = pytest.mark.skipif(load_prefill_attention() is None or load_elementwise() is None
                                 or load_decode_linear() is None, reason="no C++ compiler: nothing to choose")
@@ -32,7 +32,7 @@ def restore_choices():
 
 @pytest.fixture(scope="module")
 def tiny_model(model_dir):
-    from pdserve.engine.loader import load_model
+    from pdserve.engine.models.loader import load_model
 
     return load_model(model_dir, dtype=torch.float32, device=torch.device("cpu"))
 
@@ -62,7 +62,7 @@ def test_auto_keeps_the_faster_path_of_each_kernel_and_the_call_sites_follow(tin
     assert not kernel_choice.native("prefill_attention") and kernel_choice.native("elementwise")
     calls = []
     lib = load_prefill_attention()
-    monkeypatch.setattr("pdserve.engine.prefill_attention.load_prefill_attention", lambda: calls.append(1) or lib)
+    monkeypatch.setattr("pdserve.engine.layers.prefill_attention.load_prefill_attention", lambda: calls.append(1) or lib)
     q, k, v = torch.randn(32, 4, 16), torch.randn(32, 2, 16), torch.randn(32, 2, 16)
     out = torch.empty(32, 4, 16)
     causal_attention(out, q, k, v, 2, 0.25)
@@ -76,7 +76,7 @@ def test_prompt_attention_takes_the_kernel_only_up_to_the_longest_length_it_won(
     """Per shape, the kernel takes the lengths up to the longest at which it won at every shorter one:
     fresh prompts it won at 128 and 512 tokens and lost at 1,024 take it up to 512; chunks after cached
     rows it lost at the shortest never do. Lost everywhere: SDPA for every prompt."""
-    from pdserve.engine import prefill_attention
+    from pdserve.engine.layers import prefill_attention
 
     probes = [("fresh", n) for n in kernel_choice.ATTENTION_FRESH] + \
         [("chunk", n) for n in kernel_choice.ATTENTION_CHUNK_KEYS]
@@ -136,7 +136,7 @@ def test_each_kernel_turned_off_runs_torch_and_computes_the_same(kernel):
         def run():
             return torch.cat([norm(x), act(gate_up)], dim=1)
     else:
-        from pdserve.engine.layers import linear
+        from pdserve.engine.layers.base import linear
 
         x, w = torch.randn(3, 64), torch.randn(40, 64)
 
@@ -184,9 +184,9 @@ def test_an_engine_reports_its_choices(model_dir):
 
 _ISA_CHECK = r"""
 import torch
-from pdserve.engine import kernels
-from pdserve.engine.decode_linear import build_kernel, decode_linear_kernel
-from pdserve.engine.prefill_attention import causal_attention, causal_sdpa
+from pdserve import kernels
+from pdserve.engine.layers.decode_linear import build_kernel, decode_linear_kernel
+from pdserve.engine.layers.prefill_attention import causal_attention, causal_sdpa
 assert kernels.compiler_flags()[-1] == kernels.KERNEL_ISAS[kernels.kernel_isa()]
 assert build_kernel() and kernels.load_prefill_attention() is not None
 torch.manual_seed(0)
@@ -197,7 +197,7 @@ q, k, v = torch.randn(150, 8, 64), torch.randn(150, 2, 64), torch.randn(150, 2, 
 out = torch.empty(150, 8, 64)
 causal_attention(out, q, k, v, 4, 0.125)
 torch.testing.assert_close(out, causal_sdpa(q, k, v, 4, 0.125), atol=1e-5, rtol=1e-5)
-from pdserve.engine import elementwise
+from pdserve.engine.layers import elementwise
 x, w, gate_up = torch.randn(33, 80), torch.randn(80), torch.randn(33, 2 * 72)
 torch.testing.assert_close(elementwise.rms_norm(x, w, 1e-6), w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
 gate, up = gate_up.chunk(2, dim=-1)
@@ -224,7 +224,7 @@ def test_kernels_built_for_a_lesser_isa_compute_what_torch_does(isa, tmp_path):
 
 
 def test_an_unknown_isa_is_refused(monkeypatch):
-    from pdserve.engine import kernels
+    from pdserve import kernels
 
     monkeypatch.setenv("PDSERVE_KERNEL_ISA", "avx1024")
     with pytest.raises(ValueError, match="PDSERVE_KERNEL_ISA"):

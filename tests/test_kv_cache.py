@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pdserve.engine.kv_cache import (allocate_kv_cache, copy_blocks, kv_cache_block_bytes,
+from pdserve.engine.execution.kv_cache import (allocate_kv_cache, copy_blocks, kv_cache_block_bytes,
                                      num_blocks_for_budget)
 
 

@@ -1,5 +1,5 @@
 """The KV transfer's integrity checksum (``pdserve.kvtransfer.checksum``): what it catches, and the native
-one-pass gather and checksum (``engine/kernels/kv_gather.cpp``) against the torch reductions."""
+one-pass gather and checksum (``kernels/kv_gather.cpp``) against the torch reductions."""
 
 from __future__ import annotations
 

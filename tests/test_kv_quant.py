@@ -20,11 +20,11 @@ from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import GenerateRequest, KVLayout, RegisterWorker, RemotePrefillRequest, WorkerRole
 from pdserve.common.transport import encode
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.attention import AttentionMetadata, paged_attention, select_backend
-from pdserve.engine.paged_backend import attend_native
+from pdserve.engine.layers.attention import AttentionMetadata, paged_attention, select_backend
+from pdserve.engine.layers.paged_backend import attend_native
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.kernels import load_paged_attention
-from pdserve.engine.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
+from pdserve.kernels import load_paged_attention
+from pdserve.engine.execution.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.common.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, kv_cache_format, quantize_rows
 from pdserve.kvtransfer import wire
 from pdserve.kvtransfer.agent import check_kv_dtype

@@ -62,7 +62,7 @@ def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path, mode):
 
 def test_up_parallel_flags_size_each_pool():
     from pdserve.cli import build_parser, pool_parallel_sizes
-    from pdserve.launcher import ClusterSpec
+    from pdserve.cluster.launcher import ClusterSpec
 
     args, extra = build_parser().parse_known_args(["up", "--tensor-parallel-size", "2",
                                                    "--decode-tensor-parallel-size", "1",
@@ -78,7 +78,7 @@ def test_up_parallel_flags_size_each_pool():
 
 def test_cpu_lists_and_core_shares():
     from pdserve.common.utils import format_cpu_list, parse_cpu_list
-    from pdserve.launcher import ClusterSpec, LocalCluster
+    from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 
     assert parse_cpu_list("0-3,6") == [0, 1, 2, 3, 6] and format_cpu_list([6, 0, 1, 2, 3]) == "0-3,6"
     for bad in ("", "a", "3-1", "1,,2"):

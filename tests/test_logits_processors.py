@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.validation import ValidationError, check_sampling_params
-from pdserve.engine.logits_processors import (apply_bad_words, apply_logit_bias, apply_logits_processors,
+from pdserve.engine.execution.logits_processors import (apply_bad_words, apply_logit_bias, apply_logits_processors,
                                               apply_repetition_penalty, bad_word_bans)
-from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.execution.sampler import Sampler, SamplingRow
 from pdserve.tokenizer.bad_words import bad_words_token_ids
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog and the quick brown fox",

@@ -21,11 +21,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.protocol import LoRARequest, SamplingParams
 from pdserve.common.utils import free_port
-from pdserve.engine.block_manager import BlockManager
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from pdserve.llm import LLM
 from pdserve.engine.lora.adapter import LoRAAdapterError, load_adapter
-from pdserve.engine.request import Request
+from pdserve.engine.scheduling.request import Request
 
 ADAPTERS = {  # name -> LoraConfig arguments
     "alpha": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
@@ -224,7 +224,7 @@ def test_beam_search_with_an_adapter_matches_peft(model_dir, adapter_dirs):
 def test_prefix_aware_routing_keys_each_adapter_apart():
     """An adapter's prompts key the prefix-aware ring on their own (their KV is cached apart), so the
     same prompt under different adapters spreads over the workers instead of piling on one."""
-    from pdserve.engine.request import lora_cache_root
+    from pdserve.engine.scheduling.request import lora_cache_root
     from pdserve.router.routing import prefix_key
 
     prompt = list(range(100, 164))
@@ -239,7 +239,7 @@ def test_step_mapping_groups_each_adapters_rows_and_the_layer_adds_only_its_own_
     """Runs of one slot merge into a slice; a slot whose sequences are apart gets row indices;
     base-model and empty sequences belong to no group. Each row of a layer's output gets exactly
     its own adapter's x A^T B (base rows nothing), against a dense per-row reference."""
-    from pdserve.engine.layers import ColumnParallelLinear
+    from pdserve.engine.layers.base import ColumnParallelLinear
     from pdserve.engine.lora.layers import LoRAContext, LoRASlots, LoRAStepMapping
 
     seq_slots = [1, 1, -1, 0, 1, 2, 2, 0]

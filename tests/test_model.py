@@ -11,8 +11,8 @@ from transformers import (AutoModelForCausalLM, DeepseekV3Config, Gemma3TextConf
                           MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config,
                           Qwen3MoeConfig)
 
-from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.loader import load_model
+from pdserve.engine.layers.attention import AttentionMetadata
+from pdserve.engine.models.loader import load_model
 from pdserve.engine.models import SUPPORTED_MODEL_TYPES, UnsupportedArchitecture
 
 BLOCK_SIZE = 4

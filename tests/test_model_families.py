@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
-from pdserve.engine.kernels import load_paged_attention
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.kernels import load_paged_attention
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from tests.checkpoints import FAMILIES, PROMPTS, greedy_reference, write_checkpoint
 
 @pytest.fixture(scope="module")

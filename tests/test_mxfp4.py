@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM, Mxfp4Config
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine import mxfp4
+from pdserve.engine.layers import mxfp4
 from tests.checkpoints import TOKENIZER_FILES, greedy_reference
 from tests.checkpoints import PROMPTS
 
@@ -135,7 +135,7 @@ def test_dequantizer_matches_transformers_bit_for_bit():
 
 def test_llm_on_mxfp4_checkpoint_gives_transformers_tokens_and_logprobs(mxfp4_dir, prompt_ids, reference, caplog):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0, ignore_eos=True)
-    with caplog.at_level("INFO", logger="pdserve.engine.loader"):
+    with caplog.at_level("INFO", logger="pdserve.engine.models.loader"):
         with LLM(mxfp4_dir, max_num_batched_tokens=16, enable_prefix_caching=True) as llm:
             outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     _check(outputs, reference)

@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.engine import onednn_linear
-from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
-from pdserve.engine.weight_format import choose_linear_weight_format, pack_linear_weights, pack_lm_head
+from pdserve.engine.layers import onednn_linear
+from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear
+from pdserve.engine.layers.weight_format import choose_linear_weight_format, pack_linear_weights, pack_lm_head
 from tests.checkpoints import assert_packed_llm_gives_transformers_tokens, greedy_reference
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")

@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, paged_attention, select_backend
-from pdserve.engine.paged_backend import native_plan
-from pdserve.engine.kernels import load_paged_attention, load_prefill_attention
-from pdserve.engine.prefill_attention import causal_attention
+from pdserve.engine.layers.attention import AttentionMetadata, paged_attention, select_backend
+from pdserve.engine.layers.paged_backend import native_plan
+from pdserve.kernels import load_paged_attention, load_prefill_attention
+from pdserve.engine.layers.prefill_attention import causal_attention
 from tests.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: the native kernel is off")

@@ -1,4 +1,4 @@
-"""The panel kernel and its weight layout (``--linear-weight-format panel``, ``pdserve.engine.panel_linear``).
+"""The panel kernel and its weight layout (``--linear-weight-format panel``, ``pdserve.engine.layers.panel_linear``).
 
 Float32 weights are packed once into 16-feature column panels and every matmul of theirs runs through
 the kernel: F.linear's outputs (to float rounding) at any row count, block and panel tail, a row's
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import panel_linear
-from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
-from pdserve.engine.weight_format import choose_linear_weight_format, pack_lm_head, pack_model, pack_panel_weights
+from pdserve.engine.layers import panel_linear
+from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear
+from pdserve.engine.layers.weight_format import choose_linear_weight_format, pack_lm_head, pack_model, pack_panel_weights
 from tests.checkpoints import assert_packed_llm_gives_transformers_tokens
 
 pytestmark = pytest.mark.skipif(not panel_linear.build_kernel(), reason="no C++ compiler to build the kernel")
@@ -122,10 +122,10 @@ def test_auto_weighs_panels_against_the_other_layouts(monkeypatch):
     panels are not timed at all (written for its 32 registers, they ran 3-8x slower on AVX2); this test
     times them on any CPU, as on an AVX-512 one."""
     model = torch.nn.ModuleDict({"a": ColumnParallelLinear(256, [512]), "b": RowParallelLinear(512, 256)})
-    monkeypatch.setattr("pdserve.engine.weight_format.builds_avx512", lambda: False)
+    monkeypatch.setattr("pdserve.engine.layers.weight_format.builds_avx512", lambda: False)
     choice, why = choose_linear_weight_format(model)
     assert choice != "panel" and "panels are written for AVX-512" in why
-    monkeypatch.setattr("pdserve.engine.weight_format.builds_avx512", lambda: True)
+    monkeypatch.setattr("pdserve.engine.layers.weight_format.builds_avx512", lambda: True)
     choice, why = choose_linear_weight_format(model)
     assert choice in ("plain", "onednn", "panel") and "panel" in why
 
@@ -140,6 +140,6 @@ def test_auto_weighs_panels_against_the_other_layouts(monkeypatch):
     assert choose_linear_weight_format(model)[0] != "panel"
     monkeypatch.setattr(panel_linear, "panel_linear", real_panel)
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", slowed(torch.ops.mkldnn._linear_pointwise))
-    monkeypatch.setattr("pdserve.engine.weight_format.linear", slowed(F.linear))
+    monkeypatch.setattr("pdserve.engine.layers.weight_format.linear", slowed(F.linear))
     assert choose_linear_weight_format(model)[0] == "panel"
     assert all(layer.panel_weight is None and layer.packed_weight is None for layer in model.values())

@@ -5,10 +5,10 @@ import pytest
 
 from pdserve.common.protocol import SamplingParams
 from pdserve.common.validation import ValidationError
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.request_queue import FCFSQueue, PriorityQueue, make_waiting_queue
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.scheduling.request import Request, RequestStatus
+from pdserve.engine.scheduling.request_queue import FCFSQueue, PriorityQueue, make_waiting_queue
+from pdserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from tests.test_scheduler import fake_step, run_to_completion
 
 

@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
 from pdserve.common.protocol import ExecuteModel
-from pdserve.engine.prompt_logprobs import add_prompt_logprob_rows, token_logprobs_with_rank
-from pdserve.engine.request import Request
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.engine.execution.prompt_logprobs import add_prompt_logprob_rows, token_logprobs_with_rank
+from pdserve.engine.scheduling.request import Request
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven small birds sing in the old oak tree".split()
 PROMPTS = [" ".join(WORDS[i % len(WORDS)] for i in range(k)) for k in (2, 9, 40)]  # the last: 3+ chunks of 16

@@ -20,13 +20,13 @@ from transformers import AutoTokenizer
 from pdserve import LLM, SamplingParams
 from pdserve.bench.agreement import greedy_agreement, greedy_outputs, teacher_forced_logits
 from pdserve.common.utils import free_port
-from pdserve.engine.compressed_tensors import unpack_int32
+from pdserve.engine.layers.compressed_tensors import unpack_int32
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.int8_linear import (KERNEL_MAX_ROWS, build_kernel, dequantize_int8, int8_linear_kernel,
+from pdserve.engine.layers.int8_linear import (KERNEL_MAX_ROWS, build_kernel, dequantize_int8, int8_linear_kernel,
                                        kernel_applies)
-from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear, batch_invariant_linear, quantized_linear
-from pdserve.engine.quantization import quantize_model, quantized_layers, weight_bytes
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear, batch_invariant_linear, quantized_linear
+from pdserve.engine.layers.quantization import quantize_model, quantized_layers, weight_bytes
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from tests.test_cluster import WORDS
 from tests.threads import torch_threads
 
@@ -273,7 +273,7 @@ def test_int8_decode_step_compiles_with_the_kernel_and_gives_the_eager_tokens(mo
 def test_int8_bfloat16_decode_step_runs_eagerly_and_says_why(model_dir, caplog):
     """bfloat16 activations have no int8 kernel: the weight is dequantized per call, and inductor's
     code for that is slower than eager's, so the step stays eager (logged)."""
-    with caplog.at_level("INFO", logger="pdserve.engine.model_runner"):
+    with caplog.at_level("INFO", logger="pdserve.engine.execution.model_runner"):
         with LLM(model_dir, quantization="int8", dtype="bfloat16", enforce_eager=False, kv_cache_memory="1MiB",
                  num_threads=1) as llm:
             assert llm.core.runner._compiled_decode is None

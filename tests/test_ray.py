@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.utils import free_port
-from pdserve.scale import scale_pools
+from pdserve.cluster.scale import scale_pools
 
 # Ray's node address = 127.0.0.1 (read once, when ray is imported): nothing leaves loopback.
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec
-from pdserve.launcher_ray import RayCluster, placement_unfit
+from pdserve.cluster.launcher import ClusterSpec
+from pdserve.cluster.ray_launcher import RayCluster, placement_unfit
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
 

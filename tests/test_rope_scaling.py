@@ -18,9 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Phi3Config
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.attention import AttentionMetadata
-from pdserve.engine.kernels import load_paged_attention
-from pdserve.engine.rotary import RotaryEmbedding
+from pdserve.engine.layers.attention import AttentionMetadata
+from pdserve.kernels import load_paged_attention
+from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.llama import _rope_settings, _rotary_dim
 from tests.checkpoints import write_checkpoint
 

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.config import WorkerConfig, resolve_router_addrs
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from tests.test_cluster import wait_all_blocks_free
 from tests.test_startup import stream_until_cut
 
@@ -170,7 +170,7 @@ def test_a_decode_worker_streams_to_each_requests_router_and_drops_a_dead_router
     request is dropped (its blocks freed) within ``ROUTER_LOST_S`` and the other one's goes on."""
     from pdserve.common.protocol import GenerateRequest, RegisterWorker, SamplingParams
     from pdserve.decode_worker.worker import DecodeWorker
-    from pdserve.engine.worker_base import ROUTER_LOST_S
+    from pdserve.cluster.worker_base import ROUTER_LOST_S
     from tests.test_workers_inprocess import FakeRouter, make_worker
 
     a, b = FakeRouter(), FakeRouter()
@@ -285,7 +285,7 @@ def test_a_prefill_worker_drops_the_requests_of_a_dead_router(model_dir):
     """A prefill worker knows each request's router (``RemotePrefillRequest.router_addr``): one
     router's death drops that router's requests here too, and only those."""
     from pdserve.common.protocol import RegisterWorker, RemotePrefillRequest, SamplingParams
-    from pdserve.engine.worker_base import ROUTER_LOST_S
+    from pdserve.cluster.worker_base import ROUTER_LOST_S
     from pdserve.prefill_worker.worker import PrefillWorker
     from tests.test_workers_inprocess import FakeRouter, make_worker
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from pdserve.common.protocol import SamplingParams
-from pdserve.engine.sampler import Sampler, SamplingRow, _apply_penalties, row_seed
+from pdserve.engine.execution.sampler import Sampler, SamplingRow, _apply_penalties, row_seed
 
 
 def rows(n, **kw):
@@ -180,7 +180,7 @@ def test_same_seed_index_and_position_reproduce_across_samplers_and_batches():
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory):
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.execution.model_runner import ModelRunner
     from pdserve.default_model.tiny_model import write_tiny_model
 
     model_dir = write_tiny_model(tmp_path_factory.mktemp("tiny"), preset="tiny")
@@ -188,7 +188,7 @@ def runner(tmp_path_factory):
 
 
 def test_model_runner_returns_logprobs_only_for_requests_that_ask(runner):
-    from pdserve.engine.request import Request
+    from pdserve.engine.scheduling.request import Request
 
     bs = runner.block_size
     asking = Request("asking", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, logprobs=2, presence_penalty=0.5))

@@ -17,8 +17,8 @@ import openai
 import pytest
 
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
-from pdserve.scale import scale_pools
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.scale import scale_pools
 from tests.test_cluster import hf_greedy_texts, prompt_text, wait_all_blocks_free
 
 pytestmark = pytest.mark.cluster

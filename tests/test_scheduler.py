@@ -3,10 +3,10 @@
 import pytest
 
 from pdserve.common.protocol import SamplingParams
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.outputs import ModelRunnerOutput
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.scheduling.outputs import ModelRunnerOutput
+from pdserve.engine.scheduling.request import Request, RequestStatus
+from pdserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256):

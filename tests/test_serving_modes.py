@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from tests.checkpoints import COMMON, FAMILIES, write_checkpoint
 
 MODEL_FAMILIES = {

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, MistralConfig
 
 from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
-from pdserve.engine.kv_cache_manager import NULL_BLOCK
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.engine.scheduling.kv_cache_manager import NULL_BLOCK
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from tests.checkpoints import write_checkpoint
 
 WINDOW, BLOCK = 10, 4

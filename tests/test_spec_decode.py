@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from pdserve.common.protocol import SamplingParams
-from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.outputs import ModelRunnerOutput
-from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler, SamplingRow
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
-from pdserve.engine.spec_decode.config import SpeculativeConfig
-from pdserve.engine.spec_decode.ngram import NgramProposer
-from pdserve.engine.spec_decode.rejection_sampler import DraftGroup, RejectionSampler
+from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.scheduling.outputs import ModelRunnerOutput
+from pdserve.engine.scheduling.request import Request
+from pdserve.engine.execution.sampler import Sampler, SamplingRow
+from pdserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.speculative_config import SpeculativeConfig
+from pdserve.engine.execution.spec_decode.ngram import NgramProposer
+from pdserve.engine.execution.spec_decode.rejection_sampler import DraftGroup, RejectionSampler
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
 
@@ -209,7 +209,7 @@ def test_disaggregated_cluster_speculates_token_exactly_with_priorities(model_di
     import openai
 
     from pdserve.common.utils import free_port
-    from pdserve.launcher import ClusterSpec, LocalCluster
+    from pdserve.cluster.launcher import ClusterSpec, LocalCluster
     from tests.test_cluster import hf_greedy_texts
 
     spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 
 pytestmark = pytest.mark.cluster
 

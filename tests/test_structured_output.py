@@ -1,4 +1,4 @@
-"""Structured outputs (pdserve.engine.structured_output): grammars from JSON schema, regex, choice and
+"""Structured outputs (pdserve.engine.execution.structured_output): grammars from JSON schema, regex, choice and
 Lark constrain sampling, in the offline LLM (batches mixing grammars, n > 1, preemption, resume)
 and through a real disaggregated cluster over HTTP (the prefill worker samples the first token
 under the grammar, the decode worker replays it).
@@ -21,8 +21,8 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve import StructuredOutputsParams as SO
 from pdserve.common.validation import ValidationError
-from pdserve.engine.sampler import Sampler, SamplingRow, apply_token_bitmask
-from pdserve.engine.structured_output import (StructuredOutputManager, build_token_bitmask,
+from pdserve.engine.execution.sampler import Sampler, SamplingRow, apply_token_bitmask
+from pdserve.engine.execution.structured_output import (StructuredOutputManager, build_token_bitmask,
                                               check_structured_outputs)
 
 # Every string, array and number is bounded and no other key may appear, so the grammar itself
@@ -257,7 +257,7 @@ def test_invalid_grammar_is_a_value_error_before_any_work(llm):
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     from pdserve.common.utils import free_port
-    from pdserve.launcher import ClusterSpec, LocalCluster
+    from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 
     # Threshold 0: every prompt is prefilled by the prefill worker, which samples the first token.
     spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
@@ -388,10 +388,10 @@ def test_a_request_waits_for_its_grammar_off_the_loop_while_others_run():
     (the requests behind it run), admitted once compiled; a failed compile ends it as an error."""
     from concurrent.futures import Future
 
-    from pdserve.engine.block_manager import BlockManager
-    from pdserve.engine.request import Request, RequestStatus
-    from pdserve.engine.scheduler import Scheduler, SchedulerConfig
-    from pdserve.engine.structured_output import FailedGrammar
+    from pdserve.engine.scheduling.block_manager import BlockManager
+    from pdserve.engine.scheduling.request import Request, RequestStatus
+    from pdserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+    from pdserve.engine.execution.structured_output import FailedGrammar
     from tests.test_scheduler import fake_step
 
     sched = Scheduler(SchedulerConfig(8, 64, 256), BlockManager(32, 4))

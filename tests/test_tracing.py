@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from pdserve.router.tracing import DISAGGREGATED_PHASES, LOCAL_PHASES, PHASES, request_phases
 from pdserve.common.protocol import RequestTiming
 

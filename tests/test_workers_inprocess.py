@@ -28,9 +28,9 @@ from pdserve.common.transport import Mailbox, bind_pull, decode, encode
 from pdserve.common.validation import prefill_sampling_params
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.request import RequestStatus
+from pdserve.engine.scheduling.request import RequestStatus
 from pdserve.common.sharding import endpoint
-from pdserve.engine.worker_base import WorkerBase
+from pdserve.cluster.worker_base import WorkerBase
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.receiver import ReceivedKV
 from pdserve.llm import LLM

@@ -174,7 +174,7 @@ def pdserve_cluster_spec(model: str, num_prefill: int, num_decode: int, prefill_
                          decode_cores: list[int], worker_args: list[str], router_args: list[str] = ()):
     """A ``ClusterSpec`` for a local cluster whose pools run on the given cores (one torch thread each)."""
     from pdserve.common.utils import format_cpu_list, free_port
-    from pdserve.launcher import ClusterSpec
+    from pdserve.cluster.launcher import ClusterSpec
 
     prefill_args = ["--cpu-cores", format_cpu_list(prefill_cores), "--num-threads", str(len(prefill_cores))]
     decode_args = ["--cpu-cores", format_cpu_list(decode_cores), "--num-threads", str(len(decode_cores))]
@@ -204,7 +204,7 @@ def _cores_text(cores: list[int]) -> str:
 
 def run_pdserve(cfg, requests, bench, colocated: bool) -> SystemResult:
     """Start a local pdserve cluster, run ``bench(url, model, backend)`` against it, stop it."""
-    from pdserve.launcher import LocalCluster
+    from pdserve.cluster.launcher import LocalCluster
 
     name = "pdserve-colocated" if colocated else "pdserve-disagg"
     if colocated:

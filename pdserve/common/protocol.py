@@ -209,7 +209,7 @@ class RegisterWorker(_Msg):
     # The router address this copy was pushed to (a worker registers with every router of a tier):
     # the router names it in each GenerateRequest, so the worker knows where that request's outputs go.
     router_addr: str | None = None
-    # What computes on this worker, as measured at load (pdserve.engine.kernel_choice): per native kernel
+    # What computes on this worker, as measured at load (pdserve.engine.layers.kernel_choice): per native kernel
     # that has a torch path, "native" or "torch"; and the linear weights' layout (plain, onednn, panel).
     kernels: dict[str, str] = {}
     linear_weight_format: str | None = None
@@ -512,7 +512,7 @@ class KVInstall(_Msg):
     """Decode ranks: copy the received pieces of ``request_id`` into these blocks.
 
     ``block_ids``: KV cache group 0's (every layer's with one group); ``group_block_ids``: groups 1..
-    (``pdserve.engine.kv_cache_groups``). A layer's blocks are the last its piece carries of its group's."""
+    (``pdserve.common.kv_cache_groups``). A layer's blocks are the last its piece carries of its group's."""
 
     request_id: str
     block_ids: list[int]
@@ -562,7 +562,7 @@ class ConnectKVPair(_Msg):
 
 class ExecuteModel(_Msg):
     """Driver rank -> the other ranks of its worker, once per step (over the worker's own
-    torch.distributed gloo group as msgpack bytes, not ZMQ; see ``pdserve.engine.parallel``).
+    torch.distributed gloo group as msgpack bytes, not ZMQ; see ``pdserve.engine.execution.parallel``).
 
     The flattened batch exactly as ``ModelRunner.prepare_inputs`` builds it: input_ids,
     positions, slot_mapping [num_tokens]; block_tables [num_seqs][max_num_blocks];
@@ -576,7 +576,7 @@ class ExecuteModel(_Msg):
     positions: list[int] = []
     slot_mapping: list[int] = []
     block_tables: list[list[int]] = []
-    # KV cache groups 1.. (pdserve.engine.kv_cache_groups; slot_mapping and block_tables are group 0's): each
+    # KV cache groups 1.. (pdserve.common.kv_cache_groups; slot_mapping and block_tables are group 0's): each
     # group's slot mapping [num_tokens] and block tables [num_seqs][its width]; [] = one group
     group_slot_mappings: list[list[int]] = []
     group_block_tables: list[list[list[int]]] = []

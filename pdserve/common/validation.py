@@ -53,7 +53,7 @@ class EngineLimits:
         vocab_size: rows of the model's embedding; token ids lie in [0, vocab_size).
         num_blocks: KV cache blocks (None: unknown, no capacity check).
         block_size: tokens per KV block.
-        kv_group_caps: per KV cache group (``pdserve.engine.kv_cache_groups``), the most blocks
+        kv_group_caps: per KV cache group (``pdserve.common.kv_cache_groups``), the most blocks
             one sequence ever holds there (a sliding window frees the rest as it moves;
             ``KVCacheManager``), or None: its whole length. One sequence needs a block per
             group for each block of its tokens, up to each group's cap.

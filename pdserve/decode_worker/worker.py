@@ -37,12 +37,12 @@ from pdserve.common.protocol import (AbortRequest, ConnectKVPair, ErrorKind, Gen
                                      RankReportKind, RegisterWorker, RemotePrefillDone, RemotePrefillRequest,
                                      RequestDelta, RequestOutputs, RequestTiming, WorkerRole)
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.outputs import EngineCoreOutput
-from pdserve.engine.kv_cache_manager import NULL_BLOCK
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduling.outputs import EngineCoreOutput
+from pdserve.engine.scheduling.kv_cache_manager import NULL_BLOCK
+from pdserve.engine.scheduling.request import Request, RequestStatus
 from pdserve.common.sharding import KVPiece
 from pdserve.decode_worker.first_token import FirstTokenWatch, header_fields, watchable
-from pdserve.engine.worker_base import WorkerBase, error_delta, rejection_delta, stamp_prefill
+from pdserve.cluster.worker_base import WorkerBase, error_delta, rejection_delta, stamp_prefill
 from pdserve.kvtransfer.agent import check_kv_dtype, layout_spec, pieces_for
 from pdserve.kvtransfer.wire import dtype_name
 

@@ -8,9 +8,55 @@ from dataclasses import dataclass, field
 
 from pdserve.common.utils import parse_cpu_list, parse_size
 from pdserve.common.kv_quant import KV_CACHE_DTYPE_CHOICES
-from pdserve.engine.kernel_choice import NATIVE_KERNEL_MODES, default_native_kernels
-from pdserve.engine.parallel import ParallelConfig
-from pdserve.engine.quantization import QUANTIZATION_METHODS, check_quantization_name
+
+# --native-kernels: ``auto`` times each native kernel against torch at load (layers/kernel_choice.py);
+# ``all`` runs every kernel that builds.
+NATIVE_KERNEL_MODES = ("auto", "all")
+
+
+def default_native_kernels() -> str:
+    """``$PDSERVE_NATIVE_KERNELS`` where set (``auto`` or ``all``), else ``auto``."""
+    return os.environ.get("PDSERVE_NATIVE_KERNELS") or "auto"
+
+
+QUANTIZATION_METHODS = ("int8", "compressed-tensors")
+
+
+def check_quantization_name(name: str | None) -> None:
+    """Raise ValueError unless ``name`` is None or one of ``QUANTIZATION_METHODS``."""
+    if name is not None and name not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {name!r}; choose from {', '.join(QUANTIZATION_METHODS)} "
+                         "(or leave it unset for unquantized weights)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one worker's model is split.
+
+    Args:
+        tensor_parallel_size: ranks each layer is sharded over (Megatron-LM style).
+        pipeline_parallel_size: contiguous groups of layers (stages), one after another.
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) and pipeline_parallel_size "
+                             f"({self.pipeline_parallel_size}) must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(pp_rank, tp_rank) of global ``rank``."""
+        return divmod(rank, self.tensor_parallel_size)
+
+    def rank_of(self, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.tensor_parallel_size + tp_rank
+
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # A prefill worker's default step budget. Prefill is compute-bound, and a CPU's GEMM runs at its
@@ -80,7 +126,7 @@ class EngineConfig:
             step's budget leaves (see ``SchedulerConfig``); ``default_prefill_admission`` gives each
             role's default.
         tensor_parallel_size, pipeline_parallel_size: ranks (processes) of this engine; see
-            ``pdserve.engine.parallel``. kv_cache_memory is per rank.
+            ``pdserve.engine.execution.parallel``. kv_cache_memory is per rank.
         rank: this process's rank (0 = the driver, which starts the engine; others only run steps).
         master_addr, master_port: the driver's rendezvous (torch's MASTER_ADDR / MASTER_PORT). Left
             out on the driver, it starts every other rank itself on this machine.
@@ -88,24 +134,24 @@ class EngineConfig:
         enforce_eager: run the model eagerly (no torch.compile / CUDA graphs), as vLLM's flag;
             defaults to ``$PDSERVE_ENFORCE_EAGER`` (set and not 0: eager).
         attention_backend: ``auto`` | ``paged`` (native CPU kernel) | ``reference`` (plain torch);
-            see ``pdserve.engine.attention.select_backend``.
+            see ``pdserve.engine.layers.attention.select_backend``.
         cpu_cores: the CPU cores this worker's threads run on (``"0-3"``, ``"0,2"``); None: all.
         scheduling_policy: ``fcfs`` (arrival order) or ``priority`` (requests' ``priority``, lower
-            sooner; preemption evicts the largest first); see ``pdserve.engine.request_queue``.
+            sooner; preemption evicts the largest first); see ``pdserve.engine.scheduling.request_queue``.
         speculative_config: vLLM's ``--speculative-config`` JSON (``{"method": "ngram",
             "num_speculative_tokens": 4, "prompt_lookup_max": 4}`` or ``{"method": "draft_model",
             "model": DIR, "num_speculative_tokens": 4}``); None: off. Decoding engines only (a
-            prefill worker ignores it). See ``pdserve.engine.spec_decode``.
+            prefill worker ignores it). See ``pdserve.engine.execution.spec_decode``.
         batch_invariant: a request's logits and tokens are bit-identical whatever else is in the
             batch and however its prefill is chunked (He & Thinking Machines Lab, "Defeating
             Nondeterminism in LLM Inference", 2025): padded matmuls, every query through the paged
             kernel, no compiled decode step. Needs the paged backend and TP <= 2 (ValueError else).
         linear_weight_format: ``auto`` | ``plain`` | ``onednn`` | ``panel``. ``onednn``: the decoder's linear
             weights are reordered once, at load, into oneDNN's blocked layout and every matmul of
-            theirs runs through oneDNN (``pdserve.engine.weight_format.pack_linear_weights``; vLLM's CPU
+            theirs runs through oneDNN (``pdserve.engine.layers.weight_format.pack_linear_weights``; vLLM's CPU
             backend does the same): faster than MKL on a prefill's few hundred rows (15% on Zen 4
             class cores, 2.3x on Zen 5 class). ``panel``: float32 weights packed once in 16-feature
-            panels, every matmul through the panel kernel (``pdserve.engine.panel_linear``: 30% faster
+            panels, every matmul through the panel kernel (``pdserve.engine.layers.panel_linear``: 30% faster
             than oneDNN at decode batches of 8-32 rows on Zen 5 class cores, 5-25% behind on prompt chunks).
             ``plain``: MKL, and the decode kernel for a decode step's few rows. ``auto``: ``onednn`` on a prefill worker (``from_cli_args`` with role
             "prefill"); on a single-rank CPU engine that decodes, the layout whose matmuls (decode
@@ -113,16 +159,16 @@ class EngineConfig:
             ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` overrides what ``auto`` means there); ``plain`` elsewhere.
         native_kernels: ``auto`` | ``all``. ``auto``: at load each native kernel that has a torch path
             (prompt attention, the fused elementwise ops, the few-row decode matmul) is timed against
-            it on this CPU and the faster kept (``pdserve.engine.kernel_choice``); ``all``: every kernel
+            it on this CPU and the faster kept (``pdserve.engine.layers.kernel_choice``); ``all``: every kernel
             that builds, untimed. Default ``$PDSERVE_NATIVE_KERNELS`` or ``auto``.
         disable_hybrid_kv_cache_manager: a model whose layers mix sliding windows with full attention
             (Gemma 3, gpt-oss) keeps every block in every layer, one block table per request, instead of
             one table per layer group that frees what leaves a window (vLLM's flag of this name; see
-            ``pdserve.engine.kv_cache_groups``).
+            ``pdserve.common.kv_cache_groups``).
         quantization: None (weights as loaded; a compressed-tensors checkpoint is detected from its
             config.json), ``int8`` (the decoder's linear weights quantized at load time, weight-only,
             per output channel, with torchao; embedding and LM head kept) or ``compressed-tensors``
-            (insist on such a checkpoint); see ``pdserve.engine.quantization``. ValueError for
+            (insist on such a checkpoint); see ``pdserve.engine.layers.quantization``. ValueError for
             another name; the model runner raises ValueError where it cannot run (CPU with
             float32/bfloat16 only) or when the name does not fit the checkpoint.
         enable_lora: serve LoRA adapters (Hu et al., "LoRA", 2021) next to the base model, batched
@@ -213,7 +259,7 @@ class EngineConfig:
     @property
     def speculative(self):
         """The parsed ``SpeculativeConfig``, or None (raises ValueError for a bad one)."""
-        from pdserve.engine.spec_decode.config import SpeculativeConfig
+        from pdserve.engine.speculative_config import SpeculativeConfig
 
         if self.speculative_config is None:
             return None

@@ -2,7 +2,7 @@
 
 Every way pdserve runs a model wraps this one class and adds only its own IO
 (vLLM v1 calls it ``EngineCore`` too). With tensor/pipeline parallelism it runs
-on the driver rank and starts the other ranks (``pdserve.engine.ranks``); the
+on the driver rank and starts the other ranks (``pdserve.engine.execution.ranks``); the
 runner broadcasts each step to them, so nothing above the runner changes::
 
     prefill worker  ──┐                    ┌── ModelRunner (model, KV cache tensor, sampler)
@@ -35,14 +35,14 @@ from pdserve.common import faults
 from pdserve.common.protocol import (KVStepOps, LoRARequest, ResumedChoice, SamplingParams, TokenLogprob,
                                      WorkerStats)
 from pdserve.common.validation import EngineLimits, ValidationError, check_request
-from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.outputs import EngineCoreOutput, ModelRunnerOutput
-from pdserve.engine.ranks import start_ranks, stop_processes
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pdserve.engine.structured_output import StructuredOutputManager
+from pdserve.engine.execution.model_runner import ModelRunner
+from pdserve.engine.scheduling.outputs import EngineCoreOutput, ModelRunnerOutput
+from pdserve.engine.execution.ranks import start_ranks, stop_processes
+from pdserve.engine.scheduling.request import Request, RequestStatus
+from pdserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.execution.structured_output import StructuredOutputManager
 from pdserve.engine.lora.adapter import LoRAAdapterError
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig):
         if config.rank != 0:
-            raise ValueError("an EngineCore runs on rank 0 (the driver); other ranks run pdserve.engine.ranks")
+            raise ValueError("an EngineCore runs on rank 0 (the driver); other ranks run pdserve.engine.execution.ranks")
         self.config = config
         self.ranks, self._rank_procs = start_ranks(config)
         try:
@@ -115,13 +115,13 @@ class EngineCore:
         self.prefill_compute_seconds = 0.0
 
     def _make_proposer(self, spec):
-        """The speculative decoding proposer of ``spec`` (``pdserve.engine.spec_decode``)."""
+        """The speculative decoding proposer of ``spec`` (``pdserve.engine.execution.spec_decode``)."""
         if spec.method == "ngram":
-            from pdserve.engine.spec_decode.ngram import NgramProposer
+            from pdserve.engine.execution.spec_decode.ngram import NgramProposer
 
             proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
-            from pdserve.engine.spec_decode.draft_model import DraftModelProposer
+            from pdserve.engine.execution.spec_decode.draft_model import DraftModelProposer
 
             try:
                 proposer = DraftModelProposer(spec.model, spec.num_speculative_tokens, self.runner)
@@ -152,7 +152,7 @@ class EngineCore:
 
         Raises:
             ValidationError: the request breaks a rule (``pdserve.common.validation``), or its
-                structured outputs grammar is invalid (``pdserve.engine.structured_output``).
+                structured outputs grammar is invalid (``pdserve.engine.execution.structured_output``).
             ValueError: a duplicate request_id.
         """
         check_request(prompt_token_ids, params, self.limits, stop_at_max_model_len)

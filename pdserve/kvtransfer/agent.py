@@ -32,7 +32,7 @@ import torch
 
 from pdserve.common.protocol import (KVLayout, KVSendPlan, KVStepOps, KVTransferHeader, RankAttach, RankReport,
                                      RankReportKind, WorkerRole)
-from pdserve.engine.kv_cache_groups import KVCacheGroups
+from pdserve.common.kv_cache_groups import KVCacheGroups
 from pdserve.common.sharding import KVLayoutSpec, KVPiece, endpoint, rank_slice, transfer_pieces
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
@@ -109,7 +109,7 @@ class KVRankAgent:
         kv_cache_dtype: the cache's KV dtype name (a quantized cache is uint8: its name says which
             format), for the streams' meta; None takes the cache tensor's torch dtype.
         kv_groups: which block table each of this rank's layers reads and its position in ``kv_cache``
-            (``pdserve.engine.kv_cache_groups``); None: one group, layer i at position i.
+            (``pdserve.common.kv_cache_groups``); None: one group, layer i at position i.
     """
 
     def __init__(self, attach: RankAttach, rank: int, layout: KVLayoutSpec, kv_cache: torch.Tensor,

@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.kernels import load_kv_gather
+from pdserve.kernels import load_kv_gather
 
 _ROW_WORDS = 32  # int64 words per row: 256 bytes, the grain at which moved data is caught
 ROW_BYTES = 8 * _ROW_WORDS

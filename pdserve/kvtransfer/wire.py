@@ -11,7 +11,7 @@ A pair's group carries one ordered stream (a single tag), rank 0 -> rank 1:
 
 ``num_blocks_i`` is ``num_blocks`` for every layer, unless the header's ``layer_num_blocks``
 names each layer's count (a model whose sliding-window layers keep fewer blocks than its full
-ones: KV cache groups, ``pdserve.engine.kv_cache_groups``); ``num_blocks`` is then the largest
+ones: KV cache groups, ``pdserve.common.kv_cache_groups``); ``num_blocks`` is then the largest
 and ``layer_blocks`` is the crc32 of that list (``layer_blocks_code``; 0 when every layer has
 ``num_blocks``).
 

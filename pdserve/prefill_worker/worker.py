@@ -38,9 +38,9 @@ from pdserve.common.protocol import (AbortRequest, ConnectKVPair, KVConnect, KVL
                                      WorkerRole)
 from pdserve.common.validation import prefill_sampling_params
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.request import Request
+from pdserve.engine.scheduling.request import Request
 from pdserve.common.sharding import KVPiece, endpoint
-from pdserve.engine.worker_base import WorkerBase, stamp_prefill
+from pdserve.cluster.worker_base import WorkerBase, stamp_prefill
 from pdserve.kvtransfer.agent import layout_spec, pieces_for
 from pdserve.kvtransfer.checksum import combine_checksums
 from pdserve.kvtransfer.wire import dtype_name

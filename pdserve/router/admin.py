@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pdserve.common.protocol import WorkerRole
 from pdserve.router.engine import RouterEngine
 from pdserve.router.errors import APIError
-from pdserve.scale import admin_request
+from pdserve.cluster.scale import admin_request
 
 
 class ScaleRequest(BaseModel):

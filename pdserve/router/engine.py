@@ -70,7 +70,7 @@ from pdserve.common.protocol import (AbortRequest, DrainWorker, GenerateRequest,
                                      WarmKVPair, WorkerDraining, WorkerExiting, WorkerRole)
 from pdserve.common.auth import token_matches
 from pdserve.common.transport import ProtocolError, decode
-from pdserve.engine.request import lora_cache_root
+from pdserve.engine.scheduling.request import lora_cache_root
 from pdserve.router.metrics import WorkerStatsCollector
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
 from pdserve.router.routing import RoundRobinPolicy, RoutingPolicy

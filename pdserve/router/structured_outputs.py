@@ -20,7 +20,7 @@ from typing import Any
 
 from pdserve.common.protocol import StructuredOutputsParams
 from pdserve.common.validation import ValidationError
-from pdserve.engine.structured_output import check_structured_outputs
+from pdserve.engine.execution.structured_output import check_structured_outputs
 from pdserve.router.errors import bad_request, not_supported
 from pdserve.router.openai_protocol import SamplingRequest
 

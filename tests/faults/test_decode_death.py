@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
-from pdserve.scale import scale_pools
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.scale import scale_pools
 from tests.test_cluster import hf_greedy_texts, wait_all_blocks_free
 from tests.test_scale import Load
 

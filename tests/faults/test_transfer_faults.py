@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from pdserve.common.utils import free_port
-from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from tests.test_cluster import hf_greedy_texts, wait_all_blocks_free
 
 pytestmark = pytest.mark.cluster

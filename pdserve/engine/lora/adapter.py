@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 
-from pdserve.engine.loader import map_hf_name
+from pdserve.engine.models.loader import map_hf_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -89,7 +89,7 @@ class LoRASlots:
         out_local, in_local = weight.shape
         self.num_parts = 1 if self.row_parallel else len(linear.output_sizes)
         rows = self.num_parts * num_slots * max_rank
-        # the activations' dtype: an int8 layer's scales have it (pdserve.engine.quantization)
+        # the activations' dtype: an int8 layer's scales have it (pdserve.engine.layers.quantization)
         dtype = weight.dtype if weight.is_floating_point() else linear.weight_scale.dtype
         self.lora_a = torch.zeros(rows, in_local, dtype=dtype, device=weight.device)  # (S*P*R, in)
         self.lora_b = torch.zeros(rows, out_local, dtype=dtype, device=weight.device)  # (S*P*R, out)

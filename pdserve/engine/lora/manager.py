@@ -19,7 +19,7 @@ from collections import OrderedDict
 import torch
 
 from pdserve.common.protocol import LoRARequest
-from pdserve.engine.layers import ColumnParallelLinear, RowParallelLinear
+from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear
 from pdserve.engine.lora.adapter import LoRAAdapter, LoRAAdapterError, load_adapter
 from pdserve.engine.lora.layers import LoRAContext, LoRASlots, LoRAStepMapping
 

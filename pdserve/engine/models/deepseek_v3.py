@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.engine.attention import AttentionMetadata, paged_attention
-from pdserve.engine.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, _divide, tp_rank_and_size
-from pdserve.engine.rotary import RotaryEmbedding
+from pdserve.engine.layers.attention import AttentionMetadata, paged_attention
+from pdserve.engine.layers.base import ColumnParallelLinear, RMSNorm, RowParallelLinear, _divide, tp_rank_and_size
+from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, _rope_settings, select_rows
 from pdserve.engine.models.moe import FusedExperts, _matmul, map_expert_name
 

@@ -16,7 +16,7 @@ Gemma Team, "Gemma 3 Technical Report" (Google DeepMind, 2025). Against Llama:
 
 Sliding and full layers fall into separate KV cache groups, each with its own block table per
 request, so the sliding layers free the blocks that leave their window
-(``pdserve.engine.kv_cache_groups``).
+(``pdserve.common.kv_cache_groups``).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.layers import RMSNorm
-from pdserve.engine.rotary import RotaryEmbedding
+from pdserve.engine.layers.base import RMSNorm
+from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, select_rows
 from pdserve.engine.models.qwen3 import Qwen3Attention
 

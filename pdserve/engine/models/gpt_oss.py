@@ -6,7 +6,7 @@ OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card" (2025). Against Llama:
   (``self_attn.sinks``) that joins its softmax denominator with no value (Xiao et al., 2023),
   which the paged kernel and the reference path both take (``paged_attention(sinks=...)``);
 * ``layer_types`` alternates windows of ``sliding_window`` with full attention (two KV cache groups:
-  the sliding half frees what leaves its window, ``pdserve.engine.kv_cache_groups``); RoPE is YaRN;
+  the sliding half frees what leaves its window, ``pdserve.common.kv_cache_groups``); RoPE is YaRN;
 * the norm scales in float32 before casting back (``Float32ScaleRMSNorm``);
 * the MoE's router is a biased linear; its top-k *logits* are softmaxed into the weights; each
   expert is a biased, clamped SwiGLU: gate clamped above at ``swiglu_limit``, up clamped to
@@ -16,7 +16,7 @@ Checkpoints as transformers writes them hold the experts fused: ``mlp.experts.ga
 [E, H, 2I] with gate and up interleaved column by column, its bias [E, 2I], ``down_proj``
 [E, I, H] and its bias [E, H]; they are de-interleaved and transposed into ``FusedExperts``'
 layout at load. MXFP4-quantized checkpoints (the released weights: ``*_blocks`` /
-``*_scales``) are dequantized by the loader (``pdserve.engine.mxfp4``) into that same fused
+``*_scales``) are dequantized by the loader (``pdserve.engine.layers.mxfp4``) into that same fused
 layout first, so they reach ``GptOssExperts.weight_loader`` as float tensors.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pdserve.engine.layers import Float32ScaleRMSNorm, tp_rank_and_size
+from pdserve.engine.layers.base import Float32ScaleRMSNorm, tp_rank_and_size
 from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from pdserve.engine.models.moe import FusedExperts, _matmul
 

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import decode_linear
-from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.layers import decode_linear
+from pdserve.engine.layers.attention import AttentionMetadata, paged_attention
 from pdserve.common.sharding import kv_head_layout
-from pdserve.engine.layers import (
+from pdserve.engine.layers.base import (
     ColumnParallelLinear,
     RMSNorm,
     RowParallelLinear,
@@ -37,7 +37,7 @@ from pdserve.engine.layers import (
     pad_rows,
     tp_rank_and_size,
 )
-from pdserve.engine.rotary import RotaryEmbedding
+from pdserve.engine.layers.rotary import RotaryEmbedding
 
 LOGITS_CHUNK = 1024  # vocabulary rows per LM-head slice on CPU (see compute_logits)
 
@@ -333,7 +333,7 @@ class LlamaForCausalLM(nn.Module):
         i.e. on the first pipeline stage); hidden: [num_tokens, hidden_size] from the previous stage.
         kv_cache: this rank's [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim],
         updated in place (with KV cache groups, ``kv_cache_groups``, layer i is position
-        ``layer_slots[i]`` and reads its group's tables: ``pdserve.engine.kv_cache_groups``). Returns hidden states [num_tokens, hidden_size] after this rank's last
+        ``layer_slots[i]`` and reads its group's tables: ``pdserve.common.kv_cache_groups``). Returns hidden states [num_tokens, hidden_size] after this rank's last
         layer (before the final norm, which ``compute_logits`` applies).
 
         ``on_layer_done(i)`` runs right after this rank's layer ``i`` (an index into ``kv_cache``)
@@ -387,7 +387,7 @@ class LlamaForCausalLM(nn.Module):
             return torch.cat(parts, dim=1)[: x.shape[0]].float()
         if (logits := packed_linear(self.lm_head, x)) is not None:  # weight_format.pack_lm_head
             return logits.float()
-        if decode_linear.kernel_applies(x, weight):  # decode rows: the head streamed once (pdserve.engine.decode_linear)
+        if decode_linear.kernel_applies(x, weight):  # decode rows: the head streamed once (pdserve.engine.layers.decode_linear)
             return decode_linear.decode_linear_kernel(x, weight).float()
         if x.device.type == "cpu" and x.shape[0] >= 4 and weight.shape[0] > 2 * LOGITS_CHUNK:
             parts = [F.linear(x, weight[i:i + LOGITS_CHUNK]) for i in range(0, weight.shape[0], LOGITS_CHUNK)]

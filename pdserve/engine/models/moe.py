@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.layers import _divide, batch_invariant_linear, linear, tp_rank_and_size
-from pdserve.engine.op_handles import OpHandles
+from pdserve.engine.layers.base import _divide, batch_invariant_linear, linear, tp_rank_and_size
+from pdserve.kernels.op_handles import OpHandles
 
 GATE, UP, DOWN = 0, 1, 2  # an expert tensor's part: the shard_id's second item
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pdserve.engine.layers import Float32ScaleRMSNorm, _divide, tp_rank_and_size
+from pdserve.engine.layers.base import Float32ScaleRMSNorm, _divide, tp_rank_and_size
 from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, select_rows
 
 

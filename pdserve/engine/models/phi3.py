@@ -22,7 +22,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3 causal LM over the paged cache (see ``LlamaForCausalLM`` for sharding).
 
     ``split_fused``: the checkpoint's fused tensors, cut along rows into the parts our fused
-    layers load one by one (``pdserve.engine.loader``)."""
+    layers load one by one (``pdserve.engine.models.loader``)."""
 
     split_fused = ("self_attn.qkv_proj", "mlp.gate_up_proj")
     recompute_at_longrope_switch = True  # see the module docstring

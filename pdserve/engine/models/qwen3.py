@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.layers import RMSNorm
+from pdserve.engine.layers.base import RMSNorm
 from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 
 

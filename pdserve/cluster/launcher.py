@@ -1,0 +1,160 @@
+"""``pdserve up``: a local cluster as separate OS processes.
+
+Starts ``num_routers`` routers, ``num_prefill`` prefill workers and
+``num_decode`` decode workers (each ``python -m pdserve <role> ...``), waits
+until every router reports every worker live, prints the URL, starts workers
+when ``pdserve scale`` grows a pool, restarts routers and workers that fail, and
+on Ctrl-C / SIGTERM (or a process out of restarts) stops all of them, by pid.
+
+A router tier (``num_routers`` > 1): the routers share the one HTTP port
+(``--reuse-port``: SO_REUSEPORT, the kernel spreads connections over the live
+ones), each has its own ZMQ port and a direct HTTP port of its own, and every
+worker is given every router's ZMQ address. router-0 keeps the pools' targets;
+the others forward ``/admin/pools`` and ``/admin/scale`` to it (``--pool-owner``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from pdserve.common.utils import format_cpu_list, free_port
+from pdserve.cluster.spec import ClusterSpec
+from pdserve.cluster.supervisor import ClusterLauncher, serve_until_stopped
+
+logger = logging.getLogger(__name__)
+
+
+class LocalCluster(ClusterLauncher):
+    """Start, wait for, and stop the processes of a ``ClusterSpec`` on this machine."""
+
+    def __init__(self, spec: ClusterSpec, log_dir: str | None = None):
+        super().__init__(spec)
+        self.zmq_ports = [spec.zmq_port or free_port(spec.host)] + [free_port(spec.host)
+                                                                     for _ in range(spec.num_routers - 1)]
+        self.zmq_port = self.zmq_ports[0]
+        # a tier's routers share spec.port; each also serves alone on a direct port
+        self.direct_ports = [free_port(spec.host) for _ in range(spec.num_routers)] if spec.num_routers > 1 else []
+        self.log_dir = log_dir
+        self.worker_cores: dict[str, list[int]] = {}  # worker name -> the cores it was pinned to
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    def router_urls(self) -> list[str]:
+        if not self.direct_ports:
+            return [self.url]
+        return [f"http://{self.spec.host}:{port}" for port in self.direct_ports]
+
+    @property
+    def router_proc(self) -> subprocess.Popen | None:
+        """The first router's process."""
+        first = self.routers.get(self.spec.router_names()[0])
+        return None if first is None else first.handle
+
+    @property
+    def router_addrs(self) -> str:
+        """What workers get as ``--router``: every router's ZMQ address."""
+        return ",".join(f"tcp://{self.spec.host}:{port}" for port in self.zmq_ports)
+
+    @property
+    def procs(self) -> list[tuple[str, subprocess.Popen]]:
+        """Every process started and not forgotten, routers first."""
+        return [(w.name, w.handle) for w in [*self.routers.values(), *self.workers.values()]]
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "pdserve", *args]
+        out = None
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+
+    def _start_router(self, index: int = 0) -> subprocess.Popen:
+        s = self.spec
+        name = s.router_names()[index]
+        tier = []
+        if s.num_routers > 1:
+            tier = ["--router-id", name, "--reuse-port", "--direct-port", str(self.direct_ports[index])]
+            if index > 0:  # router-0 keeps the pools' targets
+                tier += ["--pool-owner", self.router_urls()[0]]
+        return self._record_router(index, self._spawn(name, [
+            "router", "--model", s.model, "--host", s.host, "--port", str(s.port), "--zmq-port",
+            str(self.zmq_ports[index]), "--expect-prefill-workers", str(s.num_prefill), *tier,
+            *s.router_auth_args(), *s.router_args]))
+
+    def _cores_for(self, role: str, name: str) -> tuple[list[int], int]:
+        """This worker's cores and threads per rank: an even share of the cores this process may use.
+
+        Each rank of the spec's workers gets ``cores // ranks`` cores (at least one); a new or
+        restarted worker takes the least-used cores, so prefill and decode never share one while
+        there are enough (a single colocated worker gets them all)."""
+        s = self.spec
+        available = sorted(os.sched_getaffinity(0))
+        self.worker_cores.pop(name, None)
+        per_rank = max(1, len(available) // max(1, s.num_ranks))
+        ranks = s.ranks_per_worker(role)
+        want = min(len(available), per_rank * ranks)
+        used = {c: 0 for c in available}
+        for cores in self.worker_cores.values():
+            for c in cores:
+                if c in used:
+                    used[c] += 1
+        cores = sorted(sorted(available, key=lambda c: (used[c], c))[:want])
+        self.worker_cores[name] = cores
+        return cores, s.threads_per_worker or max(1, len(cores) // ranks)
+
+    def _start_worker(self, role: str, name: str) -> subprocess.Popen:
+        s = self.spec
+        pool_args = s.prefill_args if role == "prefill" else s.decode_args
+        user_placed = "--cpu-cores" in [*s.worker_args, *pool_args]
+        if user_placed or not hasattr(os, "sched_getaffinity"):  # the user placed it, or no pinning on this OS
+            threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.num_ranks)
+            placement = ["--num-threads", str(threads)]
+        else:
+            cores, threads = self._cores_for(role, name)
+            placement = ["--num-threads", str(threads), "--cpu-cores", format_cpu_list(cores)]
+        return self._spawn(name, [role, "--worker-id", name, "--model", s.model, "--router",
+                                  self.router_addrs, "--host", s.host, *placement,
+                                  *s.worker_args, *s.parallel_args(role), *pool_args])
+
+    def log_tail(self, name: str, num_lines: int = 5) -> str:
+        if not self.log_dir:
+            return ""  # the process wrote to this terminal: its lines are above
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.log"), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 8192))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return ""
+        return " | ".join(line.strip() for line in lines[-num_lines:] if line.strip())
+
+    def _router_exit_code(self, handle: subprocess.Popen) -> int | None:
+        return handle.poll()
+
+    def _worker_exit_code(self, handle: subprocess.Popen) -> int | None:
+        return handle.poll()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGINT every process (exit now: SIGTERM would drain them); SIGKILL what is left after ``timeout_s``."""
+        for name, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + timeout_s
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def run_cluster(spec: ClusterSpec) -> int:
+    """Start the cluster and serve until Ctrl-C/SIGTERM or a process dies. Returns an exit code."""
+    return serve_until_stopped(LocalCluster(spec))

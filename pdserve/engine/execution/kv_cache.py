@@ -1,0 +1,116 @@
+"""The paged KV cache tensor and its sizing from a memory budget.
+
+Layout (one tensor per worker rank)::
+
+    kv_cache: [num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]
+
+``kv_slots`` is what the model's attention caches per token and KV head (its ``kv_slots``):
+
+* 2 for per-head K/V attention (Llama, Qwen3, Gemma3, gpt-oss, ...): index 0 = K, 1 = V;
+* 1 for a latent cache (DeepSeek's MLA): one row per token, the attention's key, whose first
+  ``v_dim`` values are also its value (``v_dim = kv_lora_rank``; vLLM's and SGLang's MLA cache).
+
+A quantized cache (``--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2``) is ``torch.uint8`` with
+rows of ``head_dim + 4`` bytes: the quantized values, then the row's float32 scale
+(``pdserve.common.kv_quant``). Token slot ``s = block_id * block_size + offset`` addresses
+``kv_cache[layer, :, block_id, offset]``; see ``pdserve.engine.layers.attention``.
+Every function here takes ``kv_slots`` (default 2) and counts real bytes: a latent cache's
+block is half a K/V cache's of the same row width.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+from pdserve.common.kv_quant import kv_cache_format
+
+
+def kv_cache_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype | str, kv_slots: int = 2) -> int:
+    """Bytes one block takes across all layers (each of its ``kv_slots`` rows), scales included.
+
+    dtype: a torch dtype or a KV cache dtype name (``int8``, ``fp8_e4m3``, ...);
+    kv_slots: 2 (K and V) or 1 (a latent cache).
+    Raises ValueError for an unknown name.
+    """
+    return num_layers * kv_slots * block_size * num_kv_heads * kv_cache_format(dtype).bytes_per_row(head_dim)
+
+
+def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
+    """How many blocks fit in ``budget_bytes``.
+
+    Raises:
+        ValueError: the budget holds less than one block.
+    """
+    num_blocks = budget_bytes // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget_bytes} bytes holds no block ({block_bytes} bytes each); "
+            "raise --kv-cache-memory"
+        )
+    return int(num_blocks)
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    kv_slots: int = 2,
+) -> torch.Tensor:
+    """Preallocate the zeroed cache ``[num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    dtype: a torch dtype or a KV cache dtype name; a quantized one gives
+    ``[num_layers, kv_slots, num_blocks, block_size, num_kv_heads, head_dim + 4]`` uint8 (zero rows, scale 0).
+    kv_slots: 2 (K and V) or 1 (a latent cache).
+    """
+    if kv_slots not in (1, 2):
+        raise ValueError(f"kv_slots must be 1 (a latent cache) or 2 (K and V), got {kv_slots}")
+    fmt = kv_cache_format(dtype)
+    shape = (num_layers, kv_slots, num_blocks, block_size, num_kv_heads, fmt.row_len(head_dim))
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=fmt.storage_dtype, device=device)
+    cache = torch.empty(shape, dtype=fmt.storage_dtype)  # pages not touched yet
+    advise_huge_pages(cache)
+    return cache.zero_()
+
+
+_MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
+_HUGE_PAGE = 2 * 2**20
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux to back ``tensor``'s memory with 2 MiB transparent huge pages (``madvise``).
+
+    A decode step reads each sequence's KV blocks from all over a cache of gigabytes; with 4 KiB
+    pages most block reads miss the TLB (a 2 GiB cache spans 512k pages, the TLB holds a few
+    thousand). Call it before the pages are first touched. Only the 2 MiB-aligned interior is
+    advised; returns False where it does nothing (not Linux, THP disabled, a small tensor)."""
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    begin = (start + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+    stop = end // _HUGE_PAGE * _HUGE_PAGE
+    if stop <= begin or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(stop - begin), _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
+    """Copy whole blocks (all layers, every slot): ``kv_cache[:, :, dst] = kv_cache[:, :, src]``.
+
+    Used for copy-on-write before a request writes into a block it shares. Quantized rows
+    carry their scales, so a copy moves both.
+    """
+    src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=kv_cache.device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=kv_cache.device)
+    kv_cache.index_copy_(2, dst, kv_cache.index_select(2, src))

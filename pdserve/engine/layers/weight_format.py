@@ -1,0 +1,249 @@
+"""Which layout a CPU engine keeps its float linear weights in, and the packing into it.
+
+Three layouts: ``plain`` (as loaded), ``onednn`` (``pack_linear_weights``: oneDNN's blocked layout, for
+float32 and bfloat16) and ``panel`` (``pack_panel_weights``: 16-feature column panels for the panel
+kernel, float32). Each is packed once, at load, the LM head too (``pack_lm_head``), and only one copy
+is kept. ``choose_linear_weight_format`` times the layouts on the model's own weights for
+``--linear-weight-format auto``. The layers then compute through ``onednn_linear`` or
+``panel_linear`` (``layers._project``, the models' ``compute_logits``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from pdserve.engine.layers import decode_linear, onednn_linear, panel_linear
+from pdserve.kernels import builds_avx512
+from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear, linear
+
+
+# The layouts that pack, and what they are, for the load log.
+PACKED_LAYOUTS = {"onednn": "oneDNN's blocked layout (prefill GEMMs)",
+                  "panel": "16-feature panels (the panel kernel: decode batches)"}
+
+
+def pack_model(model: nn.Module, layout: str) -> tuple[int, bool]:
+    """Pack ``model``'s decoder linears and its LM head into ``layout`` (a key of ``PACKED_LAYOUTS``):
+    returns (layers packed, whether the head was). Raises ValueError for another layout."""
+    if layout == "onednn":
+        return pack_linear_weights(model), pack_lm_head(model, "onednn")
+    if layout == "panel":
+        return pack_panel_weights(model), pack_lm_head(model, "panel")
+    raise ValueError(f"a model packs into one of {', '.join(PACKED_LAYOUTS)}, not {layout!r}")
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Reorder every float ``ColumnParallelLinear``/``RowParallelLinear`` weight of ``model`` into oneDNN's
+    blocked layout, once, and compute those layers through oneDNN from then on (what vLLM's CPU backend
+    does with its ``onednn_mm`` handles). The plain weight is dropped: ``weight`` keeps its shape, dtype
+    and device over no memory (a zero-stride view), ``packed_weight`` holds the values, and
+    ``packed_handle`` names them to ``torch.ops.pdserve.onednn_linear`` (how a compiled decode step,
+    which cannot take the packed tensor, reaches them).
+
+    Why: MKL's sgemm repacks the weight on every call and, on this project's AMD cores, ran a prefill's
+    GEMMs at 88-103 GFLOPS where oneDNN's JIT kernels on packed weights run 107-113 (a 288-token prompt's
+    48 linear layers of the bench preset: 467 -> 399 ms on one core, float32; bfloat16 214 -> 199 ms).
+    Prefill workers pack; an engine that decodes packs where ``choose_linear_weight_format`` times
+    oneDNN faster than the decode kernel on its own weights (``EngineConfig.linear_weight_format``).
+    Int8 and batch-invariant layers are left as they are. Returns the number of layers packed: 0 where
+    oneDNN is not available, fewer than all where its reorder fails (the rest keep their plain weights)."""
+    if not torch.backends.mkldnn.is_available():
+        return 0
+    packed = 0
+    for module in model.modules():
+        if not _packable(module, (torch.float32, torch.bfloat16)):
+            continue
+        if not _pack(module):  # a oneDNN build without this reorder (some CPUs, dtypes)
+            return packed
+        packed += 1
+    return packed
+
+
+def pack_panel_weights(model: nn.Module) -> int:
+    """Pack every float32 ``ColumnParallelLinear``/``RowParallelLinear`` weight of ``model`` into 16-feature
+    column panels, once, and compute those layers through the panel kernel from then on
+    (``pdserve.engine.layers.panel_linear``: a decode batch's rows overlap the weight stream with their FMAs).
+    ``panel_weight`` holds the panels (``panel_handle`` names them to a compiled decode step's op)
+    and ``weight`` becomes a zero-stride view of its shape and dtype over no memory. Int8,
+    batch-invariant, bfloat16 and already packed layers are left as they are. Returns the number of
+    layers packed: 0 where the kernel cannot be built here."""
+    if not panel_linear.build_kernel():
+        return 0
+    packed = 0
+    for module in model.modules():
+        if _packable(module, (torch.float32,)):
+            _pack_panels(module)
+            packed += 1
+    return packed
+
+
+def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether ``module`` is a decoder linear whose plain float CPU weight (of one of ``dtypes``) may be packed."""
+    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or _is_packed(module):
+        return False
+    weight = module.weight
+    return (module.weight_scale is None and not module.batch_invariant and weight.device.type == "cpu"
+            and weight.dtype in dtypes)
+
+
+def _is_packed(module: nn.Module) -> bool:
+    return getattr(module, "packed_weight", None) is not None or getattr(module, "panel_weight", None) is not None
+
+
+def _drop_plain(module: nn.Module) -> None:
+    """``module.weight`` becomes a zero-stride view of its shape and dtype over no memory (its values now
+    live in a packed copy); ``packed_out_features`` keeps its N as an int, which a compiled step reads
+    instead of the placeholder's shape."""
+    weight = module.weight
+    module.packed_out_features = weight.shape[0]
+    module.weight = nn.Parameter(torch.zeros((), dtype=weight.dtype).expand(weight.shape), requires_grad=False)
+
+
+def _pack_panels(module: nn.Module) -> None:
+    """Move ``module.weight`` [N, K] into panels: ``panel_weight`` [ceil(N / 16), K, 16]."""
+    module.panel_weight = panel_linear.pack_panels(module.weight)
+    module.panel_handle = panel_linear.register_panels(module.panel_weight)
+    _drop_plain(module)
+
+
+def _pack(module: nn.Module) -> bool:
+    """Move ``module.weight`` into oneDNN's blocked layout: ``packed_weight`` holds it, ``packed_handle``
+    names it to ``onednn_linear``, and ``weight`` becomes a zero-stride view of its shape and dtype over
+    no memory. False (``module`` unchanged) where oneDNN cannot reorder it."""
+    weight = module.weight
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (RuntimeError, NotImplementedError):
+        return False
+    module.packed_weight = packed
+    module.packed_handle = onednn_linear.register_packed_weight(packed)
+    _drop_plain(module)
+    return True
+
+
+def pack_lm_head(model: nn.Module, layout: str = "onednn") -> bool:
+    """Pack ``model.lm_head``'s weight [vocab, hidden] into ``layout`` (``onednn``: oneDNN's blocked layout,
+    float32 or bfloat16; ``panel``: 16-feature panels, float32), as ``pack_linear_weights`` and
+    ``pack_panel_weights`` do for the decoder's layers, so ``compute_logits`` runs through that path
+    instead of the few-row decode kernel or MKL. Only an untied float CPU head that is not
+    batch-invariant: a head tied to the embedding stays plain (the embedding lookup reads the same
+    tensor, so packing would keep two copies of the vocabulary). The plain weight is dropped as for
+    the layers (a zero-stride view keeps its shape and dtype).
+
+    Why: on a Zen 5 class core the bench preset's head (16k x 768, float32, cold) took 1.87 / 2.68 /
+    7.38 ms at 1 / 8 / 32 rows in the decode kernel and 1.65 / 2.40 / 5.12 ms in oneDNN. Returns whether
+    the head was packed (False where the layout's library is unavailable, the head is tied, absent or
+    not a float CPU tensor of the layout's dtypes, or the reorder fails). Raises ValueError for an
+    unknown layout."""
+    if layout not in ("onednn", "panel"):
+        raise ValueError(f"an LM head packs into onednn or panel, not {layout!r}")
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    inner = getattr(model, "model", None)
+    dtypes = (torch.float32, torch.bfloat16) if layout == "onednn" else (torch.float32,)
+    if (not isinstance(weight, torch.Tensor) or _is_packed(head) or getattr(model, "batch_invariant", False)
+            or head is getattr(inner, "embed_tokens", None) or weight.device.type != "cpu"
+            or weight.dtype not in dtypes or weight.dim() != 2):
+        return False
+    if layout == "panel":
+        if not panel_linear.build_kernel():
+            return False
+        _pack_panels(head)
+        return True
+    return torch.backends.mkldnn.is_available() and _pack(head)
+
+
+PROBE_BYTES = 256 * 2**20  # weights the format probe streams per timing: past any core's caches
+PROBE_MARGIN = 1.10  # a packed layout is chosen over plain when its probed matmuls take at most this times plain's
+LAYOUT_NAMES = {"plain": "plain", "onednn": "oneDNN", "panel": "panel"}
+
+
+def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 64),
+                                repeats: int = 5) -> tuple[str, str]:
+    """``--linear-weight-format auto`` on an engine that decodes (a decode worker, ``LLM``): measure,
+    at load, which layout computes this engine's matmuls fastest on this CPU, and return (``"plain"``,
+    ``"onednn"`` or ``"panel"``, a line saying why).
+
+    Only one layout is kept, and which is fastest depends on the CPU. The plain weights go through the
+    decode kernel for a decode step's few rows, and MKL's sgemm for a prompt chunk's many. On one
+    machine type (Zen 4 class) the kernel beat oneDNN at one row, and MKL ran 10-15% behind it on
+    prompts. On another (Zen 5 class), oneDNN beat plain everywhere (8.1 against 9.6 ms for the bench
+    preset's 48 linears at one row, 43 against 105 ms at 64 rows), and the panel kernel beat oneDNN
+    from 8 rows up (9.7 against 13.7 ms at 8 rows, 46 against 56 at 64; float32 only). On a third (an
+    AVX2 EPYC, no AVX-512) the decode kernel beat oneDNN at 1 and 8 rows (20 against 26 ms, 32 against
+    41 for 43 linears) and lost by 8% at 64, and panels, written for AVX-512's registers, ran 3-8x
+    slower than either: they are not timed without AVX-512.
+
+    So this times the layouts on the model's own weights: the first linears up to ``PROBE_BYTES``,
+    streamed from memory as in a step. It runs each of ``rows`` (decode batches and one prompt
+    chunk), interleaving the layouts, best of ``repeats`` (start-up contention from other processes
+    biases none). Each row count weighs alike: the layout with the least mean slowdown against the
+    fastest at each row count wins, a packed one over plain only when its slowdown is at most
+    ``PROBE_MARGIN`` times plain's. A layout whose library is unavailable (oneDNN, the panel kernel) or
+    whose dtype it does not take (panel: float32) is not timed. Returns plain when no packed layout
+    qualifies or no float linear layer exists."""
+    weights, total = [], 0
+    for module in model.modules():
+        if _packable(module, (torch.float32, torch.bfloat16)):
+            weights.append(module.weight.detach())
+            total += module.weight.nbytes
+            if total >= PROBE_BYTES:
+                break
+    if not weights:
+        return "plain", "no float linear layer to pack"
+    decode_linear.build_kernel()  # the plain path's decode rows run through it (built once, then cached)
+    inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], dtype=w.dtype) for n in rows for w in weights}
+    layouts = {"plain": lambda n: [linear(inputs[n, w.shape[1]], w) for w in weights]}
+    skipped = []
+    if not torch.backends.mkldnn.is_available():
+        skipped.append("oneDNN is not available")
+    else:
+        try:
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+            layouts["onednn"] = lambda n: [
+                torch.ops.mkldnn._linear_pointwise(inputs[n, w.shape[1]], p, None, "none", [None], "")
+                for w, p in zip(weights, packed)]
+        except (RuntimeError, NotImplementedError) as e:
+            skipped.append(f"oneDNN cannot reorder these weights ({type(e).__name__})")
+    if weights[0].dtype != torch.float32:
+        skipped.append("panels take float32 only")
+    elif not builds_avx512():  # its 16-feature panels hold two AVX2 registers a row: 3-8x the decode kernel's time
+        skipped.append("panels are written for AVX-512")
+    elif not panel_linear.build_kernel():
+        skipped.append("the panel kernel cannot be built here")
+    else:
+        panels = [panel_linear.pack_panels(w) for w in weights]
+        layouts["panel"] = lambda n: [panel_linear.panel_linear(inputs[n, w.shape[1]], p, w.shape[0])
+                                      for w, p in zip(weights, panels)]
+    if len(layouts) == 1:
+        return "plain", "; ".join(skipped)
+
+    def timed(step, n) -> float:
+        start = time.perf_counter()
+        step(n)
+        return time.perf_counter() - start
+
+    best = {(layout, n): float("inf") for layout in layouts for n in rows}
+    with torch.inference_mode():
+        for _ in range(repeats):
+            for n in rows:
+                for layout, step in layouts.items():
+                    best[layout, n] = min(best[layout, n], timed(step, n))
+    sums = {layout: sum(best[layout, n] for n in rows) for layout in layouts}
+    # Each row count weighs alike: a layout's score is its mean slowdown against the fastest at each (a sum
+    # of times let the prompt chunk's 64 rows, 5-7x a decode step's time, decide alone).
+    fastest = {n: min(best[layout, n] for layout in layouts) for n in rows}
+    slowdown = {layout: sum(best[layout, n] / fastest[n] for n in rows) / len(rows) for layout in layouts}
+    score = {layout: s * (PROBE_MARGIN if layout == "plain" else 1.0) for layout, s in slowdown.items()}
+    choice = min(score, key=score.get)
+    names = " / ".join(LAYOUT_NAMES[layout] for layout in layouts)
+    per_rows = ", ".join(f"{n}: " + " / ".join(f"{best[layout, n] * 1e3:.1f}" for layout in layouts) for n in rows)
+    why = (f"{len(weights)} linears ({total / 2**20:.0f} MiB), ms {names} at rows {per_rows}; "
+           f"mean slowdown " + " / ".join(f"{s:.2f}" for s in slowdown.values()))
+    if skipped:
+        why += f"; {'; '.join(skipped)}"
+    return choice, why

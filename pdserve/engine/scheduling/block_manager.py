@@ -1,0 +1,226 @@
+"""Pure-Python paged KV block manager with prefix caching (no torch).
+
+The KV cache is split into ``num_blocks`` fixed-size blocks of ``block_size``
+token slots (PagedAttention, Kwon et al., SOSP 2023). A request owns a
+``block_table: list[int]`` mapping its logical block i to a physical block id.
+This module hands out physical blocks, counts references to them (a block may
+be shared by several requests, e.g. the n samples of one prompt, or requests
+with a common prefix), and remembers which full blocks hold which tokens.
+
+Prefix caching (as in vLLM / SGLang's RadixAttention): a full block is named by
+a SHA-256 hash chained through the previous block's hash and salted with what
+else changes its KV (the model), so equal hashes mean equal prefixes (a
+collision would need a SHA-256 collision). A hit is also checked against the
+block's stored token ids.
+
+Free block queue and eviction policy (LRU): a block whose last reference is
+dropped goes to the tail of the free queue but keeps its hash, so it can still
+be hit. Allocation takes from the head, the least recently freed block,
+evicting its hash if it has one. A request frees its blocks last-to-first, so
+the tail of a prompt, the part least likely to be shared, is evicted before
+its head.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+ROOT_HASH = b""  # the "previous block" of a sequence's first block
+
+
+def _key(block_hash: bytes, group: int) -> bytes:
+    """The prefix cache's key of a block of KV cache group ``group`` with hash ``block_hash``: groups hold
+    different layers, so the same tokens' blocks of two groups are different cache entries."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free."""
+
+
+def chain_hash(parent_hash: bytes, token_ids: Sequence[int], salt: int = 0) -> bytes:
+    """SHA-256 of a full block given the previous block's hash (``ROOT_HASH`` for the first block).
+
+    The same in every process; 32 bytes.
+    """
+    digest = hashlib.sha256(parent_hash)
+    digest.update(salt.to_bytes(8, "little", signed=False))
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+class BlockManager:
+    """Hands out KV cache block ids, reference-counts them, and caches full blocks by hash.
+
+    Args:
+        num_blocks: physical blocks in the KV cache (ids ``0 .. num_blocks-1``).
+        block_size: token slots per block.
+        enable_prefix_caching: keep full blocks findable by hash after they are freed.
+        salt: mixed into every block hash (identify the model, so two models never share KV).
+
+    Raises:
+        ValueError: non-positive sizes.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: int = 0):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.salt = salt
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # head = LRU
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+
+    # ---- sizes ----------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones included: they are evictable)."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests, in [0, 1] (vLLM's KV cache usage)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def num_blocks_for_tokens(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` token slots."""
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    # ---- allocation -----------------------------------------------------------
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks from the head of the free queue, each with ref count 1.
+
+        A cached block taken this way is evicted from the prefix cache.
+
+        Raises:
+            NoFreeBlocksError: fewer than ``num_blocks`` are free (nothing is taken).
+        """
+        if num_blocks > len(self._free):
+            raise NoFreeBlocksError(f"need {num_blocks} KV blocks, {len(self._free)} free of {self.num_blocks}")
+        block_ids = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            self._evict(block_id)
+            self._ref_counts[block_id] = 1
+            block_ids.append(block_id)
+        return block_ids
+
+    def share(self, block_ids: Sequence[int]) -> None:
+        """Add one reference to each block, including cached blocks that no request holds."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                if self._block_hash[block_id] is None:
+                    raise ValueError(f"block {block_id} is free and holds no cached KV")
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    def is_writable(self, block_id: int) -> bool:
+        """True if writing into the block in place cannot change KV that others rely on.
+
+        A shared block, or one in the prefix cache, must be copied first (copy-on-write).
+        """
+        return self._ref_counts[block_id] == 1 and self._block_hash[block_id] is None
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block; blocks reaching zero go to the free queue's tail.
+
+        Blocks are released last-to-first, so a request's tail blocks are evicted
+        before its head blocks.
+
+        Raises:
+            ValueError: a block that is already free (a double free is a bug).
+        """
+        for block_id in reversed(block_ids):
+            count = self._ref_counts[block_id]
+            if count <= 0:
+                raise ValueError(f"double free of KV block {block_id}")
+            self._ref_counts[block_id] = count - 1
+            if count == 1:
+                self._free[block_id] = None
+
+    # ---- prefix cache ----------------------------------------------------------
+
+    def find_cached_prefix(self, token_ids: Sequence[int], max_tokens: int,
+                           root_hash: bytes = ROOT_HASH, group: int = 0) -> tuple[list[int], list[bytes]]:
+        """Longest run of cached full blocks that prefixes ``token_ids[:max_tokens]``, the first
+        block's hash chained from ``root_hash`` (a LoRA adapter's own root: ``Request.cache_root``),
+        among KV cache group ``group``'s blocks (``pdserve.common.kv_cache_groups``).
+
+        Takes no references (call ``share`` on the result to keep the blocks).
+
+        Returns:
+            (block_ids, block_hashes) of the hit blocks, in order.
+        """
+        hits: list[int] = []
+        hashes: list[bytes] = []
+        if not self.enable_prefix_caching:
+            return hits, hashes
+        bs = self.block_size
+        parent = root_hash
+        for start in range(0, max_tokens - bs + 1, bs):
+            block_tokens = tuple(token_ids[start:start + bs])
+            block_hash = chain_hash(parent, block_tokens, self.salt)
+            block_id = self.cached_block(block_hash, block_tokens, group)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            hashes.append(block_hash)
+            parent = block_hash
+        return hits, hashes
+
+    def cached_block(self, block_hash: bytes, token_ids: tuple[int, ...], group: int = 0) -> int | None:
+        """The block of group ``group`` cached under ``block_hash`` and holding ``token_ids``, or None."""
+        block_id = self._cached.get(_key(block_hash, group))
+        if block_id is None or self._block_tokens[block_id] != token_ids:
+            return None
+        return block_id
+
+    def cache_block(self, block_id: int, parent_hash: bytes, token_ids: Sequence[int], group: int = 0) -> bytes:
+        """Record that full block ``block_id`` (of KV cache group ``group``) holds ``token_ids`` after
+        ``parent_hash``; return its hash.
+
+        If an equal block is already cached, the existing one stays the cache's
+        entry (this one is simply not findable).
+        """
+        block_hash = chain_hash(parent_hash, token_ids, self.salt)
+        self.cache_hashed_block(block_id, block_hash, token_ids, group)
+        return block_hash
+
+    def cache_hashed_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int], group: int = 0) -> None:
+        """``cache_block`` with the hash already computed (one hash names a block of every group)."""
+        key = _key(block_hash, group)
+        if self.enable_prefix_caching and key not in self._cached and self._block_hash[block_id] is None:
+            self._cached[key] = block_id
+            self._block_hash[block_id] = key
+            self._block_tokens[block_id] = tuple(token_ids)
+
+    def _evict(self, block_id: int) -> None:
+        block_hash = self._block_hash[block_id]
+        if block_hash is not None:
+            del self._cached[block_hash]
+            self._block_hash[block_id] = None
+            self._block_tokens[block_id] = None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no request holds."""
+        for block_id in list(self._free):
+            self._evict(block_id)

@@ -1,0 +1,154 @@
+// Float32 linear layer on weights packed in column panels: y = x W^T, for any number of rows.
+//
+// A decode step at batch 8-32 multiplies 8-32 rows of x by every weight matrix. Each weight is read
+// from memory once per step (the model is far larger than the caches) and used for as many
+// multiply-adds as there are rows, so the step needs both the memory stream and the FMA units busy
+// at once. On a Zen 5 class core oneDNN's packed GEMM at 20 rows ran the bench preset's 48 linears
+// in 20-21 ms: about the sum of streaming their 302 MB (7.5 ms at 40 GB/s) and computing at its
+// large-M rate (13 ms), as if the two took turns. This kernel overlaps them:
+//
+//   * The weight [N, K] is stored as panels of 16 output features, [ceil(N / 16)][K][16]
+//     (``pdserve_f32_pack_panels``), so the whole matrix is one sequential stream and one 64-byte
+//     line holds the 16 features' weights at one k.
+//   * A block of up to MAX_ROWS rows keeps one 16-lane accumulator per row in registers;
+//     each weight line is loaded once and multiplied by every row of the block, broadcasting x's
+//     value at that k (an FMA with an embedded broadcast on AVX-512). x's rows are first copied to
+//     [K][rows] per block, so those broadcasts read one sequential line, not rows a stride apart.
+//   * Every weight line is prefetched PREFETCH_FLOATS ahead, far enough for DRAM's latency at the
+//     rate the FMAs consume lines.
+//
+// Measured on that core (bench preset's 48 linears, weights cold, one thread): 20 rows in 13.6-14.3 ms
+// against oneDNN's 20.9-21.7 ms; 8 rows 10.7 against 13.5; 32 rows 25.0 against 30.2; at 512 rows
+// (a prompt chunk) 5-25% behind it, so prefill workers keep oneDNN. Blocking K (x and the panel slice
+// in L1, partial sums through out) made that worse: 150-161 GFLOPS at 288-512 rows against 180-208.
+//
+// Each output sums its products in increasing k, one lane per output feature and one FMA per product,
+// whatever the number of rows, the block a row falls in or the thread: a row's outputs never depend
+// on the batch (batch-invariant by construction, as decode_linear.cpp).
+//
+// Built by pdserve/kernels/__init__.py with the system C++ compiler, loaded with ctypes; plain
+// C ABI, no torch headers.
+//
+// Layouts (all contiguous, row-major):
+//   pdserve_f32_pack_panels:  panels [ceil(N / 16), K, 16] from weight [N, K]; features past N are 0.
+//   pdserve_f32_panel_linear: out [M, N], x [M, K], panels as packed. Any M, N, K >= 1.
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int LANES = 16;
+#ifdef __AVX512F__
+constexpr int MAX_ROWS = 28;  // accumulators + the weight vector + broadcasts: 32 zmm registers
+constexpr int64_t PREFETCH_FLOATS = 8192;  // 32 KiB ahead: DRAM latency at ~10 cycles a line
+#else
+constexpr int MAX_ROWS = 6;  // AVX2: an accumulator is two of 16 ymm registers
+constexpr int64_t PREFETCH_FLOATS = 4096;
+#endif
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, sizeof(v)); return v; }
+
+// acc + w * s, one rounding (a fused multiply-add) wherever the CPU has one.
+inline v16 fma16(v16 acc, v16 w, float s) {
+#if defined(__AVX512F__)
+  __m512 a, b;
+  std::memcpy(&a, &acc, sizeof(a)); std::memcpy(&b, &w, sizeof(b));
+  a = _mm512_fmadd_ps(b, _mm512_set1_ps(s), a);
+  std::memcpy(&acc, &a, sizeof(a));
+  return acc;
+#elif defined(__FMA__)
+  __m256 lo, hi, wlo, whi;
+  std::memcpy(&lo, &acc, 32); std::memcpy(&hi, reinterpret_cast<const char*>(&acc) + 32, 32);
+  std::memcpy(&wlo, &w, 32); std::memcpy(&whi, reinterpret_cast<const char*>(&w) + 32, 32);
+  const __m256 sv = _mm256_set1_ps(s);
+  lo = _mm256_fmadd_ps(wlo, sv, lo); hi = _mm256_fmadd_ps(whi, sv, hi);
+  std::memcpy(&acc, &lo, 32); std::memcpy(reinterpret_cast<char*>(&acc) + 32, &hi, 32);
+  return acc;
+#else
+  for (int i = 0; i < LANES; ++i) acc[i] = __builtin_fmaf(w[i], s, acc[i]);
+  return acc;
+#endif
+}
+
+// out[m0 .. m0 + R, panel p's 16 features] = x block (xt [K][R]) times panel p. One panel at a time:
+// the weights stay one sequential stream (two or four panels side by side, for more independent
+// accumulators at few rows, measured slower at every row count: 1-12 rows, 8-14 ms against 7.5-9).
+template <int R>
+void block(float* out, const float* xt, const float* panels, int64_t p, int64_t m0, int64_t N, int64_t K) {
+  v16 acc[R];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) acc[r] = v16{};
+  const float* w = panels + p * K * LANES;
+  for (int64_t k = 0; k < K; ++k) {
+    const v16 wv = load16(w + k * LANES);
+    __builtin_prefetch(w + k * LANES + PREFETCH_FLOATS, 0, 3);
+    const float* xk = xt + k * R;
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) acc[r] = fma16(acc[r], wv, xk[r]);
+  }
+  const int64_t n = p * LANES;
+  const int64_t cols = N - n < LANES ? N - n : LANES;
+  for (int r = 0; r < R; ++r) std::memcpy(out + (m0 + r) * N + n, &acc[r], cols * sizeof(float));
+}
+
+using BlockFn = void (*)(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t);
+
+// kBlocks[R] = block<R> for R = 1 .. MAX_ROWS (kBlocks[0] unused).
+template <int... Rs>
+constexpr std::array<BlockFn, sizeof...(Rs) + 1> block_table(std::integer_sequence<int, Rs...>) {
+  return {nullptr, &block<Rs + 1>...};
+}
+
+constexpr auto kBlocks = block_table(std::make_integer_sequence<int, MAX_ROWS>{});
+
+}  // namespace
+
+extern "C" int pdserve_f32_pack_panels(float* panels, const float* weight, int64_t N, int64_t K) {
+  if (N < 1 || K < 1) return 1;
+  const int64_t num_panels = (N + LANES - 1) / LANES;
+  for (int64_t p = 0; p < num_panels; ++p)
+    for (int64_t k = 0; k < K; ++k)
+      for (int j = 0; j < LANES; ++j) {
+        const int64_t n = p * LANES + j;
+        panels[(p * K + k) * LANES + j] = n < N ? weight[n * K + k] : 0.0f;
+      }
+  return 0;
+}
+
+extern "C" int pdserve_f32_panel_linear(float* out, const float* x, const float* panels, int64_t M, int64_t N,
+                                        int64_t K, int num_threads) {
+  if (M < 0 || N < 1 || K < 1 || num_threads < 1) return 1;
+  if (M == 0) return 0;
+  // Blocks of at most MAX_ROWS rows, as even as possible (20 rows: one block; 40: two of 20).
+  const int64_t num_blocks = (M + MAX_ROWS - 1) / MAX_ROWS;
+  const int64_t block_rows = (M + num_blocks - 1) / num_blocks;
+  thread_local std::vector<float> scratch;  // x's blocks, each [K][rows]
+  if (scratch.size() < static_cast<size_t>(M * K)) scratch.resize(M * K);
+  float* xt = scratch.data();
+  for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+    const int64_t rows = M - m0 < block_rows ? M - m0 : block_rows;
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* src = x + (m0 + i) * K;
+      float* dst = xt + m0 * K + i;
+      for (int64_t k = 0; k < K; ++k) dst[k * rows] = src[k];
+    }
+  }
+  const int64_t num_panels = (N + LANES - 1) / LANES;
+  // Threads split the panels; each panel is read from memory by the first row block, from L2 by the rest.
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+  for (int64_t p = 0; p < num_panels; ++p)
+    for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+      const int rows = static_cast<int>(M - m0 < block_rows ? M - m0 : block_rows);
+      kBlocks[rows](out, xt + m0 * K, panels, p, m0, N, K);
+    }
+  return 0;
+}
