@@ -5,33 +5,16 @@ in LLM Inference", 2025)."""
 from __future__ import annotations
 
 import argparse
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.common.protocol import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.layers.base import INVARIANT_ROW_MULTIPLE, RMSNorm, SiluAndMul, batch_invariant_linear, pad_rows
 from pdserve.engine.layers.rotary import RotaryEmbedding
 from pdserve.llm import LLM
-
-# (M, position of the probe row) pairs: every M in 1..40 and a few prefill-sized ones.
-_ROW_PLACES = [(m, p) for m in range(1, 41) for p in sorted({0, m // 2, m - 1})] + \
-    [(m, p) for m in (127, 513, 1031) for p in (0, m // 3, m - 1)]
-
-
-def _distinct_rows(fn, width: int) -> int:
-    """How many different bit patterns fn gives one fixed row placed among random rows."""
-    gen = torch.Generator().manual_seed(0)
-    row = torch.randn(width, generator=gen)
-    seen = set()
-    for m, pos in _ROW_PLACES:
-        x = torch.randn(m, width, generator=gen)
-        x[pos] = row
-        seen.add(fn(x)[pos].numpy().tobytes())
-    return len(seen)
+from tests.helpers.kernels import _ROW_PLACES, _TARGET, _target_prompt, _runs, _distinct_rows  # noqa: F401
 
 
 @pytest.mark.parametrize("in_features,out_features", [(64, 192), (176, 64), (256, 640)])
@@ -98,37 +81,6 @@ def test_flag_reaches_the_config_and_the_other_ranks(model_dir):
     assert config.batch_invariant
     assert "--batch-invariant" in config.rank_cli_args(1, "127.0.0.1", 1234)
     assert not EngineConfig.from_cli_args(parser.parse_args(["--model", model_dir])).batch_invariant
-
-
-_TARGET = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, logprobs=3, ignore_eos=True)
-
-
-def _target_prompt(vocab_size: int) -> list[int]:
-    rng = random.Random(7)
-    return [rng.randrange(3, vocab_size) for _ in range(53)]
-
-
-def _runs(llm: LLM, num_runs: int, seed: int) -> list[tuple]:
-    """The target request's (tokens, logprobs) in ``num_runs`` runs, each among random traffic
-    (1-4 other prompts of 2-60 tokens, greedy or sampled) under a random step budget, so its
-    prefill is chunked differently and its decode steps see different batch sizes."""
-    rng = random.Random(seed)
-    prompt = _target_prompt(llm.vocab_size)
-    results = []
-    for _ in range(num_runs):
-        llm.scheduler.config.max_num_batched_tokens = rng.choice([11, 16, 29, 40, 64, 2048])
-        others = [[rng.randrange(3, llm.vocab_size) for _ in range(rng.randint(2, 60))]
-                  for _ in range(rng.randint(1, 4))]
-        params = [SamplingParams(max_tokens=rng.randint(1, 10), temperature=rng.choice([0.0, 0.8]),
-                                 ignore_eos=True) for _ in others]
-        where = rng.randint(0, len(others))
-        prompts = others[:where] + [prompt] + others[where:]
-        params = params[:where] + [_TARGET] + params[where:]
-        choice = llm.generate(prompts, params, use_tqdm=False)[where].outputs[0]
-        logprobs = tuple((lp.token_id, lp.logprob, tuple(lp.top_token_ids), tuple(lp.top_logprobs))
-                         for lp in choice.logprobs)
-        results.append((tuple(choice.token_ids), logprobs))
-    return results
 
 
 def test_one_request_is_bit_identical_among_any_traffic(model_dir):

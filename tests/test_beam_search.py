@@ -251,8 +251,8 @@ def _post(cluster, path: str, body: dict) -> httpx.Response:
 
 
 def test_router_beam_search_matches_transformers(cluster, eos_hf):
-    from tests.test_cluster import wait_all_blocks_free, workers
-    from tests.test_cluster_engine import metric_totals, wait_metric_increase
+    from tests.helpers.cluster import wait_all_blocks_free, workers
+    from tests.helpers.cluster import metric_totals, wait_metric_increase
 
     before = metric_totals(cluster)
     for (width, max_tokens, length_penalty, early_stopping), prompt in zip(CASES[:4], PROMPTS + PROMPTS):
@@ -308,8 +308,8 @@ def test_router_rejects_bad_beam_requests(cluster, path, body, param):
 
 
 def test_router_client_disconnect_mid_search_frees_blocks(cluster):
-    from tests.test_cluster import wait_all_blocks_free
-    from tests.test_cluster_engine import metric_totals
+    from tests.helpers.cluster import wait_all_blocks_free
+    from tests.helpers.cluster import metric_totals
 
     with pytest.raises(httpx.ReadTimeout):  # the client gives up (0.5 s: a faster decode step finished the 400-token search within 1.5 s once); the router must stop the search
         httpx.post(f"{cluster.url}/v1/completions", timeout=httpx.Timeout(10, read=0.5),

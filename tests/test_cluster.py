@@ -22,13 +22,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pdserve.common.curve import cluster_keys, secure_client
 from pdserve.common.utils import free_port
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
+from tests.helpers.cluster import WORDS, hf_greedy_texts, prompt_text, wait_all_blocks_free, workers  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 
 SECRET = "test-cluster-secret"
 FORGED_RUN_TOKENS = 600  # long enough (> 1 s) to be still streaming when the forged abort has arrived
-WORDS = ("the quick brown fox jumps over lazy dogs while seven wizards quietly pack boxes of liquor "
-         "near a river bank in autumn light").split()
 
 
 @pytest.fixture(scope="module")
@@ -60,44 +59,6 @@ def reference(model_dir):
 
 def client(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
-
-
-def workers(cluster) -> list[dict]:
-    return httpx.get(f"{cluster.url}/workers", timeout=10).json()
-
-
-def wait_all_blocks_free(cluster, timeout_s=15.0) -> None:
-    """Wait until every worker reports all blocks free and nothing queued, in a heartbeat sent after this call."""
-    start = time.monotonic()
-    deadline = start + timeout_s
-    while time.monotonic() < deadline:
-        ws = [w for w in workers(cluster) if w["last_seen_s_ago"] < 3.0]  # silent longer: dead, holds nothing
-        fresh = all(w["last_seen_s_ago"] < time.monotonic() - start - 0.05 for w in ws)
-        if fresh and all(w["num_free_blocks"] == w["num_blocks"] and w["num_running"] == 0 and
-                         w["num_waiting"] == 0 for w in ws):
-            return
-        time.sleep(0.3)
-    pytest.fail(f"KV blocks not all free again: {json.dumps(workers(cluster))}")
-
-
-def hf_greedy_texts(model_dir: str, prompts: list, max_tokens: int) -> dict:
-    """Transformers' greedy completion of each prompt (text, or token ids), exactly ``max_tokens`` long
-    (as with ``ignore_eos``), keyed by the prompt (token-id prompts as tuples)."""
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    texts = {}
-    for prompt in prompts:
-        ids = tok(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                 do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        texts[prompt if isinstance(prompt, str) else tuple(prompt)] = tok.decode(out[0, len(ids):],
-                                                                                skip_special_tokens=True)
-    return texts
-
-
-def prompt_text(rng: random.Random, n_words: int) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n_words))
 
 
 def test_models_and_health(cluster, model_dir):

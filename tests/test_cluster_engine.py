@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import random
-import time
 
-import httpx
 import openai
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.utils import free_port
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
-from tests.test_cluster import WORDS, wait_all_blocks_free
+from tests.helpers.cluster import WORDS, wait_all_blocks_free
+from tests.helpers.cluster import metric_totals, wait_metric_increase  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 
@@ -33,26 +31,6 @@ def cluster(model_dir, tmp_path_factory):
                                     "--remote-prefill-threshold", "8"])
     with LocalCluster(spec, log_dir=str(tmp_path_factory.mktemp("logs"))) as c:
         yield c
-
-
-def metric_totals(cluster) -> dict[str, float]:
-    """Sum of every sample of each metric family (over workers and roles)."""
-    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
-
-
-def wait_metric_increase(cluster, name: str, before: dict[str, float], min_delta: float, timeout_s: float = 10.0):
-    """Worker counters reach /metrics with the next heartbeat (every second): poll for them."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        delta = metric_totals(cluster).get(name, 0.0) - before.get(name, 0.0)
-        if delta >= min_delta or time.monotonic() > deadline:
-            return delta
-        time.sleep(0.3)
 
 
 def test_greedy_matches_transformers_with_prefix_cache_chunking_and_preemption(cluster, model_dir):

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve.common.utils import free_port
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
-from tests.test_cluster import wait_all_blocks_free, workers
+from tests.helpers.cluster import wait_all_blocks_free, workers
 
 pytestmark = pytest.mark.cluster
 

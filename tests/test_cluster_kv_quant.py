@@ -12,8 +12,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.common.utils import free_port
 from pdserve.engine.execution.kv_cache import kv_cache_block_bytes
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
-from tests.test_cluster import wait_all_blocks_free, workers
-from tests.test_cluster_engine import metric_totals, wait_metric_increase
+from tests.helpers.cluster import wait_all_blocks_free, workers
+from tests.helpers.cluster import metric_totals, wait_metric_increase
 
 pytestmark = pytest.mark.cluster
 

@@ -79,7 +79,7 @@ def test_mixed_layouts_transfer_exactly_under_preemption_and_partial_prefix_hits
     a shared prefix is already cached on the decode side (only the missing blocks travel). With a cluster
     ``secret`` every ZMQ socket is CURVE, the non-driver ranks' reports to their driver included (a report
     lost would fail the transfers)."""
-    from tests.test_cluster_engine import metric_totals, wait_metric_increase
+    from tests.helpers.cluster import metric_totals, wait_metric_increase
 
     decode_ranks = decode[0] * decode[1]
     secret_args = ["--cluster-secret", secret] if secret else []

@@ -10,7 +10,7 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.layers import panel_linear
 from pdserve.kernels import load_paged_attention
-from tests.test_llm import GREEDY, hf_greedy, prompts, token_ids  # noqa: F401  (fixtures)
+from tests.helpers.reference import GREEDY, hf_greedy, prompts, token_ids  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: nothing is compiled")
 

@@ -17,8 +17,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.common.kv_cache_groups import KVCacheGroups
 from pdserve.engine.scheduling.kv_cache_manager import NULL_BLOCK
 from tests.checkpoints import write_checkpoint
-from tests.test_sliding_window import (BLOCK, PROMPT_LENGTHS, WINDOW, live_blocks_needed, reference_tokens,
-                                       serve_disaggregated, step_to_the_end, window_prompts)
+from tests.helpers.sliding_window import BLOCK, PROMPT_LENGTHS, WINDOW, live_blocks_needed, reference_tokens, serve_disaggregated, step_to_the_end, window_prompts
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               vocab_size=2048, max_position_embeddings=512, initializer_range=0.1, bos_token_id=1, eos_token_id=2,

@@ -7,6 +7,7 @@ KV transfer importing the engine, torch in the scheduling core), type-only ones 
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import shutil
 import subprocess
@@ -45,3 +46,16 @@ def test_an_upward_import_breaks_a_contract(tmp_path, importer, imported):
     result = lint(tmp_path)
     assert result.returncode != 0, result.stdout[-2000:]
     assert "BROKEN" in result.stdout.upper() and imported in result.stdout, result.stdout[-2000:]
+
+
+def test_no_test_module_imports_another():
+    """Shared test code lives in ``tests/helpers``; a test module importing another would run its module
+    fixtures and couple the two files."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                          if n.split(".")[-1].startswith("test_") and n.startswith("tests.")]
+    assert not offenders, offenders

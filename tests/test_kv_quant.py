@@ -15,7 +15,6 @@ import torch
 import zmq
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.agreement import greedy_outputs, teacher_forced_logits
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import GenerateRequest, KVLayout, RegisterWorker, RemotePrefillRequest, WorkerRole
 from pdserve.common.transport import encode
@@ -30,8 +29,9 @@ from pdserve.kvtransfer import wire
 from pdserve.kvtransfer.agent import check_kv_dtype
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.registry import WorkerRegistry
-from tests.test_paged_kernel import _batch
-from tests.test_workers_inprocess import GREEDY, FakeRouter, Peer, drive
+from tests.helpers.kernels import _batch
+from tests.helpers.fake_peers import GREEDY, FakeRouter, Peer, drive
+from tests.helpers.kernels import kv_dtype_runs  # noqa: F401
 
 needs_kernel = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: the native kernel is off")
 # Worst error of one element relative to its row's amax: int8 rounds to 1/254 of amax; an fp8 value is
@@ -168,26 +168,6 @@ def test_kernel_decodes_every_fp8_code_as_torch_does(name):
 
 
 # ---- the engine ------------------------------------------------------------------------------------
-
-
-def kv_dtype_runs(model: str, check_int8_runner):
-    """Six seeded random prompts through ``model`` with float32, int8 and fp8_e4m3 KV caches (``LLM``, 4 MiB, no
-    prefix caching): (prompts, float32's greedy outputs, int8's, and each dtype's teacher-forced logits
-    [rows, vocab] over float32's sequences, the same rows for all). ``check_int8_runner(runner)`` looks at the
-    int8 engine's model runner while it is open."""
-    rng = random.Random(5)
-    prompts = [[rng.randrange(5, 2000) for _ in range(rng.randint(4, 40))] for _ in range(6)]
-    llms = {name: LLM(model, kv_cache_dtype=name, kv_cache_memory="4MiB", enable_prefix_caching=False)
-            for name in ("float32", "int8", "fp8_e4m3")}
-    try:
-        check_int8_runner(llms["int8"].core.runner)
-        base, int8 = greedy_outputs(llms["float32"], prompts, 12), greedy_outputs(llms["int8"], prompts, 12)
-        sequences = [p + out for p, out in zip(prompts, base)]
-        logits = {name: torch.cat(teacher_forced_logits(llm, sequences)) for name, llm in llms.items()}
-    finally:
-        for llm in llms.values():
-            llm.close()
-    return prompts, base, int8, logits
 
 
 def test_llm_int8_cache_agrees_with_float32_and_bounds_the_logit_error(model_dir):
@@ -344,7 +324,6 @@ def test_the_router_pairs_only_equal_weight_quantizations():
     assert p_float.to_json(0.0)["quantization"] == "none"
     with pytest.raises(ValueError, match="runs none weights and this decode worker int8 ones"):
         check_kv_dtype("p1", KVLayout(kv_cache_dtype="float32", quantization="none"), "float32", "int8")
-
 
 
 def test_draft_model_speculation_over_an_int8_cache(model_dir):

@@ -133,7 +133,7 @@ def test_logit_bias_forces_and_bad_words_ban(llm, hf):
 def test_router_builds_the_params(model_dir):
     """OpenAI/vLLM request fields -> wire SamplingParams (no model needed: a fake decode worker)."""
     from pdserve.router.config import RouterConfig
-    from tests.test_router import fake_worker_router
+    from tests.helpers.fake_peers import fake_worker_router
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     config = RouterConfig(model=model_dir, zmq_port=0, worker_timeout_s=1.0, worker_wait_s=0)

@@ -15,7 +15,7 @@ from pdserve.router import RouterConfig, build_app
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.registry import WorkerRegistry
 # The fixtures tok, router and worker (a FakeDecodeWorker) come from test_router; model_dir from conftest.
-from tests.test_router import COMPLETION, router, tok, wait_for, worker  # noqa: F401
+from tests.helpers.fake_peers import COMPLETION, router, tok, wait_for, worker  # noqa: F401
 
 WORKER_GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"]
 WORKER_COUNTERS = {  # metric name -> WorkerStats field

@@ -141,7 +141,7 @@ def test_moe_experts_give_a_token_the_same_bits_however_many_share_its_expert(ba
     invariant, one bit pattern for every M; without it, MKL's M-dependent kernels give several
     (the check that this test can fail)."""
     from pdserve.engine.models.moe import FusedExperts
-    from tests.test_batch_invariance import _distinct_rows
+    from tests.helpers.kernels import _distinct_rows
 
     experts = FusedExperts(num_experts=2, hidden_size=256, intermediate_size=320, tp_group=None,
                            dtype=torch.float32, device="cpu")
@@ -161,7 +161,7 @@ def test_moe_experts_give_a_token_the_same_bits_however_many_share_its_expert(ba
 def test_moe_request_is_bit_identical_among_any_traffic(family_dirs):
     """``--batch-invariant`` covers the routed experts: however many other tokens pick the same
     experts, the target request's completion and logprobs are the same bits."""
-    from tests.test_batch_invariance import _runs
+    from tests.helpers.kernels import _runs
 
     with LLM(family_dirs["qwen3_moe"], batch_invariant=True, enable_prefix_caching=False, seed=0,
              num_threads=1) as llm:
@@ -270,7 +270,7 @@ def test_deepseek_int8_cache_agrees_with_float32_and_bounds_the_logit_error(fami
     ~60) and near-ties (median top-2 gap 0.13), so the bounds are on agreement and mean error; measured:
     next token 92% as float32's, mean |error| 0.025 (fp8 0.054) against a logit std of 0.80, the same
     as the earlier cache with a separate V row."""
-    from tests.test_kv_quant import kv_dtype_runs
+    from tests.helpers.kernels import kv_dtype_runs
 
     def check(runner):
         assert (runner.kv_cache.dtype, runner.kv_cache.shape[1], runner.kv_cache.shape[-1]) == \

@@ -12,21 +12,9 @@ from pdserve.engine.layers.paged_backend import native_plan
 from pdserve.kernels import load_paged_attention, load_prefill_attention
 from pdserve.engine.layers.prefill_attention import causal_attention
 from tests.threads import torch_threads
+from tests.helpers.kernels import _batch  # noqa: F401
 
 pytestmark = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ compiler: the native kernel is off")
-
-
-def _batch(rng: random.Random, q_lens_ctx: list[tuple[int, int]], block_size: int, num_blocks: int):
-    """Block tables (random, distinct blocks), computed and new token counts for (q_len, context) pairs."""
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    tables, computed, new = [], [], []
-    for q_len, ctx in q_lens_ctx:
-        need = -(-ctx // block_size)
-        tables.append([free.pop() for _ in range(need)])
-        computed.append(ctx - q_len)
-        new.append(q_len)
-    return tables, computed, new
 
 
 def _run(backend: str, cache: torch.Tensor, q, k, v, tables, computed, new, block_size, window, scale):

@@ -15,7 +15,7 @@ from pdserve.common.utils import free_port
 from pdserve.common.sharding import (KVLayoutSpec, KVSlice, kv_head_layout, rank_slice, stage_layer_range,
                                      transfer_pieces)
 from pdserve.engine.config import ParallelConfig
-from tests.test_llm import GREEDY, assert_all_blocks_free, hf_greedy, prompts, token_ids  # noqa: F401 (fixtures)
+from tests.helpers.reference import GREEDY, assert_all_blocks_free, hf_greedy, prompts, token_ids  # noqa: F401 (fixtures)
 
 # Tiny preset: 2 layers, 2 KV heads of 16 dims, float32: 8 KiB per 16-token block on one rank.
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4

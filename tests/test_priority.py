@@ -6,10 +6,10 @@ import pytest
 from pdserve.common.protocol import SamplingParams
 from pdserve.common.validation import ValidationError
 from pdserve.engine.scheduling.block_manager import BlockManager
-from pdserve.engine.scheduling.request import Request, RequestStatus
+from pdserve.engine.scheduling.request import Request
 from pdserve.engine.scheduling.request_queue import FCFSQueue, PriorityQueue, make_waiting_queue
 from pdserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
-from tests.test_scheduler import fake_step, run_to_completion
+from tests.helpers.scheduling import fake_step, run_to_completion
 
 
 def make(policy, num_blocks=64, block_size=4, max_num_seqs=8, budget=64):

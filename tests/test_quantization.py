@@ -27,7 +27,7 @@ from pdserve.engine.layers.int8_linear import (KERNEL_MAX_ROWS, build_kernel, de
 from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear, batch_invariant_linear, quantized_linear
 from pdserve.engine.layers.quantization import quantize_model, quantized_layers, weight_bytes
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
-from tests.test_cluster import WORDS
+from tests.helpers.cluster import WORDS
 from tests.threads import torch_threads
 
 torchao = pytest.importorskip("torchao")
@@ -355,7 +355,7 @@ def test_disaggregated_cluster_serves_quantized_weights_end_to_end(checkpoint, r
     """1 prefill + 1 decode worker, both quantized (--quantization int8 on the float checkpoint, or
     the compressed-tensors checkpoint: named on the prefill worker, detected on the decode worker):
     prefill's KV crosses to the decode worker, and the tokens equal the offline LLM's."""
-    from tests.test_cluster_engine import metric_totals, wait_metric_increase
+    from tests.helpers.cluster import metric_totals, wait_metric_increase
 
     model = request.getfixturevalue("model_dir" if checkpoint == "int8" else "w8a16_dir")
     offline = request.getfixturevalue("int8_llm" if checkpoint == "int8" else "w8a16_llm")

@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pdserve.common.config import WorkerConfig, resolve_router_addrs
 from pdserve.common.utils import free_port
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
-from tests.test_cluster import wait_all_blocks_free
-from tests.test_startup import stream_until_cut
+from tests.helpers.cluster import wait_all_blocks_free
+from tests.helpers.cluster import stream_until_cut
 
 pytestmark = pytest.mark.cluster
 
@@ -171,7 +171,7 @@ def test_a_decode_worker_streams_to_each_requests_router_and_drops_a_dead_router
     from pdserve.common.protocol import GenerateRequest, RegisterWorker, SamplingParams
     from pdserve.decode_worker.worker import DecodeWorker
     from pdserve.cluster.worker_base import ROUTER_LOST_S
-    from tests.test_workers_inprocess import FakeRouter, make_worker
+    from tests.helpers.fake_peers import FakeRouter, make_worker
 
     a, b = FakeRouter(), FakeRouter()
     worker = make_worker(DecodeWorker, model_dir, f"{a.addr},{b.addr}")
@@ -257,7 +257,7 @@ def test_a_drain_waits_for_every_connected_router(model_dir):
     that one has answered DrainWorker too."""
     from pdserve.common.protocol import DrainWorker, RegisterWorker, WorkerDraining, WorkerExiting
     from pdserve.decode_worker.worker import DecodeWorker
-    from tests.test_workers_inprocess import FakeRouter, make_worker
+    from tests.helpers.fake_peers import FakeRouter, make_worker
 
     a, b = FakeRouter(), FakeRouter()
     worker = make_worker(DecodeWorker, model_dir, f"{a.addr},{b.addr}")
@@ -287,7 +287,7 @@ def test_a_prefill_worker_drops_the_requests_of_a_dead_router(model_dir):
     from pdserve.common.protocol import RegisterWorker, RemotePrefillRequest, SamplingParams
     from pdserve.cluster.worker_base import ROUTER_LOST_S
     from pdserve.prefill_worker.worker import PrefillWorker
-    from tests.test_workers_inprocess import FakeRouter, make_worker
+    from tests.helpers.fake_peers import FakeRouter, make_worker
 
     a, b = FakeRouter(), FakeRouter()
     worker = make_worker(PrefillWorker, model_dir, f"{a.addr},{b.addr}", transfer_timeout_s=30.0)

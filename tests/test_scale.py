@@ -9,57 +9,18 @@ from __future__ import annotations
 
 import random
 import signal
-import threading
 import time
 
 import httpx
-import openai
 import pytest
 
 from pdserve.common.utils import free_port
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from pdserve.cluster.scale import scale_pools
-from tests.test_cluster import hf_greedy_texts, prompt_text, wait_all_blocks_free
+from tests.helpers.cluster import hf_greedy_texts, prompt_text, wait_all_blocks_free
+from tests.helpers.cluster import API_KEY, MAX_TOKENS, Load  # noqa: F401
 
 pytestmark = pytest.mark.cluster
-
-API_KEY = "sk-scale-test"
-MAX_TOKENS = 40
-
-
-class Load:
-    """``num_clients`` threads streaming greedy completions until ``stop()``; keeps every result and error."""
-
-    def __init__(self, url: str, prompts: list[str], num_clients: int = 4):
-        self.api = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
-        self.prompts = prompts
-        self.results: list[tuple[str, str]] = []
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._client, args=(i,), daemon=True) for i in range(num_clients)]
-        for t in self._threads:
-            t.start()
-
-    def _client(self, seed: int) -> None:
-        rng = random.Random(seed)
-        while not self._stop.is_set():
-            prompt = rng.choice(self.prompts)
-            try:
-                stream = self.api.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_TOKENS,
-                                                     temperature=0, stream=True, extra_body={"ignore_eos": True})
-                self.results.append((prompt, "".join(chunk.choices[0].text for chunk in stream if chunk.choices)))
-            except Exception as e:  # noqa: BLE001  every failure is a test failure, reported below
-                self.errors.append(f"{type(e).__name__}: {e}")
-
-    def wait_for(self, num_results: int, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while len(self.results) < num_results and time.monotonic() < deadline and not self.errors:
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(timeout=120)
 
 
 def pools(url: str) -> dict:

@@ -7,6 +7,7 @@ from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.scheduling.outputs import ModelRunnerOutput
 from pdserve.engine.scheduling.request import Request, RequestStatus
 from pdserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from tests.helpers.scheduling import fake_step, run_to_completion  # noqa: F401
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256):
@@ -17,27 +18,6 @@ def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=2
 def req(rid, prompt_len, max_tokens=4, **kw):
     return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **kw),
                    eos_token_ids=frozenset({0}))
-
-
-def fake_step(sched, token=7):
-    """Schedule, pretend to run the model, sample ``token`` wherever a token is due."""
-    out = sched.schedule()
-    for r, n in out.scheduled:  # the invariant the model runner relies on
-        assert len(r.block_table) * sched.block_manager.block_size >= r.num_computed_tokens + n
-    sampled = {r.request_id: token for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens}
-    return out, sched.update_from_output(out, ModelRunnerOutput(sampled))
-
-
-def run_to_completion(sched, max_steps=1000):
-    finished = {}
-    for _ in range(max_steps):
-        if not sched.has_unfinished():
-            return finished
-        _, results = fake_step(sched)
-        for o in results:
-            if o.finished is not None:
-                finished[o.request.request_id] = o.request
-    raise AssertionError("requests did not finish")
 
 
 def test_decodes_batch_together_and_finish_frees_blocks():

@@ -210,7 +210,7 @@ def test_disaggregated_cluster_speculates_token_exactly_with_priorities(model_di
 
     from pdserve.common.utils import free_port
     from pdserve.cluster.launcher import ClusterSpec, LocalCluster
-    from tests.test_cluster import hf_greedy_texts
+    from tests.helpers.cluster import hf_greedy_texts
 
     spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=1, port=free_port(), threads_per_worker=1,
                        worker_args=["--kv-cache-memory", "16MiB", "--remote-prefill-threshold", "0",
@@ -248,7 +248,7 @@ def test_speculation_under_a_grammar_stays_valid_and_greedy_exact(model_dir, met
 
     from pdserve.common.protocol import StructuredOutputsParams
     from pdserve.llm import LLM
-    from tests.test_structured_output import SCHEMA
+    from tests.helpers.schemas import SCHEMA
 
     so = StructuredOutputsParams(json=json.dumps(SCHEMA), disable_any_whitespace=True)
     greedy = SamplingParams(max_tokens=160, temperature=0, structured_outputs=so)

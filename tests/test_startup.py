@@ -13,25 +13,10 @@ import pytest
 
 from pdserve.common.utils import free_port
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
+from tests.helpers.cluster import stream_until_cut  # noqa: F401
 
 pytestmark = pytest.mark.cluster
 
-
-def stream_until_cut(url: str, prompt: str, streaming) -> None:
-    """Stream a long completion (1,500 tokens, EOS ignored) from the router at ``url``; wait at the barrier
-    ``streaming`` once its first chunk arrived, then read on until the stream ends or is cut (a killed
-    router: the error is the point, swallowed)."""
-    try:
-        with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
-                          json={"model": "tiny", "prompt": prompt, "max_tokens": 1500, "ignore_eos": True,
-                                "stream": True}) as resp:
-            lines = resp.iter_lines()
-            next(lines)
-            streaming.wait(timeout=60)
-            for _ in lines:
-                pass
-    except (httpx.HTTPError, threading.BrokenBarrierError):
-        pass
 
 def test_a_worker_killed_during_start_up_is_restarted_and_the_cluster_serves(model_dir, tmp_path):
     spec = ClusterSpec(model=model_dir, num_prefill=1, num_decode=2, port=free_port(), threads_per_worker=1,

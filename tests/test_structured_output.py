@@ -24,27 +24,8 @@ from pdserve.common.validation import ValidationError
 from pdserve.engine.execution.sampler import Sampler, SamplingRow, apply_token_bitmask
 from pdserve.engine.execution.structured_output import (StructuredOutputManager, build_token_bitmask,
                                               check_structured_outputs)
+from tests.helpers.schemas import SCHEMA  # noqa: F401
 
-# Every string, array and number is bounded and no other key may appear, so the grammar itself
-# ends every output well within max_tokens (compact JSON: no free whitespace).
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 999},
-        "name": {"type": "string", "maxLength": 6},
-        "active": {"type": "boolean"},
-        "owner": {
-            "type": "object",
-            "properties": {"role": {"enum": ["admin", "user", "guest"]},
-                           "level": {"type": "integer", "minimum": -5, "maximum": 5}},
-            "required": ["role", "level"],
-            "additionalProperties": False,
-        },
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
-    },
-    "required": ["id", "name", "active", "owner", "tags"],
-    "additionalProperties": False,
-}
 REGEX = r"[a-z]{2,5}-[0-9]{3}"
 CHOICES = ["yes", "no", 'say "maybe"', "a|b\\c"]
 # Sums of one to four numbers of one to three digits in parentheses, e.g. "(12+7)": bounded, so a
@@ -354,7 +335,7 @@ def test_cluster_rejects_bad_constraints_with_400(cluster):
 def test_decode_worker_fails_a_bad_grammar_with_400_kind_and_serves_a_good_one(model_dir):
     from pdserve.common.protocol import ErrorKind, FinishReason, GenerateRequest
     from pdserve.decode_worker.worker import DecodeWorker
-    from tests.test_workers_inprocess import FakeRouter, all_blocks_free, drive, make_worker
+    from tests.helpers.fake_peers import FakeRouter, all_blocks_free, drive, make_worker
 
     router = FakeRouter()
     worker = make_worker(DecodeWorker, model_dir, router.addr)
@@ -382,7 +363,6 @@ def test_decode_worker_fails_a_bad_grammar_with_400_kind_and_serves_a_good_one(m
         router.close()
 
 
-
 def test_a_request_waits_for_its_grammar_off_the_loop_while_others_run():
     """vLLM's WAITING_FOR_FSM: a request whose grammar is still compiling is passed over at admission
     (the requests behind it run), admitted once compiled; a failed compile ends it as an error."""
@@ -392,7 +372,7 @@ def test_a_request_waits_for_its_grammar_off_the_loop_while_others_run():
     from pdserve.engine.scheduling.request import Request, RequestStatus
     from pdserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
     from pdserve.engine.execution.structured_output import FailedGrammar
-    from tests.test_scheduler import fake_step
+    from tests.helpers.scheduling import fake_step
 
     sched = Scheduler(SchedulerConfig(8, 64, 256), BlockManager(32, 4))
     waiting = Request("waits", [1, 2, 3], SamplingParams(max_tokens=4))

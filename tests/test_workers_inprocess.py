@@ -20,68 +20,21 @@ import pytest
 import torch
 import zmq
 
-from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (AbortRequest, ErrorKind, FinishReason, GenerateRequest, Heartbeat,
                                      KVPieceSum, KVTransferHeader, RegisterWorker, RemotePrefillDone,
                                      RemotePrefillRequest, RequestOutputs, SamplingParams)
-from pdserve.common.transport import Mailbox, bind_pull, decode, encode
+from pdserve.common.transport import Mailbox, encode
 from pdserve.common.validation import prefill_sampling_params
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.scheduling.request import RequestStatus
 from pdserve.common.sharding import endpoint
-from pdserve.cluster.worker_base import WorkerBase
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.receiver import ReceivedKV
 from pdserve.llm import LLM
 from pdserve.prefill_worker.worker import PrefillWorker
+from tests.helpers.fake_peers import HOST, FakeRouter, make_worker, Peer, drive, GREEDY, all_blocks_free  # noqa: F401
 
-HOST = "127.0.0.1"
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PREFILL_ID = "fake-prefill"
-
-
-class Peer:
-    """A bound PULL socket standing in for the router or a prefill worker."""
-
-    def __init__(self):
-        self.ctx = zmq.Context()
-        self.pull, self.addr = bind_pull(self.ctx, HOST)
-        self.received: list = []
-
-    def poll(self, timeout_s: float = 0.0) -> list:
-        """Receive what arrived (waiting up to ``timeout_s`` for the first message)."""
-        got = []
-        if self.pull.poll(int(timeout_s * 1000)):
-            while self.pull.poll(0):
-                got.append(decode(self.pull.recv_multipart()))
-        self.received += got
-        return got
-
-    def of_type(self, kind) -> list:
-        self.poll()
-        return [m for m in self.received if isinstance(m, kind)]
-
-    def wait_for(self, kind, num: int = 1, timeout_s: float = 5.0) -> list:
-        """The messages of ``kind`` received so far, once there are at least ``num``."""
-        deadline = time.monotonic() + timeout_s
-        while len(found := self.of_type(kind)) < num and time.monotonic() < deadline:
-            self.poll(0.05)
-        return found
-
-    def close(self):
-        self.ctx.destroy(linger=0)
-
-
-class FakeRouter(Peer):
-    def deltas(self, request_id: str) -> list:
-        return [d for m in self.of_type(RequestOutputs) for d in m.deltas if d.request_id == request_id]
-
-    def tokens(self, request_id: str) -> list[int]:
-        return [t for d in self.deltas(request_id) for t in d.new_token_ids]
-
-    def finished(self, request_id: str):
-        return next((d for d in self.deltas(request_id) if d.finish_reason is not None), None)
 
 
 @pytest.fixture(scope="module")
@@ -97,27 +50,11 @@ def peers():
     prefill.close()
 
 
-def make_worker(cls, model_dir, router_addr, **worker_kw):
-    engine = EngineConfig(model=model_dir, kv_cache_memory=4 * 2**20, remote_prefill_threshold=0)
-    worker_kw.setdefault("transfer_timeout_s", 30.0)
-    return cls(engine, WorkerConfig(role=cls.role.name.lower(), router_addr=router_addr, **worker_kw))
-
-
 @pytest.fixture
 def decode_worker(model_dir, peers, request):
     worker = make_worker(DecodeWorker, model_dir, peers[0].addr, **getattr(request, "param", {}))
     yield worker
     worker.close()
-
-
-def drive(worker: WorkerBase, until, timeout_s: float = 20.0) -> None:
-    """Run the worker's loop by hand until ``until()`` is true."""
-    deadline = time.monotonic() + timeout_s
-    while not until():
-        assert time.monotonic() < deadline, "condition not reached"
-        worker.periodic(time.monotonic())
-        worker.drain_inbox(wait=0.01)
-        worker.step()
 
 
 def prompt_ids(llm: LLM, text: str) -> list[int]:
@@ -191,11 +128,6 @@ def park(worker: DecodeWorker, prefill: Peer, msg: GenerateRequest) -> RemotePre
         assert time.monotonic() < deadline
         prefill.poll(0.05)
     return asks[0]
-
-
-def all_blocks_free(worker: WorkerBase) -> bool:
-    bm = worker.core.block_manager
-    return bm.num_free_blocks == bm.num_blocks
 
 
 def greedy_reference(llm: LLM, ids: list[int], params: SamplingParams = GREEDY) -> list[int]:

@@ -18,8 +18,8 @@ import pytest
 from pdserve.common.utils import free_port
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from pdserve.cluster.scale import scale_pools
-from tests.test_cluster import hf_greedy_texts, wait_all_blocks_free
-from tests.test_scale import Load
+from tests.helpers.cluster import hf_greedy_texts, wait_all_blocks_free
+from tests.helpers.cluster import Load
 
 pytestmark = pytest.mark.cluster
 

@@ -20,7 +20,7 @@ from schemathesis.checks import positive_data_acceptance
 from transformers import AutoTokenizer
 
 from pdserve.common.utils import free_port
-from tests.test_router import FakeDecodeWorker, wait_for
+from tests.helpers.fake_peers import FakeDecodeWorker, wait_for
 
 pytestmark = pytest.mark.cluster
 

@@ -12,7 +12,7 @@ import httpx
 from transformers import AutoTokenizer
 
 from pdserve.common.utils import free_port
-from tests.test_router import FakeDecodeWorker, wait_for
+from tests.helpers.fake_peers import FakeDecodeWorker, wait_for
 
 
 def test_sigterm_drains_the_router_then_it_exits(model_dir):

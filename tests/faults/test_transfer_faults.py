@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.common.utils import free_port
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
-from tests.test_cluster import hf_greedy_texts, wait_all_blocks_free
+from tests.helpers.cluster import hf_greedy_texts, wait_all_blocks_free
 
 pytestmark = pytest.mark.cluster
 
