@@ -182,10 +182,10 @@ class _RecordingPair:
         self.staging = StagingPool()
         self.sent: list[torch.Tensor] = []
 
-    def _register(self, outgoing):
+    def register_send(self, send):
         pass
 
-    def _enqueue(self, outgoing, tensors, last):
+    def enqueue_send(self, send, tensors, last):
         self.sent.extend(tensors)
 
 

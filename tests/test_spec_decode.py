@@ -15,7 +15,7 @@ from pdserve.engine.execution.sampler import Sampler, SamplingRow
 from pdserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.speculative_config import SpeculativeConfig
 from pdserve.engine.execution.spec_decode.ngram import NgramProposer
-from pdserve.engine.execution.spec_decode.rejection_sampler import DraftGroup, RejectionSampler
+from pdserve.engine.execution.rejection_sampler import DraftGroup, RejectionSampler
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
 

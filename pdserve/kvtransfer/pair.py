@@ -25,7 +25,8 @@ import threading
 import time
 from collections import deque
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,8 +36,6 @@ from pdserve.common.utils import listen_socket
 from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import KVTransferError
 
-if TYPE_CHECKING:
-    from pdserve.kvtransfer.sender import OutgoingKV
 
 
 def transfer_backend(device: torch.device | str) -> str:
@@ -126,6 +125,25 @@ class PairStoreServer:
         self._listener.close()
 
 
+@dataclass
+class PendingSend:
+    """One request's place in its pair's send order (the pair's sequencer owns it, under its lock).
+
+    Messages go out strictly in order, one request after another: ``queued`` waits until every earlier
+    request has issued its last message. ``works``: the issued sends to wait on; ``issued`` is set
+    once the last message is issued, or when ``fail`` is called (the pair closed)."""
+
+    on_fail: Callable[[str], None]
+    queued: deque = field(default_factory=deque)  # [torch.Tensor], not yet issued
+    all_queued: bool = False
+    works: list = field(default_factory=list)
+    issued: threading.Event = field(default_factory=threading.Event)
+
+    def fail(self, reason: str) -> None:
+        self.on_fail(reason)
+        self.issued.set()
+
+
 class KVPair:
     """One live two-rank group: prefill worker = rank 0 (sender), decode worker = rank 1.
 
@@ -156,7 +174,7 @@ class KVPair:
         self._store: dist.Store | None = None  # the pair's PrefixStore, for close notes
         self._note_thread: threading.Thread | None = None
         self._lock = threading.RLock()
-        self._send_order: deque[OutgoingKV] = deque()
+        self._send_order: deque[PendingSend] = deque()
 
     @property
     def name(self) -> str:
@@ -212,7 +230,7 @@ class KVPair:
         """Exchange ``hello`` (and so create NCCL's communicator here, not in the step loop)."""
         values = [wire.MAGIC, self.generation, wire.crc(self.prefill_worker_id), wire.crc(self.decode_worker_id)]
         hello = torch.tensor(values, dtype=torch.int64, device=self.device)
-        with self._device_ctx():
+        with self.device_context():
             if self.rank == 0:
                 self.wait(self.send(hello), deadline - time.monotonic(), "hello")
                 return
@@ -223,7 +241,7 @@ class KVPair:
             self.close(reason)
             raise KVTransferError(reason)
 
-    def _device_ctx(self):
+    def device_context(self):
         return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _live_pg(self) -> dist.ProcessGroup:
@@ -274,29 +292,30 @@ class KVPair:
         """Receive the stream's next message into ``tensor`` (contiguous, exact size), waiting up to ``timeout_s``."""
         self.wait(self.irecv(tensor, what), timeout_s, what)
 
-    # -- send sequencer (used by OutgoingKV) ---------------------------------
+    # -- send sequencer (the sender's OutgoingKV holds a PendingSend) --------
 
-    def _register(self, outgoing: OutgoingKV) -> None:
+    def register_send(self, send: PendingSend) -> None:
+        """Take ``send``'s place in the stream order (it fails at once if the pair is closed)."""
         with self._lock:
             if self._pg is None:
-                outgoing._fail(f"pair {self.name} is closed: {self.error}")
+                send.fail(f"pair {self.name} is closed: {self.error}")
             else:
-                self._send_order.append(outgoing)
+                self._send_order.append(send)
 
-    def _enqueue(self, outgoing: OutgoingKV, tensors: list[torch.Tensor], last: bool) -> None:
-        """Queue ``outgoing``'s next messages and issue whatever the stream order allows."""
+    def enqueue_send(self, send: PendingSend, tensors: list[torch.Tensor], last: bool) -> None:
+        """Queue ``send``'s next messages and issue whatever the stream order allows."""
         with self._lock:
-            outgoing._queued.extend(tensors)
-            outgoing._all_queued = last
+            send.queued.extend(tensors)
+            send.all_queued = last
             try:
                 while self._send_order and self._pg is not None:
                     head = self._send_order[0]
-                    while head._queued:
-                        head._works.append(self._pg.send([head._queued.popleft()], self.peer_rank, wire.TAG))
-                    if not head._all_queued:
+                    while head.queued:
+                        head.works.append(self._pg.send([head.queued.popleft()], self.peer_rank, wire.TAG))
+                    if not head.all_queued:
                         break
                     self._send_order.popleft()
-                    head._issued.set()
+                    head.issued.set()
             except Exception as exc:
                 self.close(f"send to {self.peer_desc} failed: {_short(exc)}")
 
@@ -326,8 +345,8 @@ class KVPair:
             self.error = self.error or reason or "closed"
             waiting = list(self._send_order)
             self._send_order.clear()
-        for outgoing in waiting:
-            outgoing._fail(f"pair {self.name} closed: {self.error}")
+        for send in waiting:
+            send.fail(f"pair {self.name} closed: {self.error}")
         if self._store is not None:
             self._note_thread = _leave_note(self._store, self.rank, self.error)
         if self.backend == "nccl":

@@ -225,7 +225,7 @@ class DecodePairs:
         """Receive one request's stream: meta, checked against ``header``, then each layer."""
         rid = header.request_id
         expected = wire.expected_meta(header, self.device)  # KVTransferError on an unknown dtype
-        with pair._device_ctx():
+        with pair.device_context():
             meta = torch.empty_like(expected)
             pair.recv(meta, self.timeout_s, f"request {rid}: start of KV stream")
             if not torch.equal(meta, expected):

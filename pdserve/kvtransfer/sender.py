@@ -17,7 +17,6 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,7 +25,7 @@ import torch
 import pdserve.kvtransfer.wire as wire
 from pdserve.common import faults
 from pdserve.kvtransfer.checksum import ROW_BYTES, BlockGather, KVChecksum
-from pdserve.kvtransfer.pair import KVPair
+from pdserve.kvtransfer.pair import KVPair, PendingSend
 from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import KVTransferError, layer_prefix
 
@@ -78,17 +77,12 @@ class OutgoingKV:
         self._checksum = KVChecksum()  # over each gathered layer, as it is gathered
         self._rows: tuple[torch.Tensor, ...] = ()  # _staging's layers
         self._faulty = False  # a test fault is set for this request (start): no run-by-run sends
-        # Owned by the pair's sequencer (under its lock):
-        self._queued: deque[torch.Tensor] = deque()
-        self._all_queued = False
-        self._works: list = []
-        self._issued = threading.Event()  # every message issued, or failed
         self._error: str | None = None
-        pair._register(self)
+        self._send = PendingSend(on_fail=self._failed)  # its place in the pair's send order
+        pair.register_send(self._send)
 
-    def _fail(self, reason: str) -> None:
+    def _failed(self, reason: str) -> None:
         self._error = self._error or reason
-        self._issued.set()
 
     def start(self, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
         """Take the staging buffer and put the stream's meta on the wire now, before layer 0 exists.
@@ -116,7 +110,7 @@ class OutgoingKV:
         if len(block_ids) <= num_blocks:
             self._plan_for(kv_layer, block_ids, layer_prefix(self._rows[0], len(block_ids)))
         if fault is None or fault["mode"] != "never":
-            self.pair._enqueue(self, [meta], last=False)
+            self.pair.enqueue_send(self._send, [meta], last=False)
 
     def _plan_for(self, kv_layer: torch.Tensor, block_ids: list[int], staged: torch.Tensor) -> _BlocksPlan:
         """The plan of ``block_ids`` (made on its first use: the layers of one KV cache group share one
@@ -170,7 +164,7 @@ class OutgoingKV:
                     messages = [staged[slot, first:end] for slot, first, end in plan.runs]
                     last = len(messages) - 1 if layer_idx == self.num_layers - 1 else -1
                     sums = plan.gather.in_runs(kv_layer, staged, plan.runs,
-                                               lambda i: self.pair._enqueue(self, [messages[i]], last=i == last))
+                                               lambda i: self.pair.enqueue_send(self._send, [messages[i]], last=i == last))
                 else:
                     sums = plan.gather(kv_layer, staged)
             except ValueError:  # not the planned layout: the checks below say what is wrong
@@ -196,7 +190,7 @@ class OutgoingKV:
         self.num_bytes += staged.nbytes
         tensors = wire.layer_messages(staged)
         if (fault := faults.kv_send_fault(self.request_id)) is None or self._inject(fault, layer_idx, tensors):
-            self.pair._enqueue(self, tensors, last=layer_idx == self.num_layers - 1)
+            self.pair.enqueue_send(self._send, tensors, last=layer_idx == self.num_layers - 1)
         if sums is not None:
             self._checksum.add(sums, staged.nbytes)
         else:
@@ -220,7 +214,7 @@ class OutgoingKV:
 
     def abort(self, reason: str) -> None:
         """Give up on this request. If some layers were never sent the stream is broken, so the pair closes."""
-        self._fail(f"request {self.request_id} aborted: {reason}")
+        self._send.fail(f"request {self.request_id} aborted: {reason}")
         if self._next_layer < self.num_layers:
             self.pair.close(f"request {self.request_id} aborted after {self._next_layer}/{self.num_layers} "
                             f"layers: {reason}")
@@ -234,19 +228,19 @@ class OutgoingKV:
         """
         deadline = time.monotonic() + timeout_s
         rid = self.request_id
-        if not self._issued.wait(timeout_s):
+        if not self._send.issued.wait(timeout_s):
             reason = (f"request {rid}: only {self._next_layer}/{self.num_layers} layers reached send_layer "
                       f"(or an earlier request on pair {self.pair.name} stalled) within {timeout_s:.1f}s")
             self.pair.close(reason)
             raise KVTransferError(reason)
         if self._error is not None:
             raise KVTransferError(f"request {rid}: KV send to {self.pair.peer_desc} failed: {self._error}")
-        with self.pair._device_ctx():
-            for i, work in enumerate(self._works):
+        with self.pair.device_context():
+            for i, work in enumerate(self._send.works):
                 what = f"request {rid}: send of {'meta' if i == 0 else f'layer {i - 1}/{self.num_layers}'}"
                 self.pair.wait(work, deadline - time.monotonic(), what)
             value = self._checksum.value
-        self._works.clear()
+        self._send.works.clear()
         staging, self._staging = self._staging, None
         self._rows = ()
         self._plans.clear()

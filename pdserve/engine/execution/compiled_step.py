@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 import types
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,7 +27,7 @@ from pdserve.engine.layers import decode_linear
 from pdserve.engine.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from pdserve.engine.execution.model_runner import ModelInput, ModelRunner
+    from pdserve.engine.execution.model_input import ModelInput
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,17 @@ def _keep_guards(guards) -> list[bool]:
     return [g.guard_type == "TENSOR_MATCH" or not g.orig_guard.source.is_unspecialized_nn_module() for g in guards]
 
 
+class DecodeRunner(Protocol):
+    """What the compiled step reads of its ``ModelRunner`` (which builds it, so it does not import it)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    kv_cache: torch.Tensor
+    ranks: object | None  # TP/PP rank group: compiled only on one rank
+    attention_backend: str
+    attn_kv_dtype: str | None  # the KV cache's quantized format, None for the model's dtype
+
+
 class CompiledDecodeStep:
     """A runner's decode-only forward, compiled.
 
@@ -51,12 +62,12 @@ class CompiledDecodeStep:
     sequence has one new token (``max_query_len == 1``). Build it with ``build``.
     """
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: DecodeRunner):
         self.runner = runner
         self._compiled = None
 
     @classmethod
-    def build(cls, runner: ModelRunner) -> CompiledDecodeStep | None:
+    def build(cls, runner: DecodeRunner) -> CompiledDecodeStep | None:
         """Compile ``runner``'s decode step and warm it up now; None where it stays eager (logged).
 
         One graph with a symbolic batch size serves every decode batch (torch specializes batch 1 on
@@ -121,7 +132,7 @@ class CompiledDecodeStep:
 
         def metadata_of(slots: torch.Tensor, tables: torch.Tensor) -> AttentionMetadata:
             return AttentionMetadata(slots, tables, seq_lens, query_start_loc, max_query_len=1, max_seq_len=0,
-                                     backend=runner.attention_backend, kv_cache_dtype=runner._attn_kv_dtype)
+                                     backend=runner.attention_backend, kv_cache_dtype=runner.attn_kv_dtype)
 
         hidden = model.model.embed_tokens(input_ids)
         start, end = model.layer_range

@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 import zlib
-from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -25,6 +23,7 @@ from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttac
 from pdserve.common.utils import format_cpu_list, keep_freed_memory, pin_to_cores, resolve_device, resolve_dtype
 from pdserve.engine.layers.attention import AttentionMetadata, select_backend
 from pdserve.engine.execution.compiled_step import CompiledDecodeStep
+from pdserve.engine.execution.model_input import ModelInput
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.execution.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.common.kv_cache_groups import kv_cache_groups_for
@@ -41,25 +40,11 @@ from pdserve.engine.layers.quantization import check_quantization_target, checkp
 from pdserve.engine.execution.prompt_logprobs import add_prompt_logprob_rows, compute_prompt_logprobs
 from pdserve.engine.scheduling.request import Request
 from pdserve.engine.execution.sampler import Sampler, SamplingRow
-from pdserve.engine.execution.spec_decode.rejection_sampler import DraftGroup, RejectionSampler
+from pdserve.engine.execution.rejection_sampler import DraftGroup, RejectionSampler
 from pdserve.engine.scheduling.step_inputs import flatten_step
 from pdserve.engine.execution.structured_output import allocate_token_bitmask, build_token_bitmask
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelInput:
-    """Flattened inputs of one forward, as tensors.
-
-    input_ids, positions: [num_tokens] int64. ``sample_indices[i]``: the row of the
-    hidden states whose logits sample the i-th sampled request's next token.
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata
-    sample_indices: torch.Tensor
 
 
 def read_eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
@@ -194,7 +179,7 @@ class ModelRunner:
                                           self.head_dim, kv_name, self.device, self.kv_slots)
         self.kv_cache_bytes = self.num_blocks * block_bytes
         # What attention needs to know of the cache's rows: a quantized format's name, else None.
-        self._attn_kv_dtype = kv_name if self.kv_cache_format.quantized else None
+        self.attn_kv_dtype = kv_name if self.kv_cache_format.quantized else None
         self.attention_backend = select_backend(config.attention_backend, self.device, kv_name, self.head_dim,
                                                 self.kv_v_dim)
         logger.info("attention backend: %s", self.attention_backend)
@@ -264,7 +249,7 @@ class ModelRunner:
             max_seq_len=step.max_seq_len,
             backend=self.attention_backend,
             batch_invariant=self.config.batch_invariant,
-            kv_cache_dtype=self._attn_kv_dtype,
+            kv_cache_dtype=self.attn_kv_dtype,
             rope_seq_lens=as_tensor(step.rope_seq_lens) if step.rope_seq_lens else None,
         )
         if step.group_slot_mappings:  # KV cache groups 1..: their own slots and tables, the same sequences

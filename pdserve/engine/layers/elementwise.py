@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.layers.kernel_choice import native
+from pdserve.engine.layers.native_switch import native
 from pdserve.kernels import load_elementwise
 
 

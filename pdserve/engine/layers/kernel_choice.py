@@ -37,7 +37,6 @@ process serves one engine (several engines in one process, as in tests, share th
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -46,10 +45,10 @@ import torch
 from torch import nn
 
 from pdserve.engine.config import NATIVE_KERNEL_MODES
+from pdserve.engine.layers.native_switch import KERNELS, native, native_max_keys, set_native, set_native_max_keys  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("prefill_attention", "elementwise", "decode_linear")
 REPEATS = 5
 ATTENTION_FRESH = (128, 512, 1024)  # fresh prompts' tokens the attention probe times
 ATTENTION_CHUNK_ROWS = 256  # a prompt chunk after cached rows (a prefill worker's long prompts go 256 a step)
@@ -57,40 +56,6 @@ ATTENTION_CHUNK_KEYS = (512, 2048)  # the keys such a chunk attends over, probed
 ELEMENTWISE_ROWS = 256
 DECODE_ROWS = (1, 8)
 DECODE_PROBE_BYTES = 48 * 2**20  # the first linears' weights, up to this much (streamed as in a step)
-
-_native: dict[str, bool] = {}  # kernel -> whether its native path runs; absent: it does (if it builds)
-# prompt attention: the kernel only over at most this many keys (None: any), for a fresh prompt (rows = keys)
-# and for a chunk after cached rows (rows < keys)
-_native_max_keys: dict[bool, int | None] = {True: None, False: None}
-
-
-def native(kernel: str) -> bool:
-    """Whether ``kernel``'s native path may run in this process (``choose_kernels`` decided, or nothing has)."""
-    return _native.get(kernel, True)
-
-
-def native_max_keys(fresh: bool = True) -> int | None:
-    """The most keys a prompt's attention goes through the native kernel with (None: no limit): for a fresh
-    prompt (``fresh``: as many rows as keys) or a chunk after cached rows."""
-    return _native_max_keys[fresh]
-
-
-def set_native_max_keys(limit: int | None, chunk_limit: int | None = None) -> None:
-    """Prompt attention over more than ``limit`` keys (a fresh prompt) or ``chunk_limit`` (a chunk after
-    cached rows) takes SDPA (None: the kernel at any length)."""
-    _native_max_keys[True], _native_max_keys[False] = limit, chunk_limit
-
-
-def set_native(kernel: str, on: bool) -> None:
-    """Run ``kernel``'s native path (``on``) or its torch path from now on, in this process."""
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}; one of {', '.join(KERNELS)}")
-    _native[kernel] = on
-    if kernel == "decode_linear":
-        from pdserve.engine.layers import decode_linear
-
-        decode_linear.set_enabled(on)
-
 
 @dataclass
 class KernelChoice:

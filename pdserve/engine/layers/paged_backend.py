@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.common.kv_quant import dequantize_rows, kv_cache_format
-from pdserve.engine.layers.attention import AttentionMetadata, write_kv_cache
+from pdserve.engine.layers.attention_metadata import AttentionMetadata, write_kv_cache
 from pdserve.kernels import KV_DTYPE_CODES, load_paged_attention
 from pdserve.engine.layers.prefill_attention import causal_attention
 

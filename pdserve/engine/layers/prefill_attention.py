@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.layers.kernel_choice import native, native_max_keys
+from pdserve.engine.layers.native_switch import native, native_max_keys
 from pdserve.kernels import load_prefill_attention
 
 

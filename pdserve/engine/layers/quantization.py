@@ -45,7 +45,7 @@ from torch import nn
 from pdserve.engine.layers.compressed_tensors import CHECKPOINT_SCALE, QUANT_METHOD, CompressedTensorsConfig
 from pdserve.engine.layers.int8_linear import build_kernel
 from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear
-from pdserve.engine.config import QUANTIZATION_METHODS, check_quantization_name
+from pdserve.engine.config import check_quantization_name
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ Life of a step with speculation (``EngineCore``)::
     update  : num_computed_tokens += 1 + accepted; rejected drafts' KV slots are
               simply not counted (overwritten by later tokens): the rollback
 
-Modules: ``config`` (``--speculative-config``), ``ngram``, ``draft_model``,
-``rejection_sampler``.
+Modules: ``ngram`` and ``draft_model`` (the proposers). ``--speculative-config`` is parsed by
+``pdserve.engine.speculative_config``; the verification is ``execution.rejection_sampler``, beside
+the model runner that runs it.
 """
 
 from pdserve.engine.speculative_config import SpeculativeConfig
