@@ -229,3 +229,25 @@ def test_an_unknown_isa_is_refused(monkeypatch):
     monkeypatch.setenv("PDSERVE_KERNEL_ISA", "avx1024")
     with pytest.raises(ValueError, match="PDSERVE_KERNEL_ISA"):
         kernels.compiler_flags()
+
+
+def test_kernel_signatures_are_read_from_their_c_definitions(tmp_path):
+    """ctypes types each entry point from its C definition (``kernel_functions``), not from a list kept by
+    hand beside it; a parameter type with no ctypes mapping is refused, not guessed."""
+    import ctypes
+
+    from pdserve.kernels import kernel_functions, load_elementwise
+
+    functions = kernel_functions("elementwise.cpp")
+    assert list(functions) == ["pdserve_silu_and_mul", "pdserve_rms_norm", "pdserve_rope_rotate_half"]
+    rms = functions["pdserve_rms_norm"]
+    assert [name for _, name in rms.params] == ["out", "x", "weight", "rows", "hidden", "x_row", "out_row", "eps",
+                                                "num_threads"]
+    assert rms.argtypes == [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
+    odd = tmp_path / "odd.cpp"
+    odd.write_text('extern "C" int pdserve_odd(const float* x,\n    size_t n) { return 0; }\n')
+    with pytest.raises(KeyError, match="size_t"):
+        kernel_functions(odd)
+    lib = load_elementwise()
+    if lib is not None:
+        assert lib.pdserve_rms_norm.argtypes == rms.argtypes

@@ -22,10 +22,12 @@ import logging
 import os
 import pathlib
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -116,12 +118,51 @@ def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
     return target
 
 
-def _load(name: str, argtypes: list | dict[str, list], what: str, fallback: str,
-          functions: tuple[str, ...] | None = None) -> ctypes.CDLL | None:
-    """Library ``name`` (built from ``name``.cpp; its C functions ``functions``, default
-    ``(pdserve_<name>,)``, each return an int and take ``argtypes``, or ``argtypes[function]`` when
-    it is a dict), or None where it cannot be built here (logged once: ``what`` could not be built,
-    ``fallback`` runs instead)."""
+# The C types a kernel's entry points use, as ctypes declares them for the call (any pointer is an address).
+_C_TYPES = {"int64_t": ctypes.c_int64, "int": ctypes.c_int, "float": ctypes.c_float}
+_PROTOTYPE = re.compile(r"\bint\s+(pdserve_\w+)\s*\(([^)]*)\)\s*\{")
+
+
+@dataclass(frozen=True)
+class KernelFunction:
+    """One C entry point of a kernel source, as its definition declares it: ``int name(params)``.
+
+    params: (C type, name) per parameter, in order. Every entry point returns an int (0: done; other
+    values are the kernel's refusals, which its docstring lists)."""
+
+    name: str
+    params: tuple[tuple[str, str], ...]
+
+    @property
+    def argtypes(self) -> list:
+        """The ctypes argument types (pointers as ``c_void_p``: callers pass ``tensor.data_ptr()``)."""
+        return [ctypes.c_void_p if "*" in ctype else _C_TYPES[ctype] for ctype, _ in self.params]
+
+
+def kernel_functions(source: str | pathlib.Path) -> dict[str, KernelFunction]:
+    """The ``pdserve_*`` entry points defined in a kernel source (its file name, e.g. ``"elementwise.cpp"``,
+    or a path), read from their C definitions: the one place their signatures are written.
+    Raises KeyError for a parameter type ctypes is not told about here (``_C_TYPES``)."""
+    path = pathlib.Path(source) if pathlib.Path(source).is_absolute() else _KERNEL_DIR / source
+    functions = {}
+    for name, params in _PROTOTYPE.findall(path.read_text()):
+        parsed = []
+        for param in " ".join(params.split()).split(","):
+            ctype, _, pname = param.strip().rpartition(" ")
+            ctype = ctype.replace("const ", "").strip()
+            if pname.startswith("*"):
+                ctype, pname = ctype + "*", pname.lstrip("*")
+            if "*" not in ctype and ctype not in _C_TYPES:
+                raise KeyError(f"{path.name}: {name} takes a {ctype!r}, which has no ctypes type here")
+            parsed.append((ctype, pname))
+        functions[name] = KernelFunction(name, tuple(parsed))
+    return functions
+
+
+def _load(name: str, what: str, fallback: str) -> ctypes.CDLL | None:
+    """Library ``name``, built from ``name``.cpp, with every ``pdserve_*`` function of it typed from its C
+    definition (``kernel_functions``); or None where it cannot be built here (logged once: ``what``
+    could not be built, ``fallback`` runs instead)."""
     if name in _loaded:  # every layer of every forward asks: no lock once it is known (a dict read is atomic)
         return _loaded[name]
     with _lock:
@@ -136,10 +177,10 @@ def _load(name: str, argtypes: list | dict[str, list], what: str, fallback: str,
         else:
             try:
                 lib = ctypes.CDLL(str(_build(_KERNEL_DIR / f"{name}.cpp", compiler)))
-                for function in functions or (f"pdserve_{name}",):
-                    fn = getattr(lib, function)
+                for function in kernel_functions(f"{name}.cpp").values():
+                    fn = getattr(lib, function.name)
                     fn.restype = ctypes.c_int
-                    fn.argtypes = argtypes[function] if isinstance(argtypes, dict) else argtypes
+                    fn.argtypes = function.argtypes
             except (OSError, subprocess.SubprocessError, AttributeError) as e:
                 detail = getattr(e, "stderr", "") or ""
                 logger.warning("could not build the %s kernel (%s%s): %s", what, e,
@@ -149,73 +190,46 @@ def _load(name: str, argtypes: list | dict[str, list], what: str, fallback: str,
         return lib
 
 
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
-
-
 def load_paged_attention() -> ctypes.CDLL | None:
     """The compiled paged-attention library, or None where it cannot be built here (logged once)."""
-    return _load("paged_attention",
-                 {"pdserve_paged_attention": [_P, _P, _P, ctypes.c_int, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _I64,
-                                              _I64, _I64, _I64, _I64, ctypes.c_float, _I64, _P, ctypes.c_int],
-                  "pdserve_paged_decode_attention": [_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _I64,
-                                                     _I64, _I64, _I64, ctypes.c_float, _I64, ctypes.c_int]},
-                 "paged-attention", "paged attention runs on the plain-torch (gathering) path",
-                 functions=("pdserve_paged_attention", "pdserve_paged_decode_attention"))
+    return _load("paged_attention", "paged-attention", "paged attention runs on the plain-torch (gathering) path")
 
 
 def load_int8_linear() -> ctypes.CDLL | None:
     """The compiled weight-only int8 linear library (``int8_linear.cpp``), or None where it cannot
     be built here (logged once; int8 layers then dequantize their weight for each call)."""
-    return _load("int8_linear", [_P, _P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_int],
-                 "int8 linear", "int8 layers dequantize their weights for every call instead")
+    return _load("int8_linear", "int8 linear", "int8 layers dequantize their weights for every call instead")
 
 
 def load_decode_linear() -> ctypes.CDLL | None:
     """The compiled few-row linear library (``decode_linear.cpp``: ``pdserve_f32_linear`` and
     ``pdserve_bf16_linear``), or None where it cannot be built here (logged once; decode matmuls then
     use torch's GEMM)."""
-    return _load("decode_linear", [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int], "decode linear",
-                 "decode matmuls run through torch's GEMM", functions=("pdserve_f32_linear", "pdserve_bf16_linear"))
+    return _load("decode_linear", "decode linear", "decode matmuls run through torch's GEMM")
 
 
 def load_panel_linear() -> ctypes.CDLL | None:
     """The compiled panel linear library (``panel_linear.cpp``: ``pdserve_f32_pack_panels`` and
     ``pdserve_f32_panel_linear``), or None where it cannot be built here (logged once; the engine then
     keeps another weight layout)."""
-    return _load("panel_linear", {"pdserve_f32_pack_panels": [_P, _P, _I64, _I64],
-                                  "pdserve_f32_panel_linear": [_P, _P, _P, _I64, _I64, _I64, ctypes.c_int]},
-                 "panel linear", "linear weights keep another layout",
-                 functions=("pdserve_f32_pack_panels", "pdserve_f32_panel_linear"))
+    return _load("panel_linear", "panel linear", "linear weights keep another layout")
 
 
 def load_prefill_attention() -> ctypes.CDLL | None:
     """The compiled causal prefill-attention library (``prefill_attention.cpp``), or None where it
     cannot be built here (logged once; prompts then attend with torch's SDPA)."""
-    return _load("prefill_attention", [_P, _P, _P, _P, *[_I64] * 14, ctypes.c_float, ctypes.c_int],
-                 "prefill attention", "prompt rows attend with torch's scaled_dot_product_attention")
+    return _load("prefill_attention", "prefill attention", "prompt rows attend with torch's scaled_dot_product_attention")
 
 
 def load_kv_gather() -> ctypes.CDLL | None:
     """The compiled KV transfer library (``kv_gather.cpp``: ``pdserve_kv_checksum`` and
     ``pdserve_kv_gather_checksum``), or None where it cannot be built here (logged once; the transfer
     then gathers with ``index_select`` and checksums with torch reductions)."""
-    return _load("kv_gather", {"pdserve_kv_checksum": [_P, _I64, _P],
-                               "pdserve_kv_gather_checksum": [_P, _I64, _I64, _I64, _P, _I64, _I64, _I64, _I64,
-                                                              _I64, _P, _P]},
-                 "KV gather", "the KV transfer gathers and checksums with torch operators",
-                 functions=("pdserve_kv_checksum", "pdserve_kv_gather_checksum"))
-
-
-_ELEMENTWISE_ARGS = {
-    "pdserve_silu_and_mul": [_P, _P, _I64, _I64, _I64, _I64, ctypes.c_int],
-    "pdserve_rms_norm": [_P, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int],
-    "pdserve_rope_rotate_half": [_P, _P, _P, _P, *[_I64] * 7, ctypes.c_int],
-}
+    return _load("kv_gather", "KV gather", "the KV transfer gathers and checksums with torch operators")
 
 
 def load_elementwise() -> ctypes.CDLL | None:
     """The compiled elementwise library (``elementwise.cpp``: ``pdserve_silu_and_mul``,
     ``pdserve_rms_norm``, ``pdserve_rope_rotate_half``), or None where it cannot be built here
     (logged once; those layers then run as torch operators)."""
-    return _load("elementwise", _ELEMENTWISE_ARGS, "elementwise", "RMSNorm, SwiGLU and RoPE run as torch operators",
-                 functions=tuple(_ELEMENTWISE_ARGS))
+    return _load("elementwise", "elementwise", "RMSNorm, SwiGLU and RoPE run as torch operators")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels import load_decode_linear
+from pdserve.kernels import load_decode_linear, ops
 
 # Up to this many rows a CPU linear goes through the kernel (decode); more rows take torch's GEMM.
 KERNEL_MAX_ROWS = 32
@@ -59,12 +59,8 @@ def kernel_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and 0 < x.shape[0] <= KERNEL_MAX_ROWS and x.shape[1] % multiple == 0)
 
 
-# A plain operator definition with a CPU kernel, not ``torch.library.custom_op``: the latter's Python
-# wrappers (autograd, dispatch checks) cost ~9 us a call, ~0.5 ms of a decode step's 49 calls.
-_LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
-_LIBRARY.define("decode_linear(Tensor x, Tensor weight) -> Tensor")
-
-
+# ``torch.ops.pdserve.decode_linear`` (schema in pdserve/kernels/ops.py): a plain operator, not a
+# ``custom_op``, whose wrappers would cost ~9 us a call, ~0.5 ms of a decode step's 49 calls.
 def _decode_linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K] ^T -> [M, N] in x's dtype (float32, or bfloat16 accumulated in float32
     and rounded once), by the native kernel (call only where ``kernel_applies``). Raises
@@ -86,7 +82,7 @@ def _decode_linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_LIBRARY.impl("decode_linear", _decode_linear_cpu, "CPU")
+ops.implement("decode_linear", _decode_linear_cpu)
 
 
 @torch.library.register_fake("pdserve::decode_linear")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.kernels import ops
 from pdserve.kernels.op_handles import OpHandles
 
 _PACKED: OpHandles[torch.Tensor] = OpHandles()  # handle -> packed weight (the layer owns it)
@@ -26,11 +27,7 @@ def register_packed_weight(packed: torch.Tensor) -> int:
     return _PACKED.register(packed)
 
 
-# A plain operator definition with a CPU kernel, as decode_linear's (no custom_op wrappers per call).
-_LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
-_LIBRARY.define("onednn_linear(Tensor x, int handle, int out_features, Tensor? bias=None) -> Tensor")
-
-
+# The operator's CPU kernel (its schema: pdserve/kernels/ops.py).
 def _onednn_linear_cpu(x: torch.Tensor, handle: int, out_features: int,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) -> [M, out_features], W the packed weight of ``handle``. Raises
@@ -38,7 +35,7 @@ def _onednn_linear_cpu(x: torch.Tensor, handle: int, out_features: int,
     return torch.ops.mkldnn._linear_pointwise(x, _PACKED[handle], bias, "none", [None], "")
 
 
-_LIBRARY.impl("onednn_linear", _onednn_linear_cpu, "CPU")
+ops.implement("onednn_linear", _onednn_linear_cpu)
 
 
 @torch.library.register_fake("pdserve::onednn_linear")

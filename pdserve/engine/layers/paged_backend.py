@@ -18,7 +18,7 @@ import torch
 
 from pdserve.common.kv_quant import dequantize_rows, kv_cache_format
 from pdserve.engine.layers.attention_metadata import AttentionMetadata, write_kv_cache
-from pdserve.kernels import KV_DTYPE_CODES, load_paged_attention
+from pdserve.kernels import KV_DTYPE_CODES, load_paged_attention, ops
 from pdserve.engine.layers.prefill_attention import causal_attention
 
 
@@ -78,15 +78,8 @@ def native_plan(metadata: AttentionMetadata, sliding_window: int | None, sinks: 
     return plan
 
 
-# A plain operator definition with a CPU kernel, not ``torch.library.custom_op``: the latter's Python
-# wrappers (autograd, the mutation's version bump, dispatch checks) cost ~90 us a call, more than the
-# kernel itself at batch 1 (12 calls a step).
-_LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
-_LIBRARY.define("paged_decode_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, "
-                "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
-                "int sliding_window, str kv_cache_dtype='', Tensor? sinks=None) -> Tensor")
-
-
+# ``torch.ops.pdserve.paged_decode_attention`` (schema in pdserve/kernels/ops.py): a plain operator, not a
+# ``custom_op``, whose wrappers would cost ~90 us a call, more than the kernel itself at batch 1.
 def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            layer: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            query_start_loc: torch.Tensor, scale: float, sliding_window: int,
@@ -147,7 +140,7 @@ def _decode_float32(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-_LIBRARY.impl("paged_decode_attention", paged_decode_attention, "CPU")
+ops.implement("paged_decode_attention", paged_decode_attention)
 
 
 @torch.library.register_fake("pdserve::paged_decode_attention")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels import load_panel_linear
+from pdserve.kernels import load_panel_linear, ops
 from pdserve.kernels.op_handles import OpHandles
 
 LANES = 16  # output features per panel
@@ -54,11 +54,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return panels
 
 
-# A plain operator definition with a CPU kernel, as decode_linear's (no custom_op wrappers per call).
-_LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
-_LIBRARY.define("panel_linear(Tensor x, Tensor panels, int out_features) -> Tensor")
-
-
+# The operator's CPU kernel (its schema: pdserve/kernels/ops.py).
 def _panel_linear_cpu(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, out_features], W packed as ``panels`` [ceil(N / 16), K, 16] by
     ``pack_panels``. Raises RuntimeError if the kernel is missing or refuses the shapes."""
@@ -78,7 +74,7 @@ def _panel_linear_cpu(x: torch.Tensor, panels: torch.Tensor, out_features: int) 
     return out
 
 
-_LIBRARY.impl("panel_linear", _panel_linear_cpu, "CPU")
+ops.implement("panel_linear", _panel_linear_cpu)
 
 
 @torch.library.register_fake("pdserve::panel_linear")
@@ -94,7 +90,6 @@ def register_panels(panels: torch.Tensor) -> int:
     return _PANELS.register(panels)
 
 
-_LIBRARY.define("panel_linear_by_handle(Tensor x, int handle, int out_features) -> Tensor")
 
 
 def _panel_linear_by_handle_cpu(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
@@ -103,7 +98,7 @@ def _panel_linear_by_handle_cpu(x: torch.Tensor, handle: int, out_features: int)
     return _panel_linear_cpu(x, _PANELS[handle], out_features)
 
 
-_LIBRARY.impl("panel_linear_by_handle", _panel_linear_by_handle_cpu, "CPU")
+ops.implement("panel_linear_by_handle", _panel_linear_by_handle_cpu)
 
 
 @torch.library.register_fake("pdserve::panel_linear_by_handle")

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import ops
 from pdserve.engine.layers.base import _divide, batch_invariant_linear, linear, tp_rank_and_size
 from pdserve.kernels.op_handles import OpHandles
 
@@ -178,8 +179,6 @@ class FusedExperts(nn.Module):
 # layer by layer after dynamo's recompile limit. The operator takes the module's ``op_key`` (an int),
 # not its weights: the weights are the module's, read inside, never graph inputs.
 _EXPERT_MODULES: "OpHandles[FusedExperts]" = OpHandles()
-_LIBRARY = torch.library.Library("pdserve", "FRAGMENT")
-_LIBRARY.define("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, int op_key) -> Tensor")
 
 
 def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, op_key: int) -> torch.Tensor:
@@ -188,8 +187,7 @@ def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     return _EXPERT_MODULES[op_key].grouped_forward(x, topk_ids, topk_weights)
 
 
-for _key in ("CPU", "CUDA"):
-    _LIBRARY.impl("moe_experts", moe_experts, _key)
+ops.implement("moe_experts", moe_experts, ("CPU", "CUDA"))
 
 
 @torch.library.register_fake("pdserve::moe_experts")
