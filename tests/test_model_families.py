@@ -283,3 +283,22 @@ def test_deepseek_int8_cache_agrees_with_float32_and_bounds_the_logit_error(fami
     errors = {"int8": (logits - ref).abs().mean().item(), "fp8_e4m3": (fp8 - ref).abs().mean().item()}
     assert 0 < errors["int8"] < 0.06 * ref.std().item(), errors  # quantized, yet close
     assert errors["int8"] < errors["fp8_e4m3"], errors  # 7 bits beat 3
+
+
+def test_every_family_implements_the_model_interface(family_dirs, model_dir):
+    """``load_model`` returns a ``CausalLM`` for every family (the protocol the runner, the compiled step, the
+    loader and LoRA use), with the cache-sizing attributes as the checkpoint's config gives them."""
+    from transformers import AutoConfig
+
+    from pdserve.engine.models.interface import CausalLM
+    from pdserve.engine.models.loader import load_model
+
+    for name, path in {"llama": model_dir, **family_dirs}.items():
+        model = load_model(path, dtype=torch.float32, device="cpu")
+        cfg = AutoConfig.from_pretrained(path)
+        assert isinstance(model, CausalLM), name
+        assert model.layer_range == (0, cfg.num_hidden_layers) and model.num_layers == cfg.num_hidden_layers, name
+        assert model.vocab_size == cfg.vocab_size and model.kv_slots in (1, 2), name
+        assert len(model.decoder_layers) == cfg.num_hidden_layers, name
+        hidden = model.embed(torch.tensor([1, 2, 3]))
+        assert hidden.shape == (3, cfg.hidden_size), name

@@ -134,16 +134,16 @@ class CompiledDecodeStep:
             return AttentionMetadata(slots, tables, seq_lens, query_start_loc, max_query_len=1, max_seq_len=0,
                                      backend=runner.attention_backend, kv_cache_dtype=runner.attn_kv_dtype)
 
-        hidden = model.model.embed_tokens(input_ids)
+        hidden = model.embed(input_ids)
         start, end = model.layer_range
         if groups is None:
             metadata = metadata_of(slot_mapping, block_tables)
             for i in range(end - start):
-                hidden = model.model.layers[start + i](positions, hidden, kv_cache, metadata, layer=i)
+                hidden = model.decoder_layers[start + i](positions, hidden, kv_cache, metadata, layer=i)
             return hidden
         per_group = [metadata_of(slot_mapping[g], block_tables[g]) for g in range(groups.num_groups)]
         for i in range(end - start):
-            hidden = model.model.layers[start + i](positions, hidden, kv_cache, per_group[groups.layer_groups[i]],
+            hidden = model.decoder_layers[start + i](positions, hidden, kv_cache, per_group[groups.layer_groups[i]],
                                                    layer=groups.layer_slots[i])
         return hidden
 

@@ -30,6 +30,7 @@ from pdserve.common.kv_cache_groups import kv_cache_groups_for
 from pdserve.engine.layers.kernel_choice import KernelChoice, choose_kernels
 from pdserve.engine.layers.weight_format import PACKED_LAYOUTS, choose_linear_weight_format, pack_model
 from pdserve.common.kv_quant import resolve_kv_cache_format
+from pdserve.engine.models.interface import CausalLM
 from pdserve.engine.models.loader import load_model
 from pdserve.common.sharding import KVLayoutSpec, stage_layer_range
 from pdserve.engine.scheduling.outputs import ModelRunnerOutput
@@ -119,7 +120,7 @@ class ModelRunner:
         if ranks is not None:
             layer_range = stage_layer_range(hf_config.num_hidden_layers, ranks.parallel.pipeline_parallel_size,
                                             ranks.pp_rank)
-        self.model = load_model(config.model, dtype=self.dtype, device=self.device,
+        self.model: CausalLM = load_model(config.model, dtype=self.dtype, device=self.device,
                                 tp_group=ranks.tp_group if ranks is not None else None, layer_range=layer_range,
                                 has_embedding=ranks is None or ranks.is_first_stage,
                                 has_lm_head=ranks is None or ranks.is_driver,

@@ -30,7 +30,7 @@ class LoRAManager:
     """LoRA slots on one rank's model, and the adapters read so far.
 
     Args:
-        model: this rank's ``LlamaForCausalLM`` share (its decoder layers get ``LoRASlots``).
+        model: this rank's share of the model (a ``CausalLM``) (its decoder layers get ``LoRASlots``).
         max_loras: S, slots (adapters in one step). max_lora_rank: R.
         max_cpu_loras: adapters kept read in host memory (least recently used dropped first).
 
@@ -49,7 +49,7 @@ class LoRAManager:
         self.layers: dict[tuple[int, str], LoRASlots] = {}  # (global layer, "self_attn.qkv_proj") -> slots
         start, end = model.layer_range
         for layer in range(start, end):
-            block = model.model.layers[layer]
+            block = model.decoder_layers[layer]
             for name, module in block.named_modules():
                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                     module.lora = LoRASlots(module, max_loras, max_lora_rank, self.context)

@@ -237,7 +237,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 causal LM running over a paged KV cache.
+    """Llama / Mistral / Qwen2 causal LM running over a paged KV cache: the decoder most families extend
+    (a ``CausalLM``, ``pdserve.engine.models.interface``).
 
     One rank's share of the model: with tensor parallelism (``tp_group``) the decoder
     layers are sharded; with pipeline parallelism this rank holds only the layers in
@@ -294,6 +295,15 @@ class LlamaForCausalLM(nn.Module):
         self.kv_v_dim: int = first_attn.kv_v_dim
         self.vocab_size: int = config.vocab_size
 
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """Every global decoder layer (this rank's hold weights; the others are placeholders)."""
+        return self.model.layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] int64 -> [num_tokens, hidden_size]: the token embedding (first pipeline stage)."""
+        return self.model.embed_tokens(input_ids)
+
     def set_batch_invariant(self, enabled: bool = True) -> None:
         """Route every linear layer and the LM head through the batch-invariant matmul (or back).
 
@@ -346,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
         order. In a prefill most rows only feed the cache: for the bench preset (12 layers) this skips
         ~7% of a prompt's FLOPs. Pass it only where no later pipeline stage needs the other rows."""
         if hidden is None:
-            hidden = self.model.embed_tokens(input_ids)  # (N, hidden)
+            hidden = self.embed(input_ids)  # (N, hidden)
         start, end = self.layer_range
         groups = self.kv_cache_groups
         for i in range(end - start):

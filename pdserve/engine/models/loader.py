@@ -45,7 +45,7 @@ from transformers import AutoConfig
 from pdserve.engine.layers import mxfp4
 from pdserve.engine.layers.compressed_tensors import CHECKPOINT_SCALE, CompressedTensorsConfig
 from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear
-from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.interface import CausalLM
 from pdserve.engine.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def _checkpoint_files(model_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
 
 
-def _expected_keys(model: LlamaForCausalLM) -> set[tuple[str, int | None]]:
+def _expected_keys(model: CausalLM) -> set[tuple[str, int | None]]:
     """Every (parameter name, shard_id) the checkpoint must provide."""
     expected: set[tuple[str, int | None]] = set()
     modules = dict(model.named_modules())
@@ -134,11 +134,11 @@ def load_model(
     has_embedding: bool = True,
     has_lm_head: bool = True,
     expert_parallel: bool = False,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build the registry's model for ``model_dir`` and fill it from every *.safetensors file.
 
     ``tp_group``, ``layer_range``, ``has_embedding`` and ``has_lm_head`` pick this rank's share
-    (see ``LlamaForCausalLM``); tensors of other ranks' shares are skipped. ``expert_parallel``:
+    (see ``CausalLM``); tensors of other ranks' shares are skipped. ``expert_parallel``:
     a MoE model's experts are split whole across the TP ranks (``pdserve.engine.models.moe``); a
     model without experts ignores it (logged).
 
