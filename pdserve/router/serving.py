@@ -36,30 +36,25 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from pdserve.common.protocol import (FinishReason, LoRARequest, RequestDelta, RequestTiming, SamplingParams,
-                                     TokenLogprob, WorkerRole)
+from pdserve.common.protocol import (FinishReason, LoRARequest, RequestDelta, SamplingParams,
+                                     WorkerRole)
 from pdserve.common.validation import (EngineLimits, ValidationError, check_context_length, check_prompt_ids,
                                        check_request, prefill_sampling_params)
 from pdserve.router import preprocess
 from pdserve.router.routing import prefers_local_prefill
 from pdserve.router.beam import serve_beam_search
 from pdserve.router.config import RouterConfig
-from pdserve.router.engine import RequestFailed, RequestHandle, RouterEngine
+from pdserve.router.engine import RequestFailed, RouterEngine
 from pdserve.router.errors import APIError, bad_request
 from pdserve.router.registry import WorkerInfo
 from pdserve.router.lora import LoRARegistry
-from pdserve.router.logprobs import (TokenEntry, TokenTexts, chat_logprobs, completion_logprobs,
-                                     echo_completion_logprobs, prompt_logprobs_json)
+from pdserve.router.logprobs import (TokenTexts)
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.openai_protocol import (ChatCompletionChoice, ChatCompletionChunk,
-                                            ChatCompletionRequest, ChatCompletionResponse,
-                                            ChatCompletionStreamChoice, ChatLogprobs,
-                                            ChatResponseMessage, CompletionChoice,
-                                            CompletionLogprobs, CompletionRequest,
-                                            CompletionResponse, DeltaMessage, SamplingRequest,
-                                            UsageInfo)
+from pdserve.router.openai_protocol import (ChatCompletionRequest, CompletionRequest,
+                                            SamplingRequest)
 from pdserve.router.outputs import ChoiceDelta, ChoiceOutput, MissingLogprobs
-from pdserve.router.tracing import Phase, RequestTracer, request_phases
+from pdserve.router.responses import ChatFormat, CompletionFormat, ResponseFormat, Run
+from pdserve.router.tracing import RequestTracer, request_phases
 from pdserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -77,46 +72,6 @@ class NoDecodeWorker(APIError):
 
 class ClientDisconnected(Exception):
     pass
-
-
-@dataclasses.dataclass
-class _Run:
-    """One submitted request as the HTTP handler sees it."""
-
-    response_id: str
-    handle: RequestHandle
-    choices: list[ChoiceOutput]
-    num_prompt_tokens: int
-    num_logprobs: int | None  # top alternatives per position; None = no logprobs
-    arrival: float  # time.monotonic() when the HTTP request came in
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-    first_token_at: float | None = None
-    last_delta_at: dict[int, float] = dataclasses.field(default_factory=dict)  # per choice
-    failure: str | None = None  # finish reason of choices cut short: "abort" / "error"
-    wants_prompt_logprobs: bool = False  # sampling_params.prompt_logprobs is set
-    prompt_logprobs: list[TokenLogprob] | None = None  # entries of prompt tokens 1..N-1, from the first delta
-    # Where its time went (``tracing.py``): wall-clock (time.time()) arrival and first token, the workers'
-    # stamps from the first delta, the hops built from them, and the client's W3C traceparent header.
-    arrival_wall: float = 0.0
-    first_token_wall: float | None = None
-    timing: RequestTiming | None = None
-    phases: list[Phase] = dataclasses.field(default_factory=list)
-    traceparent: str | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self.handle.request_id
-
-    @property
-    def done(self) -> bool:
-        return all(c.finished for c in self.choices)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.choices)
-
-    def usage(self) -> UsageInfo:
-        return UsageInfo.of(self.num_prompt_tokens, self.num_output_tokens)
 
 
 def _sse(obj: BaseModel) -> str:
@@ -152,129 +107,38 @@ class OpenAIServing:
     # --- endpoints ------------------------------------------------------------------------
 
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
-        arrival = time.monotonic()
-        self.resolve_model(req.model)  # 404 before any work
-        preprocess.check_completion_supported(req)
-        prompt_ids = preprocess.completion_prompt_ids(req, self.tokenizer)
-        if req.use_beam_search:
-            return await serve_beam_search(self, req, prompt_ids, "cmpl", arrival, raw)
-        run = await self._submit(req, prompt_ids, "cmpl", arrival)
-        run.traceparent = raw.headers.get("traceparent")
-
-        def logprobs(tokens: list[TokenEntry], always: bool = False) -> CompletionLogprobs | None:
-            if run.num_logprobs is None or not (tokens or always):
-                return None
-            return completion_logprobs(tokens, run.num_logprobs, self.token_texts)
-
-        def response(choices: list[CompletionChoice], usage: UsageInfo | None = None):
-            return CompletionResponse(id=run.response_id, created=run.created, model=self.model_name,
-                                      choices=choices, usage=usage)
-
-        started: set[int] = set()  # choices whose first chunk went out (stream)
-
-        def chunk(out: ChoiceDelta) -> CompletionResponse:
-            first = out.index not in started
-            started.add(out.index)
-            return response([self._completion_choice(req, run, prompt_ids, out.index, out.text,
-                                                     logprobs(out.tokens, always=first and req.echo),
-                                                     out.finish_reason, first)])
-
-        if req.stream:
-            usage_chunk = (lambda: response([], run.usage())) if req.include_usage() else None
-            return self._stream(run, [], chunk, usage_chunk)
-        if not await self._collect(run, raw):
-            return Response(status_code=499)
-        body = response([self._completion_choice(req, run, prompt_ids, c.index, c.text,
-                                                 logprobs(c.entries, always=True), c.finish_reason, True,
-                                                 c.token_ids if req.return_token_ids else None)
-                         for c in run.choices], run.usage())
-        return JSONResponse(body.model_dump())
-
-    def _completion_choice(self, req: CompletionRequest, run: _Run, prompt_ids: list[int], index: int, text: str,
-                           logprobs: CompletionLogprobs | None, finish_reason: str | None,
-                           first: bool, token_ids: list[int] | None = None) -> CompletionChoice:
-        """A completion choice (or a stream chunk of one), with ``echo`` and ``prompt_logprobs`` as vLLM
-        gives them; ``token_ids``: the choice's output token ids, given with ``return_token_ids`` (then the
-        prompt's go with them).
-
-        With ``echo`` the choice's ``first`` piece starts with the prompt's text (and, with ``logprobs``,
-        the prompt's tokens); later pieces' text offsets count the prompt too. Echo with ``max_tokens``
-        0 answers the prompt alone. ``prompt_logprobs`` go out with the ``first`` piece.
-        """
-        if req.echo:
-            prompt = req.prompt[0] if isinstance(req.prompt, list) and len(req.prompt) == 1 and \
-                isinstance(req.prompt[0], (str, list)) else req.prompt
-            prompt_text = prompt if isinstance(prompt, str) else \
-                self.tokenizer.decode(prompt_ids, skip_special_tokens=req.skip_special_tokens)
-            echo_only = preprocess.echo_only(req)
-            if echo_only:
-                text, logprobs = "", None
-                token_ids = None if token_ids is None else []  # the engine's one token is not an output
-            elif logprobs is not None:
-                logprobs = logprobs.model_copy(update={"text_offset": [o + len(prompt_text)
-                                                                       for o in logprobs.text_offset]})
-            if first:
-                text = prompt_text + text
-                if run.num_logprobs is not None:
-                    logprobs = echo_completion_logprobs(prompt_ids, run.prompt_logprobs or [], run.num_logprobs,
-                                                        self.token_texts, logprobs, 0)
-        prompt_logprobs = None
-        if run.wants_prompt_logprobs and first:
-            prompt_logprobs = prompt_logprobs_json(run.prompt_logprobs or [], self.token_texts)
-        return CompletionChoice(index=index, text=text, finish_reason=finish_reason, logprobs=logprobs,
-                                prompt_logprobs=prompt_logprobs, token_ids=token_ids,
-                                prompt_token_ids=list(prompt_ids) if token_ids is not None else None)
+        """``POST /v1/completions``."""
+        return await self._serve(req, raw, "cmpl", preprocess.check_completion_supported,
+                                 preprocess.completion_prompt_ids, CompletionFormat)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        return await self._serve(req, raw, "chatcmpl", preprocess.check_chat_supported,
+                                 preprocess.chat_prompt_ids, ChatFormat)
+
+    async def _serve(self, req: SamplingRequest, raw: Request, id_prefix: str, check: Callable,
+                     prompt_ids_of: Callable, response_format: type[ResponseFormat]) -> Response:
+        """The one serving path of both endpoints: check, tokenize, submit (or beam search), then stream
+        SSE chunks or collect one JSON body, in ``response_format``'s shapes."""
         arrival = time.monotonic()
         self.resolve_model(req.model)  # 404 before any work
-        preprocess.check_chat_supported(req)
-        prompt_ids = preprocess.chat_prompt_ids(req, self.tokenizer)
+        check(req)
+        prompt_ids = prompt_ids_of(req, self.tokenizer)
         if req.use_beam_search:
-            return await serve_beam_search(self, req, prompt_ids, "chatcmpl", arrival, raw)
-        run = await self._submit(req, prompt_ids, "chatcmpl", arrival)
+            return await serve_beam_search(self, req, prompt_ids, id_prefix, arrival, raw)
+        run = await self._submit(req, prompt_ids, id_prefix, arrival)
         run.traceparent = raw.headers.get("traceparent")
-
-        def logprobs(tokens: list[TokenEntry], always: bool = False) -> ChatLogprobs | None:
-            if run.num_logprobs is None or not (tokens or always):
-                return None
-            return chat_logprobs(tokens, run.num_logprobs, self.token_texts)
-
-        def stream_chunk(choice: ChatCompletionStreamChoice) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=run.response_id, created=run.created,
-                                       model=self.model_name, choices=[choice])
-
-        def chunk(out: ChoiceDelta) -> ChatCompletionChunk:
-            return stream_chunk(ChatCompletionStreamChoice(
-                index=out.index, delta=DeltaMessage(content=out.text or None),
-                logprobs=logprobs(out.tokens), finish_reason=out.finish_reason))
-
-        def usage_chunk() -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=run.response_id, created=run.created, model=self.model_name,
-                                       choices=[], usage=run.usage())
-
+        fmt = response_format(req, run, prompt_ids, self.model_name, self.tokenizer, self.token_texts)
         if req.stream:
-            roles = [stream_chunk(ChatCompletionStreamChoice(
-                index=c.index, delta=DeltaMessage(role="assistant", content=""))) for c in run.choices]
-            return self._stream(run, roles, chunk, usage_chunk if req.include_usage() else None)
+            return self._stream(run, fmt.stream_head(), fmt.chunk, fmt.usage_chunk if req.include_usage() else None)
         if not await self._collect(run, raw):
             return Response(status_code=499)
-        body = ChatCompletionResponse(
-            id=run.response_id, created=run.created, model=self.model_name, usage=run.usage(),
-            choices=[ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                          logprobs=logprobs(c.entries, always=True),
-                                          finish_reason=c.finish_reason,
-                                          token_ids=c.token_ids if req.return_token_ids else None)
-                     for c in run.choices],
-            prompt_token_ids=list(prompt_ids) if req.return_token_ids else None,
-            prompt_logprobs=prompt_logprobs_json(run.prompt_logprobs or [], self.token_texts)
-            if run.wants_prompt_logprobs else None)
-        return JSONResponse(body.model_dump())
+        return JSONResponse(fmt.body().model_dump())
 
     # --- shared steps ---------------------------------------------------------------------
 
     async def _submit(self, req: SamplingRequest, prompt_ids: list[int], id_prefix: str,
-                      arrival: float) -> _Run:
+                      arrival: float) -> Run:
         """Check the request against the live workers' limits, pick workers, send it.
 
         With no decode worker live (a pool being scaled or restarted), wait up to
@@ -302,7 +166,7 @@ class OpenAIServing:
             for i in range(params.n)]
         logger.debug("request %s: %d prompt tokens, n=%d, max_tokens=%d -> decode worker %s",
                      request_id, len(prompt_ids), params.n, params.max_tokens, handle.decode_worker_id)
-        return _Run(f"{id_prefix}-{request_id}", handle, choices, len(prompt_ids), params.logprobs,
+        return Run(f"{id_prefix}-{request_id}", handle, choices, len(prompt_ids), params.logprobs,
                     arrival, wants_prompt_logprobs=params.prompt_logprobs is not None,
                     arrival_wall=time.time() - (time.monotonic() - arrival))
 
@@ -389,7 +253,7 @@ class OpenAIServing:
             prefill_worker = None
         return params, decode_worker, prefill_worker
 
-    async def _outputs(self, run: _Run) -> AsyncIterator[ChoiceDelta]:
+    async def _outputs(self, run: Run) -> AsyncIterator[ChoiceDelta]:
         """Yield each choice's deltas until every choice finished.
 
         Raises:
@@ -436,14 +300,14 @@ class OpenAIServing:
             if out is not None:
                 yield out
 
-    def _worker_error(self, run: _Run, message: str, status: int = 500) -> APIError:
+    def _worker_error(self, run: Run, message: str, status: int = 500) -> APIError:
         """The error a worker reported: a 400 keeps the worker's words (it is about the request)."""
         if status == 400:
             return bad_request(message)
         return APIError(status, f"request {run.request_id} failed on decode worker "
                                 f"{run.handle.worker_label}: {message}")
 
-    def _observe_timing(self, run: _Run, delta: RequestDelta) -> None:
+    def _observe_timing(self, run: Run, delta: RequestDelta) -> None:
         if not delta.new_token_ids:
             return
         now, worker_id = time.monotonic(), run.handle.worker_label
@@ -458,7 +322,7 @@ class OpenAIServing:
             self.metrics.observe_inter_token(worker_id, now - last)
         run.last_delta_at[delta.index] = now
 
-    def _close(self, run: _Run) -> None:
+    def _close(self, run: Run) -> None:
         """The handler is done with the request: abort it at the worker (no-op if finished
         there) and record its end; choices cut short count as ``run.failure`` or abort."""
         self.engine.abort(run.request_id)
@@ -469,7 +333,7 @@ class OpenAIServing:
         if self.tracer is not None:
             self._export_trace(run, finish_reasons)
 
-    def _export_trace(self, run: _Run, finish_reasons: list[str]) -> None:
+    def _export_trace(self, run: Run, finish_reasons: list[str]) -> None:
         """Hand the finished request's trace to the exporter (``tracing.RequestTracer``); never raises."""
         handle, timing = run.handle, run.timing  # the workers' stamps become events of the request span
         try:
@@ -488,7 +352,7 @@ class OpenAIServing:
         except Exception:  # noqa: BLE001  tracing must never fail a request
             logger.exception("request %s: building its trace failed", run.request_id)
 
-    async def _collect(self, run: _Run, raw: Request) -> bool:
+    async def _collect(self, run: Run, raw: Request) -> bool:
         """Run a non-stream request to the end; False if the client left first."""
         watcher = asyncio.create_task(_watch_disconnect(raw, run.handle.queue))
         try:
@@ -502,7 +366,7 @@ class OpenAIServing:
             watcher.cancel()
             self._close(run)
 
-    def _stream(self, run: _Run, first: list[BaseModel], chunk: Callable[[ChoiceDelta], BaseModel],
+    def _stream(self, run: Run, first: list[BaseModel], chunk: Callable[[ChoiceDelta], BaseModel],
                 usage_chunk: Callable[[], BaseModel] | None) -> StreamingResponse:
         async def events() -> AsyncIterator[str]:
             try:
