@@ -42,9 +42,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from pdserve.engine.layers import mxfp4
-from pdserve.engine.layers.compressed_tensors import CHECKPOINT_SCALE, CompressedTensorsConfig
+from pdserve.engine.layers.compressed_tensors import CHECKPOINT_SCALE
 from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear
+from pdserve.engine.models.formats import Decoded, readers_for
 from pdserve.engine.models.interface import CausalLM
 from pdserve.engine.models.registry import model_class
 
@@ -150,33 +150,19 @@ def load_model(
     config = AutoConfig.from_pretrained(model_dir)
     model_type = getattr(config, "model_type", None)
     cls = model_class(config, model_dir)
-    qc = getattr(config, "quantization_config", None) or {}
-    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-    method = getattr(method, "value", method)
-    if method is not None and method not in ("compressed-tensors", mxfp4.QUANT_METHOD):
-        raise ValueError(f"{model_dir}: quantization_config.quant_method={method!r} is not supported (pdserve loads "
-                         "float checkpoints, compressed-tensors W8A16/W4A16 and gpt-oss's MXFP4 experts); "
-                         "dequantize the checkpoint first")
-    is_mxfp4 = method == mxfp4.QUANT_METHOD
-    if is_mxfp4 and model_type != "gpt_oss":
-        raise ValueError(f"{model_dir}: quantization_config.quant_method='mxfp4' is supported for gpt-oss's MoE "
-                         f"experts only, not for model_type {model_type!r}")
+    readers = readers_for(model_dir, config, dtype)  # quantized formats (formats.py); raises for unsupported ones
     files = _checkpoint_files(model_dir)
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
 
     model = cls(config, tp_group=tp_group, dtype=dtype, device=device, layer_range=layer_range,
-                             has_embedding=has_embedding, has_lm_head=has_lm_head, expert_parallel=expert_parallel)
+                has_embedding=has_embedding, has_lm_head=has_lm_head, expert_parallel=expert_parallel)
     if expert_parallel and not any(hasattr(m, "expected_shards") for m in model.modules()):
         logger.warning("--enable-expert-parallel: %s has no routed experts; the flag changes nothing", model_type)
     params = dict(model.named_parameters())
     expected = _expected_keys(model)
     loaded: set[tuple[str, int | None]] = set()
     unexpected: list[str] = []
-    compressed = CompressedTensorsConfig.from_model_dir(model_dir)
-    pending: dict[str, dict[str, torch.Tensor]] = {}  # compressed-tensors: linear's HF name -> its tensors
-    packed: dict[str, dict[str, torch.Tensor]] = {}  # mxfp4: expert tensor's HF name -> its _blocks / _scales
-    mx_bytes = [0, 0, 0]  # mxfp4: tensors dequantized, packed bytes read, dequantized bytes made
 
     split_fused = tuple(f".{m}." for m in getattr(model, "split_fused", ()))
     modules = dict(model.named_modules())
@@ -214,6 +200,18 @@ def load_model(
             raise ValueError(f"cannot load {hf_name} from {path}: {e}") from e
         loaded.add((name, shard_id))
 
+    def load_decoded(weight: Decoded) -> None:
+        load(weight.hf_name, weight.tensor, weight.source)
+        if weight.scale is None:
+            return
+        name, shard_id = mapped(weight.hf_name)  # a compressed-tensors scale, kept beside its linear
+        module = modules.get(name.rsplit(".", 1)[0])
+        if shard_id is None and len(getattr(module, "output_sizes", [])) > 1:
+            raise ValueError(f"{weight.hf_name.removesuffix('.weight')} in {model_dir}: a compressed-tensors scale "
+                             "for a fused checkpoint tensor is not supported")
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            _place_scale(module, weight.scale, shard_id)
+
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for hf_name in f.keys():
@@ -224,48 +222,18 @@ def load_model(
                 if not model.holds(hf_name):
                     continue  # another pipeline stage's layer, or the driver's head
                 tensor = f.get_tensor(hf_name)
-                if is_mxfp4 and (split := mxfp4.split_name(hf_name)) is not None:
-                    prefix, suffix = split
-                    packed.setdefault(prefix, {})[suffix] = tensor
-                    if len(packed[prefix]) == len(mxfp4.SUFFIXES):  # both halves read: dequantize and load
-                        parts = packed.pop(prefix)
-                        try:
-                            weight = mxfp4.dequantize_experts(parts["_blocks"], parts["_scales"], dtype)
-                        except ValueError as e:
-                            raise ValueError(f"cannot load the MXFP4 tensor {prefix} from {path}: {e}") from e
-                        mx_bytes[0] += 1
-                        mx_bytes[1] += sum(t.numel() * t.element_size() for t in parts.values())
-                        mx_bytes[2] += weight.numel() * weight.element_size()
-                        load(prefix, weight, path)
+                reader = next((r for r in readers if r.claims(hf_name, tensor)), None)
+                if reader is None:
+                    load(hf_name, tensor, path)
                     continue
-                if compressed is not None and compressed.is_quantized_tensor(hf_name, tensor):
-                    prefix, _, suffix = hf_name.rpartition(".")
-                    pending.setdefault(prefix, {})[suffix] = tensor
-                    continue
-                load(hf_name, tensor, path)
-    for prefix, parts in pending.items():  # compressed-tensors: dequantized, loaded, scale kept beside
-        try:
-            weight, scale = compressed.dequantize(parts, dtype)
-        except ValueError as e:
-            raise ValueError(f"cannot load the compressed-tensors linear {prefix} from {model_dir}: {e}") from e
-        load(f"{prefix}.weight", weight, model_dir)
-        name, shard_id = mapped(f"{prefix}.weight")
-        module = modules.get(name.rsplit(".", 1)[0])
-        if shard_id is None and len(getattr(module, "output_sizes", [])) > 1:
-            raise ValueError(f"{prefix} in {model_dir}: a compressed-tensors scale for a fused checkpoint tensor "
-                             "is not supported")
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            _place_scale(module, scale, shard_id)
-
-    unexpected.extend(f"{prefix}{suffix}" for prefix, parts in packed.items()  # half an MXFP4 pair
-                      for suffix in mxfp4.SUFFIXES if suffix in parts)
-    if mx_bytes[0]:
-        held = sum(p.numel() * p.element_size() for m in model.modules() if hasattr(m, "expected_shards")
-                   for n, p in m.named_parameters(recurse=False) if n.endswith("_weight"))
-        logger.info("MoE experts dequantized from MXFP4 to %s at load (%d tensors: %.1f MiB packed -> %.1f MiB; "
-                    "this rank holds %.1f MiB of expert weights): no MXFP4 matmul on CPU, they run as float experts",
-                    str(dtype).removeprefix("torch."), mx_bytes[0], mx_bytes[1] / 2**20, mx_bytes[2] / 2**20,
-                    held / 2**20)
+                for weight in reader.take(hf_name, tensor, path):
+                    load_decoded(weight)
+    for reader in readers:
+        for weight in reader.finish():
+            load_decoded(weight)
+        unexpected.extend(reader.leftovers())
+        if (line := reader.summary(model)) is not None:
+            logger.info("%s", line)
     missing = sorted(f"{n}" + ("" if s is None else f"[part {s}]") for n, s in expected - loaded)
     if missing or unexpected:
         raise ValueError(
