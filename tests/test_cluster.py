@@ -70,6 +70,21 @@ def test_models_and_health(cluster, model_dir):
     assert {w["num_blocks"] for w in workers(cluster)} == {16 * 2**20 // 8192}
 
 
+def test_workers_show_how_each_runner_was_planned(cluster):
+    """``/workers`` shows each worker's start-up choices with their reasons (the runner's ``RunnerPlan``,
+    sent at registration) and the native kernels it runs."""
+    listed = workers(cluster)
+    assert {w["role"] for w in listed} == {"prefill", "decode"}
+    for w in listed:
+        plan = w["plan"]
+        assert plan["dtype"].startswith("float32 ("), plan  # a value and its reason
+        assert plan["device"] == "cpu" and plan["layers"].startswith("0-1 of 2"), plan
+        assert plan["decode_step"].startswith("eager (--enforce-eager"), plan  # the suite runs eagerly
+        assert plan["kv_cache"].split()[0].isdigit() and "MiB" in plan["kv_cache"], plan
+        assert plan["linear_weight_format"].startswith(w["linear_weight_format"]), plan
+        assert set(w["kernels"].values()) <= {"native", "torch"} and "native_kernels" in plan, w
+
+
 def test_concurrent_greedy_matches_transformers_and_decode_batches(cluster, reference):
     tok, generate = reference
     rng = random.Random(0)

@@ -280,7 +280,7 @@ def test_int8_bfloat16_decode_step_runs_eagerly_and_says_why(model_dir, caplog):
             out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                                use_tqdm=False)
             assert len(out[0].outputs[0].token_ids) == 4
-    assert "decode step runs eagerly: --quantization int8 without the int8 kernel" in caplog.text
+    assert "decode_step: eager (--quantization int8 without the int8 kernel" in caplog.text
 
 
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 11, KERNEL_MAX_ROWS])

@@ -156,7 +156,8 @@ class WorkerBase:
                               vocab_size=limits.vocab_size, kv_layout=self.runner.kv_layout(), auth=self._auth(),
                               router_addr=router_addr,
                               kernels={k: c.path for k, c in self.runner.kernel_choices.items()},
-                              linear_weight_format=self.runner.linear_weight_format)
+                              linear_weight_format=self.runner.linear_weight_format,
+                              plan=self.runner.plan.as_dict())
 
     def to_routers(self, msg, routers: list[str] | None = None) -> None:
         """Send ``msg`` to every router (or to ``routers``)."""

@@ -213,6 +213,9 @@ class RegisterWorker(_Msg):
     # that has a torch path, "native" or "torch"; and the linear weights' layout (plain, onednn, panel).
     kernels: dict[str, str] = {}
     linear_weight_format: str | None = None
+    # Every start-up choice of the worker's model runner, "value (why)" per decision
+    # (pdserve.engine.execution.runner_plan): shown in /workers.
+    plan: dict[str, str] = {}
 
 
 class Heartbeat(_Msg):

@@ -76,6 +76,7 @@ class WorkerInfo:
     router_addr: str | None = None
     kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # native kernel -> "native" / "torch"
     linear_weight_format: str | None = None  # plain, onednn or panel, as the worker chose at load
+    plan: dict[str, str] = dataclasses.field(default_factory=dict)  # the runner's start-up choices (RunnerPlan)
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -159,6 +160,7 @@ class WorkerInfo:
             "vocab_size": self.vocab_size,
             "kernels": self.kernels,
             "linear_weight_format": self.linear_weight_format,
+            "plan": self.plan,
             "heartbeat_received": hb is not None,
         }
 
@@ -203,7 +205,7 @@ class WorkerRegistry:
             model_name=msg.model_name, num_blocks=msg.num_blocks, block_size=msg.block_size,
             max_model_len=msg.max_model_len, registered_at=now, last_seen=now, vocab_size=msg.vocab_size,
             kv_layout=msg.kv_layout, router_addr=msg.router_addr, kv_group_caps=msg.kv_group_caps,
-            kernels=dict(msg.kernels), linear_weight_format=msg.linear_weight_format)
+            kernels=dict(msg.kernels), linear_weight_format=msg.linear_weight_format, plan=dict(msg.plan))
         logger.info("worker %s registered: %s at %s (num_blocks=%d, block_size=%d)", msg.worker_id,
                     WorkerRole(msg.role).name.lower(), msg.input_addr, msg.num_blocks, msg.block_size)
         self._warn_kv_mismatch(self._workers[msg.worker_id])

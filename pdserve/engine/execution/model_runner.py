@@ -28,7 +28,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.execution.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
 from pdserve.common.kv_cache_groups import kv_cache_groups_for
 from pdserve.engine.layers.kernel_choice import KernelChoice, choose_kernels
-from pdserve.engine.layers.weight_format import PACKED_LAYOUTS, choose_linear_weight_format, pack_model
+from pdserve.engine.layers.weight_format import PACKED_LAYOUTS, pack_model
 from pdserve.common.kv_quant import resolve_kv_cache_format
 from pdserve.engine.models.interface import CausalLM
 from pdserve.engine.models.loader import load_model
@@ -41,6 +41,7 @@ from pdserve.engine.layers.quantization import check_quantization_target, checkp
 from pdserve.engine.execution.prompt_logprobs import add_prompt_logprob_rows, compute_prompt_logprobs
 from pdserve.engine.scheduling.request import Request
 from pdserve.engine.execution.sampler import Sampler, SamplingRow
+from pdserve.engine.execution.runner_plan import RunnerPlan, decide_decode_step, decide_linear_weight_format
 from pdserve.engine.execution.rejection_sampler import DraftGroup, RejectionSampler
 from pdserve.engine.scheduling.step_inputs import flatten_step
 from pdserve.engine.execution.structured_output import allocate_token_bitmask, build_token_bitmask
@@ -101,30 +102,40 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, ranks: RankGroup | None = None):
         self.config = config
         self.ranks = ranks
+        # Every start-up choice, with its reason, decided before what it builds (runner_plan); logged once.
+        self.plan = plan = RunnerPlan()
         self.device = ranks.device if ranks is not None else resolve_device(config.device)
+        plan.decide("device", self.device)
         hf_config = AutoConfig.from_pretrained(config.model)
         self.dtype, why = resolve_dtype(config.dtype, self.device, _checkpoint_dtype(config.model))
+        plan.decide("dtype", str(self.dtype).removeprefix("torch."), why)
         self.kv_cache_format = resolve_kv_cache_format(config.kv_cache_dtype, self.dtype)
         self.kv_cache_dtype = self.kv_cache_format.storage_dtype
         kv_name = self.kv_cache_format.name
-        logger.info("dtype %s (%s); KV cache %s", str(self.dtype).removeprefix("torch."), why, kv_name)
+        plan.decide("kv_cache_dtype", kv_name, "--kv-cache-dtype" if config.kv_cache_dtype != "auto" else
+                    "auto: the model's dtype")
         if self.device.type == "cpu":
             keep_freed_memory()
             self.cpu_cores = pin_to_cores(config.cpu_cores, config.num_threads, config.rank, config.parallel.world_size)
-            logger.info("%d torch threads on cores %s", torch.get_num_threads(), format_cpu_list(self.cpu_cores))
+            plan.decide("cpu_cores", format_cpu_list(self.cpu_cores), f"{torch.get_num_threads()} torch threads")
         # int8: quantized here; compressed-tensors: the checkpoint says so (None on a float checkpoint)
         self.quantization = checkpoint_quantization(config.model, config.quantization)
+        plan.decide("quantization", self.quantization or "none")
         if self.quantization is not None:  # before any weight is read
             check_quantization_target(self.quantization, self.device, self.dtype)
         layer_range = None
         if ranks is not None:
             layer_range = stage_layer_range(hf_config.num_hidden_layers, ranks.parallel.pipeline_parallel_size,
                                             ranks.pp_rank)
+        start, end = layer_range or (0, hf_config.num_hidden_layers)
+        plan.decide("layers", f"{start}-{end - 1} of {hf_config.num_hidden_layers}",
+                    f"TP {config.tensor_parallel_size} x PP {config.pipeline_parallel_size}" if ranks is not None
+                    else "")
         self.model: CausalLM = load_model(config.model, dtype=self.dtype, device=self.device,
-                                tp_group=ranks.tp_group if ranks is not None else None, layer_range=layer_range,
-                                has_embedding=ranks is None or ranks.is_first_stage,
-                                has_lm_head=ranks is None or ranks.is_driver,
-                                expert_parallel=config.enable_expert_parallel)
+                                          tp_group=ranks.tp_group if ranks is not None else None,
+                                          layer_range=layer_range, has_embedding=ranks is None or ranks.is_first_stage,
+                                          has_lm_head=ranks is None or ranks.is_driver,
+                                          expert_parallel=config.enable_expert_parallel)
         if self.quantization is not None:  # this rank's shards, as loaded
             quantize_model(self.model, self.quantization)
         if config.batch_invariant:
@@ -133,21 +144,18 @@ class ModelRunner:
         if self.device.type == "cpu":
             self.kernel_choices = choose_kernels(self.model, config.native_kernels, max_keys=config.max_model_len or
                                                  int(getattr(hf_config, "max_position_embeddings", 2048)))
+            plan.decide("native_kernels", ", ".join(f"{k}={c.path}" for k, c in self.kernel_choices.items()) or
+                        "none built", f"--native-kernels {config.native_kernels}")
         self.num_packed_linears = 0  # layers whose weights are packed (--linear-weight-format onednn or panel)
         self.lm_head_packed = False  # the LM head's too (weight_format.pack_lm_head: an untied head)
-        self.linear_weight_format = config.linear_weight_format
-        if self.linear_weight_format == "auto":  # an engine that decodes: the faster layout on this CPU
-            single_rank = config.tensor_parallel_size * config.pipeline_parallel_size == 1  # ranks would each choose
-            if self.device.type == "cpu" and single_rank and not config.batch_invariant and self.quantization is None:
-                self.linear_weight_format, why = choose_linear_weight_format(self.model)
-                logger.info("linear weights, --linear-weight-format auto: %s (%s)", self.linear_weight_format, why)
-            else:
-                self.linear_weight_format = "plain"
+        self.linear_weight_format, why = decide_linear_weight_format(
+            config.linear_weight_format, self.device, config.tensor_parallel_size * config.pipeline_parallel_size == 1,
+            config.batch_invariant, self.quantization, self.model)
         if self.linear_weight_format in PACKED_LAYOUTS and self.device.type == "cpu":
             self.num_packed_linears, self.lm_head_packed = pack_model(self.model, self.linear_weight_format)
-            logger.info("linear weights: %d layers packed, %s%s", self.num_packed_linears,
-                        PACKED_LAYOUTS[self.linear_weight_format],
-                        "" if self.num_packed_linears else " (none: its library or dtype is not available here)")
+            why += f"; {self.num_packed_linears} layers packed in {PACKED_LAYOUTS[self.linear_weight_format]}" + (
+                "" if self.num_packed_linears else " (none: its library or dtype is not available here)")
+        plan.decide("linear_weight_format", self.linear_weight_format, why)
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         self.vocab_size = int(hf_config.vocab_size)
         self.hidden_size = int(hf_config.hidden_size)
@@ -179,11 +187,17 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(num_cache_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, kv_name, self.device, self.kv_slots)
         self.kv_cache_bytes = self.num_blocks * block_bytes
+        plan.decide("kv_cache", f"{self.num_blocks} blocks x {self.block_size} tokens = "
+                    f"{self.num_blocks * self.block_size} tokens, {self.kv_cache_bytes / 2**20:.1f} MiB",
+                    f"{self.num_layers} layers, {self.num_kv_heads} KV heads, "
+                    + ("K and V" if self.kv_slots == 2 else "one latent row")
+                    + ("" if self.kv_groups.is_single else f"; a block holds {num_cache_layers} layers of one of "
+                       f"{self.kv_groups.num_groups} groups"))
         # What attention needs to know of the cache's rows: a quantized format's name, else None.
         self.attn_kv_dtype = kv_name if self.kv_cache_format.quantized else None
         self.attention_backend = select_backend(config.attention_backend, self.device, kv_name, self.head_dim,
                                                 self.kv_v_dim)
-        logger.info("attention backend: %s", self.attention_backend)
+        plan.decide("attention_backend", self.attention_backend, f"--attention-backend {config.attention_backend}")
         if config.batch_invariant and self.attention_backend != "paged":
             raise ValueError("--batch-invariant needs the paged attention kernel, which cannot run here (here: "
                              f"{self.device.type}, KV {kv_name}, head_dim {self.head_dim}; it needs a CPU, a "
@@ -195,30 +209,23 @@ class ModelRunner:
 
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and not config.batch_invariant:
-            # decode-sized matmuls stream each weight once (pdserve.engine.layers.decode_linear)
-            logger.info("decode linear kernel (few-row matmuls): %s",
-                        "on" if decode_linear.build_kernel() else "unavailable")
+            # decode-sized matmuls stream each weight once (pdserve.engine.layers.decode_linear): built now, run
+            # where the kernel choice says (plan's native_kernels)
+            decode_linear.build_kernel()
         self._compiled_decode = None  # CompiledDecodeStep: decode-only steps' forward under torch.compile
-        if config.batch_invariant:  # inductor fuses and reorders reductions by batch size: not shown invariant
-            logger.info("decode step runs eagerly: --batch-invariant (a compiled step is not shown invariant)")
-        elif self.quantization is not None and not (self.dtype == torch.float32 and build_kernel()):
-            # without the int8 kernel (bfloat16, or no compiler) inductor would generate the weight's
-            # conversion itself, 3-4x slower than eager's
-            logger.info("decode step runs eagerly: --quantization %s without the int8 kernel (float32 activations "
-                        "and a C++ compiler; see pdserve.engine.layers.int8_linear)", self.quantization)
-        elif not config.enforce_eager:  # oneDNN-packed linears included (pdserve.engine.layers.onednn_linear)
+        compile_step, why = decide_decode_step(config.enforce_eager, config.batch_invariant, self.quantization,
+                                               self.dtype, self.quantization is not None and build_kernel())
+        if compile_step:  # oneDNN-packed linears included (pdserve.engine.layers.onednn_linear)
             self._compiled_decode = CompiledDecodeStep.build(self)
+            if self._compiled_decode is None:
+                why = "CompiledDecodeStep.build declined (logged above)"
+        plan.decide("decode_step", "compiled" if self._compiled_decode is not None else "eager", why)
         self.sampler = Sampler(config.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.total_kv_heads = self.model.total_kv_heads  # the cache's KV heads over all TP ranks (MLA: 1 latent)
         self.kv_agent = None  # KVRankAgent once a worker attaches one (pdserve.kvtransfer.agent)
         self.report_keys = None  # non-driver rank: CURVE keys of its reports to the driver (serve_rank's)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s on %s, %d layers, %d KV heads, %s)%s",
-                    self.num_blocks, self.block_size, self.num_blocks * self.block_size, self.kv_cache_bytes / 2**20,
-                    kv_name, self.device, self.num_layers, self.num_kv_heads,
-                    "K and V" if self.kv_slots == 2 else "one latent row",
-                    "" if self.kv_groups.is_single else f"; a block holds {num_cache_layers} layers of one of "
-                    f"{self.kv_groups.num_groups} groups")
+        logger.info("model runner for %s:\n%s", config.model, plan.describe())
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
                        block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:
