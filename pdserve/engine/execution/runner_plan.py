@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.layers.weight_format import choose_linear_weight_format
+
 # The plan's fields in the order they are decided and printed.
 DECISIONS = ("device", "dtype", "kv_cache_dtype", "cpu_cores", "quantization", "layers", "native_kernels",
              "linear_weight_format", "kv_cache", "attention_backend", "decode_step")
@@ -74,8 +76,6 @@ def decide_linear_weight_format(requested: str, device: torch.device, single_ran
         return "plain", "--batch-invariant"
     if quantization is not None:
         return "plain", f"--quantization {quantization}"
-    from pdserve.engine.layers.weight_format import choose_linear_weight_format
-
     fmt, why = choose_linear_weight_format(model)
     return fmt, f"timed: {why}"
 
