@@ -17,16 +17,52 @@ pytestmark = pytest.mark.skipif(load_paged_attention() is None, reason="no C++ c
 
 @pytest.fixture(scope="module")
 def compiled(model_dir):
-    llm = LLM(model_dir, max_num_batched_tokens=32, kv_cache_memory="1MiB", enforce_eager=False)
+    llm = LLM(model_dir, max_num_batched_tokens=32, kv_cache_memory="1MiB", enforce_eager=False,
+              decode_step_compile="background")
     yield llm
     llm.close()
 
 
 def test_compiled_decode_is_token_exact_with_hf(compiled, prompts, hf_greedy):  # noqa: F811
-    assert compiled.core.runner._compiled_decode is not None
+    """Built in the background: steps run eagerly while it compiles, then compiled; both token-exact."""
+    runner = compiled.core.runner
+    assert runner._compile_thread is not None and runner.plan["decode_step"] == "compiled"
+    early = compiled.generate(prompts, GREEDY, use_tqdm=False)  # eager steps, or compiled ones if it was quick
+    assert token_ids(early) == hf_greedy
+    assert runner.wait_for_compiled_step(timeout_s=600)
+    assert runner._compiled_decode is not None
     outputs = compiled.generate(prompts, GREEDY, use_tqdm=False)
     assert token_ids(outputs) == hf_greedy
     assert compiled.block_manager.num_free_blocks == compiled.block_manager.num_blocks
+
+
+def test_compiling_never_writes_the_kv_cache_requests_hold(model_dir):
+    """The warm-up runs on a scratch cache: a background compile must not touch blocks in use."""
+    from pdserve.engine.execution.compiled_step import CompiledDecodeStep
+
+    llm = LLM(model_dir, kv_cache_memory="1MiB", enforce_eager=True)
+    try:
+        runner = llm.core.runner
+        runner.kv_cache.fill_(0.25)  # every slot "held" by some request
+        before = runner.kv_cache.clone()
+        step = CompiledDecodeStep.build(runner)
+        assert step is not None
+        assert torch.equal(runner.kv_cache, before)
+        # and the graphs compiled on the scratch cache serve the real one, with no new graph (a recompile)
+        runner._compiled_decode = step
+        graphs = dict(torch._dynamo.utils.counters["stats"])
+        assert graphs.get("unique_graphs")  # dynamo counts the graphs it made
+        prompts = [[5, 17, 300, 41, 9, 77], [7, 8, 9]]  # batch 2, then batch 1
+        got = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+        assert dict(torch._dynamo.utils.counters["stats"]).get("unique_graphs") == graphs.get("unique_graphs")
+        want = LLM(model_dir, kv_cache_memory="1MiB", enforce_eager=True)
+        try:
+            assert token_ids(got) == token_ids(want.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0),
+                                                             use_tqdm=False))
+        finally:
+            want.close()
+    finally:
+        llm.close()
 
 
 def test_compiled_logprobs_match_eager(model_dir, compiled, prompts):  # noqa: F811

@@ -54,3 +54,23 @@ def test_the_weight_layout_is_timed_only_where_it_can_pay(requested, device, sin
                                                           quantization, want):
     assert decide_linear_weight_format(requested, device, single_rank, batch_invariant, quantization,
                                        model=None) == want
+
+
+def test_workers_compile_the_decode_step_in_the_background_and_llm_before_it_serves(model_dir):
+    """A worker serves within seconds (its steps run eagerly while the compiled step builds); the offline
+    LLM compiles first, as vLLM's does. Both round-trip through the ranks' command line."""
+    import argparse
+
+    from pdserve.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    worker = EngineConfig.from_cli_args(parser.parse_args(["--model", model_dir]), role="decode")
+    assert worker.decode_step_compile == "background"
+    assert EngineConfig(model=model_dir).decode_step_compile == "startup"
+    startup = EngineConfig.from_cli_args(parser.parse_args(["--model", model_dir, "--decode-step-compile", "startup"]))
+    assert startup.decode_step_compile == "startup"
+    ranks = parser.parse_args(startup.rank_cli_args(1, "127.0.0.1", 29500))
+    assert ranks.decode_step_compile == "startup"
+    with pytest.raises(ValueError, match="decode_step_compile"):
+        EngineConfig(model=model_dir, decode_step_compile="later")

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.common.kv_dtype_names import KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPES
+
 SCALE_BYTES = 4  # one float32 scale after each row's head_dim quantized bytes
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2^23
 
@@ -80,8 +82,9 @@ KV_CACHE_FORMATS: dict[str, KVCacheFormat] = {
     "fp8_e4m3": KVCacheFormat("fp8_e4m3", torch.uint8, torch.float8_e4m3fn, 448.0),
     "fp8_e5m2": KVCacheFormat("fp8_e5m2", torch.uint8, torch.float8_e5m2, 57344.0),
 }
+if tuple(KV_CACHE_FORMATS) != KV_CACHE_DTYPES:  # the flag's names (torch-free) and the formats must agree
+    raise ImportError(f"kv_dtype_names.KV_CACHE_DTYPES {KV_CACHE_DTYPES} != KV_CACHE_FORMATS {tuple(KV_CACHE_FORMATS)}")
 QUANTIZED_KV_DTYPES = tuple(n for n, f in KV_CACHE_FORMATS.items() if f.quantized)
-KV_CACHE_DTYPE_CHOICES = ("auto", *KV_CACHE_FORMATS)
 
 
 def kv_cache_format(name: str | torch.dtype) -> KVCacheFormat:

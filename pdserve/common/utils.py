@@ -1,4 +1,7 @@
-"""Small helpers shared by every process: sizes, devices, dtypes, ids."""
+"""Small helpers shared by every process: sizes, devices, dtypes, ids.
+
+torch is imported inside the helpers that use it: the launcher imports this module and never needs
+torch, whose import takes 2-3 s of a 2-core machine's start-up."""
 
 from __future__ import annotations
 
@@ -6,8 +9,10 @@ import ctypes
 import os
 import re
 import socket
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -69,6 +74,8 @@ def pin_to_cores(cpu_cores: str | None, num_threads: int | None, rank: int = 0, 
     Raises:
         ValueError: a bad cpu list, or cores this process may not use.
     """
+    import torch
+
     if cpu_cores is None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -118,17 +125,20 @@ def keep_freed_memory() -> bool:
 
 def resolve_device(name: str) -> torch.device:
     """``"auto"`` picks CUDA when available, else CPU. The one place devices are chosen."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
+_DTYPES = ("float32", "float", "bfloat16", "float16", "half")  # --dtype's names; "float" and "half" are aliases
 
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bfloat16 natively (AVX-512 BF16 or AMX); else bf16 is emulated and slow."""
+    import torch
+
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # an older torch: read the flags
@@ -152,11 +162,15 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None 
     Raises:
         ValueError: an unknown dtype name.
     """
+    import torch
+
+    dtypes = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+              "float16": torch.float16, "half": torch.float16}
     if name != "auto":
-        if name not in _DTYPES:
+        if name not in dtypes:
             raise ValueError(f"unknown dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
-        return _DTYPES[name], f"--dtype {name}"
-    ckpt = _DTYPES.get(str(checkpoint_dtype or "float32").removeprefix("torch."), torch.float32)
+        return dtypes[name], f"--dtype {name}"
+    ckpt = dtypes.get(str(checkpoint_dtype or "float32").removeprefix("torch."), torch.float32)
     ckpt_name = str(ckpt).removeprefix("torch.")
     if device.type == "cuda":
         if ckpt == torch.float32:

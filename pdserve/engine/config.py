@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from pdserve.common.utils import parse_cpu_list, parse_size
-from pdserve.common.kv_quant import KV_CACHE_DTYPE_CHOICES
+from pdserve.common.kv_dtype_names import KV_CACHE_DTYPE_CHOICES
 
 # --native-kernels: ``auto`` times each native kernel against torch at load (layers/kernel_choice.py);
 # ``all`` runs every kernel that builds.
@@ -20,6 +20,9 @@ def default_native_kernels() -> str:
 
 
 QUANTIZATION_METHODS = ("int8", "compressed-tensors")
+
+# --decode-step-compile: when the compiled decode step is built (EngineConfig.decode_step_compile).
+DECODE_STEP_COMPILE = ("background", "startup")
 
 
 def check_quantization_name(name: str | None) -> None:
@@ -133,6 +136,11 @@ class EngineConfig:
         rank_timeout_s: how long any collective of the ranks may wait (a dead rank fails the others).
         enforce_eager: run the model eagerly (no torch.compile / CUDA graphs), as vLLM's flag;
             defaults to ``$PDSERVE_ENFORCE_EAGER`` (set and not 0: eager).
+        decode_step_compile: when a compiled decode step is built: ``startup`` (before the engine serves:
+            the offline ``LLM``'s default, as vLLM compiles before it generates) or ``background`` (a
+            thread compiles it while decode steps run eagerly, and steps switch to it once it is warm:
+            workers' default, so a worker serves within seconds of start-up; ``pdserve.engine.execution.
+            compiled_step``).
         attention_backend: ``auto`` | ``paged`` (native CPU kernel) | ``reference`` (plain torch);
             see ``pdserve.engine.layers.attention.select_backend``.
         cpu_cores: the CPU cores this worker's threads run on (``"0-3"``, ``"0,2"``); None: all.
@@ -198,6 +206,7 @@ class EngineConfig:
     master_port: int | None = None
     rank_timeout_s: float = 120.0
     enforce_eager: bool = field(default_factory=lambda: os.environ.get("PDSERVE_ENFORCE_EAGER", "") not in ("", "0"))
+    decode_step_compile: str = "startup"
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
     cpu_cores: str | None = None
@@ -227,6 +236,9 @@ class EngineConfig:
         if self.linear_weight_format not in LINEAR_WEIGHT_FORMATS:
             raise ValueError(f"linear_weight_format must be one of {', '.join(LINEAR_WEIGHT_FORMATS)}, "
                              f"got {self.linear_weight_format!r}")
+        if self.decode_step_compile not in DECODE_STEP_COMPILE:
+            raise ValueError(f"decode_step_compile must be one of {', '.join(DECODE_STEP_COMPILE)}, "
+                             f"got {self.decode_step_compile!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if self.speculative_config is not None:
@@ -321,6 +333,11 @@ class EngineConfig:
                        default=os.environ.get("PDSERVE_ENFORCE_EAGER", "") not in ("", "0"),
                        help="run the decode step eagerly: no torch.compile at start-up (as vLLM's flag; "
                             "default: $PDSERVE_ENFORCE_EAGER)")
+        g.add_argument("--decode-step-compile", default="background", choices=list(DECODE_STEP_COMPILE),
+                       help="background: serve at once with eager decode steps while a thread compiles the "
+                            "decode step, then switch to it (a first start compiles for tens of seconds on a "
+                            "small CPU; a restart reuses inductor's cache); startup: compile before registering "
+                            "(default background)")
         g.add_argument("--attention-backend", default="auto", choices=["auto", "paged", "reference"],
                        help="paged: native CPU kernel reading K/V through block tables; reference: gather + "
                             "SDPA in plain torch (any device); auto: paged where it runs")
@@ -388,7 +405,8 @@ class EngineConfig:
                    rank=rank, master_addr=args.master_addr or os.environ.get("MASTER_ADDR"), master_port=master_port,
                    rank_timeout_s=args.rank_timeout_s, attention_backend=args.attention_backend,
                    kv_cache_dtype=args.kv_cache_dtype, cpu_cores=args.cpu_cores,
-                   enforce_eager=args.enforce_eager, scheduling_policy=args.scheduling_policy,
+                   enforce_eager=args.enforce_eager, decode_step_compile=args.decode_step_compile,
+                   scheduling_policy=args.scheduling_policy,
                    speculative_config=args.speculative_config, batch_invariant=args.batch_invariant,
                    enable_expert_parallel=args.enable_expert_parallel,
                    disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
@@ -416,6 +434,7 @@ class EngineConfig:
             args += ["--cpu-cores", self.cpu_cores]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        args += ["--decode-step-compile", self.decode_step_compile]
         if not self.enable_prefix_caching:
             args.append("--no-prefix-caching")
         if self.batch_invariant:

@@ -1,4 +1,4 @@
-"""The decode step's forward under torch.compile (inductor), compiled and warmed at start-up.
+"""The decode step's forward under torch.compile (inductor), compiled and warmed before steps use it.
 
 A decode-only step (one new token per sequence) is the step a decode worker runs thousands of
 times a second's worth: its forward is traced once with a symbolic batch size (torch
@@ -12,6 +12,12 @@ ranks run eagerly (``ModelRunner._run_forward`` decides). Prefill stays eager: M
 already take ~85% of a float32 prefill here, and in one try (2026-11-25, the bench preset, 288
 tokens, one core) the same forward compiled with a dynamic sequence length took 10 s against
 0.55 s eager, inductor generating its own kernels for part of the graph.
+
+Compiling takes a while (35-55 s for the built-in model's three graphs on one Zen 3 core with a cold
+inductor cache; a restart with the cache warm, see docs/benchmarks.md), so a worker builds the step in
+a thread while it already serves with eager steps (``EngineConfig.decode_step_compile``): the warm-up
+runs on a scratch cache of its own, never on blocks that requests hold, and the runner switches to the
+step once every graph is compiled.
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ class CompiledDecodeStep:
     @classmethod
     def build(cls, runner: DecodeRunner) -> CompiledDecodeStep | None:
         """Compile ``runner``'s decode step and warm it up now; None where it stays eager (logged).
+        Safe to call from a thread while ``runner`` serves eager steps: it reads the model and writes
+        only a scratch KV cache.
 
         One graph with a symbolic batch size serves every decode batch (torch specializes batch 1 on
         its own, so both are compiled here, at start-up). Inductor's cache
@@ -148,15 +156,17 @@ class CompiledDecodeStep:
         return hidden
 
     def _warm_up(self, compiled) -> None:
-        """Compile now every graph a decode step can need (writing only block 0's slot 0), so no request
-        pays a recompilation: batch 1 (torch specializes a size of 1), batches 2 to
-        ``KERNEL_MAX_ROWS`` (the decode linear kernel's range, a guard of its own) and larger ones.
+        """Compile now every graph a decode step can need, so no request pays a recompilation: batch 1
+        (torch specializes a size of 1), batches 2 to ``KERNEL_MAX_ROWS`` (the decode linear kernel's
+        range, a guard of its own) and larger ones.
 
         The inputs look like real ones to dynamo's guards: distinct tensors (one tensor passed as
-        input_ids, positions and slot_mapping is an aliasing guard every real step fails) and block
+        input_ids, positions and slot_mapping is an aliasing guard every real step fails), block
         tables three wide (two would equal the cache's K/V dimension, a size equality guard that a
-        real step fails as soon as a sequence spans three blocks)."""
+        real step fails as soon as a sequence spans three blocks), and a cache shaped as the runner's
+        but for its number of blocks (``_scratch_cache``), so requests' blocks are never written."""
         device = self.runner.device
+        kv_cache = _scratch_cache(self.runner.kv_cache)
         batches = [1, 2]
         if decode_linear.build_kernel():  # the kernel takes 1..KERNEL_MAX_ROWS rows; larger batches: torch's GEMM
             batches.append(decode_linear.KERNEL_MAX_ROWS + 1)
@@ -168,5 +178,17 @@ class CompiledDecodeStep:
 
                 groups = self.runner.model.kv_cache_groups
                 lead = () if groups is None else (groups.num_groups,)
-                compiled(zeros(batch), zeros(batch), self.runner.kv_cache, zeros(*lead, batch), zeros(*lead, batch, 3),
+                compiled(zeros(batch), zeros(batch), kv_cache, zeros(*lead, batch), zeros(*lead, batch, 3),
                          zeros(batch) + 1, torch.arange(batch + 1, device=device))
+
+
+def _scratch_cache(kv_cache: torch.Tensor) -> torch.Tensor:
+    """A zeroed cache shaped as ``kv_cache`` [layers, kv_slots, num_blocks, block_size, heads, row] but with
+    a few blocks: a number no other size of the warm-up's inputs has (batches 1, 2, 33, tables three wide),
+    so dynamo's size-equality guards are the same as a real step's and the graphs it compiles serve the
+    real cache (``num_blocks`` is a symbolic size of the graph)."""
+    taken = set(kv_cache.shape) | {0, 1, 2, 3, 4, decode_linear.KERNEL_MAX_ROWS + 1, decode_linear.KERNEL_MAX_ROWS + 2}
+    num_blocks = next(n for n in range(5, 64) if n not in taken)
+    shape = list(kv_cache.shape)
+    shape[2] = num_blocks
+    return torch.zeros(shape, dtype=kv_cache.dtype, device=kv_cache.device)

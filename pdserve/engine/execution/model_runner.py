@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import zlib
 
 import msgspec
@@ -213,19 +214,40 @@ class ModelRunner:
             # where the kernel choice says (plan's native_kernels)
             decode_linear.build_kernel()
         self._compiled_decode = None  # CompiledDecodeStep: decode-only steps' forward under torch.compile
+        self._compile_thread = None  # the thread building it (decode_step_compile "background")
         compile_step, why = decide_decode_step(config.enforce_eager, config.batch_invariant, self.quantization,
                                                self.dtype, self.quantization is not None and build_kernel())
-        if compile_step:  # oneDNN-packed linears included (pdserve.engine.layers.onednn_linear)
-            self._compiled_decode = CompiledDecodeStep.build(self)
-            if self._compiled_decode is None:
+        if compile_step and config.decode_step_compile == "background":
+            self._compile_thread = threading.Thread(target=self._compile_decode_step, name="compile-decode-step",
+                                                    daemon=True)
+            why = "in the background: decode steps run eagerly until it is warm (the log says when)"
+        elif compile_step:  # oneDNN-packed linears included (pdserve.engine.layers.onednn_linear)
+            if not self._compile_decode_step():
                 why = "CompiledDecodeStep.build declined (logged above)"
-        plan.decide("decode_step", "compiled" if self._compiled_decode is not None else "eager", why)
+        plan.decide("decode_step", "compiled" if self._compiled_decode is not None or self._compile_thread else
+                    "eager", why)
         self.sampler = Sampler(config.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.total_kv_heads = self.model.total_kv_heads  # the cache's KV heads over all TP ranks (MLA: 1 latent)
         self.kv_agent = None  # KVRankAgent once a worker attaches one (pdserve.kvtransfer.agent)
         self.report_keys = None  # non-driver rank: CURVE keys of its reports to the driver (serve_rank's)
         logger.info("model runner for %s:\n%s", config.model, plan.describe())
+        if self._compile_thread is not None:
+            self._compile_thread.start()
+
+    def _compile_decode_step(self) -> bool:
+        """Build the compiled decode step (``CompiledDecodeStep.build``) and switch decode steps to it;
+        False where it stays eager. Runs on the start-up path or in the compile thread."""
+        step = CompiledDecodeStep.build(self)
+        self._compiled_decode = step  # one assignment: a step reads the old value or the new, both usable
+        return step is not None
+
+    def wait_for_compiled_step(self, timeout_s: float | None = None) -> bool:
+        """Block until a background compile of the decode step has finished (at most ``timeout_s``);
+        True if decode steps now run compiled."""
+        if self._compile_thread is not None:
+            self._compile_thread.join(timeout_s)
+        return self._compiled_decode is not None
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
                        block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:
@@ -337,10 +359,11 @@ class ModelRunner:
         out_rows = None  # the sampled rows, where the last layer computes only those (_out_rows)
         try:
             md = inp.attn_metadata
-            compiled = self._compiled_decode is not None and not step.lora_slots  # adapters: eager
-            if (compiled and md.max_query_len == 1 and on_layer_done is None  # decode-only: its RoPE length is
+            compiled = self._compiled_decode  # read once: a background compile may set it between steps
+            if (compiled is not None and not step.lora_slots  # adapters: eager
+                    and md.max_query_len == 1 and on_layer_done is None  # decode-only: its RoPE length is
                     and (md.rope_seq_lens is None or torch.equal(md.rope_seq_lens, md.seq_lens))):  # position + 1
-                hidden = self._compiled_decode(inp, self.kv_cache)
+                hidden = compiled(inp, self.kv_cache)
             else:
                 out_rows = self._out_rows(step, inp)
                 hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, md, on_layer_done, hidden=hidden_in,
