@@ -1,4 +1,5 @@
-"""`pdserve up` (the README's main command): default model, serves, stops every child on SIGTERM."""
+"""`pdserve up` (the README's main command): default model, serves, stops every child on SIGTERM or a
+terminal's Ctrl-C, cleanly."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path, mode):
     extra = ["--colocated"] if mode == "colocated" else []
     proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--port", str(port), "--kv-cache-memory", "8MiB",
                              *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     children: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 180
@@ -50,10 +52,16 @@ def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path, mode):
             assert pinned == {"decode": cores}
         elif len(cores) >= 2:
             assert pinned["prefill"] and pinned["decode"] and not set(pinned["prefill"]) & set(pinned["decode"])
-        proc.send_signal(signal.SIGTERM)
+        if extra:  # Ctrl-C in a terminal: SIGINT to the whole process group, then the launcher's own to each
+            os.killpg(proc.pid, signal.SIGINT)
+        else:  # a supervisor's stop
+            proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         gone, alive = psutil.wait_procs(children, timeout=15)
-        assert not alive, f"children still running after SIGTERM: {alive}"
+        assert not alive, f"children still running after the stop: {alive}"
+        said = proc.stdout.read()  # a clean stop: no traceback, a line per process at most
+        assert "Traceback" not in said and "Error" not in said, said
+        assert len(said.splitlines()) <= len(children) + 1, said
     finally:
         for p in [*children, psutil.Process(proc.pid) if proc.poll() is None else None]:
             if p is not None and p.is_running():

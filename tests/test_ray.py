@@ -52,12 +52,27 @@ def created_groups() -> dict[str, dict]:
     return {g["name"]: g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"}
 
 
-def test_pools_placed_on_their_nodes_serve_exactly_scale_and_sigterm_removes_everything(model_dir, two_nodes):
+def listening_hosts(port: int) -> set[str]:
+    """The IPv4 addresses a socket of this network namespace listens on at TCP ``port`` (/proc/net/tcp)."""
+    hosts = set()
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, lport = local.split(":")
+        if state == "0A" and int(lport, 16) == port:  # LISTEN
+            hosts.add(".".join(str(int(addr[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return hosts
+
+
+def test_pools_placed_on_their_nodes_serve_exactly_scale_and_sigterm_removes_everything(model_dir, two_nodes,
+                                                                                        tmp_path):
     port = free_port()
+    out = tmp_path / "up.out"
     up = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--ray", "--address", two_nodes.address,
-                           "--model", model_dir, "--port", str(port), "--prefill-tensor-parallel-size", "2",
+                           "--model", model_dir, "--host", "0.0.0.0", "--port", str(port),
+                           "--prefill-tensor-parallel-size", "2",
                            "--prefill-resources", '{"prefill_node": 1}', "--decode-resources", '{"decode_node": 1}',
-                           "--remote-prefill-threshold", "0"], env={**os.environ, **LOOPBACK_ONLY})
+                           "--remote-prefill-threshold", "0"], env={**os.environ, **LOOPBACK_ONLY},
+                          stdout=out.open("wb"))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -72,6 +87,14 @@ def test_pools_placed_on_their_nodes_serve_exactly_scale_and_sigterm_removes_eve
                 pass
             time.sleep(1)
 
+        # --host means what it means without Ray: the router binds every interface, as asked (it bound the
+        # node's address whatever --host said), and the address printed works from this machine
+        assert listening_hosts(port) == {"0.0.0.0"}
+        deadline = time.monotonic() + 10
+        while "pdserve is up" not in out.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert f"pdserve is up: http://127.0.0.1:{port}/v1" in out.read_text()
         ray.init(address=two_nodes.address)
         node_resources = {n["NodeID"]: n["Resources"] for n in ray.nodes()}
         groups = created_groups()

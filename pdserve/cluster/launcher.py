@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from pdserve.common.utils import format_cpu_list, free_port
+from pdserve.common.utils import format_cpu_list, free_port, reachable_host
 from pdserve.cluster.spec import ClusterSpec
 from pdserve.cluster.supervisor import ClusterLauncher, serve_until_stopped
 
@@ -44,12 +44,12 @@ class LocalCluster(ClusterLauncher):
 
     @property
     def url(self) -> str:
-        return f"http://{self.spec.host}:{self.spec.port}"
+        return f"http://{reachable_host(self.spec.host)}:{self.spec.port}"
 
     def router_urls(self) -> list[str]:
         if not self.direct_ports:
             return [self.url]
-        return [f"http://{self.spec.host}:{port}" for port in self.direct_ports]
+        return [f"http://{reachable_host(self.spec.host)}:{port}" for port in self.direct_ports]
 
     @property
     def router_proc(self) -> subprocess.Popen | None:
@@ -60,7 +60,7 @@ class LocalCluster(ClusterLauncher):
     @property
     def router_addrs(self) -> str:
         """What workers get as ``--router``: every router's ZMQ address."""
-        return ",".join(f"tcp://{self.spec.host}:{port}" for port in self.zmq_ports)
+        return ",".join(f"tcp://{reachable_host(self.spec.host)}:{port}" for port in self.zmq_ports)
 
     @property
     def procs(self) -> list[tuple[str, subprocess.Popen]]:
@@ -142,17 +142,20 @@ class LocalCluster(ClusterLauncher):
         return handle.poll()
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGINT every process (exit now: SIGTERM would drain them); SIGKILL what is left after ``timeout_s``."""
-        for name, proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
+        """SIGINT every process (exit now: SIGTERM would drain them), the routers first so that none of them
+        reports the workers leaving; SIGKILL what is left after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        for _, proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        routers = [w.handle for w in self.routers.values()]
+        for group in (routers, [w.handle for w in self.workers.values()]):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+            for proc in group:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
 
 def run_cluster(spec: ClusterSpec) -> int:

@@ -16,11 +16,13 @@ and removes the placement groups. Pools grow and shrink as for ``pdserve up``
 (``ClusterLauncher.reconcile``): a new worker gets its own placement group, and
 a drained one's actors and group are removed once its driver exits.
 
-``--num-routers N`` starts N router actors (no CPUs asked, so Ray may put them on
-any node): each binds the HTTP port with ``--reuse-port`` (routers on one node
-share it; on different nodes each node serves it), has its own ZMQ port and a
-direct port, and router-0 keeps the pools' targets. A router that exits is
-restarted in its actor on the same ports. ``url`` is router-0's.
+Routers run on the node that ran ``pdserve up --ray`` (the Ray driver's node) and bind HTTP where
+``--host`` says, as ``pdserve up`` does: 127.0.0.1 by default, 0.0.0.0 where other machines must
+reach it. Their ZMQ sockets bind the node's address, which workers on every node can reach.
+``pdserve is up:`` prints an address that works from that machine (the node's address for 0.0.0.0).
+``--num-routers N`` starts N router actors there: they share the HTTP port (``--reuse-port``),
+each has its own ZMQ port and a direct port, and router-0 keeps the pools' targets. A router that
+exits is restarted in its actor on the same ports. ``url`` is router-0's.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from pdserve.common.utils import free_port
+from pdserve.common.utils import free_port, reachable_host
 from pdserve.cluster.spec import ClusterSpec
 from pdserve.cluster.supervisor import ClusterLauncher
 
@@ -173,15 +175,20 @@ class RayCluster(ClusterLauncher):
             router = self.routers[name].handle
             ray.get(router.actor.start.remote(router.args))
             return router
-        actor = self._actor_class().options(num_cpus=0, name=f"pdserve-{name}").remote()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # on this machine's node, so that --host 127.0.0.1 (the default) serves this machine as without Ray
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actor = self._actor_class().options(num_cpus=0, name=f"pdserve-{name}", scheduling_strategy=here).remote()
         ip = ray.get(actor.node_ip.remote())
         zmq_port = ray.get(actor.free_port.remote())
-        args = ["router", "--model", s.model, "--host", ip, "--port", str(s.port), "--zmq-port", str(zmq_port),
-                "--expect-prefill-workers", str(s.num_prefill)]
-        url = f"http://{ip}:{s.port}"
+        args = ["router", "--model", s.model, "--host", s.host, "--zmq-host", ip, "--port", str(s.port),
+                "--zmq-port", str(zmq_port), "--expect-prefill-workers", str(s.num_prefill)]
+        http_host = reachable_host(s.host, ip)
+        url = f"http://{http_host}:{s.port}"
         if s.num_routers > 1:
             direct_port = ray.get(actor.free_port.remote())
-            url = f"http://{ip}:{direct_port}"
+            url = f"http://{http_host}:{direct_port}"
             args += ["--router-id", name, "--reuse-port", "--direct-port", str(direct_port)]
             if index > 0:  # router-0 keeps the pools' targets
                 args += ["--pool-owner", self.router_urls()[0]]
@@ -189,7 +196,7 @@ class RayCluster(ClusterLauncher):
         router = _Router(actor, args, url)
         ray.get(actor.start.remote(args))
         if index == 0:
-            self.router_url = f"http://{ip}:{s.port}"
+            self.router_url = f"http://{http_host}:{s.port}"
         self.router_zmqs.append(f"tcp://{ip}:{zmq_port}")
         logger.info("pdserve on Ray: %s at %s", name, url)
         return self._record_router(index, router)

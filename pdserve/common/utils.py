@@ -185,6 +185,15 @@ def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None 
                            "float32 is faster here")
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def reachable_host(bind_host: str, node_address: str = "127.0.0.1") -> str:
+    """Where to reach a server bound to ``bind_host`` on this node: ``node_address`` for a wildcard
+    (0.0.0.0, ::), else ``bind_host`` itself. What ``pdserve is up:`` prints and health checks use."""
+    return node_address if bind_host in WILDCARD_HOSTS else bind_host
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (for tests and the local launcher)."""
     with socket.socket() as s:

@@ -127,7 +127,8 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
         tokenizer = AutoTokenizer.from_pretrained(config.model)
     registry = WorkerRegistry(config.worker_timeout_s, config.step_timeout_s)
     metrics = RouterMetrics(config.served_model_name, registry, config.max_model_len)
-    engine = RouterEngine(config.host, config.zmq_port, registry, metrics.workers, config.cluster_secret,
+    engine = RouterEngine(config.zmq_host or config.host, config.zmq_port, registry, metrics.workers,
+                          config.cluster_secret,
                           worker_wait_s=config.worker_wait_s, on_migration=metrics.observe_migration,
                           policy=make_policy(config.routing_policy, config.routing_prefix_blocks,
                                              config.routing_balance_factor),

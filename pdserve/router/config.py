@@ -47,7 +47,10 @@ class RouterConfig:
     Attributes:
         model: checkpoint directory (the tokenizer and config.json are read from it).
         served_model_name: the name clients pass as ``model``; default: basename of ``model``.
-        host: interface for both the HTTP server and the ZMQ PULL socket.
+        host: interface of the HTTP server (and of the ZMQ PULL socket unless ``zmq_host`` is set).
+        zmq_host: interface of the ZMQ PULL socket workers push to, where it differs from ``host``
+            (``pdserve up --ray``: HTTP where ``--host`` says, ZMQ on the node's address for workers on
+            other nodes); None: ``host``.
         port: HTTP port.
         zmq_port: port of the PULL socket workers push to; 0 picks a free one
             (the bound address is then logged and shown by ``GET /info``).
@@ -118,6 +121,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     zmq_port: int = 8001
+    zmq_host: str | None = None
     max_model_len: int | None = None
     worker_timeout_s: float = 10.0
     step_timeout_s: float = 300.0
@@ -219,7 +223,10 @@ class RouterConfig:
         g.add_argument("--model", required=True, help="checkpoint directory (tokenizer + config.json)")
         g.add_argument("--served-model-name", default=None,
                        help="model name clients use (default: basename of --model)")
-        g.add_argument("--host", default=cls.host, help="interface for HTTP and the ZMQ PULL socket")
+        g.add_argument("--host", default=cls.host, help="interface for HTTP and the ZMQ PULL socket (default "
+                       f"{cls.host}; 0.0.0.0: every interface)")
+        g.add_argument("--zmq-host", default=None, help="interface of the ZMQ PULL socket only, and the address "
+                       "workers are told (default: --host)")
         g.add_argument("--port", type=int, default=cls.port, help="HTTP port")
         g.add_argument("--zmq-port", type=int, default=cls.zmq_port,
                        help="port workers push to (0 = a free port, printed at start-up)")

@@ -16,6 +16,9 @@ from pdserve.router.app import build_app
 from pdserve.router.config import RouterConfig
 
 
+_SAME_SIGNAL_S = 1.0  # signals this close after the first that stopped the router are the same stop
+
+
 class _RouterServer(uvicorn.Server):
     """uvicorn's server, plus a drain, and a clean exit status.
 
@@ -32,8 +35,16 @@ class _RouterServer(uvicorn.Server):
         self._on_drain, self._on_exit, self._num_inflight = on_drain, on_exit, num_inflight
         self._shutdown_timeout_s = shutdown_timeout_s
         self._draining = False
+        self._exit_requested_at = float("-inf")
 
     def handle_exit(self, sig, frame) -> None:
+        now = time.monotonic()
+        if self.should_exit and now - self._exit_requested_at < _SAME_SIGNAL_S:
+            # One Ctrl-C arrives twice under `pdserve up`: from the terminal (to the whole process group) and
+            # from the launcher. uvicorn would take the second for "force exit" and cancel the app's shutdown
+            # mid-way (a CancelledError traceback); a later signal still forces.
+            return
+        self._exit_requested_at = now
         if sig == signal.SIGTERM and not self._draining and self._shutdown_timeout_s > 0:
             self._draining = True
             self._on_drain()
@@ -110,17 +121,21 @@ def run_router(config: RouterConfig) -> None:
         # keep-alive longer than clients' and load balancers' idle timeouts (httpx: 5 s, AWS ALB: 60 s): a
         # server that closes an idle connection first races a client reusing it, whose request then gets
         # no answer (uvicorn's default is 5 s, the same as httpx's)
-        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+        # uvicorn's own lines (started, startup complete, shutting down, finished: eight a run) only at debug;
+        # the router prints its address at start and one line at exit
+        uvicorn.Config(app, host=config.host, port=config.port,
+                       log_level=config.log_level if config.log_level == "debug" else "warning",
                        timeout_graceful_shutdown=5, timeout_keep_alive=75, access_log=config.log_level == "debug"),
         on_drain=on_drain, on_exit=lambda: engine.abort_all_threadsafe("the router is shutting down"),
         num_inflight=lambda: engine.num_inflight, shutdown_timeout_s=config.shutdown_timeout_s)
     if not config.reuse_port and config.direct_port is None:
         server.run()
-        return
-    sockets = [listen_socket(config.host, config.port, reuse_port=config.reuse_port)]
-    if config.direct_port is not None:
-        sockets.append(listen_socket(config.host, config.direct_port))
-    server.run(sockets=sockets)
+    else:
+        sockets = [listen_socket(config.host, config.port, reuse_port=config.reuse_port)]
+        if config.direct_port is not None:
+            sockets.append(listen_socket(config.host, config.direct_port))
+        server.run(sockets=sockets)
+    print(f"pdserve router {config.router_id}: stopped", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
