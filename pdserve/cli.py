@@ -26,6 +26,37 @@ import os
 import sys
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with each flag's default appended where its own text does not give it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return _with_default(action)
+
+
+def _with_default(action: argparse.Action) -> str:
+    text = action.help or ""
+    default = action.default
+    shown = not (default is None or isinstance(default, bool) or default in ("", [], argparse.SUPPRESS))
+    shown = shown and bool(action.option_strings)
+    return f"{text} (default {action.default})" if shown and "default" not in text else text
+
+
+def flag_table(parser: argparse.ArgumentParser) -> str:
+    """``parser``'s flags as a Markdown table (flag | meaning, default included): what README.md shows
+    for ``pdserve up`` and ``pdserve flags`` prints. Every flag has help (tests/test_cli.py checks)."""
+    rows = ["| flag | meaning |", "|---|---|"]
+    for action in parser._actions:
+        if not action.option_strings or action.help == argparse.SUPPRESS or "-h" in action.option_strings:
+            continue
+        flags = " / ".join(f"`{o}`" for o in action.option_strings)
+        rows.append(f"| {flags} | {_with_default(action).replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
 
@@ -204,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pdserve.router.config import RouterConfig, add_lora_cli_args, add_routing_cli_args, add_tracing_cli_args
 
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
-    parser.add_argument("--log-level", default="info")
+    parser.add_argument("--log-level", default="info", help="logging level: debug, info, warning, error")
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start a local cluster (router + workers as processes)",
@@ -212,13 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", default=None,
                     help="checkpoint directory (default: the built-in model trained on Python's standard library)")
     up.add_argument("--num-prefill", type=int, default=None, help="prefill workers (default 1)")
-    up.add_argument("--num-decode", type=int, default=1)
+    up.add_argument("--num-decode", type=int, default=1, help="decode workers")
     up.add_argument("--colocated", action="store_true",
                     help="no prefill workers: each worker prefills (chunked, mixed with decode) and decodes, "
                          "the baseline disaggregation is measured against")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--zmq-port", type=int, default=None)
+    up.add_argument("--host", default="127.0.0.1",
+                    help="interface the router's HTTP API binds, with or without --ray (0.0.0.0: every interface, "
+                         "for other machines)")
+    up.add_argument("--port", type=int, default=8000, help="the router's HTTP port")
+    up.add_argument("--zmq-port", type=int, default=None,
+                    help="the router's ZMQ port, where workers push (default: a free one)")
     up.add_argument("--num-routers", type=int, default=1,
                     help="routers serving the one worker pool (a router tier): they share --port (SO_REUSEPORT), "
                          "each has its own ZMQ port, every worker registers with all of them, and a router's "
@@ -277,8 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("tiny-model", help="write a deterministic random-weight Llama checkpoint")
     tiny.add_argument("out_dir")
-    tiny.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
-    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--preset", default="tiny", choices=["tiny", "bench"],
+                      help="tiny: the tests' 2-layer model; bench: ~100M parameters")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights")
 
     from pdserve.bench.commands import add_compare_args, add_serve_args
 
@@ -290,6 +325,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_args(bench_sub.add_parser(
         "compare", help="one workload against pdserve (disagg, colocated), vLLM, transformers serve, HF generate",
         description="Writes results.json, results.md and plots to --out-dir."))
+    flags = sub.add_parser("flags", help="print a command's flags as a Markdown table (README's tables)")
+    flags.add_argument("of", choices=[c for c in _subcommands(parser) if c != "bench"], help="the command")
+    for sub_parser in [parser, *_subcommands(parser).values(), *_subcommands(bench).values()]:
+        sub_parser.formatter_class = HelpFormatter
     return parser
 
 
@@ -315,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(args) if args.bench_command == "serve" else cmd_compare(args)
     if args.command == "default-model":
         return _cmd_default_model(args)
+    if args.command == "flags":
+        print(flag_table(_subcommands(parser)[args.of]), end="")
+        return 0
     return _cmd_tiny_model(args)
 
 

@@ -112,11 +112,16 @@ class WorkerConfig:
                             "resolves to several addresses (a headless Service) names every router behind it")
         g.add_argument("--host", default="127.0.0.1", help="interface to bind and advertise")
         g.add_argument("--port", type=int, default=None, help="ZMQ input port (default: any free port)")
-        g.add_argument("--worker-id", default="")
-        g.add_argument("--heartbeat-interval", type=float, default=1.0, dest="heartbeat_interval_s")
-        g.add_argument("--transfer-timeout", type=float, default=30.0, dest="transfer_timeout_s")
-        g.add_argument("--remote-prefill-timeout", type=float, default=60.0, dest="remote_prefill_timeout_s")
-        g.add_argument("--prefill-failure-policy", choices=["recompute", "fail"], default="recompute")
+        g.add_argument("--worker-id", default="", help="this worker's name in the pools (default: role-host-pid-random)")
+        g.add_argument("--heartbeat-interval", type=float, default=1.0, dest="heartbeat_interval_s",
+                       help="seconds between heartbeats to each router")
+        g.add_argument("--transfer-timeout", type=float, default=30.0, dest="transfer_timeout_s",
+                       help="seconds any one KV transfer step may take before the transfer fails")
+        g.add_argument("--remote-prefill-timeout", type=float, default=60.0, dest="remote_prefill_timeout_s",
+                       help="seconds a decode worker waits for a prompt's KV from a prefill worker")
+        g.add_argument("--prefill-failure-policy", choices=["recompute", "fail"], default="recompute",
+                       help="when a remote prefill fails: recompute the prompt on the decode worker, or fail "
+                            "the request")
         g.add_argument("--cluster-secret", default=None,
                        help="the cluster's secret: proves this worker to the router and makes every ZMQ socket "
                             "CurveZMQ (default: $PDSERVE_CLUSTER_SECRET)")

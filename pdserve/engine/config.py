@@ -295,13 +295,14 @@ class EngineConfig:
         g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--kv-cache-memory", type=parse_size, default="512MiB", help="KV cache budget, e.g. 2GiB")
-        g.add_argument("--max-num-seqs", type=int, default=64)
+        g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in flight on this worker")
         g.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help=f"token budget of one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; a prefill worker's "
                             f"{PREFILL_MAX_NUM_BATCHED_TOKENS}: a CPU's GEMM is saturated by a few hundred rows, so "
                             "a bigger prefill batch only delays every prompt in it)")
-        g.add_argument("--max-model-len", type=int, default=None)
-        g.add_argument("--seed", type=int, default=0)
+        g.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+        g.add_argument("--seed", type=int, default=0, help="seed of the sampler's generator (requests without a seed)")
         g.add_argument("--num-threads", type=int, default=None,
                        help="torch CPU threads (default: one per core of --cpu-cores, else torch's default)")
         g.add_argument("--cpu-cores", default=None,
