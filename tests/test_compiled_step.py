@@ -52,12 +52,12 @@ def test_compiling_never_writes_the_kv_cache_requests_hold(model_dir):
         runner._compiled_decode = step
         graphs = dict(torch._dynamo.utils.counters["stats"])
         assert graphs.get("unique_graphs")  # dynamo counts the graphs it made
-        prompts = [[5, 17, 300, 41, 9, 77], [7, 8, 9]]  # batch 2, then batch 1
-        got = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+        batch = [[5, 17, 300, 41, 9, 77], [7, 8, 9]]  # batch 2, then batch 1
+        got = llm.generate(batch, SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
         assert dict(torch._dynamo.utils.counters["stats"]).get("unique_graphs") == graphs.get("unique_graphs")
         want = LLM(model_dir, kv_cache_memory="1MiB", enforce_eager=True)
         try:
-            assert token_ids(got) == token_ids(want.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0),
+            assert token_ids(got) == token_ids(want.generate(batch, SamplingParams(max_tokens=8, temperature=0.0),
                                                              use_tqdm=False))
         finally:
             want.close()
@@ -171,3 +171,15 @@ def test_two_models_of_one_shape_each_run_their_own_graphs(model_dir, prompts, t
     finally:
         for llm in llms:
             llm.close()
+
+
+def test_the_compile_cache_outlives_tmp_unless_the_user_names_one(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from pdserve.engine.execution.compiled_step import use_persistent_compile_cache
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert use_persistent_compile_cache() == str(tmp_path / ".cache" / "pdserve" / "inductor") == cache_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_persistent_compile_cache() == str(tmp_path / "mine") == cache_dir()

@@ -23,6 +23,7 @@ step once every graph is compiled.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import types
 from typing import TYPE_CHECKING, Protocol
@@ -42,6 +43,18 @@ logger = logging.getLogger(__name__)
 # 0.48-0.53 ms). The graph's inputs are checked by dynamo's guards already, and the operators' fake
 # kernels by tests/test_compiled_step.py (every step's tokens against transformers').
 _INDUCTOR_OPTIONS = {"size_asserts": False, "alignment_asserts": False}
+
+
+def use_persistent_compile_cache() -> str:
+    """Point inductor's cache (its generated code, FX graphs and AOT autograd artifacts) at
+    ``~/.cache/pdserve/inductor`` unless ``$TORCHINDUCTOR_CACHE_DIR`` is set, so that a restart, after a
+    reboot too, finds the graphs compiled before (torch's default is ``/tmp/torchinductor_<user>``, which
+    /tmp's cleaners take; vLLM keeps its compile cache under ``~/.cache`` likewise). Returns the directory."""
+    path = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not path:
+        path = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = path  # read by inductor at each use
+    return path
 
 
 def _keep_guards(guards) -> list[bool]:
@@ -80,7 +93,7 @@ class CompiledDecodeStep:
 
         One graph with a symbolic batch size serves every decode batch (torch specializes batch 1 on
         its own, so both are compiled here, at start-up). Inductor's cache
-        (``$TORCHINDUCTOR_CACHE_DIR``) makes a restart's compile a cache hit. Only a single-rank
+        (``use_persistent_compile_cache``) makes a restart's compile a cache hit. Only a single-rank
         worker whose attention runs through the opaque ``pdserve::paged_decode_attention`` op
         compiles. An inductor failure costs speed, never the worker: it is logged and the step
         runs eagerly.
@@ -100,6 +113,7 @@ class CompiledDecodeStep:
         # ~1,450 of the step's ~2,300 guards) cost 0.25-0.3 ms of every step at batch 1 on the bench preset.
         # They would catch a module changed after the compile, and nothing changes one: weights are loaded
         # and packed, and LoRA slots attached, before it.
+        use_persistent_compile_cache()
         compiled = torch.compile(types.MethodType(own, step), dynamic=True,
                                  options={"guard_filter_fn": _keep_guards, **_INDUCTOR_OPTIONS})
         start = time.monotonic()

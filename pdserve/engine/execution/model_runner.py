@@ -103,11 +103,23 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, ranks: RankGroup | None = None):
         self.config = config
         self.ranks = ranks
-        # Every start-up choice, with its reason, decided before what it builds (runner_plan); logged once.
-        self.plan = plan = RunnerPlan()
+        # Every start-up choice, with its reason, is recorded in the plan (runner_plan) right before what it
+        # builds; some need what the phase before built (the probes time the loaded model's own layers).
+        self.plan = RunnerPlan()
         self.device = ranks.device if ranks is not None else resolve_device(config.device)
-        plan.decide("device", self.device)
+        self.plan.decide("device", self.device)
         hf_config = AutoConfig.from_pretrained(config.model)
+        self._load_model(hf_config)  # device, dtype, KV format, cores, quantization, layers -> the model
+        self._choose_weight_paths(hf_config)  # native kernels, linear weights' layout (timed) -> packed weights
+        self._allocate_kv_cache(hf_config)  # KV cache groups and size -> the cache
+        self._choose_step()  # attention backend, LoRA, decode-linear kernel, compiled or eager decode step
+        logger.info("model runner for %s:\n%s", config.model, self.plan.describe())
+        if self._compile_thread is not None:
+            self._compile_thread.start()
+
+    def _load_model(self, hf_config) -> None:
+        """Decide the dtype, KV cache format, cores, quantization and this rank's layers; load the model."""
+        config, ranks, plan = self.config, self.ranks, self.plan
         self.dtype, why = resolve_dtype(config.dtype, self.device, _checkpoint_dtype(config.model))
         plan.decide("dtype", str(self.dtype).removeprefix("torch."), why)
         self.kv_cache_format = resolve_kv_cache_format(config.kv_cache_dtype, self.dtype)
@@ -141,6 +153,10 @@ class ModelRunner:
             quantize_model(self.model, self.quantization)
         if config.batch_invariant:
             self.model.set_batch_invariant(True)
+
+    def _choose_weight_paths(self, hf_config) -> None:
+        """Time each native kernel and the linear weights' layouts on the loaded model; pack the weights."""
+        config, plan = self.config, self.plan
         self.kernel_choices: dict[str, KernelChoice] = {}  # native kernel or torch, timed here (kernel_choice)
         if self.device.type == "cpu":
             self.kernel_choices = choose_kernels(self.model, config.native_kernels, max_keys=config.max_model_len or
@@ -157,6 +173,11 @@ class ModelRunner:
             why += f"; {self.num_packed_linears} layers packed in {PACKED_LAYOUTS[self.linear_weight_format]}" + (
                 "" if self.num_packed_linears else " (none: its library or dtype is not available here)")
         plan.decide("linear_weight_format", self.linear_weight_format, why)
+
+    def _allocate_kv_cache(self, hf_config) -> None:
+        """Read the model's limits, group its layers' KV (windows), size the cache to the budget and allocate it."""
+        config, ranks, plan = self.config, self.ranks, self.plan
+        kv_name = self.kv_cache_format.name
         self.max_model_len = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         self.vocab_size = int(hf_config.vocab_size)
         self.hidden_size = int(hf_config.hidden_size)
@@ -194,6 +215,12 @@ class ModelRunner:
                     + ("K and V" if self.kv_slots == 2 else "one latent row")
                     + ("" if self.kv_groups.is_single else f"; a block holds {num_cache_layers} layers of one of "
                        f"{self.kv_groups.num_groups} groups"))
+
+    def _choose_step(self) -> None:
+        """Choose the attention backend, attach LoRA, build the decode-linear kernel, build (or start) the
+        compiled decode step; then the sampler."""
+        config, plan = self.config, self.plan
+        kv_name = self.kv_cache_format.name
         # What attention needs to know of the cache's rows: a quantized format's name, else None.
         self.attn_kv_dtype = kv_name if self.kv_cache_format.quantized else None
         self.attention_backend = select_backend(config.attention_backend, self.device, kv_name, self.head_dim,
@@ -231,9 +258,6 @@ class ModelRunner:
         self.total_kv_heads = self.model.total_kv_heads  # the cache's KV heads over all TP ranks (MLA: 1 latent)
         self.kv_agent = None  # KVRankAgent once a worker attaches one (pdserve.kvtransfer.agent)
         self.report_keys = None  # non-driver rank: CURVE keys of its reports to the driver (serve_rank's)
-        logger.info("model runner for %s:\n%s", config.model, plan.describe())
-        if self._compile_thread is not None:
-            self._compile_thread.start()
 
     def _compile_decode_step(self) -> bool:
         """Build the compiled decode step (``CompiledDecodeStep.build``) and switch decode steps to it;

@@ -177,7 +177,7 @@ class ColumnParallelLinear(nn.Module):
     replicated over ``tp_size // num_shards[i]`` ranks. Grouped-query attention with fewer
     KV heads than ranks uses this: each rank holds (a copy of) one KV head, as in vLLM.
 
-    ``batch_invariant`` (set by ``LlamaForCausalLM.set_batch_invariant``): compute through
+    ``batch_invariant`` (set by ``DecoderForCausalLM.set_batch_invariant``): compute through
     ``batch_invariant_linear``, so a row's output does not depend on the other rows.
 
     ``lora`` (``pdserve.engine.lora.layers.LoRASlots``, set by the LoRA manager): adds each token's

@@ -32,7 +32,7 @@ from torch import nn
 from pdserve.engine.layers.attention import AttentionMetadata, paged_attention
 from pdserve.engine.layers.base import ColumnParallelLinear, RMSNorm, RowParallelLinear, _divide, tp_rank_and_size
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, _rope_settings, select_rows
+from pdserve.engine.models.decoder import DecoderLayer, DecoderForCausalLM, GatedMLP, rope_settings, select_rows
 from pdserve.engine.models.moe import FusedExperts, _matmul, map_expert_name
 
 
@@ -99,7 +99,7 @@ class MLAttention(nn.Module):
                                            device)
         self.o_proj = RowParallelLinear(heads * self.v_head_dim, hidden, bias=bias, tp_group=tp_group, dtype=dtype,
                                         device=device)
-        theta, scaling = _rope_settings(config)
+        theta, scaling = rope_settings(config)
         self.rotary_emb = RotaryEmbedding(self.rope, theta, scaling, device=device,
                                           interleaved=bool(getattr(config, "rope_interleave", True)),
                                           max_position_embeddings=getattr(config, "max_position_embeddings", None))
@@ -110,7 +110,7 @@ class MLAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache_layer: torch.Tensor,
                 attn_metadata: AttentionMetadata, layer: int | None = None,
                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """As ``LlamaAttention.forward``: [N, hidden] -> [N, hidden], or [n, hidden] for ``out_rows`` [n]."""
+        """As ``DecoderAttention.forward``: [N, hidden] -> [N, hidden], or [n, hidden] for ``out_rows`` [n]."""
         n, h, c = hidden.shape[0], self.num_heads, self.kv_lora_rank
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if self.q_lora_rank else self.q_proj(hidden)
         q_nope, q_pe = q.view(n, h, self.qk_head_dim).split([self.nope, self.rope], dim=-1)
@@ -173,7 +173,7 @@ class DeepseekV3MoE(nn.Module):
         self.gate = GroupLimitedRouter(config, dtype, device)
         self.experts = FusedExperts(config.n_routed_experts, config.hidden_size, config.moe_intermediate_size,
                                     tp_group, dtype, device, expert_parallel)
-        self.shared_experts = LlamaMLP(config, tp_group, dtype, device,
+        self.shared_experts = GatedMLP(config, tp_group, dtype, device,
                                        intermediate_size=config.moe_intermediate_size * config.n_shared_experts) \
             if config.n_shared_experts else None
 
@@ -183,14 +183,14 @@ class DeepseekV3MoE(nn.Module):
         return y if self.shared_experts is None else y + self.shared_experts(x)
 
 
-class DeepseekV3DecoderLayer(LlamaDecoderLayer):
+class DeepseekV3DecoderLayer(DecoderLayer):
     """Llama's pre-norm block with MLA and, from ``first_k_dense_replace`` on, the MoE."""
 
     attention_cls = MLAttention
 
     def make_mlp(self, config, layer_idx: int, tp_group: Any | None, dtype, device) -> nn.Module:
         if layer_idx < config.first_k_dense_replace:
-            return LlamaMLP(config, tp_group, dtype, device)
+            return GatedMLP(config, tp_group, dtype, device)
         return DeepseekV3MoE(config, tp_group, dtype, device, self.expert_parallel)
 
 
@@ -202,8 +202,8 @@ def _map_name(hf_name: str):
     return map_expert_name(hf_name)
 
 
-class DeepseekV3ForCausalLM(LlamaForCausalLM):
-    """DeepSeek-V3 causal LM over the paged cache (see ``LlamaForCausalLM`` for sharding)."""
+class DeepseekV3ForCausalLM(DecoderForCausalLM):
+    """DeepSeek-V3 causal LM over the paged cache (see ``DecoderForCausalLM`` for sharding)."""
 
     decoder_layer_cls = DeepseekV3DecoderLayer
     map_checkpoint_name = staticmethod(_map_name)

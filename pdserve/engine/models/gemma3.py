@@ -11,7 +11,7 @@ Gemma Team, "Gemma 3 Technical Report" (Google DeepMind, 2025). Against Llama:
 * the embedding is multiplied by ``sqrt(hidden_size)`` (in the model's dtype); the softmax
   scale is ``query_pre_attn_scalar ** -0.5``; the MLP is GeGLU with tanh-approximated GELU;
 * ``final_logit_softcapping`` (Gemma 2; None in Gemma 3), where set, is applied by
-  ``LlamaForCausalLM.compute_logits``. Attention logit soft-capping (Gemma 2) is refused:
+  ``DecoderForCausalLM.compute_logits``. Attention logit soft-capping (Gemma 2) is refused:
   the paged attention kernel does not cap scores.
 
 Sliding and full layers fall into separate KV cache groups, each with its own block table per
@@ -29,7 +29,7 @@ from torch import nn
 
 from pdserve.engine.layers.base import RMSNorm
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, select_rows
+from pdserve.engine.models.decoder import DecoderLayer, DecoderForCausalLM, GatedMLP, select_rows
 from pdserve.engine.models.qwen3 import Qwen3Attention
 
 
@@ -50,7 +50,7 @@ class GeluTanhAndMul(nn.Module):
         return F.gelu(gate, approximate="tanh") * up
 
 
-class Gemma3MLP(LlamaMLP):
+class Gemma3MLP(GatedMLP):
     """GeGLU feed-forward: down(gelu_tanh(gate(x)) * up(x)); [N, hidden] -> [N, hidden]."""
 
     def __init__(self, config, tp_group: Any | None, dtype, device):
@@ -88,7 +88,7 @@ class Gemma3Attention(Qwen3Attention):
                                           max_position_embeddings=getattr(config, "max_position_embeddings", None))
 
 
-class Gemma3DecoderLayer(LlamaDecoderLayer):
+class Gemma3DecoderLayer(DecoderLayer):
     """Sandwich block: h = x + norm(attn(norm(x))); out = h + norm(mlp(norm(h)))."""
 
     attention_cls = Gemma3Attention
@@ -120,8 +120,8 @@ class ScaledEmbedding(nn.Embedding):
         return super().forward(input_ids) * torch.tensor(self.scale, dtype=self.weight.dtype)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma 3 text causal LM over the paged cache (see ``LlamaForCausalLM`` for sharding)."""
+class Gemma3ForCausalLM(DecoderForCausalLM):
+    """Gemma 3 text causal LM over the paged cache (see ``DecoderForCausalLM`` for sharding)."""
 
     decoder_layer_cls = Gemma3DecoderLayer
     final_norm_cls = GemmaRMSNorm

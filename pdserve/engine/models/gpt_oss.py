@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.layers.base import Float32ScaleRMSNorm, tp_rank_and_size
-from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from pdserve.engine.models.decoder import DecoderAttention, DecoderLayer, DecoderForCausalLM
 from pdserve.engine.models.moe import FusedExperts, _matmul
 
 _FUSED = {"gate_up_proj": "w13_weight", "gate_up_proj_bias": "w13_bias", "down_proj": "w2_weight",
@@ -45,8 +45,8 @@ def _map_name(hf_name: str):
     return None
 
 
-class SinkedAttention(LlamaAttention):
-    """``LlamaAttention`` with one learned sink logit per query head (``sinks`` [local heads])."""
+class SinkedAttention(DecoderAttention):
+    """``DecoderAttention`` with one learned sink logit per query head (``sinks`` [local heads])."""
 
     def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
         super().__init__(config, layer_idx, tp_group, dtype, device)
@@ -146,7 +146,7 @@ class GptOssMoE(nn.Module):
         return self.experts(x, ids, weights)
 
 
-class GptOssDecoderLayer(LlamaDecoderLayer):
+class GptOssDecoderLayer(DecoderLayer):
     """Llama's pre-norm block with sinked attention, float32-scaled norms and the biased MoE."""
 
     attention_cls = SinkedAttention
@@ -156,8 +156,8 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
         return GptOssMoE(config, tp_group, dtype, device, self.expert_parallel)
 
 
-class GptOssForCausalLM(LlamaForCausalLM):
-    """gpt-oss causal LM over the paged cache (see ``LlamaForCausalLM`` for sharding)."""
+class GptOssForCausalLM(DecoderForCausalLM):
+    """gpt-oss causal LM over the paged cache (see ``DecoderForCausalLM`` for sharding)."""
 
     decoder_layer_cls = GptOssDecoderLayer
     final_norm_cls = Float32ScaleRMSNorm

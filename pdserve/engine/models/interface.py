@@ -1,7 +1,8 @@
 """The model interface: what the runner, the compiled decode step, the loader and LoRA use of a family.
 
-A family is free in how it builds its layers (``llama.py`` is the common decoder most families
-extend, ``deepseek_v3.py`` swaps in MLA, the MoE families their experts); what the engine may touch is
+A family is free in how it builds its layers (``decoder.py`` holds the parts most families are made of,
+``llama.py`` takes them as they are, ``deepseek_v3.py`` swaps in MLA, the MoE families their experts);
+what the engine may touch is
 this protocol, checked for every registered family by ``tests/test_model_families.py``. The KV cache
 it sizes from the attributes below is ``[num_layers, kv_slots, num_blocks, block_size, num_kv_heads,
 head_dim]`` (one rank's share), whose value rows are ``kv_v_dim`` wide.

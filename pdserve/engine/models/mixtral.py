@@ -14,11 +14,11 @@ from typing import Any
 
 from torch import nn
 
-from pdserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pdserve.engine.models.decoder import DecoderLayer, DecoderForCausalLM
 from pdserve.engine.models.moe import SparseMoeBlock, map_expert_name
 
 
-class MixtralDecoderLayer(LlamaDecoderLayer):
+class MixtralDecoderLayer(DecoderLayer):
     """Llama's pre-norm block with a ``SparseMoeBlock`` (Mixtral's routing) as its feed-forward."""
 
     def make_mlp(self, config, layer_idx: int, tp_group: Any | None, dtype, device) -> nn.Module:
@@ -27,8 +27,8 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
                               expert_parallel=self.expert_parallel)
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
-    """Mixtral causal LM over the paged cache (see ``LlamaForCausalLM`` for sharding)."""
+class MixtralForCausalLM(DecoderForCausalLM):
+    """Mixtral causal LM over the paged cache (see ``DecoderForCausalLM`` for sharding)."""
 
     decoder_layer_cls = MixtralDecoderLayer
     map_checkpoint_name = staticmethod(map_expert_name)

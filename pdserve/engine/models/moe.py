@@ -68,7 +68,7 @@ class FusedExperts(nn.Module):
     forward(x [N, H], topk_ids [N, k] int64, topk_weights [N, k]) -> [N, H] (all-reduced over TP):
     sum over j of topk_weights[n, j] * expert_{topk_ids[n, j]}(x[n]).
 
-    ``batch_invariant`` (``LlamaForCausalLM.set_batch_invariant``): each expert's GEMMs go
+    ``batch_invariant`` (``DecoderForCausalLM.set_batch_invariant``): each expert's GEMMs go
     through ``batch_invariant_linear``, so a token's output does not depend on how many other
     tokens chose its experts; the scatter-add sums a token's experts in expert order either way.
     """

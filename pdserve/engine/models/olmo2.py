@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pdserve.engine.layers.base import Float32ScaleRMSNorm, _divide, tp_rank_and_size
-from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, select_rows
+from pdserve.engine.models.decoder import DecoderAttention, DecoderLayer, DecoderForCausalLM, select_rows
 
 
 Olmo2RMSNorm = Float32ScaleRMSNorm  # OLMo 2's norm multiplies by its weight in float32, then casts
@@ -58,8 +58,8 @@ class ShardedRMSNorm(nn.Module):
         return (self.weight.float() * x32).to(x.dtype)
 
 
-class Olmo2Attention(LlamaAttention):
-    """``LlamaAttention`` with q_norm / k_norm over the whole q and k projections."""
+class Olmo2Attention(DecoderAttention):
+    """``DecoderAttention`` with q_norm / k_norm over the whole q and k projections."""
 
     def __init__(self, config, layer_idx: int, tp_group: Any | None, dtype, device):
         super().__init__(config, layer_idx, tp_group, dtype, device)
@@ -75,7 +75,7 @@ class Olmo2Attention(LlamaAttention):
         return self.q_norm(q.reshape(n, -1)).view_as(q), self.k_norm(k.reshape(n, -1)).view_as(k)
 
 
-class Olmo2DecoderLayer(LlamaDecoderLayer):
+class Olmo2DecoderLayer(DecoderLayer):
     """Post-norm block: h = x + norm(attn(x)); out = h + norm(mlp(h))."""
 
     attention_cls = Olmo2Attention
@@ -94,8 +94,8 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
         return hidden + self.post_feedforward_layernorm(self.mlp(hidden))
 
 
-class Olmo2ForCausalLM(LlamaForCausalLM):
-    """OLMo 2 causal LM over the paged cache (see ``LlamaForCausalLM`` for sharding)."""
+class Olmo2ForCausalLM(DecoderForCausalLM):
+    """OLMo 2 causal LM over the paged cache (see ``DecoderForCausalLM`` for sharding)."""
 
     decoder_layer_cls = Olmo2DecoderLayer
     final_norm_cls = Olmo2RMSNorm

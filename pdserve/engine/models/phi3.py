@@ -15,11 +15,11 @@ so its tokens are ``generate``'s on both sides of the switch.
 
 from __future__ import annotations
 
-from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.decoder import DecoderForCausalLM
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
-    """Phi-3 causal LM over the paged cache (see ``LlamaForCausalLM`` for sharding).
+class Phi3ForCausalLM(DecoderForCausalLM):
+    """Phi-3 causal LM over the paged cache (see ``DecoderForCausalLM`` for sharding).
 
     ``split_fused``: the checkpoint's fused tensors, cut along rows into the parts our fused
     layers load one by one (``pdserve.engine.models.loader``)."""

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 
 from pdserve.engine.layers.base import RMSNorm
-from pdserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from pdserve.engine.models.decoder import DecoderAttention, DecoderLayer, DecoderForCausalLM
 
 
-class Qwen3Attention(LlamaAttention):
-    """``LlamaAttention`` with q_norm / k_norm: RMSNorm over each head's ``head_dim`` features.
+class Qwen3Attention(DecoderAttention):
+    """``DecoderAttention`` with q_norm / k_norm: RMSNorm over each head's ``head_dim`` features.
 
     q (N, H, D), k (N, H_kv, D) -> the same shapes, normalized per (token, head). ``qk_norm_cls``:
     the norm's kind (Gemma 3 subclasses this with its ``(1 + w)`` norm)."""
@@ -33,13 +33,13 @@ class Qwen3Attention(LlamaAttention):
         return self.q_norm(q), self.k_norm(k)
 
 
-class Qwen3DecoderLayer(LlamaDecoderLayer):
+class Qwen3DecoderLayer(DecoderLayer):
     """Llama's pre-norm block with ``Qwen3Attention``."""
 
     attention_cls = Qwen3Attention
 
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Qwen3 dense causal LM over the paged cache (see ``LlamaForCausalLM`` for sharding)."""
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    """Qwen3 dense causal LM over the paged cache (see ``DecoderForCausalLM`` for sharding)."""
 
     decoder_layer_cls = Qwen3DecoderLayer

@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from pdserve.engine.models.llama import LlamaForCausalLM, LlamaMLP
+from pdserve.engine.models.decoder import DecoderForCausalLM, GatedMLP
 from pdserve.engine.models.moe import SparseMoeBlock, map_expert_name
 from pdserve.engine.models.qwen3 import Qwen3DecoderLayer
 
@@ -30,14 +30,14 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
 
     def make_mlp(self, config, layer_idx: int, tp_group: Any | None, dtype, device) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
-            return LlamaMLP(config, tp_group, dtype, device)
+            return GatedMLP(config, tp_group, dtype, device)
         return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
                               config.num_experts_per_tok, bool(config.norm_topk_prob), tp_group, dtype, device,
                               weights_dtype_of_x=True, expert_parallel=self.expert_parallel)
 
 
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    """Qwen3-MoE causal LM over the paged cache (see ``LlamaForCausalLM`` for sharding)."""
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    """Qwen3-MoE causal LM over the paged cache (see ``DecoderForCausalLM`` for sharding)."""
 
     decoder_layer_cls = Qwen3MoeDecoderLayer
     map_checkpoint_name = staticmethod(map_expert_name)
