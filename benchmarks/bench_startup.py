@@ -32,7 +32,7 @@ import httpx
 from pdserve.common.utils import free_port
 
 
-def one_run(model: str | None, cache_dir: str, until_compiled: bool, timeout_s: float) -> dict:
+def one_run(model: str | None, cache_dir: str, until_compiled: bool, timeout_s: float, keep_log: bool) -> dict:
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="pdserve-up-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port)] + (["--model", model] if model else [])
@@ -77,7 +77,10 @@ def one_run(model: str | None, cache_dir: str, until_compiled: bool, timeout_s: 
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    os.unlink(log.name)
+    if keep_log:
+        result["log"] = log.name
+    else:
+        os.unlink(log.name)
     return result
 
 
@@ -87,17 +90,21 @@ def main() -> None:
     parser.add_argument("--warm-runs", type=int, default=1, help="runs after the cold one, on its cache")
     parser.add_argument("--until-compiled", action="store_true", help="also wait for the compiled decode step")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="give up on a run after this long")
+    parser.add_argument("--cache-dir", default=None, help="inductor cache to start from (default: a new, empty one)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep each run's log (its path is printed)")
     args = parser.parse_args()
-    cache_dir = tempfile.mkdtemp(prefix="pdserve-inductor-")
-    for i in range(1 + args.warm_runs):
-        r = one_run(args.model, cache_dir, args.until_compiled, args.timeout_s)
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="pdserve-inductor-")
+    cold = args.cache_dir is None
+    for i in range(int(cold) + args.warm_runs):
+        r = one_run(args.model, cache_dir, args.until_compiled, args.timeout_s, args.keep_logs)
         figures = f"first answer {r['first_answer_s']:.1f} s"
         if args.until_compiled:
             figures += (f"; compiled decode step from {r['compiled_after_s']:.1f} s (compile {r['compile_s']:.1f} s); "
                         f"64 tokens {r['latency_64_before_s']:.2f} s before, {r['latency_64_after_s']:.2f} s after")
-        print(f"{'cold' if i == 0 else 'warm'} cache: {figures}; stop: exit {r['exit_status']}, "
-              f"{len(r['stop_lines'])} lines{' (a traceback)' if any('Traceback' in s for s in r['stop_lines']) else ''}",
-              flush=True)
+        traceback = " (a traceback)" if any("Traceback" in line for line in r["stop_lines"]) else ""
+        log = f"; log {r['log']}" if args.keep_logs else ""
+        print(f"{'cold' if cold and i == 0 else 'warm'} cache: {figures}; stop: exit {r['exit_status']}, "
+              f"{len(r['stop_lines'])} lines{traceback}{log}", flush=True)
 
 
 if __name__ == "__main__":

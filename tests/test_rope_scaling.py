@@ -21,7 +21,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.layers.attention import AttentionMetadata
 from pdserve.kernels import load_paged_attention
 from pdserve.engine.layers.rotary import RotaryEmbedding
-from pdserve.engine.models.decoder import rope_settings, rotary_dim
+from pdserve.engine.models.decoder import rope_settings, rotary_dim as rotary_dim_of
 from tests.checkpoints import write_checkpoint
 
 ORIGINAL = 32  # the pretraining length of both checkpoints (longrope's original, dynamic's max_position_embeddings)
@@ -110,7 +110,7 @@ def test_rotary_matches_transformers_per_request(kind, rope_dirs):
     config = hf.config
     head_dim = config.hidden_size // config.num_attention_heads
     theta, scaling = rope_settings(config)
-    rotary_dim = rotary_dim(config, head_dim)
+    rotary_dim = rotary_dim_of(config, head_dim)
     rope = RotaryEmbedding(head_dim, theta, scaling, rotary_dim=rotary_dim,
                            max_position_embeddings=config.max_position_embeddings)
     assert rope.length_scaling == kind

@@ -35,6 +35,8 @@ def test_a_plan_keeps_each_decision_with_its_reason_in_decision_order():
     (dict(quantization="int8", int8_kernel_built=False), False, "--quantization int8 without the int8 kernel"),
     (dict(quantization="int8", int8_kernel_built=True), True, ""),
     (dict(quantization="int8", enforce_eager=True, dtype=torch.bfloat16), False, "--quantization int8"),
+    (dict(single_rank=False), False, "several ranks"),
+    (dict(attention_backend="reference"), False, "the reference attention backend"),
 ])
 def test_the_decode_step_is_compiled_unless_a_reason_says_otherwise(args, compiled, why):
     full = dict(enforce_eager=False, batch_invariant=False, quantization=None, dtype=torch.float32,

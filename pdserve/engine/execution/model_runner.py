@@ -243,7 +243,8 @@ class ModelRunner:
         self._compiled_decode = None  # CompiledDecodeStep: decode-only steps' forward under torch.compile
         self._compile_thread = None  # the thread building it (decode_step_compile "background")
         compile_step, why = decide_decode_step(config.enforce_eager, config.batch_invariant, self.quantization,
-                                               self.dtype, self.quantization is not None and build_kernel())
+                                               self.dtype, self.quantization is not None and build_kernel(),
+                                               self.ranks is None, self.attention_backend)
         if compile_step and config.decode_step_compile == "background":
             self._compile_thread = threading.Thread(target=self._compile_decode_step, name="compile-decode-step",
                                                     daemon=True)

@@ -81,12 +81,14 @@ def decide_linear_weight_format(requested: str, device: torch.device, single_ran
 
 
 def decide_decode_step(enforce_eager: bool, batch_invariant: bool, quantization: str | None,
-                       dtype: torch.dtype, int8_kernel_built: bool) -> tuple[bool, str]:
+                       dtype: torch.dtype, int8_kernel_built: bool, single_rank: bool = True,
+                       attention_backend: str = "paged") -> tuple[bool, str]:
     """Whether the decode step is compiled (``torch.compile``, ``CompiledDecodeStep``) and why not if not.
     Compiled by default; eager with ``--enforce-eager``, with ``--batch-invariant`` (inductor fuses and
     reorders reductions by batch size, not shown invariant), and with int8 weights without the int8
     kernel (bfloat16 activations or no compiler: inductor would convert the weight itself, 3-4x slower
-    than eager)."""
+    than eager), and where ``CompiledDecodeStep`` does not apply: several ranks (their steps run
+    collectives), or attention not through the paged kernel's opaque op."""
     if batch_invariant:
         return False, "--batch-invariant (a compiled step is not shown invariant)"
     if quantization is not None and not (dtype == torch.float32 and int8_kernel_built):
@@ -94,4 +96,8 @@ def decide_decode_step(enforce_eager: bool, batch_invariant: bool, quantization:
                        "compiler; see pdserve.engine.layers.int8_linear)")
     if enforce_eager:
         return False, "--enforce-eager"
+    if not single_rank:
+        return False, "several ranks (compiled only for a single-rank worker)"
+    if attention_backend != "paged":
+        return False, f"the {attention_backend} attention backend (compiled only over the paged kernel)"
     return True, ""
