@@ -12,8 +12,8 @@ and after. Then it stops the cluster as a terminal's Ctrl-C does (SIGINT to the 
 prints the exit status and what the stop printed (a clean stop: exit 0, at most a line a process).
 
 The first run of each model uses an empty inductor cache (``$TORCHINDUCTOR_CACHE_DIR`` set to a
-fresh directory: a first start on a machine), the next ``--warm-runs`` the cache that run filled (a
-restart).
+fresh directory) and no kept probe choices (``$PDSERVE_MEASURED_CHOICES`` in it): a first start on a
+machine; the next ``--warm-runs`` what that run left (a restart).
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def one_run(model: str | None, cache_dir: str, until_compiled: bool, timeout_s: 
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="pdserve-up-", suffix=".log", delete=False)
     cmd = [sys.executable, "-m", "pdserve", "up", "--port", str(port)] + (["--model", model] if model else [])
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache_dir,
+               PDSERVE_MEASURED_CHOICES=os.path.join(cache_dir, "pdserve-measured"))
     env.pop("PDSERVE_ENFORCE_EAGER", None)
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -14,6 +14,9 @@ os.environ.setdefault("PDSERVE_LINEAR_WEIGHT_FORMAT", "plain")
 # probe at load prefers on this machine: which path a test takes must not depend on the CPU.
 # tests/test_kernel_choice.py covers the probe and the torch paths themselves.
 os.environ.setdefault("PDSERVE_NATIVE_KERNELS", "all")
+# Probes measure at every start in tests (a choice kept by an earlier run must not steer a test):
+# tests/test_measured_choices.py covers keeping them.
+os.environ.setdefault("PDSERVE_MEASURED_CHOICES", "off")
 
 import pytest  # noqa: E402
 

@@ -68,6 +68,15 @@ def _cpu_key() -> str:
     return "|".join(parts)
 
 
+def machine_key() -> str:
+    """A short hash of what a measured choice between a native kernel and torch's path depends on, the
+    model aside: this CPU (model and flags), the ISA the kernels are built for, their sources, and
+    torch's version. ``pdserve.engine.execution.measured_choices`` keys its cache by it."""
+    sources = b"".join(p.read_bytes() for p in sorted([*_KERNEL_DIR.glob("*.cpp"), *_KERNEL_DIR.glob("*.h")]))
+    parts = [_cpu_key(), " ".join(compiler_flags()), torch.__version__]
+    return hashlib.sha256("\n".join(parts).encode() + sources).hexdigest()[:16]
+
+
 def kernel_isa() -> str:
     """The instruction set the kernels are built for: ``$PDSERVE_KERNEL_ISA`` (a key of ``KERNEL_ISAS``),
     default ``native``. Raises ValueError for another value."""

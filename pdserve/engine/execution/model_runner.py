@@ -23,6 +23,7 @@ from transformers import AutoConfig
 from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach, WorkerRole
 from pdserve.common.utils import format_cpu_list, keep_freed_memory, pin_to_cores, resolve_device, resolve_dtype
 from pdserve.engine.layers.attention import AttentionMetadata, select_backend
+from pdserve.engine.execution import measured_choices
 from pdserve.engine.execution.compiled_step import CompiledDecodeStep
 from pdserve.engine.execution.model_input import ModelInput
 from pdserve.engine.config import EngineConfig
@@ -157,17 +158,30 @@ class ModelRunner:
     def _choose_weight_paths(self, hf_config) -> None:
         """Time each native kernel and the linear weights' layouts on the loaded model; pack the weights."""
         config, plan = self.config, self.plan
+        max_keys = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
+        # what the probes below chose at an earlier start of this model here, if kept (measured_choices)
+        kept_at = measured_choices.choices_path(config.model, {
+            "dtype": str(self.dtype), "quantization": self.quantization, "native_kernels": config.native_kernels,
+            "linear_weight_format": config.linear_weight_format, "batch_invariant": config.batch_invariant,
+            "max_keys": max_keys, "world_size": config.parallel.world_size}) if self.device.type == "cpu" else None
+        kept = measured_choices.restore(kept_at) if config.native_kernels == "auto" else None
         self.kernel_choices: dict[str, KernelChoice] = {}  # native kernel or torch, timed here (kernel_choice)
         if self.device.type == "cpu":
-            self.kernel_choices = choose_kernels(self.model, config.native_kernels, max_keys=config.max_model_len or
-                                                 int(getattr(hf_config, "max_position_embeddings", 2048)))
+            self.kernel_choices = kept[0] if kept else choose_kernels(self.model, config.native_kernels, max_keys)
             plan.decide("native_kernels", ", ".join(f"{k}={c.path}" for k, c in self.kernel_choices.items()) or
-                        "none built", f"--native-kernels {config.native_kernels}")
+                        "none built", f"--native-kernels {config.native_kernels}" +
+                        (f"; measured at an earlier start ({kept_at})" if kept else ""))
         self.num_packed_linears = 0  # layers whose weights are packed (--linear-weight-format onednn or panel)
         self.lm_head_packed = False  # the LM head's too (weight_format.pack_lm_head: an untied head)
-        self.linear_weight_format, why = decide_linear_weight_format(
-            config.linear_weight_format, self.device, config.tensor_parallel_size * config.pipeline_parallel_size == 1,
-            config.batch_invariant, self.quantization, self.model)
+        if kept and kept[1] is not None:
+            self.linear_weight_format, why = kept[1][0], f"{kept[1][1]}; measured at an earlier start"
+        else:
+            self.linear_weight_format, why = decide_linear_weight_format(
+                config.linear_weight_format, self.device, config.parallel.world_size == 1, config.batch_invariant,
+                self.quantization, self.model)
+        if not kept and config.native_kernels == "auto" and self.device.type == "cpu":
+            timed = (self.linear_weight_format, why) if why.startswith("timed") else None
+            measured_choices.save(kept_at, self.kernel_choices, timed)
         if self.linear_weight_format in PACKED_LAYOUTS and self.device.type == "cpu":
             self.num_packed_linears, self.lm_head_packed = pack_model(self.model, self.linear_weight_format)
             why += f"; {self.num_packed_linears} layers packed in {PACKED_LAYOUTS[self.linear_weight_format]}" + (

@@ -248,6 +248,14 @@ def _builds(kernel: str) -> bool:
     return (load_prefill_attention if kernel == "prefill_attention" else load_elementwise)() is not None
 
 
+def apply_kernel_choices(choices: dict[str, KernelChoice]) -> None:
+    """Make ``choices`` this process's: each kernel's path, and prompt attention's key limits."""
+    for choice in choices.values():
+        set_native(choice.kernel, choice.path == "native")
+        if choice.kernel == "prefill_attention":
+            set_native_max_keys(choice.max_keys, choice.max_chunk_keys)
+
+
 def choose_kernels(model: nn.Module, mode: str, max_keys: int) -> dict[str, KernelChoice]:
     """Decide, for this process, which native kernels run (module docstring), and log why.
 
@@ -269,9 +277,7 @@ def choose_kernels(model: nn.Module, mode: str, max_keys: int) -> dict[str, Kern
                   lambda: probe_decode_linear(model)):
         choice = probe()
         if choice is not None:
-            set_native(choice.kernel, choice.path == "native")
-            if choice.kernel == "prefill_attention":
-                set_native_max_keys(choice.max_keys, choice.max_chunk_keys)
+            apply_kernel_choices({choice.kernel: choice})
             choices[choice.kernel] = choice
     if choices:
         logger.info("native kernels, timed against torch on this CPU in %.2f s: %s", time.perf_counter() - start,
