@@ -338,6 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "up":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.log_level)
+    try:
+        return _run(parser, args, extra)
+    except KeyboardInterrupt:  # Ctrl-C before the command's own stop took over (still importing, loading): a stop
+        print(f"pdserve {args.command}: stopped", file=sys.stderr, flush=True)
+        return 0
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int:
     if args.command == "up":
         return _cmd_up(args, extra)
     if args.command == "router":

@@ -121,3 +121,18 @@ def test_dtype_auto_follows_the_checkpoint_and_the_cpu():
     assert resolve_dtype("auto", torch.device("cuda"), "float32")[0] == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("int8", cpu)
+
+
+@pytest.mark.parametrize("command", ["decode", "router"])
+def test_ctrl_c_while_a_process_starts_is_a_clean_stop(model_dir, command):
+    """A stop can come before a process's own signal handling is up (still importing, loading the model):
+    still no traceback, one line, exit 0."""
+    args = ["--router", "tcp://127.0.0.1:9"] if command == "decode" else ["--port", str(free_port())]
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", command, "--model", model_dir, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1.0)  # importing torch, transformers
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and out.strip().splitlines()[-1] == f"pdserve {command}: stopped", out

@@ -21,8 +21,6 @@ token ids, min_tokens, penalties) are 400 too; ``temperature``, ``top_p``,
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import time
 import uuid
 
@@ -30,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.beam_search import BeamSearch, BeamSearchParams, beam_step_params, check_beam_search_params
+from pdserve.common.checkpoint import read_eos_token_ids
 from pdserve.common.protocol import FinishReason, TokenLogprob
 from pdserve.common.validation import ValidationError
 from pdserve.router.engine import RequestFailed
@@ -40,23 +39,6 @@ from pdserve.router.openai_protocol import (ChatCompletionChoice, ChatCompletion
                                             SamplingRequest, UsageInfo)
 
 _WORKER_POLL_S = 0.1
-
-
-def read_eos_token_ids(model_dir: str) -> frozenset[int]:
-    """The checkpoint's EOS ids (config.json and generation_config.json, int or list), read
-    without torch, as the workers' ``model_runner.read_eos_token_ids`` reads them."""
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        path = os.path.join(model_dir, name)
-        if not os.path.exists(path):
-            continue
-        with open(path) as f:
-            value = json.load(f).get("eos_token_id")
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
 
 
 def check_beam_request(req: SamplingRequest, max_tokens: int, num_eos_token_ids: int) -> BeamSearchParams:

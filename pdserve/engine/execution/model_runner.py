@@ -10,7 +10,6 @@ tensors and runs this rank's part of the forward on every rank alike.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -20,6 +19,7 @@ import msgspec
 import torch
 from transformers import AutoConfig
 
+from pdserve.common.checkpoint import checkpoint_dtype, read_eos_token_ids
 from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach, WorkerRole
 from pdserve.common.utils import format_cpu_list, keep_freed_memory, pin_to_cores, resolve_device, resolve_dtype
 from pdserve.engine.layers.attention import AttentionMetadata, select_backend
@@ -49,35 +49,6 @@ from pdserve.engine.scheduling.step_inputs import flatten_step
 from pdserve.engine.execution.structured_output import allocate_token_bitmask, build_token_bitmask
 
 logger = logging.getLogger(__name__)
-
-
-def read_eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
-    """EOS ids from generation_config.json (int or list) and config.json."""
-    ids: set[int] = set()
-    for value in (getattr(hf_config, "eos_token_id", None), _generation_config(model_dir).get("eos_token_id")):
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(int(v) for v in value)
-    return frozenset(ids)
-
-
-def _generation_config(model_dir: str) -> dict:
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
-def _checkpoint_dtype(model_dir: str) -> str | None:
-    """config.json's ``torch_dtype`` (``dtype`` in transformers 5), or None."""
-    try:
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return cfg.get("torch_dtype") or cfg.get("dtype")
 
 
 class ModelRunner:
@@ -121,7 +92,7 @@ class ModelRunner:
     def _load_model(self, hf_config) -> None:
         """Decide the dtype, KV cache format, cores, quantization and this rank's layers; load the model."""
         config, ranks, plan = self.config, self.ranks, self.plan
-        self.dtype, why = resolve_dtype(config.dtype, self.device, _checkpoint_dtype(config.model))
+        self.dtype, why = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.model))
         plan.decide("dtype", str(self.dtype).removeprefix("torch."), why)
         self.kv_cache_format = resolve_kv_cache_format(config.kv_cache_dtype, self.dtype)
         self.kv_cache_dtype = self.kv_cache_format.storage_dtype
