@@ -36,6 +36,8 @@ def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path, mode):
             assert time.monotonic() < deadline and proc.poll() is None, "pdserve up did not come up"
             line = proc.stdout.readline()
         assert f"http://127.0.0.1:{port}/v1" in line
+        # the launcher itself never loads torch (2-3 s of a small machine's start-up, before any child starts)
+        assert "libtorch" not in open(f"/proc/{proc.pid}/maps").read()
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) == (2 if extra else 3)  # router, [prefill,] decode
         assert not (tmp_path / "cache").exists()  # the default model ships in the package: nothing is written

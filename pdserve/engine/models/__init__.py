@@ -1,6 +1,7 @@
 """Model families, one file each, and the registry that picks one for a checkpoint.
 
-``llama.py`` (Llama, Mistral, Qwen2; the base the others subclass), ``qwen3.py``,
+``decoder.py`` (the pre-norm decoder's parts most families are made of), ``llama.py`` (Llama,
+Mistral, Qwen2), ``qwen3.py``,
 ``phi3.py``, ``olmo2.py``, ``gemma3.py``, ``deepseek_v3.py`` (MLA), ``gpt_oss.py`` (sinks), ``qwen3_moe.py``, ``mixtral.py`` (with ``moe.py``, the shared sparse
 MoE block);
 ``registry.py`` maps a config's ``architectures`` / ``model_type`` to a class.

@@ -15,8 +15,10 @@ import json
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # the registry itself is torch-free: `pdserve up` checks a model before starting anything
+    from torch import nn
 
 
 @dataclass(frozen=True)
