@@ -137,6 +137,7 @@ def main() -> int:
                                     *(["--no-prefix-caching"] if args.no_prefix_caching else [])])
     with LocalCluster(spec, log_dir=os.environ.get("PDSERVE_BENCH_LOGS")) as cluster:
         pin_cluster(cluster)
+        cluster.wait_decode_steps_compiled()  # steady state: decode steps compiled (they start eager)
         warmup = make_workload(2, cfg["vocab_size"], args.seed + 1, 16, 32, 4, 4)  # shares no prefix
         if args.shared_prefix:  # steady state: the shared prefix (a system prompt) has been seen once
             warmup.append(BenchRequest(workload[0].prompt[:args.shared_prefix] + [11, 12, 13], 4))

@@ -75,11 +75,13 @@ def test_workers_show_how_each_runner_was_planned(cluster):
     sent at registration) and the native kernels it runs."""
     listed = workers(cluster)
     assert {w["role"] for w in listed} == {"prefill", "decode"}
+    assert cluster.wait_decode_steps_compiled(timeout_s=10)  # none compiles: nothing to wait for
     for w in listed:
         plan = w["plan"]
         assert plan["dtype"].startswith("float32 ("), plan  # a value and its reason
         assert plan["device"] == "cpu" and plan["layers"].startswith("0-1 of 2"), plan
         assert plan["decode_step"].startswith("eager (--enforce-eager"), plan  # the suite runs eagerly
+        assert w["decode_step"] == "eager", w  # as it runs now, from the heartbeats
         assert plan["kv_cache"].split()[0].isdigit() and "MiB" in plan["kv_cache"], plan
         assert plan["linear_weight_format"].startswith(w["linear_weight_format"]), plan
         assert set(w["kernels"].values()) <= {"native", "torch"} and "native_kernels" in plan, w

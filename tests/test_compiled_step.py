@@ -27,10 +27,11 @@ def test_compiled_decode_is_token_exact_with_hf(compiled, prompts, hf_greedy):  
     """Built in the background: steps run eagerly while it compiles, then compiled; both token-exact."""
     runner = compiled.core.runner
     assert runner._compile_thread is not None and runner.plan["decode_step"] == "compiled"
+    assert runner.decode_step_state in ("compiling", "compiled")
     early = compiled.generate(prompts, GREEDY, use_tqdm=False)  # eager steps, or compiled ones if it was quick
     assert token_ids(early) == hf_greedy
     assert runner.wait_for_compiled_step(timeout_s=600)
-    assert runner._compiled_decode is not None
+    assert runner._compiled_decode is not None and runner.decode_step_state == "compiled"
     outputs = compiled.generate(prompts, GREEDY, use_tqdm=False)
     assert token_ids(outputs) == hf_greedy
     assert compiled.block_manager.num_free_blocks == compiled.block_manager.num_blocks

@@ -228,6 +228,10 @@ def run_pdserve(cfg, requests, bench, colocated: bool) -> SystemResult:
         raise SystemFailed(f"cluster did not start: {e} (logs in {log_dir})") from None
     try:
         router_place = pin_cluster(cluster, prefill_cores, decode_cores)
+        # steady-state speed: the decode steps compiled, as vLLM's are before it serves (a worker serves
+        # at once, with eager steps while it compiles: /workers' decode_step)
+        if not cluster.wait_decode_steps_compiled(timeout_s=cfg.server_timeout_s):
+            raise SystemFailed(f"decode steps still compiling after {cfg.server_timeout_s:.0f} s (logs in {log_dir})")
         result = bench(cluster.url, None, "openai")
     finally:
         cluster.__exit__(None, None, None)

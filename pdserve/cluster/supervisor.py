@@ -286,6 +286,22 @@ class ClusterLauncher:
             time.sleep(0.25)
         raise RuntimeError(f"cluster not healthy after {self.ready_timeout_s:.0f} s")
 
+    def wait_decode_steps_compiled(self, timeout_s: float = 900.0) -> bool:
+        """Block until every worker in router-0's ``/workers`` reports how its decode step runs and none
+        still compiles it in the background (``decode_step`` "compiling"): what a benchmark of
+        steady-state speed waits for after ``wait_healthy``. False if ``timeout_s`` passed first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.router_urls()[0]}/workers", timeout=5) as resp:
+                    states = [w.get("decode_step") for w in json.load(resp)]
+            except (OSError, ValueError, AttributeError):
+                states = []
+            if states and "compiling" not in states and all(states):
+                return True
+            time.sleep(0.5)
+        return False
+
     def _routers_healthy(self) -> bool:
         """Whether every router's /health lists every worker of the spec (marks the routers that answer)."""
         healthy = True

@@ -300,6 +300,7 @@ class WorkerBase:
                          num_blocks=core.block_manager.num_blocks, max_step_batch_size=core.max_step_batch_size,
                          num_steps=core.num_steps, stats=core.stats(self.stats),
                          loop_stall_s=max(0.0, time.monotonic() - self._loop_tick), draining=self.draining,
+                         decode_step=core.runner.decode_step_state,
                          **lora_heartbeat_fields(core))
 
     # ---- loop -------------------------------------------------------------------

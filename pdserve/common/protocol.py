@@ -237,6 +237,9 @@ class Heartbeat(_Msg):
     max_lora: int = 0  # LoRA slots (--max-loras) with --enable-lora, else 0
     running_lora_adapters: list[str] = []  # adapters of the running requests (names)
     waiting_lora_adapters: list[str] = []  # adapters of the waiting requests
+    # the decode step as it runs now: "compiled", "compiling" (built in the background: eager meanwhile) or
+    # "eager"; "" from a worker that does not say
+    decode_step: str = ""
 
 
 class DrainWorker(_Msg):

@@ -161,6 +161,7 @@ class WorkerInfo:
             "kernels": self.kernels,
             "linear_weight_format": self.linear_weight_format,
             "plan": self.plan,
+            "decode_step": hb.decode_step if hb else "",
             "heartbeat_received": hb is not None,
         }
 

@@ -252,6 +252,14 @@ class ModelRunner:
         self._compiled_decode = step  # one assignment: a step reads the old value or the new, both usable
         return step is not None
 
+    @property
+    def decode_step_state(self) -> str:
+        """How decode steps run now: ``compiled``, ``compiling`` (in the background; eager meanwhile) or
+        ``eager`` (heartbeats carry it; ``/workers`` shows it)."""
+        if self._compiled_decode is not None:
+            return "compiled"
+        return "compiling" if self._compile_thread is not None and self._compile_thread.is_alive() else "eager"
+
     def wait_for_compiled_step(self, timeout_s: float | None = None) -> bool:
         """Block until a background compile of the decode step has finished (at most ``timeout_s``);
         True if decode steps now run compiled."""
