@@ -8,6 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 install:
 	$(PYTHON) -m pip install -q "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -q -e ".[test]"
+	$(PYTHON) -m pdserve.kernels
 
 up: install
 	$(PYTHON) -m pdserve up $(ARGS)

@@ -274,3 +274,22 @@ def test_prefill_attention_falls_back_to_sdpa():
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         torch.testing.assert_close(out, want, atol=tol, rtol=tol)
         assert masks[0] is not None and masks[0].shape == (9, 20)
+
+
+def test_make_install_builds_every_kernel_for_this_cpu():
+    """``python -m pdserve.kernels`` (run by ``make install``) builds each library into the cache, so a first
+    ``pdserve up`` does not: a kernel that cannot build is named, and the command still exits 0."""
+    import os
+    import subprocess
+    import sys
+
+    from pdserve.kernels import cache_dir
+
+    env = dict(os.environ, PDSERVE_KERNEL_CACHE=str(cache_dir()))  # the suite's own cache: built already, fast
+    out = subprocess.run([sys.executable, "-m", "pdserve.kernels"], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert "paged_attention built" in out and "elementwise built" in out, out
+    env["PDSERVE_DISABLE_KERNELS"] = "1"
+    out = subprocess.run([sys.executable, "-m", "pdserve.kernels"], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert "paged_attention NOT built" in out, out
