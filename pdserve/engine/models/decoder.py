@@ -240,7 +240,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2 causal LM running over a paged KV cache: the decoder most families extend
+    """A pre-norm decoder-only causal LM running over a paged KV cache: the base most families extend
     (a ``CausalLM``, ``pdserve.engine.models.interface``).
 
     One rank's share of the model: with tensor parallelism (``tp_group``) the decoder

@@ -184,7 +184,7 @@ class DeepseekV3MoE(nn.Module):
 
 
 class DeepseekV3DecoderLayer(DecoderLayer):
-    """Llama's pre-norm block with MLA and, from ``first_k_dense_replace`` on, the MoE."""
+    """The decoder's pre-norm block with MLA and, from ``first_k_dense_replace`` on, the MoE."""
 
     attention_cls = MLAttention
 

@@ -147,7 +147,7 @@ class GptOssMoE(nn.Module):
 
 
 class GptOssDecoderLayer(DecoderLayer):
-    """Llama's pre-norm block with sinked attention, float32-scaled norms and the biased MoE."""
+    """The decoder's pre-norm block with sinked attention, float32-scaled norms and the biased MoE."""
 
     attention_cls = SinkedAttention
     norm_cls = Float32ScaleRMSNorm

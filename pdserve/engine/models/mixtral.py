@@ -19,7 +19,7 @@ from pdserve.engine.models.moe import SparseMoeBlock, map_expert_name
 
 
 class MixtralDecoderLayer(DecoderLayer):
-    """Llama's pre-norm block with a ``SparseMoeBlock`` (Mixtral's routing) as its feed-forward."""
+    """The decoder's pre-norm block with a ``SparseMoeBlock`` (Mixtral's routing) as its feed-forward."""
 
     def make_mlp(self, config, layer_idx: int, tp_group: Any | None, dtype, device) -> nn.Module:
         return SparseMoeBlock(config.hidden_size, config.intermediate_size, config.num_local_experts,

@@ -1,4 +1,4 @@
-"""Phi-3 (mini, small context and 128k variants): Llama's decoder with fused projections.
+"""Phi-3 (mini, small context and 128k variants): the pre-norm decoder (decoder.py) with fused projections.
 
 Abdin et al., "Phi-3 Technical Report" (Microsoft, 2024). The checkpoint stores q/k/v as one
 ``self_attn.qkv_proj`` and gate/up as one ``mlp.gate_up_proj`` tensor (our layers' own

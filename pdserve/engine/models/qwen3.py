@@ -1,4 +1,4 @@
-"""Qwen3 (dense): Llama's decoder with an RMSNorm on each query and key head before RoPE.
+"""Qwen3 (dense): the pre-norm decoder (decoder.py) with an RMSNorm on each query and key head before RoPE.
 
 Qwen team, "Qwen3 Technical Report" (2025). The q/k norms (``self_attn.q_norm`` /
 ``self_attn.k_norm``, one weight of ``head_dim`` shared by every head) are per head, so
@@ -34,7 +34,7 @@ class Qwen3Attention(DecoderAttention):
 
 
 class Qwen3DecoderLayer(DecoderLayer):
-    """Llama's pre-norm block with ``Qwen3Attention``."""
+    """The decoder's pre-norm block with ``Qwen3Attention``."""
 
     attention_cls = Qwen3Attention
 
