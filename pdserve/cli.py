@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 
@@ -338,11 +339,25 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "up":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.log_level)
-    try:
-        return _run(parser, args, extra)
-    except KeyboardInterrupt:  # Ctrl-C before the command's own stop took over (still importing, loading): a stop
-        print(f"pdserve {args.command}: stopped", file=sys.stderr, flush=True)
-        return 0
+    if args.command in _SERVING_COMMANDS:
+        _stop_cleanly_while_starting(args.command)
+    return _run(parser, args, extra)
+
+
+_SERVING_COMMANDS = ("up", "router", "prefill", "decode", "rank")
+
+
+def _stop_cleanly_while_starting(command: str) -> None:
+    """Until the command installs its own stop (the launcher's, uvicorn's, a worker's), SIGINT and SIGTERM end
+    this process at once with one line and exit status 0: it is still importing or loading, with nothing to
+    drain. Not a KeyboardInterrupt: raised inside a library's import it can leave the module half-made and
+    surface as another error with a traceback (numpy's lazy ``dtypes`` recursed to a RecursionError)."""
+    def stop(signum, frame):
+        print(f"pdserve {command}: stopped", file=sys.stderr, flush=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> int:
