@@ -112,8 +112,7 @@ class WorkerConfig:
                             "resolves to several addresses (a headless Service) names every router behind it")
         g.add_argument("--host", default="127.0.0.1", help="interface to bind and advertise")
         g.add_argument("--port", type=int, default=None, help="ZMQ input port (default: any free port)")
-        g.add_argument("--worker-id", default="",
-                       help="this worker's name in the pools (default: role-host-pid-random)")
+        g.add_argument("--worker-id", default="", help="this worker's name in the pools (default: role-host-pid-random)")
         g.add_argument("--heartbeat-interval", type=float, default=1.0, dest="heartbeat_interval_s",
                        help="seconds between heartbeats to each router")
         g.add_argument("--transfer-timeout", type=float, default=30.0, dest="transfer_timeout_s",

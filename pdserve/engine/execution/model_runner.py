@@ -50,8 +50,6 @@ from pdserve.engine.execution.structured_output import allocate_token_bitmask, b
 
 logger = logging.getLogger(__name__)
 
-COMPILE_NICE = 10  # the background compile thread's nice value: about a tenth of a serving thread's CPU share
-
 
 class ModelRunner:
     """This rank's model share and KV cache; builds step inputs and runs the forward.
@@ -233,7 +231,7 @@ class ModelRunner:
                                                self.dtype, self.quantization is not None and build_kernel(),
                                                self.ranks is None, self.attention_backend)
         if compile_step and config.decode_step_compile == "background":
-            self._compile_thread = threading.Thread(target=self._compile_in_background, name="compile-decode-step",
+            self._compile_thread = threading.Thread(target=self._compile_decode_step, name="compile-decode-step",
                                                     daemon=True)
             why = "in the background: decode steps run eagerly until it is warm (the log says when)"
         elif compile_step:  # oneDNN-packed linears included (pdserve.engine.layers.onednn_linear)
@@ -246,16 +244,6 @@ class ModelRunner:
         self.total_kv_heads = self.model.total_kv_heads  # the cache's KV heads over all TP ranks (MLA: 1 latent)
         self.kv_agent = None  # KVRankAgent once a worker attaches one (pdserve.kvtransfer.agent)
         self.report_keys = None  # non-driver rank: CURVE keys of its reports to the driver (serve_rank's)
-
-    def _compile_in_background(self) -> None:
-        """The compile thread: lower this thread's CPU priority first (Linux schedules threads apart; nice
-        ``COMPILE_NICE``, which the compiler processes it starts inherit), so that serving, which shares the
-        worker's cores with it, runs first and the compile takes what serving leaves."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
-        except (AttributeError, OSError):  # not Linux, or not allowed: compile at the serving threads' priority
-            pass
-        self._compile_decode_step()
 
     def _compile_decode_step(self) -> bool:
         """Build the compiled decode step (``CompiledDecodeStep.build``) and switch decode steps to it;
