@@ -131,11 +131,13 @@ class ModelRunner:
         config, plan = self.config, self.plan
         max_keys = config.max_model_len or int(getattr(hf_config, "max_position_embeddings", 2048))
         # what the probes below chose at an earlier start of this model here, if kept (measured_choices)
-        kept_at = measured_choices.choices_path(config.model, {
-            "dtype": str(self.dtype), "quantization": self.quantization, "native_kernels": config.native_kernels,
-            "linear_weight_format": config.linear_weight_format, "batch_invariant": config.batch_invariant,
-            "max_keys": max_keys, "world_size": config.parallel.world_size}) if self.device.type == "cpu" else None
-        kept = measured_choices.restore(kept_at) if config.native_kernels == "auto" else None
+        kept_at = kept = None
+        if self.device.type == "cpu" and config.native_kernels == "auto":
+            kept_at = measured_choices.choices_path(config.model, {
+                "dtype": str(self.dtype), "quantization": self.quantization, "native_kernels": config.native_kernels,
+                "linear_weight_format": config.linear_weight_format, "batch_invariant": config.batch_invariant,
+                "max_keys": max_keys, "world_size": config.parallel.world_size})
+            kept = measured_choices.restore(kept_at)
         self.kernel_choices: dict[str, KernelChoice] = {}  # native kernel or torch, timed here (kernel_choice)
         if self.device.type == "cpu":
             self.kernel_choices = kept[0] if kept else choose_kernels(self.model, config.native_kernels, max_keys)
@@ -150,7 +152,7 @@ class ModelRunner:
             self.linear_weight_format, why = decide_linear_weight_format(
                 config.linear_weight_format, self.device, config.parallel.world_size == 1, config.batch_invariant,
                 self.quantization, self.model)
-        if not kept and config.native_kernels == "auto" and self.device.type == "cpu":
+        if kept_at is not None and not kept:  # measured here now: keep it for the next start
             timed = (self.linear_weight_format, why) if why.startswith("timed") else None
             measured_choices.save(kept_at, self.kernel_choices, timed)
         if self.linear_weight_format in PACKED_LAYOUTS and self.device.type == "cpu":
