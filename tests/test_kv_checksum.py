@@ -229,3 +229,35 @@ def test_sender_gathers_every_layer_and_checksums_what_it_sends(native, message_
         other.send_layer(2, cache[2], blocks)
     with pytest.raises(KVTransferError, match="per block"):
         other.send_layer(1, cache[1][:, :, :, :2], blocks)  # fewer heads than layer 0
+
+
+@needs_kernel
+def test_sender_sends_runs_of_adjacent_blocks_from_the_cache(monkeypatch):
+    """``send_from_cache``: a run (``wire.layer_runs``) whose blocks lie next to each other in the cache goes on
+    the wire as a view of the cache itself, nothing gathered; any other run is gathered as before, and a TP
+    piece's heads (not one run of memory) always are. The bytes and the checksum are the receiver's either way."""
+    monkeypatch.setattr(wire, "CPU_MESSAGE_BYTES", 1024)  # two of these 512-byte blocks a run (a piece's: four)
+    g = torch.Generator().manual_seed(SEED)
+    cache = torch.randn(3, 2, 10, 4, 4, 8, generator=g)  # [layers, K/V, blocks, block_size, heads, head_dim]
+    blocks = [2, 3, 8, 5, 6]  # runs [2, 3] (adjacent), [8, 5] (not), [6] (one block)
+    lo, hi = cache.data_ptr(), cache.data_ptr() + cache.nbytes
+
+    def sent_from_cache(heads: slice, send_from_cache: bool) -> list[bool]:
+        pair = _RecordingPair()
+        out = OutgoingKV(pair, "r0", 3, send_from_cache=send_from_cache)
+        receiver = KVChecksum()
+        runs = wire.layer_runs(2, 5, cache[0][0, 0, :, heads].nbytes, "cpu")
+        for layer in range(3):
+            out.send_layer(layer, cache[layer][:, :, :, heads], blocks)
+            expected = cache[layer][:, blocks, :, heads]
+            messages = pair.sent[1 + len(runs) * layer:1 + len(runs) * (layer + 1)]
+            assert len(messages) == len(runs)
+            for (slot, first, end), sent in zip(runs, messages):
+                assert torch.equal(sent, expected[slot, first:end])
+            receiver.update(expected)
+        assert out._checksum.value == receiver.value and out.num_bytes == receiver.num_bytes
+        return [lo <= m.data_ptr() < hi for m in pair.sent[1:1 + len(runs)]]  # layer 0's messages
+
+    assert sent_from_cache(slice(None), True) == [True, False, True] * 2
+    assert sent_from_cache(slice(None), False) == [False] * 6
+    assert sent_from_cache(slice(1, 3), True) == [False] * 4  # runs of four blocks of two heads

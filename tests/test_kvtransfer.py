@@ -37,6 +37,9 @@ PLAN = [[("r0", [3, 7, 1]), ("r1", [0, 5])], [("r2", [2, 4, 6, 8, 11])]]
 # made for layer 0's blocks gathered them for every layer); g1: a window's layers send fewer (layer_num_blocks).
 _FULL, _WINDOW = [3, 7, 1], [9, 10, 2]
 GROUPS_PLAN = [[("g0", [_FULL, [0, 5, 8], _FULL, [11, 4, 6]]), ("g1", [_FULL, [10], _FULL, [5, 11]])]]
+# Runs of adjacent blocks, sent from the cache (OutgoingKV's send_from_cache): with two blocks a run, a0's runs
+# and a1's first are adjacent, a1's second is gathered.
+ADJACENT_PLAN = [[("a0", [4, 5, 6, 7]), ("a1", [1, 2, 9, 3])]]
 
 
 def layer_lists(block_ids) -> list[list[int]]:
@@ -141,7 +144,8 @@ def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: st
             header = make_header(rid, block_ids, generation, dtype_t, num_blocks=n, kv_slots=kv_slots)
             headers.put(("header", msgspec.msgpack.encode(header)))
             lists = layer_lists(block_ids)
-            outgoing.append((OutgoingKV(pair, rid, NUM_LAYERS, layer_num_blocks=layer_counts(block_ids)), lists))
+            outgoing.append((OutgoingKV(pair, rid, NUM_LAYERS, layer_num_blocks=layer_counts(block_ids),
+                                        send_from_cache=plan == ADJACENT_PLAN), lists))
             if early_meta:
                 outgoing[-1][0].start(cache[0], max(lists, key=len))
         for layer in range(NUM_LAYERS):
@@ -205,7 +209,8 @@ def test_transfer_backend():
                          [(torch.float32, False, 2, None, PLAN), (torch.bfloat16, True, 2, None, PLAN),
                           (torch.float32, True, 1, None, PLAN), (torch.float32, True, 2, 512, PLAN),
                           (torch.bfloat16, False, 2, 256, PLAN), (torch.float32, True, 2, 512, GROUPS_PLAN),
-                          (torch.float32, False, 2, None, GROUPS_PLAN), (torch.bfloat16, True, 2, 256, GROUPS_PLAN)])
+                          (torch.float32, False, 2, None, GROUPS_PLAN), (torch.bfloat16, True, 2, 256, GROUPS_PLAN),
+                          (torch.float32, True, 2, 512, ADJACENT_PLAN)])
 def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots, message_bytes, plan):
     """Requests interleaved layer by layer arrive whole and checked, in staging buffers the pools
     reuse (sender and receiver); with ``early_meta`` every meta of a batch goes out before its layers.
@@ -214,7 +219,7 @@ def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots, message_bytes, p
     256-byte float32 blocks, gathered and sent run by run; 256: two 128-byte bfloat16 blocks, which
     are not whole checksum rows, so the layer is gathered whole and sent in runs). ``GROUPS_PLAN``:
     each layer sends its own blocks (KV cache groups), with equal and with unequal counts; every layer
-    arrives with its own blocks' bytes."""
+    arrives with its own blocks' bytes. ``ADJACENT_PLAN``: runs of adjacent blocks leave from the cache."""
     ctrl, out_d, out_p = CTX.Queue(), CTX.Queue(), CTX.Queue()
     d = CTX.Process(target=decode_main, args=(ctrl, out_d, 10.0, message_bytes), daemon=True)
     d.start()

@@ -240,6 +240,41 @@ def test_abort_in_every_state_frees_blocks():
     assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
 
 
+def test_delayed_free_keeps_a_finished_requests_blocks_until_its_sends_are_done():
+    """A prefill worker's request whose KV is sent from its blocks (``delay_free_blocks``) finishes but keeps
+    them, so no later request is handed them, until ``free_delayed``; freed before it finished, it frees on
+    finishing as any other."""
+    sched, bm = make(num_blocks=4)  # 16 slots: one 8-token prompt's blocks, then the other's
+    first = req("sent", 8, max_tokens=1)
+    sched.add_request(first)
+    out = sched.schedule()
+    first.delay_free_blocks = True  # as the prefill worker marks it once its sends are planned
+    sched.update_from_output(out, ModelRunnerOutput({"sent": 7}))
+    held = list(first.block_tables[0])
+    assert first.status == RequestStatus.FINISHED_LENGTH and bm.num_free_blocks == 2
+    second = Request("next", list(range(100, 112)), SamplingParams(max_tokens=1), eos_token_ids=frozenset({0}))
+    # another prompt of three blocks: it waits while two are held
+    sched.add_request(second)
+    out, _ = fake_step(sched)
+    assert not out.scheduled and second.status == RequestStatus.WAITING
+    sched.free_delayed("sent")
+    sched.free_delayed("sent")  # idempotent
+    assert bm.num_free_blocks == 4
+    out = sched.schedule()
+    assert out.scheduled == [(second, 12)] and set(held) & set(second.block_tables[0])
+    second.delay_free_blocks = True
+    sched.update_from_output(out, ModelRunnerOutput({"next": 7}))
+    assert bm.num_free_blocks == 1
+    sched.free_delayed("next")
+    assert bm.num_free_blocks == 4
+    early = req("early", 4, max_tokens=2)  # released while it still runs: its finish frees
+    sched.add_request(early)
+    early.delay_free_blocks = True
+    sched.free_delayed("early")
+    run_to_completion(sched)
+    assert early.status == RequestStatus.FINISHED_LENGTH and bm.num_free_blocks == 4 and not sched.delayed_frees
+
+
 def test_eos_and_stop_token_and_min_tokens():
     sched, _ = make()
     sched.add_request(req("eos", 3, max_tokens=10))

@@ -216,6 +216,10 @@ class EngineCore:
         """Finish one engine request (one sample) with ``status`` and free its blocks (idempotent)."""
         return self.scheduler.finish_request(request_id, status)
 
+    def free_delayed(self, request_id: str) -> None:
+        """Free the blocks a finished request kept for its KV sends (``Scheduler.free_delayed``)."""
+        self.scheduler.free_delayed(request_id)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

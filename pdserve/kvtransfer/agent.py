@@ -253,8 +253,10 @@ class KVRankAgent:
             layer_blocks = self._layer_blocks(plan, piece, tables)
             counts = [len(ids) for ids in layer_blocks]
             widest = max(layer_blocks, key=len)
+            # the prefill worker keeps the request's blocks until this rank reports its sends (SENT):
+            # runs of adjacent blocks go on the wire from the cache, not gathered first
             send = OutgoingKV(pair, request_id, piece.slice.num_layers, self.kv_cache_dtype,
-                              layer_num_blocks=counts if min(counts) != max(counts) else [])
+                              layer_num_blocks=counts if min(counts) != max(counts) else [], send_from_cache=True)
             try:  # the meta goes out now: the decode rank checks it and posts its receives during the forward
                 send.start(self._piece_layer(piece, piece.slice.layer_start - self.slice.layer_start), widest)
             except KVTransferError as exc:  # a meta that cannot be made (a dtype the wire cannot name)

@@ -7,7 +7,7 @@ Step loop usage (one ``OutgoingKV`` per request)::
     out = OutgoingKV(pair, request_id, num_layers)         # create in the same order as the headers
     out.start(kv_cache[0], block_ids)                      # optional: the meta goes out before the forward
     for each layer i (after the model wrote layer i's K/V):
-        out.send_layer(i, kv_cache[i], block_ids)          # gather + async send; never waits
+        out.send_layer(i, kv_cache[i], block_ids)          # gather (or not: send_from_cache) + async send
     completer.submit(out)                                  # on_done(...) later, on a kvtransfer thread
 """
 
@@ -44,6 +44,7 @@ class _BlocksPlan:
     gather: BlockGather | None  # the native one-pass gather and checksum (None: index_select, torch sums)
     runs: list[tuple[int, int, int]]  # the layer's messages (wire.layer_runs)
     by_runs: bool  # gathered, summed and sent run by run
+    direct: list[int | None] | None  # per run, its first cache block where it is sent from the cache (_direct_runs)
 
 
 class OutgoingKV:
@@ -53,10 +54,17 @@ class OutgoingKV:
     ``KVTransferHeader``s were sent: that order is the stream order D expects.
     Layers must be sent in order 0 .. num_layers - 1. ``kv_dtype`` names the cache's KV dtype
     for the stream's meta (needed for a quantized cache, whose layers are uint8 packed rows).
+
+    ``send_from_cache``: a run of a layer's message whose blocks lie next to each other in the cache
+    goes on the wire from the cache itself, with no gather into staging (on a CPU cache, where the
+    native gather is built). The caller must then leave those blocks unwritten and unfreed until
+    ``wait`` returns (the prefill worker holds a request's blocks until its sends are reported, as
+    vLLM's KV connectors delay the free). False: every layer is gathered into staging first, so the
+    blocks may be reused as soon as the step that sent them ends.
     """
 
     def __init__(self, pair: KVPair, request_id: str, num_layers: int, kv_dtype: str | None = None,
-                 layer_num_blocks: list[int] = ()):
+                 layer_num_blocks: list[int] = (), send_from_cache: bool = False):
         if num_layers < 1:
             raise KVTransferError(f"request {request_id}: num_layers must be >= 1, got {num_layers}")
         self.pair = pair
@@ -69,6 +77,7 @@ class OutgoingKV:
             raise KVTransferError(f"request {request_id}: {len(self.layer_num_blocks)} layer block counts for "
                                   f"{num_layers} layers")
         self._plans: dict[int, _BlocksPlan] = {}  # id(block_ids) -> its plan (_plan_for)
+        self.send_from_cache = send_from_cache
         self.num_bytes = 0  # KV bytes handed to the pair so far
         self._next_layer = 0
         # [num_layers, kv_slots, num_blocks, block_size, H, row_len] from pair.staging: layer i is gathered into
@@ -122,8 +131,10 @@ class OutgoingKV:
         gather = BlockGather.plan(kv_layer, index, staged)  # None: not the CPU, no kernel, another layout
         block_bytes = staged[0, 0].nbytes if staged.shape[1] else 0
         runs = wire.layer_runs(staged.shape[0], staged.shape[1], block_bytes, staged.device.type)
-        by_runs = gather is not None and len(runs) > 1 and block_bytes % ROW_BYTES == 0 and not self._faulty
-        plan = self._plans[id(block_ids)] = _BlocksPlan(block_ids, index, gather, runs, by_runs)
+        by_runs = gather is not None and block_bytes % ROW_BYTES == 0 and not self._faulty \
+            and (len(runs) > 1 or self.send_from_cache)
+        direct = _direct_runs(kv_layer, block_ids, runs) if by_runs and self.send_from_cache else None
+        plan = self._plans[id(block_ids)] = _BlocksPlan(block_ids, index, gather, runs, by_runs, direct)
         return plan
 
     def send_layer(self, layer_idx: int, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
@@ -161,10 +172,14 @@ class OutgoingKV:
         if plan.gather is not None:
             try:
                 if plan.by_runs:  # each run leaves while it is still in this core's cache (wire.layer_runs)
-                    messages = [staged[slot, first:end] for slot, first, end in plan.runs]
+                    direct = plan.direct
+                    messages = [staged[slot, first:end] if direct is None or direct[i] is None
+                                else kv_layer[slot, direct[i]:direct[i] + end - first]
+                                for i, (slot, first, end) in enumerate(plan.runs)]
                     last = len(messages) - 1 if layer_idx == self.num_layers - 1 else -1
                     sums = plan.gather.in_runs(kv_layer, staged, plan.runs,
-                                               lambda i: self.pair.enqueue_send(self._send, [messages[i]], last=i == last))
+                                               lambda i: self.pair.enqueue_send(self._send, [messages[i]], last=i == last),
+                                               direct)
                 else:
                     sums = plan.gather(kv_layer, staged)
             except ValueError:  # not the planned layout: the checks below say what is wrong
@@ -247,6 +262,19 @@ class OutgoingKV:
         if staging is not None:  # every send completed: nothing reads it any more
             self.pair.staging.give(staging)
         return self.num_bytes, value
+
+
+def _direct_runs(kv_layer: torch.Tensor, block_ids: list[int],
+                 runs: list[tuple[int, int, int]]) -> list[int | None] | None:
+    """Per run of ``runs`` (``wire.layer_runs``), its first cache block where its blocks are next to each other
+    in ``kv_layer`` [kv_slots, num_blocks_total, ...] (ascending ids, each slot's blocks one contiguous run
+    of memory: the whole cache layer, not a TP piece's heads), else None; None if no run is."""
+    if not kv_layer[0].is_contiguous():
+        return None
+    direct = [block_ids[first] if block_ids[end - 1] - block_ids[first] == end - 1 - first
+              and all(b + 1 == c for b, c in zip(block_ids[first:end - 1], block_ids[first + 1:end])) else None
+              for _, first, end in runs]
+    return direct if any(d is not None for d in direct) else None
 
 
 class SendCompleter:

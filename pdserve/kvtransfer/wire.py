@@ -29,7 +29,9 @@ quantized bytes followed by its float32 scale, shipped as the cache holds them.
 A layer travels as several messages, in its bytes' order (``layer_runs``): each KV slot's
 blocks, in runs of at most ``CPU_MESSAGE_BYTES`` (never less than one block) on a CPU pair,
 whole on a CUDA one. The sender gathers and sends one run at a time, so on a CPU the run it
-just gathered is still in its core's L2 cache when the kernel copies it into the socket; a
+just gathered is still in its core's L2 cache when the kernel copies it into the socket (a
+run whose blocks are adjacent in the cache is only summed there and sent from the cache:
+``OutgoingKV``'s ``send_from_cache``; the receiver cannot tell the two apart); a
 whole layer (1-4 MiB for a 512-2048-token prompt of the bench model) was not. Smaller runs
 lose more to gloo's cost per message than they gain: on a 2-core Zen 5 class machine, 12 MiB
 moved at 0.60x raw gloo in 128 KiB runs, 0.46x in 256 KiB runs, 0.86-0.88x in 512 KiB runs,

@@ -13,10 +13,13 @@ For each ``RemotePrefillRequest`` (the driver, rank 0, runs this; every rank's
    ``KVSendPlan``s: from the model's per-layer hook each rank sends its pieces
    of each layer as soon as that layer has written them, so sending layer i
    overlaps computing layer i+1 (DistServe / Mooncake style layer-wise transfer).
-3. The first token is sampled here; the request's blocks are freed at once
-   (the sends read gathered copies). Each rank reports every piece delivered
-   (``SENT``: bytes, checksum); with all pieces in, we tell the decode worker
-   ``RemotePrefillDone`` with the first token and the per-piece sums, or the error.
+3. The first token is sampled here. The sends read the request's blocks (runs of
+   adjacent blocks leave from the cache itself, the rest from gathered copies), so
+   the blocks stay the request's until every rank has reported its pieces
+   delivered (``SENT``: bytes, checksum; ``Request.delay_free_blocks``, as vLLM's KV
+   connectors delay the free). With all pieces in, the blocks are freed and we tell
+   the decode worker ``RemotePrefillDone`` with the first token and the per-piece
+   sums, or the error.
 
 Each ``RemotePrefillRequest`` names the router that took the request
 (``router_addr``): when that router dies, its requests are dropped here too
@@ -127,6 +130,7 @@ class PrefillWorker(WorkerBase):
         origins = {**self.pending_pair, **self.origin, **{rid: t.origin for rid, t in self.transfers.items()}}
         for request_id, origin in origins.items():
             self.core.abort(request_id)
+            self.core.free_delayed(request_id)  # a send still under way fails with its pair, or reads freed blocks
             self._fail(origin, reason)
         self.pending_pair.clear()
         self.origin.clear()
@@ -196,6 +200,7 @@ class PrefillWorker(WorkerBase):
     def _finish(self, request_id: str, transfer: _Transfer) -> None:
         """Every piece reported: tell the decode worker (first token and per-piece sums, or the error)."""
         del self.transfers[request_id]
+        self.core.free_delayed(request_id)  # every send from its blocks is done (or failed)
         self.origin.pop(request_id, None)
         origin = transfer.origin
         sums = [transfer.sums[(p.prefill_rank, p.decode_rank)] for p in transfer.pieces]
@@ -261,6 +266,7 @@ class PrefillWorker(WorkerBase):
                              len(scheduler_output.scheduled))
             for request_id in self.core.fail_step(scheduler_output):
                 transfer = self.transfers.pop(request_id, None)
+                self.core.free_delayed(request_id)  # its sends were aborted with the forward (abort_sends)
                 origin = self.origin.pop(request_id, None) or (transfer.origin if transfer else None)
                 if origin is not None:  # its decode worker recomputes it (and fails it if that fails too)
                     self._fail(origin, f"the prefill forward pass failed: {type(e).__name__}: {e}")
@@ -317,6 +323,7 @@ class PrefillWorker(WorkerBase):
                     decode_rank=piece.decode_rank, first_layer=s.layer_start, first_kv_head=s.head_start,
                     kv_slots=runner.kv_slots))
             faults.mark_kv_send(request.request_id, origin.prompt_token_ids)
+            request.delay_free_blocks = True  # the sends read its blocks: freed in _finish
             self.transfers[request.request_id] = _Transfer(origin, pieces, time.monotonic())
             plans.append(KVSendPlan(request_id=request.request_id, seq_index=seq_index, first_block=first_block,
                                     num_blocks=num_blocks, decode_worker_id=origin.decode_worker_id,

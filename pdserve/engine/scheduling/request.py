@@ -69,6 +69,9 @@ class Request:
         # prefill worker: per KV cache group, blocks from here on are sent, so a sliding window never frees
         # them (KVCacheManager.free_out_of_window); None: nothing to keep
         self.keep_blocks_from: list[int] | None = None
+        # prefill worker: its KV leaves from these very blocks (sent from the cache), so when it finishes
+        # they stay its own until the sends are done (Scheduler.free_delayed; vLLM's delay_free_blocks)
+        self.delay_free_blocks = False
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.arrival_time = time.monotonic()

@@ -65,6 +65,8 @@ class Scheduler:
         self.waiting_for_remote_kvs: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, list[str]] = {}  # group_id (router request_id) -> request ids
+        # finished requests with ``delay_free_blocks``: their blocks are freed by ``free_delayed``
+        self.delayed_frees: dict[str, Request] = {}
         self.stats = SchedulerStats()
         # Speculative decoding: ``num_lookahead(request, max_k) -> k`` drafts to schedule (it may
         # set ``request.spec_token_ids`` now; a draft model fills them in at execute). None: off.
@@ -413,9 +415,22 @@ class Scheduler:
             members.remove(request_id)
             if not members:
                 del self.groups[request.group_id]
-        self.kv.free(request)
+        if request.delay_free_blocks:
+            self.delayed_frees[request_id] = request
+        else:
+            self.kv.free(request)
         request.status = status
         return request
+
+    def free_delayed(self, request_id: str) -> None:
+        """Nothing reads ``request_id``'s blocks any more (its KV sends are done): free them once it
+        finishes, or now if it has finished already (``Request.delay_free_blocks``). Idempotent; an
+        unknown id is ignored."""
+        request = self.delayed_frees.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+        elif (request := self.requests.get(request_id)) is not None:
+            request.delay_free_blocks = False
 
     def finish_group(self, group_id: str, status: RequestStatus) -> list[Request]:
         """Finish every sample of a router request (e.g. on abort)."""
