@@ -51,7 +51,20 @@ def test_free_queue_is_fifo():
     first = bm.allocate(4)
     bm.free([first[2]])
     bm.free([first[0]])
-    assert bm.allocate(2) == [first[2], first[0]]
+    assert bm.allocate(1) == [first[2]]  # the least recently freed first
+    assert bm.allocate(1) == [first[0]]
+
+
+def test_an_allocation_comes_in_ascending_ids_so_a_freed_requests_blocks_come_back_adjacent():
+    """A request frees its blocks last-to-first (its tail is evicted first); the next allocation that takes
+    them has them in ascending order, adjacent in the cache, so a KV transfer sends such runs from the cache."""
+    bm = BlockManager(num_blocks=8, block_size=16)
+    first = bm.allocate(8)
+    assert first == list(range(8))
+    bm.free(first[2:6])  # freed 5, 4, 3, 2
+    bm.free(first[:2] + first[6:])  # freed 7, 6, 1, 0
+    assert bm.allocate(3) == [3, 4, 5]  # the least recently freed three, 5, 4, 3, ascending
+    assert bm.allocate(3) == [2, 6, 7]
 
 
 def test_blocks_for_tokens():

@@ -256,7 +256,9 @@ def test_sender_sends_runs_of_adjacent_blocks_from_the_cache(monkeypatch):
                 assert torch.equal(sent, expected[slot, first:end])
             receiver.update(expected)
         assert out._checksum.value == receiver.value and out.num_bytes == receiver.num_bytes
-        return [lo <= m.data_ptr() < hi for m in pair.sent[1:1 + len(runs)]]  # layer 0's messages
+        from_cache = [lo <= m.data_ptr() < hi for m in pair.sent[1:]]
+        assert out.num_bytes_from_cache == sum(m.nbytes for m, f in zip(pair.sent[1:], from_cache) if f)
+        return from_cache[:len(runs)]  # layer 0's messages
 
     assert sent_from_cache(slice(None), True) == [True, False, True] * 2
     assert sent_from_cache(slice(None), False) == [False] * 6

@@ -172,6 +172,7 @@ class WorkerStats(_Msg):
     prefill_compute_seconds: float = 0.0  # wall time of the steps that computed them
     num_decode_steps: int = 0  # decode worker: steps whose every row was past its prompt (decode only)
     decode_step_seconds: float = 0.0  # their forward + sampling time, summed (mean step = this / num_decode_steps)
+    kv_transfer_bytes_from_cache: int = 0  # prefill worker: of kv_transfer_bytes, those sent from the cache itself
 
 
 class KVLayout(_Msg):
@@ -469,6 +470,7 @@ class RankReport(_Msg):
     num_bytes: int = 0
     checksum: int = 0
     error: str | None = None
+    num_bytes_from_cache: int = 0  # SENT: of num_bytes, those sent straight from the cache (not gathered)
 
 
 class RankAttach(_Msg):

@@ -299,7 +299,8 @@ class KVRankAgent:
     def _sent(self, send: OutgoingKV, num_bytes: int, checksum: int, error: str | None) -> None:
         self.report(RankReport(rank=self.rank, kind=RankReportKind.SENT, peer=send.pair.decode_worker_id,
                                generation=send.pair.generation, request_id=send.request_id, num_bytes=num_bytes,
-                               checksum=checksum, error=error))
+                               checksum=checksum, error=error,
+                               num_bytes_from_cache=send.num_bytes_from_cache if error is None else 0))
 
     # ---- decode side -----------------------------------------------------------------------------
 

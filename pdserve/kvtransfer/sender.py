@@ -45,6 +45,7 @@ class _BlocksPlan:
     runs: list[tuple[int, int, int]]  # the layer's messages (wire.layer_runs)
     by_runs: bool  # gathered, summed and sent run by run
     direct: list[int | None] | None  # per run, its first cache block where it is sent from the cache (_direct_runs)
+    direct_bytes: int  # the bytes of those runs, a layer
 
 
 class OutgoingKV:
@@ -79,6 +80,7 @@ class OutgoingKV:
         self._plans: dict[int, _BlocksPlan] = {}  # id(block_ids) -> its plan (_plan_for)
         self.send_from_cache = send_from_cache
         self.num_bytes = 0  # KV bytes handed to the pair so far
+        self.num_bytes_from_cache = 0  # of those, sent from the cache itself (send_from_cache)
         self._next_layer = 0
         # [num_layers, kv_slots, num_blocks, block_size, H, row_len] from pair.staging: layer i is gathered into
         # _staging[i] and sent from there, so P may reuse its blocks once the request is done.
@@ -134,7 +136,9 @@ class OutgoingKV:
         by_runs = gather is not None and block_bytes % ROW_BYTES == 0 and not self._faulty \
             and (len(runs) > 1 or self.send_from_cache)
         direct = _direct_runs(kv_layer, block_ids, runs) if by_runs and self.send_from_cache else None
-        plan = self._plans[id(block_ids)] = _BlocksPlan(block_ids, index, gather, runs, by_runs, direct)
+        direct_bytes = sum((end - first) * block_bytes for (_, first, end), d in zip(runs, direct or ())
+                           if d is not None)
+        plan = self._plans[id(block_ids)] = _BlocksPlan(block_ids, index, gather, runs, by_runs, direct, direct_bytes)
         return plan
 
     def send_layer(self, layer_idx: int, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
@@ -177,9 +181,9 @@ class OutgoingKV:
                                 else kv_layer[slot, direct[i]:direct[i] + end - first]
                                 for i, (slot, first, end) in enumerate(plan.runs)]
                     last = len(messages) - 1 if layer_idx == self.num_layers - 1 else -1
-                    sums = plan.gather.in_runs(kv_layer, staged, plan.runs,
-                                               lambda i: self.pair.enqueue_send(self._send, [messages[i]], last=i == last),
-                                               direct)
+                    sums = plan.gather.in_runs(
+                        kv_layer, staged, plan.runs,
+                        lambda i: self.pair.enqueue_send(self._send, [messages[i]], last=i == last), direct)
                 else:
                     sums = plan.gather(kv_layer, staged)
             except ValueError:  # not the planned layout: the checks below say what is wrong
@@ -187,6 +191,7 @@ class OutgoingKV:
             else:
                 if plan.by_runs:
                     self.num_bytes += staged.nbytes
+                    self.num_bytes_from_cache += plan.direct_bytes
                     self._checksum.add(sums, staged.nbytes)
                 else:
                     self._issue(layer_idx, staged, sums)

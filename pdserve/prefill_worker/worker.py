@@ -81,6 +81,7 @@ class _Transfer:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
     sums: dict[tuple[int, int], KVPieceSum] = field(default_factory=dict)
     error: str | None = None
+    num_bytes_from_cache: int = 0  # of the pieces reported so far, bytes sent straight from the cache
 
 
 
@@ -192,6 +193,7 @@ class PrefillWorker(WorkerBase):
         decode_rank = int(report.peer.rpartition("#")[2])
         if report.error is not None:
             transfer.error = transfer.error or report.error
+        transfer.num_bytes_from_cache += report.num_bytes_from_cache
         transfer.sums[(report.rank, decode_rank)] = KVPieceSum(prefill_rank=report.rank, decode_rank=decode_rank,
                                                                num_bytes=report.num_bytes, checksum=report.checksum)
         if len(transfer.sums) == len(transfer.pieces) and transfer.first_token is not None:
@@ -218,6 +220,7 @@ class PrefillWorker(WorkerBase):
         self.stats.num_kv_transfers += 1  # count successes only, as the decode worker does
         self.stats.kv_transfer_seconds += time.monotonic() - transfer.started
         self.stats.kv_transfer_bytes += num_bytes
+        self.stats.kv_transfer_bytes_from_cache += transfer.num_bytes_from_cache
         self.mailbox.put(origin.decode_addr, RemotePrefillDone(
             request_id=request_id, prefill_worker_id=self.worker_id, first_token_id=transfer.first_token,
             num_tokens=len(origin.prompt_token_ids), num_bytes=num_bytes, checksum=checksum,

@@ -76,6 +76,8 @@ _WORKER_COUNTERS = (
     ("pdserve:kv_transfer_bytes", "kv_transfer_bytes", "KV bytes sent or received."),
     ("pdserve:kv_transfer_seconds", "kv_transfer_seconds", "Seconds spent moving KV."),
     ("pdserve:kv_transfer_failures", "kv_transfer_failures", "KV transfers that failed."),
+    ("pdserve:kv_transfer_bytes_from_cache", "kv_transfer_bytes_from_cache",
+     "KV bytes a prefill worker sent straight from its cache (runs of adjacent blocks), not gathered first."),
     ("pdserve:local_prefills", "num_local_prefills",
      "Prompts a decode worker prefilled itself instead of remotely."),
     ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts",

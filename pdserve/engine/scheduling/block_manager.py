@@ -119,6 +119,7 @@ class BlockManager:
             self._evict(block_id)
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
+        block_ids.sort()  # the same blocks; a request freed them last-to-first, so they come back adjacent
         return block_ids
 
     def share(self, block_ids: Sequence[int]) -> None:
