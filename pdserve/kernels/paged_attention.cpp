@@ -196,15 +196,22 @@ inline void block_values(const float* p, const T* vrow, int64_t slot_stride, int
 // fetches and FMAs interleave (bench preset at batch 32, KV on 2 MiB pages as the engine allocates
 // it, one Zen 5 core: 14.6-14.9 ms all at once, 13.2-13.8 ms in slices, 18.6-20.6 ms with no
 // prefetch; prefetching two or three blocks ahead gained nothing more). The 8-lane path prefetches the
-// whole block first (into L1 rather than L2: 10% faster at batch 32 on that core; a non-temporal
-// prefetch measured 15% slower than L2 on a Zen 4 core).
+// whole share first (into L1 rather than L2: 10% faster at batch 32 on that core; a non-temporal
+// prefetch measured 15% slower than L2 on a Zen 4 core). Only the rows the work item reads are
+// fetched: its KV heads' part of each token (a block holds every KV head's rows). Fetching the whole
+// block for each of the four head groups of a lone sequence made the prefetches 40% of the kernel's
+// cycles on a Zen 3 core (a decode step's attention at batch 1: 46 us a layer at 166 tokens).
 struct NextBlock {
-  const char* base;  // the next block's first byte (null at the end of the walk), and its size
-  int64_t bytes;
-  void slice(int64_t i, int64_t parts) const {  // prefetch slice i of `parts` (cache lines)
+  const char* base;  // the item's part of the next block's first token (null at the end of the walk)
+  int64_t rows;       // tokens in the block
+  int64_t row_stride;  // bytes from one token's rows to the next's
+  int64_t row_bytes;   // bytes of the item's rows in one token
+  void slice(int64_t i, int64_t parts) const {  // prefetch slice i of `parts` (tokens)
     if (base == nullptr) return;
-    const int64_t begin = bytes * i / parts / 64 * 64, end = bytes * (i + 1) / parts;
-    for (int64_t b = begin; b < end; b += 64) __builtin_prefetch(base + b, 0, 3);
+    for (int64_t t = rows * i / parts, end = rows * (i + 1) / parts; t < end; ++t) {
+      const char* row = base + t * row_stride;
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+    }
   }
 };
 
@@ -213,17 +220,21 @@ struct NextBlock {
 // prefetch while it uses this one (the next block is elsewhere in memory), and for the last block
 // `after` (or nothing): the keys' walk passes the values' first block, the values' walk the next
 // item's first key block, so no walk starts cold (batch 32, one Zen 5 core: 13.5 -> 12.5-13.2 ms).
+// `item_offset` (elements) and `item_row` (elements) are the item's rows within a token: what `next`
+// prefetches; `after` already points at the following item's rows.
 template <typename T, typename Fn>
 inline void walk_blocks(const T* cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
-                        int64_t k_begin, int64_t k_end, Fn fn, const void* after = nullptr) {
-  const int64_t block_bytes = block_size * slot_stride * static_cast<int64_t>(sizeof(T));
+                        int64_t k_begin, int64_t k_end, int64_t item_offset, int64_t item_row, Fn fn,
+                        const void* after = nullptr) {
+  const int64_t stride = slot_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = item_row * static_cast<int64_t>(sizeof(T));
   for (int64_t k = k_begin; k < k_end;) {
     const int64_t off = k % block_size;
     const int64_t run = std::min(block_size - off, k_end - k);
     const NextBlock next{k + run < k_end ? reinterpret_cast<const char*>(
-                             cache + table[(k + run) / block_size] * block_size * slot_stride)
+                             cache + table[(k + run) / block_size] * block_size * slot_stride + item_offset)
                                          : static_cast<const char*>(after),
-                         block_bytes};
+                         block_size, stride, row_bytes};
     fn(cache + (table[k / block_size] * block_size + off) * slot_stride, k, run, next);
     k += run;
   }
@@ -244,8 +255,11 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
   // A latent cache (kv_slots 1) reads its values from the key rows.
   const T* v_cache = kv_slots == 2 ? kv_cache + num_blocks * block_size * slot_stride : kv_cache;
   // Work items: (sequence, group of KV heads). A sequence's heads stay together (its blocks are
-  // read front to back, all heads at once) unless there are too few sequences to share out.
-  const int64_t head_groups = num_seqs >= 2 * num_threads ? 1 : num_kv_heads;
+  // read front to back, all heads at once: one contiguous read a block) unless there are too few
+  // sequences to share out among several threads. (One thread took a lone sequence head by head too:
+  // four strided passes over its blocks, 297 us a layer at 166 tokens with the KV out of cache on a
+  // Zen 3 core, the decode step's case at batch 1, where the weights stream through the cache.)
+  const int64_t head_groups = num_threads == 1 || num_seqs >= 2 * num_threads ? 1 : num_kv_heads;
   const int64_t heads_per_item = num_kv_heads / head_groups;
   const int64_t num_items = num_seqs * head_groups;
   [[maybe_unused]] const bool wide = wide_path<T>(head_dim, v_dim);
@@ -273,8 +287,9 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
         float* o = out + (q_begin + j) * out_stride + h0 * rep * v_dim;  // [rows, v_dim]
         if (n <= 0) { std::fill(o, o + rows * v_dim, 0.f); continue; }
         scores.resize(rows * n);
-        const T* v_first = v_cache + table[k_begin / block_size] * block_size * slot_stride;
-        walk_blocks(k_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run, const NextBlock& next) {
+        const int64_t item_offset = h0 * row_len, item_row = heads_per_item * row_len;
+        const T* v_first = v_cache + table[k_begin / block_size] * block_size * slot_stride + item_offset;
+        walk_blocks(k_cache, table, block_size, slot_stride, k_begin, k_end, item_offset, item_row, [&](const T* base, int64_t k, int64_t run, const NextBlock& next) {
 #ifdef __AVX512F__
           if constexpr (kWideType<T>) if (wide) {
             for (int64_t hh = 0; hh < heads_per_item; ++hh) {
@@ -301,9 +316,10 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
         if (num_threads == 1 && j + 1 == q_len && item + 1 < num_items && sliding_window <= 0) {
           const int64_t s_next = (item + 1) / head_groups;
           if (skip == nullptr || !skip[s_next])
-            k_after = k_cache + block_tables[s_next * max_blocks_per_seq] * block_size * slot_stride;
+            k_after = k_cache + block_tables[s_next * max_blocks_per_seq] * block_size * slot_stride +
+                      ((item + 1) % head_groups) * heads_per_item * row_len;
         }
-        walk_blocks(v_cache, table, block_size, slot_stride, k_begin, k_end, [&](const T* base, int64_t k, int64_t run, const NextBlock& next) {
+        walk_blocks(v_cache, table, block_size, slot_stride, k_begin, k_end, item_offset, item_row, [&](const T* base, int64_t k, int64_t run, const NextBlock& next) {
 #ifdef __AVX512F__
           if constexpr (kWideType<T>) if (wide) {
             for (int64_t hh = 0; hh < heads_per_item; ++hh) {
