@@ -276,9 +276,8 @@ def _direct_runs(kv_layer: torch.Tensor, block_ids: list[int],
     of memory: the whole cache layer, not a TP piece's heads), else None; None if no run is."""
     if not kv_layer[0].is_contiguous():
         return None
-    direct = [block_ids[first] if block_ids[end - 1] - block_ids[first] == end - 1 - first
-              and all(b + 1 == c for b, c in zip(block_ids[first:end - 1], block_ids[first + 1:end])) else None
-              for _, first, end in runs]
+    direct = [block_ids[first] if all(b + 1 == c for b, c in zip(block_ids[first:end - 1], block_ids[first + 1:end]))
+              else None for _, first, end in runs]
     return direct if any(d is not None for d in direct) else None
 
 
