@@ -96,13 +96,13 @@ def own_work(kv_cache: torch.Tensor, block_ids: list[int], repeats: int) -> dict
     that kernel is not built, ``index_select`` then the torch checksum. Median seconds for every
     layer: ``gather_s`` (the one pass, or the gather) and ``checksum_s`` (0 for the one pass)."""
     from pdserve.kvtransfer.checksum import BlockGather, KVChecksum
-    from pdserve.kvtransfer.sender import _direct_runs
+    from pdserve.kvtransfer.sender import direct_runs
     from pdserve.kvtransfer.wire import layer_runs
 
     index = torch.tensor(block_ids)
     staging = torch.empty((kv_cache.shape[0], 2, len(block_ids), *kv_cache.shape[3:]), dtype=kv_cache.dtype)
     runs = layer_runs(2, len(block_ids), staging[0, 0, 0].nbytes, "cpu")
-    direct = _direct_runs(kv_cache[0], block_ids, runs)
+    direct = direct_runs(kv_cache[0], block_ids, runs)
     gather, checksum = [], []
     for _ in range(repeats + 1):
         sums = KVChecksum()

@@ -44,7 +44,7 @@ class _BlocksPlan:
     gather: BlockGather | None  # the native one-pass gather and checksum (None: index_select, torch sums)
     runs: list[tuple[int, int, int]]  # the layer's messages (wire.layer_runs)
     by_runs: bool  # gathered, summed and sent run by run
-    direct: list[int | None] | None  # per run, its first cache block where it is sent from the cache (_direct_runs)
+    direct: list[int | None] | None  # per run, its first cache block where it is sent from the cache (direct_runs)
     direct_bytes: int  # the bytes of those runs, a layer
 
 
@@ -135,7 +135,7 @@ class OutgoingKV:
         runs = wire.layer_runs(staged.shape[0], staged.shape[1], block_bytes, staged.device.type)
         by_runs = gather is not None and block_bytes % ROW_BYTES == 0 and not self._faulty \
             and (len(runs) > 1 or self.send_from_cache)
-        direct = _direct_runs(kv_layer, block_ids, runs) if by_runs and self.send_from_cache else None
+        direct = direct_runs(kv_layer, block_ids, runs) if by_runs and self.send_from_cache else None
         direct_bytes = sum((end - first) * block_bytes for (_, first, end), d in zip(runs, direct or ())
                            if d is not None)
         plan = self._plans[id(block_ids)] = _BlocksPlan(block_ids, index, gather, runs, by_runs, direct, direct_bytes)
@@ -269,8 +269,8 @@ class OutgoingKV:
         return self.num_bytes, value
 
 
-def _direct_runs(kv_layer: torch.Tensor, block_ids: list[int],
-                 runs: list[tuple[int, int, int]]) -> list[int | None] | None:
+def direct_runs(kv_layer: torch.Tensor, block_ids: list[int],
+                runs: list[tuple[int, int, int]]) -> list[int | None] | None:
     """Per run of ``runs`` (``wire.layer_runs``), its first cache block where its blocks are next to each other
     in ``kv_layer`` [kv_slots, num_blocks_total, ...] (ascending ids, each slot's blocks one contiguous run
     of memory: the whole cache layer, not a TP piece's heads), else None; None if no run is."""
