@@ -192,8 +192,9 @@ class LLM:
             from pdserve.default_model.train import shipped_model_dir
 
             model = str(shipped_model_dir())
-        if "kv_cache_memory" in engine_kwargs:
-            engine_kwargs["kv_cache_memory"] = parse_size(engine_kwargs["kv_cache_memory"])
+        for size in ("kv_cache_memory", "kv_offload_memory"):
+            if size in engine_kwargs:
+                engine_kwargs[size] = parse_size(engine_kwargs[size])
         # Every prefill is local here: no threshold for handing prompts to a prefill worker.
         engine_kwargs.setdefault("remote_prefill_threshold", 0)
         self.config = EngineConfig(model=model, **engine_kwargs)

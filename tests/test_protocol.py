@@ -19,6 +19,11 @@ SAMPLES = [
                  prefill_layout=p.KVLayout(tensor_parallel_size=2, pipeline_parallel_size=1, num_layers=4,
                                            num_kv_heads=2)),
     p.ConnectKVPair(decode_worker_id="d0", transfer_host="127.0.0.1", transfer_port=29500, pair_generation=3),
+    p.KVEventBatch(worker_id="d0", instance=2**62, seq=4, ts=1.5, events=[
+        p.BlockStored(block_hashes=[b"a" * 32, b"b" * 32], parent_block_hash=b"c" * 32, token_ids=list(range(32)),
+                      block_size=16, lora_id=3, medium="host", group=1),
+        p.BlockRemoved(block_hashes=[b"d" * 32], medium="disk"), p.AllBlocksCleared()], snapshot=True),
+    p.KVEventsReplay(from_seq=7, router_addr="tcp://127.0.0.1:7000"),
     p.GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3],
                       sampling_params=p.SamplingParams(max_tokens=5, temperature=0.0, stop=["\n"], seed=7),
                       prefill_worker_id="p0", prefill_addr="tcp://127.0.0.1:1"),

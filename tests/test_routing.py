@@ -252,7 +252,7 @@ def test_config_and_cli_flags():
 
 
 def test_config_validates_routing(model_dir):
-    assert RouterConfig(model=model_dir).routing_policy == "prefix_aware"
+    assert RouterConfig(model=model_dir).routing_policy == "kv_aware"
     with pytest.raises(ValueError, match="routing_policy"):
         RouterConfig(model=model_dir, routing_policy="random")
     with pytest.raises(ValueError, match="routing_balance_factor"):

@@ -41,12 +41,13 @@ import time
 from pdserve.common.auth import registration_token
 from pdserve.common.config import WorkerConfig, resolve_router_addrs
 from pdserve.common.curve import cluster_keys, warn_unauthenticated
-from pdserve.common.protocol import (DrainWorker, ErrorKind, FinishReason, Heartbeat, RankAttach, RegisterWorker,
-                                     RequestDelta, RequestTiming, WorkerDraining, WorkerExiting, WorkerRole,
-                                     WorkerStats)
+from pdserve.common.protocol import (DrainWorker, ErrorKind, FinishReason, Heartbeat, KVEventsReplay, RankAttach,
+                                     RegisterWorker, RequestDelta, RequestTiming, WorkerDraining, WorkerExiting,
+                                     WorkerRole, WorkerStats)
 from pdserve.common.sharding import KVLayoutSpec
 from pdserve.common.transport import Mailbox
 from pdserve.common.validation import ValidationError
+from pdserve.cluster.kv_events import KVEventPublisher
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
 
@@ -92,6 +93,9 @@ class WorkerBase:
             self.core.close()
             raise
         self.model_name = engine_config.model.rstrip("/").split("/")[-1]
+        # What the prefix cache gains and loses, for the routers' KV index (none without prefix caching)
+        bm = self.core.block_manager
+        self.kv_events = KVEventPublisher(self.worker_id, bm) if bm.enable_prefix_caching else None
         self._stop = threading.Event()
         self._loop_tick = time.monotonic()  # when the step loop last finished an iteration
         self._last_step = self._loop_tick  # when the ranks last heard from the driver
@@ -157,7 +161,9 @@ class WorkerBase:
                               router_addr=router_addr,
                               kernels={k: c.path for k, c in self.runner.kernel_choices.items()},
                               linear_weight_format=self.runner.linear_weight_format,
-                              plan=self.runner.plan.as_dict())
+                              plan=self.runner.plan.as_dict(),
+                              prefix_cache_salt=self.core.block_manager.salt if self.kv_events else None,
+                              kv_offload_blocks=self.runner.num_offload_blocks)
 
     def to_routers(self, msg, routers: list[str] | None = None) -> None:
         """Send ``msg`` to every router (or to ``routers``)."""
@@ -335,7 +341,9 @@ class WorkerBase:
             return
         busy = self.core.has_unfinished()
         self.drain_inbox(wait=0 if busy else _IDLE_WAIT_S)
-        if self.step():
+        stepped = self.step()
+        self.publish_kv_events()
+        if stepped:
             self._last_step = now
         elif self.core.has_unfinished():
             time.sleep(0.001)  # waiting on remote KV / peers only
@@ -351,11 +359,28 @@ class WorkerBase:
             try:
                 if isinstance(msg, DrainWorker):
                     self.start_drain(msg.reason or "the router asked", acked=True, router_addr=msg.router_addr)
+                elif isinstance(msg, KVEventsReplay):
+                    self.replay_kv_events(msg)
                 else:
                     self.handle(msg)
             except Exception:  # a bad message must not kill the worker
                 logger.exception("error handling %s", type(msg).__name__)
             msg = self.mailbox.get_nowait()
+
+    def publish_kv_events(self) -> None:
+        """Send what the prefix cache gained and lost since the last call to every router, as the next
+        numbered batch (``pdserve.cluster.kv_events``)."""
+        batch = self.kv_events.poll() if self.kv_events is not None else None
+        if batch is not None:
+            self.to_routers(batch)
+
+    def replay_kv_events(self, msg: KVEventsReplay) -> None:
+        """A router missed some KV event batches: send it those from ``msg.from_seq`` on, or a snapshot."""
+        if self.kv_events is None:
+            return
+        self.publish_kv_events()  # first, so a snapshot is the state after the last batch numbered
+        for batch in self.kv_events.replay(msg.from_seq):
+            self.mailbox.put(self.router_of(msg.router_addr), batch)
 
     def periodic(self, now: float) -> None:
         """Subclass hook, called every loop iteration before the inbox is drained."""

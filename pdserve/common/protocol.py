@@ -13,10 +13,11 @@ Rules (vLLM v1 engine-core style):
 
 Who sends what:
 
-    worker  -> router : RegisterWorker, Heartbeat, RequestOutputs, WorkerDraining, WorkerExiting
-                        (to every router of the tier; RequestOutputs to the request's own router)
+    worker  -> router : RegisterWorker, Heartbeat, RequestOutputs, WorkerDraining, WorkerExiting,
+                        KVEventBatch (to every router of the tier; RequestOutputs to the request's
+                        own router)
     router  -> decode : GenerateRequest, AbortRequest
-    router  -> worker : DrainWorker
+    router  -> worker : DrainWorker, KVEventsReplay
     decode  -> prefill: RemotePrefillRequest, AbortRequest
     prefill -> decode : KVTransferHeader, RemotePrefillDone
 """
@@ -45,6 +46,8 @@ class MsgKind(enum.IntEnum):
     WORKER_EXITING = 12
     WARM_KV_PAIR = 13
     CONNECT_KV_PAIR = 14
+    KV_EVENTS = 15
+    KV_EVENTS_REPLAY = 16
 
 
 class WorkerRole(enum.IntEnum):
@@ -173,6 +176,9 @@ class WorkerStats(_Msg):
     num_decode_steps: int = 0  # decode worker: steps whose every row was past its prompt (decode only)
     decode_step_seconds: float = 0.0  # their forward + sampling time, summed (mean step = this / num_decode_steps)
     kv_transfer_bytes_from_cache: int = 0  # prefill worker: of kv_transfer_bytes, those sent from the cache itself
+    kv_offload_blocks: int = 0  # blocks copied from the KV cache to the offload tier (--kv-offload-memory)
+    kv_onload_blocks: int = 0  # blocks copied back from it: prefix hits in the tier, in blocks
+    kv_offload_copy_seconds: float = 0.0  # wall time of those copies (both ways)
 
 
 class KVLayout(_Msg):
@@ -217,6 +223,11 @@ class RegisterWorker(_Msg):
     # Every start-up choice of the worker's model runner, "value (why)" per decision
     # (pdserve.engine.execution.runner_plan): shown in /workers.
     plan: dict[str, str] = {}
+    # The salt of its prefix cache's block hashes (``pdserve.engine.scheduling.block_manager.chain_hash``):
+    # with it the router hashes a prompt's blocks as this worker does and matches them against its KV
+    # events. None: prefix caching is off here (it publishes no events).
+    prefix_cache_salt: int | None = None
+    kv_offload_blocks: int = 0  # blocks of its offload tier (--kv-offload-memory), beyond num_blocks
 
 
 class Heartbeat(_Msg):
@@ -600,6 +611,74 @@ class ExecuteModel(_Msg):
     attach: RankAttach | None = None
     lora_loads: list[tuple[int, LoRARequest]] = []  # (slot, adapter) to load into a LoRA slot first
     lora_slots: list[int] = []  # [num_seqs] each sequence's LoRA slot, -1 for the base model; [] = none
+    # The offload tier's copies (pdserve.engine.scheduling.kv_offload), before anything else of the step:
+    # (block, slot) KV cache -> tier first, then (slot, block) tier -> KV cache
+    kv_offloads: list[tuple[int, int]] = []
+    kv_onloads: list[tuple[int, int]] = []
+
+
+# ---- KV events (vLLM's names and fields; pdserve.cluster.kv_events publishes, pdserve.router.kv_index reads) ----
+
+KV_MEDIA = ("device", "host", "disk")  # the tiers a block may live in, fastest first
+
+
+class BlockStored(_Msg, tag=True):
+    """Full blocks entered a tier of the worker's prefix cache: a request can now reuse them.
+
+    ``block_hashes``: their chained SHA-256 hashes (32 bytes each, ``chain_hash``), in prefix order;
+    ``parent_block_hash``: the hash before the first (None: the first is a prompt's first block, or
+    unknown, as in a snapshot); ``token_ids``: their tokens, ``block_size`` per block; ``lora_id``: the
+    adapter (None: the base model; the hash already depends on it); ``medium``: the tier
+    (``KV_MEDIA``); ``group``: the KV cache group (``pdserve.common.kv_cache_groups``)."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None = None
+    token_ids: list[int] = []
+    block_size: int = 0
+    lora_id: int | None = None
+    medium: str = "device"
+    group: int = 0
+
+
+class BlockRemoved(_Msg, tag=True):
+    """Blocks left a tier (evicted or reset): a request can no longer reuse them from there."""
+
+    block_hashes: list[bytes]
+    medium: str = "device"
+    group: int = 0
+
+
+class AllBlocksCleared(_Msg, tag=True):
+    """Every block of every tier is gone (a snapshot starts with it)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(_Msg):
+    """Worker -> every router: the KV events of one step, in order (vLLM's ``KVEventBatch``).
+
+    ``seq`` counts a worker process's batches from 0 with no gap (``instance`` names the process: a
+    restarted worker starts again at 0); a router that sees a gap asks for the rest
+    (``KVEventsReplay``). ``snapshot``: the events are ``AllBlocksCleared`` and then every block
+    cached now, answering a replay older than the worker still holds; ``seq`` is then the last
+    batch they include. ``ts``: ``time.time()`` when the batch was made."""
+
+    worker_id: str
+    instance: int
+    seq: int
+    ts: float
+    events: list[KVEvent] = []
+    snapshot: bool = False
+    data_parallel_rank: int | None = None
+
+
+class KVEventsReplay(_Msg):
+    """Router -> worker: send me your KV event batches from ``from_seq`` on (a snapshot where they
+    are no longer held). ``router_addr``: where to send them (the router as the worker reaches it)."""
+
+    from_seq: int
+    router_addr: str | None = None
 
 
 MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
@@ -617,5 +696,7 @@ MESSAGE_TYPES: dict[MsgKind, type[msgspec.Struct]] = {
     MsgKind.WORKER_EXITING: WorkerExiting,
     MsgKind.WARM_KV_PAIR: WarmKVPair,
     MsgKind.CONNECT_KV_PAIR: ConnectKVPair,
+    MsgKind.KV_EVENTS: KVEventBatch,
+    MsgKind.KV_EVENTS_REPLAY: KVEventsReplay,
 }
 KIND_OF: dict[type[msgspec.Struct], MsgKind] = {t: k for k, t in MESSAGE_TYPES.items()}

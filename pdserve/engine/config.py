@@ -114,6 +114,9 @@ class EngineConfig:
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
         block_size: token slots per KV block.
         kv_cache_memory: KV cache budget in bytes (``--kv-cache-memory 2GiB``).
+        kv_offload_memory: bytes of host memory, beyond the KV cache, that evicted prefix-cache blocks
+            are copied to and hit from (``--kv-offload-memory 4GiB``; 0: none;
+            ``pdserve.engine.scheduling.kv_offload``). Per rank.
         max_num_seqs: most requests in flight per worker.
         max_num_batched_tokens: token budget of one step.
         max_model_len: longest sequence; None = the model's max_position_embeddings.
@@ -222,12 +225,15 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    kv_offload_memory: int = 0
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.kv_cache_memory <= 0:
             raise ValueError("kv_cache_memory must be positive")
+        if self.kv_offload_memory < 0:
+            raise ValueError("kv_offload_memory must be >= 0")
         if self.cpu_cores is not None:
             parse_cpu_list(self.cpu_cores)  # a bad list fails here, before any rank starts
         if self.native_kernels not in NATIVE_KERNEL_MODES:
@@ -295,6 +301,9 @@ class EngineConfig:
         g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
         g.add_argument("--kv-cache-memory", type=parse_size, default="512MiB", help="KV cache budget, e.g. 2GiB")
+        g.add_argument("--kv-offload-memory", type=parse_size, default="0",
+                       help="host memory beyond the KV cache for evicted prefix blocks (an offload tier: a prefix "
+                            "found there is copied back instead of recomputed), e.g. 4GiB; 0: none")
         g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in flight on this worker")
         g.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help=f"token budget of one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; a prefill worker's "
@@ -415,7 +424,8 @@ class EngineConfig:
                    else ("onednn" if role == "prefill" else default_linear_weight_format()),
                    enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                    max_cpu_loras=args.max_cpu_loras, quantization=args.quantization,
-                   native_kernels=args.native_kernels or default_native_kernels())
+                   native_kernels=args.native_kernels or default_native_kernels(),
+                   kv_offload_memory=args.kv_offload_memory)
 
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""
@@ -451,4 +461,6 @@ class EngineConfig:
             args += ["--enable-lora", "--max-loras", str(self.max_loras), "--max-lora-rank", str(self.max_lora_rank)]
             if self.max_cpu_loras is not None:
                 args += ["--max-cpu-loras", str(self.max_cpu_loras)]
+        if self.kv_offload_memory:
+            args += ["--kv-offload-memory", str(self.kv_offload_memory)]
         return args

@@ -36,6 +36,7 @@ from pdserve.common.protocol import (KVStepOps, LoRARequest, ResumedChoice, Samp
                                      WorkerStats)
 from pdserve.common.validation import EngineLimits, ValidationError, check_request
 from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.scheduling.kv_offload import OffloadTier
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.execution.model_runner import ModelRunner
 from pdserve.engine.scheduling.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -82,9 +83,10 @@ class EngineCore:
             logger.info("prefix caching is off: the model's RoPE (longrope / dynamic) scales with each request's "
                         "length, so equal tokens do not mean equal KV")
             prefix_caching = False
+        offload = OffloadTier(self.runner.num_offload_blocks) if self.runner.num_offload_blocks else None
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           enable_prefix_caching=prefix_caching,
-                                          salt=self.runner.model_fingerprint)
+                                          salt=self.runner.model_fingerprint, offload=offload)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -246,7 +248,8 @@ class EngineCore:
             _cut_drafts_to_grammar(scheduler_output)
         start = time.perf_counter()
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
-                                     block_copies=scheduler_output.block_copies, kv_ops=kv_ops)
+                                     block_copies=scheduler_output.block_copies, kv_ops=kv_ops,
+                                     tier_copies=self.block_manager.take_tier_copies())
         num_prompt_tokens = sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
                                 for r, n in scheduler_output.scheduled)
         if num_prompt_tokens:  # a step that computed prompt tokens (decode rows mixed in count as its cost)
@@ -346,7 +349,9 @@ class EngineCore:
             spec_decode_num_drafts=s.spec_decode_num_drafts,
             spec_decode_num_draft_tokens=s.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
-            prefill_compute_tokens=self.prefill_compute_tokens, prefill_compute_seconds=self.prefill_compute_seconds)
+            prefill_compute_tokens=self.prefill_compute_tokens, prefill_compute_seconds=self.prefill_compute_seconds,
+            kv_offload_blocks=self.block_manager.num_offloaded, kv_onload_blocks=self.block_manager.num_onloaded,
+            kv_offload_copy_seconds=self.runner.tier_copy_seconds)
 
 
 def _collect_prompt_logprobs(scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:

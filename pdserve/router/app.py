@@ -49,6 +49,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
                                             ModelCard, ModelList, UnloadLoRAAdapterRequest)
 from pdserve.router.registry import WorkerRegistry
+from pdserve.router.kv_index import KVIndex
 from pdserve.router.routing import make_policy
 from pdserve.router.serving import OpenAIServing
 from pdserve.router.tracing import RequestTracer
@@ -127,12 +128,13 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
         tokenizer = AutoTokenizer.from_pretrained(config.model)
     registry = WorkerRegistry(config.worker_timeout_s, config.step_timeout_s)
     metrics = RouterMetrics(config.served_model_name, registry, config.max_model_len)
+    kv_index = KVIndex()
     engine = RouterEngine(config.zmq_host or config.host, config.zmq_port, registry, metrics.workers,
                           config.cluster_secret,
                           worker_wait_s=config.worker_wait_s, on_migration=metrics.observe_migration,
                           policy=make_policy(config.routing_policy, config.routing_prefix_blocks,
-                                             config.routing_balance_factor),
-                          on_route=metrics.observe_route, router_id=config.router_id)
+                                             config.routing_balance_factor, kv_index),
+                          on_route=metrics.observe_route, router_id=config.router_id, kv_index=kv_index)
     tracer = RequestTracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
     serving = OpenAIServing(config, tokenizer, engine, metrics, tracer)
 
@@ -247,7 +249,10 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
 
     @app.get("/workers")
     async def workers():
-        return registry.snapshot()
+        live = registry.snapshot()
+        for w in live:  # what its KV events say it caches (the kv_aware policy's view)
+            w["kv_index_blocks"] = kv_index.num_blocks(w["id"])
+        return live
 
     add_admin_routes(app, engine, pool_owner=config.pool_owner, api_key=config.api_key)
 
@@ -263,7 +268,10 @@ def build_app(config: RouterConfig, tokenizer=None) -> FastAPI:
                 "max_model_len": serving.max_model_len(), "zmq_address": engine.address,
                 "worker_timeout_s": config.worker_timeout_s, "num_inflight": engine.num_inflight,
                 "routing_policy": config.routing_policy, "router_id": config.router_id,
-                "pool_owner": config.pool_owner}
+                "pool_owner": config.pool_owner,
+                "kv_index": {"entries": kv_index.num_entries, "batches": kv_index.num_batches,
+                             "gaps": kv_index.num_gaps, "replays_asked": kv_index.num_replays_asked,
+                             "snapshots": kv_index.num_snapshots, "overflows": kv_index.num_overflows}}
 
     install_openapi(app, api_key_required=config.api_key is not None)
     return app

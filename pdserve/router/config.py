@@ -80,13 +80,14 @@ class RouterConfig:
             keyed by it (None: any process may send); default ``$PDSERVE_CLUSTER_SECRET``. See
             ``pdserve.common.auth`` and ``pdserve.common.curve``.
         routing_policy: how a request's workers are picked, one of ``round_robin``,
-            ``least_loaded``, ``prefix_aware`` (``pdserve/router/routing.py``). Default
-            ``prefix_aware``: with prefix caching on the workers, requests sharing a prefix land
-            where it is cached, bounded loads keep every worker within ``routing_balance_factor``
-            of the average, and prompts under one block are routed least loaded.
+            ``least_loaded``, ``prefix_aware``, ``kv_aware`` (``pdserve/router/routing.py``). Default
+            ``kv_aware``: each worker's KV events say what it caches, a request goes where the least
+            of its prompt is left to prefill (its queue included), and bounded loads keep every
+            worker within ``routing_balance_factor`` of the average. It won the routing benchmark
+            (docs/benchmarks.md, "A KV cache beyond one worker").
         routing_prefix_blocks: prefix_aware: full KV blocks at the start of a prompt that make its key.
-        routing_balance_factor: prefix_aware: a worker holding more than this times the average
-            requests in flight (rounded up) is skipped for the next one on the ring; >= 1.
+        routing_balance_factor: prefix_aware and kv_aware: a worker holding more than this times the
+            average requests in flight (rounded up) is skipped; >= 1.
         local_prefill_margin_s: load-aware prefill placement (``routing.prefers_local_prefill``): a
             prompt is prefilled by its decode worker instead of the chosen prefill worker when the
             decode worker is expected to finish it this many seconds sooner, by the prefill queues
@@ -135,7 +136,7 @@ class RouterConfig:
     log_level: str = "info"
     api_key: str | None = None
     cluster_secret: str | None = None
-    routing_policy: str = "prefix_aware"
+    routing_policy: str = "kv_aware"
     routing_prefix_blocks: int = 4
     routing_balance_factor: float = 1.5
     local_prefill_margin_s: float = DEFAULT_LOCAL_PREFILL_MARGIN_S
@@ -286,13 +287,14 @@ def add_routing_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-policy", choices=ROUTING_POLICIES, default=RouterConfig.routing_policy,
                    help="how requests are spread over the workers: round_robin (registration order), "
                         "least_loaded (fewest requests, then KV cache usage), prefix_aware (the worker that "
-                        "likely caches the prompt's first blocks: consistent hashing with bounded loads; "
-                        "default)")
+                        "likely caches the prompt's first blocks: consistent hashing with bounded loads), "
+                        "kv_aware (the worker whose KV events say it holds most of the prompt, priced against "
+                        "its prefill queue, under the same bounded loads; default)")
     g.add_argument("--routing-prefix-blocks", type=int, default=RouterConfig.routing_prefix_blocks,
                    help="prefix_aware: KV blocks at the start of the prompt that key its worker")
     g.add_argument("--routing-balance-factor", type=float, default=RouterConfig.routing_balance_factor,
-                   help="prefix_aware: skip a worker holding more than this times the average requests "
-                        "in flight (>= 1)")
+                   help="prefix_aware and kv_aware: skip a worker holding more than this times the average "
+                        "requests in flight (>= 1)")
     g.add_argument("--local-prefill-margin-s", type=float, default=RouterConfig.local_prefill_margin_s,
                    help="prefill a prompt on its decode worker when that is expected to finish it this many "
                         "seconds sooner than the prefill pool (queued prompt tokens / measured prefill "

@@ -65,12 +65,14 @@ import zmq
 import zmq.asyncio
 
 from pdserve.common.curve import Gatekeeper, cluster_keys, secure_server, warn_unauthenticated
-from pdserve.common.protocol import (AbortRequest, DrainWorker, GenerateRequest, Heartbeat, LoRARequest,
-                                     RegisterWorker, RequestDelta, RequestOutputs, ResumedChoice, SamplingParams,
-                                     WarmKVPair, WorkerDraining, WorkerExiting, WorkerRole)
+from pdserve.common.protocol import (AbortRequest, DrainWorker, GenerateRequest, Heartbeat, KVEventBatch,
+                                     KVEventsReplay, LoRARequest, RegisterWorker, RequestDelta, RequestOutputs,
+                                     ResumedChoice, SamplingParams, WarmKVPair, WorkerDraining, WorkerExiting,
+                                     WorkerRole)
 from pdserve.common.auth import token_matches
 from pdserve.common.transport import ProtocolError, decode
 from pdserve.engine.scheduling.request import lora_cache_root
+from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import WorkerStatsCollector
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
 from pdserve.router.routing import RoundRobinPolicy, RoutingPolicy
@@ -109,7 +111,7 @@ class RequestHandle:
     lost_worker_id: str | None = None  # the decode worker it last lost
     lora: LoRARequest | None = None  # its LoRA adapter (kept for a migration)
     prefill_site_id: str | None = None  # the worker prefilling its prompt (prefill or, locally, decode)
-    prefill_site_tokens: int = 0  # its prompt tokens counted in that worker's prefill_pending_tokens
+    prefill_site_tokens: int = 0  # its prompt tokens to compute, counted in that worker's prefill_pending_tokens
     sent_at: float | None = None  # GenerateRequest handed to the send loop (time.time(); request hops)
 
     @property
@@ -134,6 +136,8 @@ class RouterEngine:
         policy: picks the workers of new and migrated requests (``routing.py``; default round robin).
         on_route: called with (policy name, role, decision) for each worker picked (metrics).
         router_id: this router's name in a router tier; it starts every request id (``new_request_id``).
+        kv_index: where the workers' KV events go (``kv_index.py``; the ``kv_aware`` policy reads it);
+            a new one if None.
     """
 
     _DRAIN_RESEND_S = 5.0  # a drained worker that has not left gets DrainWorker again this often
@@ -143,8 +147,10 @@ class RouterEngine:
                  worker_stats: WorkerStatsCollector | None = None, cluster_secret: str | None = None,
                  worker_wait_s: float = 30.0, max_migrations: int = 3,
                  on_migration: Callable[[str, str], None] | None = None, policy: RoutingPolicy | None = None,
-                 on_route: Callable[[str, WorkerRole, str], None] | None = None, router_id: str = "router"):
+                 on_route: Callable[[str, WorkerRole, str], None] | None = None, router_id: str = "router",
+                 kv_index: KVIndex | None = None):
         self.host = host
+        self.kv_index = kv_index if kv_index is not None else KVIndex()
         self.router_id = router_id
         self.policy = policy or RoundRobinPolicy()
         self.on_route = on_route
@@ -264,9 +270,11 @@ class RouterEngine:
         if prefill_worker is not None:
             prefill_worker.num_routed += 1
             prefill_worker.num_prefill_pending += 1
-        site = prefill_worker or decode_worker  # who prefills the prompt: its queue grows by the prompt
-        site.prefill_pending_tokens += len(prompt_token_ids)
-        handle.prefill_site_id, handle.prefill_site_tokens = site.worker_id, len(prompt_token_ids)
+        site = prefill_worker or decode_worker  # who prefills the prompt: its queue grows by what it computes
+        work = len(prompt_token_ids) - self.policy.cached_tokens(site, prompt_token_ids,
+                                                                 lora_cache_root(lora) if lora is not None else b"")
+        site.prefill_pending_tokens += work
+        handle.prefill_site_id, handle.prefill_site_tokens = site.worker_id, work
         self._send(decode_worker.input_addr, GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params,
@@ -395,6 +403,8 @@ class RouterEngine:
                 self._send(worker.input_addr, AbortRequest(request_id=handle.request_id))
             self._migrate(handle, reason)
         if not still_registered:
+            if self.registry.get(worker.worker_id) is None:  # (not replaced by a new process under its id)
+                self.kv_index.forget(worker.worker_id)
             self._sockets.close(worker.input_addr)
 
     def _migrate(self, handle: RequestHandle, reason: str) -> None:
@@ -499,6 +509,10 @@ class RouterEngine:
         elif isinstance(msg, WorkerExiting):
             if self._authentic(msg):
                 self._worker_left(msg)
+        elif isinstance(msg, KVEventBatch):
+            worker = self.registry.get(msg.worker_id)
+            if worker is not None:  # (a worker that left, or not yet registered here, is met at registration)
+                self._ask_replay(worker, self.kv_index.apply(msg))
         elif isinstance(msg, RegisterWorker):
             if not self._authentic(msg):
                 return
@@ -506,6 +520,10 @@ class RouterEngine:
             refresh = known is not None and known.input_addr == msg.input_addr and known.role == msg.role
             replaced = self.registry.register(msg)
             self._sockets.connect(msg.input_addr)  # connect now: a dead worker is seen at once
+            if replaced is not None:
+                self.kv_index.forget(msg.worker_id)
+            if msg.prefix_cache_salt is not None:  # what it cached before this router knew it
+                self._ask_replay(self.registry.get(msg.worker_id), self.kv_index.meet(msg.worker_id, msg.num_blocks + msg.kv_offload_blocks))
             if not refresh:  # a worker new to this router (workers re-register every few seconds)
                 self._warm_pairs(msg.worker_id)
             if msg.role == WorkerRole.DECODE:
@@ -516,6 +534,11 @@ class RouterEngine:
                 self._worker_lost(replaced, f"worker {replaced.worker_id} restarted")
         else:
             logger.warning("router got an unexpected %s message; dropped", type(msg).__name__)
+
+    def _ask_replay(self, worker: WorkerInfo, from_seq: int | None) -> None:
+        """Ask ``worker`` for its KV event batches from ``from_seq`` on (None: nothing to ask)."""
+        if from_seq is not None:
+            self._send(worker.input_addr, KVEventsReplay(from_seq=from_seq, router_addr=worker.router_addr))
 
     def _warm_pairs(self, worker_id: str) -> None:
         """A worker registered: have each decode worker set up its KV transfer pair with each prefill

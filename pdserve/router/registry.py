@@ -77,6 +77,7 @@ class WorkerInfo:
     kernels: dict[str, str] = dataclasses.field(default_factory=dict)  # native kernel -> "native" / "torch"
     linear_weight_format: str | None = None  # plain, onednn or panel, as the worker chose at load
     plan: dict[str, str] = dataclasses.field(default_factory=dict)  # the runner's start-up choices (RunnerPlan)
+    prefix_cache_salt: int | None = None  # its block hashes' salt (None: no prefix cache, no KV events)
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -197,7 +198,7 @@ class WorkerRegistry:
             old.last_seen = now
             old.num_blocks, old.block_size, old.kv_group_caps = msg.num_blocks, msg.block_size, msg.kv_group_caps
             old.max_model_len, old.vocab_size, old.kv_layout = msg.max_model_len, msg.vocab_size, msg.kv_layout
-            old.router_addr = msg.router_addr
+            old.router_addr, old.prefix_cache_salt = msg.router_addr, msg.prefix_cache_salt
             return None
         if old is not None:
             del self._workers[msg.worker_id]
@@ -206,7 +207,8 @@ class WorkerRegistry:
             model_name=msg.model_name, num_blocks=msg.num_blocks, block_size=msg.block_size,
             max_model_len=msg.max_model_len, registered_at=now, last_seen=now, vocab_size=msg.vocab_size,
             kv_layout=msg.kv_layout, router_addr=msg.router_addr, kv_group_caps=msg.kv_group_caps,
-            kernels=dict(msg.kernels), linear_weight_format=msg.linear_weight_format, plan=dict(msg.plan))
+            kernels=dict(msg.kernels), linear_weight_format=msg.linear_weight_format, plan=dict(msg.plan),
+            prefix_cache_salt=msg.prefix_cache_salt)
         logger.info("worker %s registered: %s at %s (num_blocks=%d, block_size=%d)", msg.worker_id,
                     WorkerRole(msg.role).name.lower(), msg.input_addr, msg.num_blocks, msg.block_size)
         self._warn_kv_mismatch(self._workers[msg.worker_id])

@@ -39,6 +39,19 @@ lost worker never existed.
   picked the same way on their own ring (their prefix cache saves prefill
   compute for blocks the decode worker lacks), with their pending prefills as
   the load.
+* ``kv_aware``: the worker that really holds most of the prompt, by the workers'
+  KV events (``pdserve.router.kv_index``; vLLM's, Dynamo's and llm-d's KV-aware
+  routing). The prompt's blocks are hashed as each worker hashes them (its
+  ``prefix_cache_salt``, the LoRA adapter's root), and each candidate is priced by
+  the prefill it would still have to do: ``(its pending prefill tokens + the
+  prompt tokens it does not hold) / its measured prefill speed``, where pending
+  tokens count only what each queued prompt did not find cached (tokens alone
+  until every candidate has measured one; a block held only in a lower tier, host
+  memory, counts ``LOWER_TIER_COST`` of recomputing it: the copy back). The cheapest worker below the bounded
+  load capacity above gets the request, so a conversation follows its cache until
+  that worker is ``balance_factor`` times busier than the average. A decode worker's
+  pending prefills are its local ones: in disaggregated serving its price is the
+  KV it lacks, which the prefill worker must send.
 """
 
 from __future__ import annotations
@@ -51,11 +64,19 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.common.protocol import WorkerRole
+from pdserve.engine.scheduling.block_manager import ROOT_HASH, chain_hash
+
+from pdserve.router.kv_index import DEVICE_BIT
 
 if TYPE_CHECKING:
+    from pdserve.router.kv_index import KVIndex
     from pdserve.router.registry import WorkerInfo
 
-ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
+# kv_aware: what bringing back a block held only in a lower tier (host memory) costs, as a fraction of
+# recomputing it (a copy of its bytes against a forward over its tokens: a few percent on the CPU, as
+# bench_kv_offload.py measures; PCIe against a GPU's compute is of the same order)
+LOWER_TIER_COST = 0.1
 DEFAULT_BLOCK_SIZE = 16  # when no candidate advertised a block_size
 
 
@@ -166,6 +187,11 @@ class RoutingPolicy:
         ``cache_salt``: what keys the request's prefix cache besides its tokens (a LoRA adapter)."""
         raise NotImplementedError
 
+    def cached_tokens(self, worker: WorkerInfo, prompt_token_ids: Sequence[int], cache_salt: bytes = b"") -> int:
+        """The prompt tokens ``worker`` is known to hold in its prefix cache (0: the policy does not know).
+        The router counts the rest in the worker's ``prefill_pending_tokens``, its queue of work."""
+        return 0
+
 
 class RoundRobinPolicy(RoutingPolicy):
     """The next candidate in registration order, one counter per role (the prompt is not read)."""
@@ -236,6 +262,91 @@ class PrefixAwarePolicy(RoutingPolicy):
         return worker, "prefix_spill" if spilled else "prefix_home"
 
 
+def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int, salt: int,
+                        root: bytes = ROOT_HASH) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks a worker's prefix cache could hit (never the
+    block of the last token, which is always computed): the block manager's own ``chain_hash`` with
+    the worker's ``salt``, from ``root`` (a LoRA adapter's cache root, else ``ROOT_HASH``)."""
+    hashes: list[bytes] = []
+    parent = root
+    for start in range(0, len(prompt_token_ids) - 1 - block_size + 1, block_size):
+        parent = chain_hash(parent, prompt_token_ids[start:start + block_size], salt)
+        hashes.append(parent)
+    return hashes
+
+
+def full_groups(worker: WorkerInfo) -> tuple[int, ...]:
+    """The KV cache groups a prefix hit on ``worker`` needs whole (full attention; group 0 alone when
+    every group slides: a hit there needs its window's blocks, which the router does not check)."""
+    caps = worker.kv_group_caps or [None]
+    return tuple(g for g, cap in enumerate(caps) if cap is None) or (0,)
+
+
+class KVAwarePolicy(RoutingPolicy):
+    """The cheapest prefill, by what each worker really caches (``KVIndex``), under bounded loads.
+
+    Args:
+        index: the router's KV index, fed by the workers' KV events.
+        balance_factor: the bounded loads' ``1 + eps`` (as ``PrefixAwarePolicy``'s), >= 1.
+
+    Decisions: ``kv_hit`` (the chosen worker holds some of the prompt), ``kv_miss`` (none of the
+    prompt is cached where it goes, or it is under one block), ``kv_spill`` (a worker holding more
+    of it was over the bounded-load capacity).
+    """
+
+    name = "kv_aware"
+
+    def __init__(self, index: KVIndex, balance_factor: float = 1.5):
+        if not balance_factor >= 1.0:
+            raise ValueError(f"balance_factor must be >= 1, got {balance_factor}")
+        self.index = index
+        self.balance_factor = balance_factor
+        self._last: tuple | None = None  # (prompt, salt, {worker id: matched tokens}) of the last pick
+
+    def matched_tokens(self, candidates: Sequence[WorkerInfo], prompt_token_ids: Sequence[int],
+                       cache_salt: bytes = b"") -> list[float]:
+        """Per candidate, the prompt tokens it holds (whole blocks from the first), a token held only in a
+        lower tier counting ``1 - LOWER_TIER_COST``."""
+        hashes: dict[tuple[int, int], list[bytes]] = {}
+        matched = []
+        for w in candidates:
+            if w.prefix_cache_salt is None or w.block_size <= 0:
+                matched.append(0)
+                continue
+            key = (w.block_size, w.prefix_cache_salt)
+            if key not in hashes:
+                hashes[key] = prompt_block_hashes(prompt_token_ids, w.block_size, w.prefix_cache_salt,
+                                                  cache_salt or ROOT_HASH)
+            tiers = self.index.prefix_tiers(w.worker_id, hashes[key], full_groups(w))
+            matched.append(w.block_size * sum(1.0 if bits & DEVICE_BIT else 1.0 - LOWER_TIER_COST for bits in tiers))
+        return matched
+
+    def cached_tokens(self, worker, prompt_token_ids, cache_salt=b""):
+        last = self._last
+        if last is not None and last[0] is prompt_token_ids and last[1] == cache_salt and worker.worker_id in last[2]:
+            return int(last[2][worker.worker_id])  # priced by the pick just made
+        return int(self.matched_tokens([worker], prompt_token_ids, cache_salt)[0])
+
+    def pick(self, role, candidates, prompt_token_ids=(), cache_salt=b""):
+        matched = self.matched_tokens(candidates, prompt_token_ids, cache_salt)
+        self._last = (prompt_token_ids, cache_salt, {w.worker_id: m for w, m in zip(candidates, matched)})
+        speeds = [w.prefill_tokens_per_s for w in candidates]
+        timed = all(s is not None for s in speeds)
+        capacity = bounded_load_capacity(sum(w.num_outstanding for w in candidates), len(candidates),
+                                         self.balance_factor)
+
+        def price(i: int) -> tuple:
+            w = candidates[i]
+            tokens = w.prefill_pending_tokens + len(prompt_token_ids) - matched[i]
+            return (w.num_outstanding >= capacity, tokens / speeds[i] if timed else tokens, load_key(w, i))
+
+        best = min(range(len(candidates)), key=price)
+        cheapest = min(range(len(candidates)), key=lambda i: price(i)[1:])
+        if cheapest != best and matched[cheapest] > matched[best]:
+            return candidates[best], "kv_spill"  # the worker holding more of the prompt was too busy
+        return candidates[best], "kv_hit" if matched[best] > 0 else "kv_miss"
+
+
 def pick_bounded(ring: HashRing, key: int, nodes: dict[str, WorkerInfo], load: Callable[[WorkerInfo], int],
                  balance_factor: float) -> tuple[WorkerInfo, bool]:
     """Consistent hashing with bounded loads: the first node clockwise from ``key`` below capacity.
@@ -250,11 +361,13 @@ def pick_bounded(ring: HashRing, key: int, nodes: dict[str, WorkerInfo], load: C
     raise AssertionError("bounded loads: no node below capacity")  # capacity > average: unreachable
 
 
-def make_policy(name: str, prefix_blocks: int = 4, balance_factor: float = 1.5) -> RoutingPolicy:
-    """The policy ``--routing-policy`` names.
+def make_policy(name: str, prefix_blocks: int = 4, balance_factor: float = 1.5,
+                kv_index: KVIndex | None = None) -> RoutingPolicy:
+    """The policy ``--routing-policy`` names (``kv_aware`` reads ``kv_index``).
 
     Raises:
-        ValueError: an unknown name (one of ``ROUTING_POLICIES`` is needed), or bad prefix_aware settings.
+        ValueError: an unknown name (one of ``ROUTING_POLICIES`` is needed), bad prefix_aware settings,
+            or kv_aware without an index.
     """
     if name == "round_robin":
         return RoundRobinPolicy()
@@ -262,6 +375,10 @@ def make_policy(name: str, prefix_blocks: int = 4, balance_factor: float = 1.5) 
         return LeastLoadedPolicy()
     if name == "prefix_aware":
         return PrefixAwarePolicy(prefix_blocks, balance_factor)
+    if name == "kv_aware":
+        if kv_index is None:
+            raise ValueError("the kv_aware routing policy needs the router's KV index")
+        return KVAwarePolicy(kv_index, balance_factor)
     raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}, got {name!r}")
 
 

@@ -105,6 +105,31 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
 
 
+def allocate_offload_cache(kv_cache: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """The offload tier's bytes (``pdserve.engine.scheduling.kv_offload``): ``kv_cache``'s layout with
+    ``num_slots`` blocks, in host memory (pinned where the cache is on a GPU, so copies overlap compute)."""
+    shape = (*kv_cache.shape[:2], num_slots, *kv_cache.shape[3:])
+    if kv_cache.device.type != "cpu":
+        return torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=True)
+    tier = torch.empty(shape, dtype=kv_cache.dtype)
+    advise_huge_pages(tier)
+    return tier.zero_()
+
+
+def copy_tier_blocks(kv_cache: torch.Tensor, tier: torch.Tensor, offloads: list[tuple[int, int]],
+                     onloads: list[tuple[int, int]]) -> None:
+    """The offload tier's copies of one step, in order: ``offloads`` (block, slot) from the KV cache to
+    the tier, then ``onloads`` (slot, block) back (a block reused by an onload is offloaded first)."""
+    if offloads:
+        blocks = torch.tensor([b for b, _ in offloads], dtype=torch.int64, device=kv_cache.device)
+        slots = torch.tensor([s for _, s in offloads], dtype=torch.int64)
+        tier.index_copy_(2, slots, kv_cache.index_select(2, blocks).to("cpu"))
+    if onloads:
+        slots = torch.tensor([s for s, _ in onloads], dtype=torch.int64)
+        blocks = torch.tensor([b for _, b in onloads], dtype=torch.int64, device=kv_cache.device)
+        kv_cache.index_copy_(2, blocks, tier.index_select(2, slots).to(kv_cache.device, non_blocking=True))
+
+
 def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:
     """Copy whole blocks (all layers, every slot): ``kv_cache[:, :, dst] = kv_cache[:, :, src]``.
 

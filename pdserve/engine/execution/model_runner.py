@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import zlib
 
 import msgspec
@@ -27,7 +28,8 @@ from pdserve.engine.execution import measured_choices
 from pdserve.engine.execution.compiled_step import CompiledDecodeStep
 from pdserve.engine.execution.model_input import ModelInput
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.execution.kv_cache import allocate_kv_cache, copy_blocks, kv_cache_block_bytes, num_blocks_for_budget
+from pdserve.engine.execution.kv_cache import (allocate_kv_cache, allocate_offload_cache, copy_blocks, copy_tier_blocks,
+                                               kv_cache_block_bytes, num_blocks_for_budget)
 from pdserve.common.kv_cache_groups import kv_cache_groups_for
 from pdserve.engine.layers.kernel_choice import KernelChoice, choose_kernels
 from pdserve.engine.layers.weight_format import PACKED_LAYOUTS, pack_model
@@ -202,6 +204,33 @@ class ModelRunner:
                     + ("K and V" if self.kv_slots == 2 else "one latent row")
                     + ("" if self.kv_groups.is_single else f"; a block holds {num_cache_layers} layers of one of "
                        f"{self.kv_groups.num_groups} groups"))
+        self._allocate_offload_tier(block_bytes)
+
+    def _allocate_offload_tier(self, block_bytes: int) -> None:
+        """The host-memory tier evicted prefix blocks go to (``--kv-offload-memory``), if asked and usable."""
+        config, plan = self.config, self.plan
+        self.num_offload_blocks = config.kv_offload_memory // block_bytes
+        self.tier_copy_seconds = 0.0  # wall time of this rank's offload tier copies
+        if self.ranks is not None:  # slot ids are the driver's: every rank must have every slot
+            self.num_offload_blocks = self.ranks.min_over_ranks(self.num_offload_blocks)
+        self.offload_cache = None
+        if not config.kv_offload_memory:
+            return
+        why = ""
+        if not config.enable_prefix_caching or self.rope_needs_lengths:
+            why = "prefix caching is off"
+        elif not self.kv_groups.is_single or any(w is not None for w in self.kv_groups.windows):
+            why = "the model's layers slide over windows (a tier is kept for full attention only)"
+        elif self.num_offload_blocks < 1:
+            why = f"{config.kv_offload_memory} bytes hold no block of {block_bytes}"
+        if why:
+            self.num_offload_blocks = 0
+            plan.decide("kv_offload", "none", f"--kv-offload-memory {config.kv_offload_memory}, but {why}")
+            return
+        self.offload_cache = allocate_offload_cache(self.kv_cache, self.num_offload_blocks)
+        plan.decide("kv_offload", f"host memory: {self.num_offload_blocks} blocks, "
+                    f"{self.num_offload_blocks * block_bytes / 2**20:.1f} MiB",
+                    f"--kv-offload-memory {config.kv_offload_memory}")
 
     def _choose_step(self) -> None:
         """Choose the attention backend, attach LoRA, build the decode-linear kernel, build (or start) the
@@ -270,12 +299,14 @@ class ModelRunner:
         return self._compiled_decode is not None
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
-                       block_copies: list[tuple[int, int]] = ()) -> tuple[ExecuteModel, list[Request]]:
+                       block_copies: list[tuple[int, int]] = (),
+                       tier_copies: tuple[list, list] = ((), ())) -> tuple[ExecuteModel, list[Request]]:
         """The flattened step for ``(request, num_new_tokens)`` pairs, and the requests it samples
         (in ``sample_indices`` order; a request with ``k`` drafts owns ``k + 1`` rows)."""
         spans = [(r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
         step = flatten_step(spans, self.block_size, self.rope_needs_lengths, self.kv_groups.num_groups)
         step.block_copies = list(block_copies)
+        step.kv_offloads, step.kv_onloads = list(tier_copies[0]), list(tier_copies[1])
         if self.lora is not None:
             step.lora_loads, step.lora_slots = self.lora.plan([r.lora for r, _ in scheduled])
         sample_requests: list[Request] = []
@@ -310,7 +341,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], on_layer_done=None,
-                block_copies: list[tuple[int, int]] = (), kv_ops: KVStepOps | None = None) -> ModelRunnerOutput:
+                block_copies: list[tuple[int, int]] = (), kv_ops: KVStepOps | None = None,
+                tier_copies: tuple[list, list] = ((), ())) -> ModelRunnerOutput:
         """Run one forward over ``scheduled`` (on every rank of the worker) and sample (driver).
 
         Args:
@@ -318,14 +350,16 @@ class ModelRunner:
             on_layer_done: called with this rank's layer index once that layer's K/V are in the cache.
             block_copies: (src, dst) block pairs to copy first (the scheduler's copy-on-write).
             kv_ops: KV transfer work for every rank's agent (``pdserve.kvtransfer.agent``), done first.
+            tier_copies: the offload tier's (offloads, onloads) (``BlockManager.take_tier_copies``), done
+                before anything else.
 
         Returns:
             the sampled token (and, where asked, its logprobs) of every request whose
             last known token was computed this step.
         """
-        if not scheduled and not block_copies and kv_ops is None:
+        if not scheduled and not block_copies and kv_ops is None and not any(tier_copies):
             return ModelRunnerOutput()
-        step, sample_requests = self.prepare_inputs(scheduled, block_copies)
+        step, sample_requests = self.prepare_inputs(scheduled, block_copies, tier_copies)
         num_sampled = len(step.sample_indices)  # one row per request, k + 1 with k drafts
         prompt_spans = add_prompt_logprob_rows(step, scheduled)  # their rows follow the sampled ones
         step.kv = kv_ops
@@ -349,6 +383,10 @@ class ModelRunner:
         """
         if step.attach is not None:
             self.attach_kv_agent(step.attach)
+        if step.kv_offloads or step.kv_onloads:  # first: offloads read blocks this step may overwrite
+            start = time.perf_counter()
+            copy_tier_blocks(self.kv_cache, self.offload_cache, step.kv_offloads, step.kv_onloads)
+            self.tier_copy_seconds += time.perf_counter() - start
         agent = self.kv_agent
         if step.kv is not None and agent is not None:
             agent.apply(step.kv, [step.block_tables, *step.group_block_tables])

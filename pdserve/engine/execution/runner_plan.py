@@ -23,7 +23,7 @@ from pdserve.engine.layers.weight_format import choose_linear_weight_format
 
 # The plan's fields in the order they are decided and printed.
 DECISIONS = ("device", "dtype", "kv_cache_dtype", "cpu_cores", "quantization", "layers", "native_kernels",
-             "linear_weight_format", "kv_cache", "attention_backend", "decode_step")
+             "linear_weight_format", "kv_cache", "kv_offload", "attention_backend", "decode_step")
 
 
 @dataclass

@@ -19,6 +19,16 @@ be hit. Allocation takes from the head, the least recently freed block,
 evicting its hash if it has one. A request frees its blocks last-to-first, so
 the tail of a prompt, the part least likely to be shared, is evicted before
 its head.
+
+An offload tier (``pdserve.engine.scheduling.kv_offload``, ``--kv-offload-memory``): a cached block
+about to be evicted is first queued to be copied into the tier (``take_tier_copies``), and
+``find_offloaded`` continues a prefix hit there; ``adopt_offloaded`` gives such blocks KV cache
+blocks again and queues their copies back.
+
+KV events (vLLM's ``BlockStored`` / ``BlockRemoved``): once ``enable_kv_events`` is called, every
+block that enters or leaves the prefix cache or the offload tier is recorded, in order, until
+``take_kv_events`` hands them over (the worker publishes them to the routers after each step:
+``pdserve.cluster.kv_events``).
 """
 
 from __future__ import annotations
@@ -28,7 +38,14 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from pdserve.engine.scheduling.kv_offload import OffloadTier
+
 ROOT_HASH = b""  # the "previous block" of a sequence's first block
+
+
+def split_key(key: bytes) -> tuple[bytes, int]:
+    """(block hash, KV cache group) of a prefix cache key made by ``_key``."""
+    return (key, 0) if len(key) <= 32 else (key[:32], int.from_bytes(key[32:], "little"))
 
 
 def _key(block_hash: bytes, group: int) -> bytes:
@@ -60,12 +77,14 @@ class BlockManager:
         block_size: token slots per block.
         enable_prefix_caching: keep full blocks findable by hash after they are freed.
         salt: mixed into every block hash (identify the model, so two models never share KV).
+        offload: the tier evicted cached blocks are copied to (None: they are lost); needs prefix caching.
 
     Raises:
         ValueError: non-positive sizes.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: int = 0,
+                 offload: OffloadTier | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks = num_blocks
@@ -77,6 +96,13 @@ class BlockManager:
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # block hash -> block id
+        # Recorded KV events (None: not recorded): ("stored", key, parent_hash, token_ids, medium) /
+        # ("removed", key, medium)
+        self._kv_events: list[tuple] | None = None
+        self.offload = offload if enable_prefix_caching else None
+        self._offloads: list[tuple[int, int]] = []  # (block, slot) copies queued for the next step
+        self._onloads: list[tuple[int, int]] = []  # (slot, block)
+        self.num_offloaded = self.num_onloaded = 0  # blocks copied out to / back from the tier, ever
 
     # ---- sizes ----------------------------------------------------------------
 
@@ -116,6 +142,8 @@ class BlockManager:
         block_ids = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
+            if self.offload is not None and self._block_hash[block_id] is not None:
+                self._offload(block_id)
             self._evict(block_id)
             self._ref_counts[block_id] = 1
             block_ids.append(block_id)
@@ -203,16 +231,20 @@ class BlockManager:
         entry (this one is simply not findable).
         """
         block_hash = chain_hash(parent_hash, token_ids, self.salt)
-        self.cache_hashed_block(block_id, block_hash, token_ids, group)
+        self.cache_hashed_block(block_id, block_hash, token_ids, group, parent_hash)
         return block_hash
 
-    def cache_hashed_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int], group: int = 0) -> None:
-        """``cache_block`` with the hash already computed (one hash names a block of every group)."""
+    def cache_hashed_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int], group: int = 0,
+                           parent_hash: bytes | None = None) -> None:
+        """``cache_block`` with the hash already computed (one hash names a block of every group);
+        ``parent_hash`` only goes into the KV event."""
         key = _key(block_hash, group)
         if self.enable_prefix_caching and key not in self._cached and self._block_hash[block_id] is None:
             self._cached[key] = block_id
             self._block_hash[block_id] = key
             self._block_tokens[block_id] = tuple(token_ids)
+            if self._kv_events is not None:
+                self._kv_events.append(("stored", key, parent_hash, self._block_tokens[block_id], "device"))
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._block_hash[block_id]
@@ -220,8 +252,107 @@ class BlockManager:
             del self._cached[block_hash]
             self._block_hash[block_id] = None
             self._block_tokens[block_id] = None
+            if self._kv_events is not None:
+                self._kv_events.append(("removed", block_hash, "device"))
+
+    # ---- KV events -----------------------------------------------------------------
+
+    def enable_kv_events(self) -> None:
+        """Start recording KV events (a no-op without prefix caching: nothing is ever cached)."""
+        if self.enable_prefix_caching and self._kv_events is None:
+            self._kv_events = []
+
+    def take_kv_events(self) -> list[tuple]:
+        """The events recorded since the last call, oldest first; each ``("stored", key, parent_hash,
+        token_ids, medium)`` or ``("removed", key, medium)``, ``key`` as ``split_key`` reads it."""
+        events = self._kv_events or []
+        if self._kv_events:
+            self._kv_events = []
+        return events
+
+    def cached_blocks(self) -> list[tuple[bytes, tuple[int, ...], str]]:
+        """(key, token_ids, medium) of every block in the prefix cache and the offload tier, in no
+        particular order (a KV events snapshot)."""
+        blocks = [(key, self._block_tokens[block_id], "device") for key, block_id in self._cached.items()]
+        if self.offload is not None:
+            blocks += [(key, tokens, self.offload.medium) for key, tokens in self.offload.blocks()]
+        return blocks
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no request holds."""
+        """Forget every cached block that no request holds, and the offload tier's."""
         for block_id in list(self._free):
             self._evict(block_id)
+        if self.offload is not None:
+            for key in self.offload.clear():
+                self._record("removed", key, self.offload.medium)
+            self._onloads.clear()
+            self._offloads.clear()
+
+    # ---- offload tier ------------------------------------------------------------------
+
+    def _record(self, kind: str, key: bytes, medium: str, parent: bytes | None = None,
+                tokens: tuple[int, ...] = ()) -> None:
+        if self._kv_events is not None:
+            self._kv_events.append((kind, key, parent, tokens, medium) if kind == "stored" else (kind, key, medium))
+
+    def _offload(self, block_id: int) -> None:
+        """Queue the copy of cached block ``block_id`` into the offload tier (it is being reused)."""
+        key, tokens = self._block_hash[block_id], self._block_tokens[block_id]
+        placed = self.offload.put(key, tokens)
+        if placed is None:  # already there (touched), or every slot is pinned
+            return
+        slot, evicted = placed
+        if evicted is not None:
+            self._record("removed", evicted, self.offload.medium)
+        self._offloads.append((block_id, slot))
+        self.num_offloaded += 1
+        self._record("stored", key, self.offload.medium, None, tokens)
+
+    def find_offloaded(self, token_ids: Sequence[int], first_block: int, parent_hash: bytes,
+                       max_tokens: int) -> tuple[list[int], list[bytes]]:
+        """The offload tier's continuation of a prefix hit: the slots and hashes of the full blocks of
+        ``token_ids[:max_tokens]`` from logical block ``first_block`` on (the first one chained from
+        ``parent_hash``) that the tier holds without a break. Group 0 only."""
+        slots: list[int] = []
+        hashes: list[bytes] = []
+        if self.offload is None or not len(self.offload):
+            return slots, hashes
+        bs = self.block_size
+        parent = parent_hash
+        for start in range(first_block * bs, max_tokens - bs + 1, bs):
+            block_tokens = tuple(token_ids[start:start + bs])
+            block_hash = chain_hash(parent, block_tokens, self.salt)
+            slot = self.offload.lookup(block_hash, block_tokens)
+            if slot is None:
+                break
+            slots.append(slot)
+            hashes.append(block_hash)
+            parent = block_hash
+        return slots, hashes
+
+    def adopt_offloaded(self, slots: Sequence[int], block_ids: Sequence[int], block_hashes: Sequence[bytes],
+                        parent_hash: bytes) -> None:
+        """Blocks ``block_ids`` (just allocated) take the KV of tier slots ``slots``: queue the copies back
+        and cache the blocks under ``block_hashes`` (chained from ``parent_hash``). The slots stay
+        pinned until ``take_tier_copies``."""
+        parent = parent_hash
+        for slot, block_id, block_hash in zip(slots, block_ids, block_hashes):
+            self._onloads.append((slot, block_id))
+            self.num_onloaded += 1
+            self.cache_hashed_block(block_id, block_hash, self.offload.tokens(slot), 0, parent)
+            parent = block_hash
+
+    def pin_offloaded(self, slots: Sequence[int]) -> None:
+        """Keep ``slots`` from being overwritten by this step's offloads (their copies back are queued)."""
+        for slot in slots:
+            self.offload.pin(slot)
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The copies queued since the last call: (offloads as (block, slot), onloads as (slot, block)).
+        Run them offloads first, before anything writes the KV cache. Unpins every slot."""
+        copies = self._offloads, self._onloads
+        if self._offloads or self._onloads:
+            self._offloads, self._onloads = [], []
+        if self.offload is not None:
+            self.offload.unpin_all()
+        return copies

@@ -33,6 +33,7 @@ window of the first uncached token.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -55,6 +56,9 @@ class PrefixHit:
     group_block_ids: list[list[int]]
     block_hashes: list[bytes]
     num_blocks: int
+    # The offload tier's slots of the hit's last blocks (one KV cache group only): the blocks after
+    # group_block_ids[0], which get KV cache blocks and copies back at allocate_slots
+    offload_slots: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def block_ids(self) -> list[int]:
@@ -141,9 +145,13 @@ class KVCacheManager:
         if request.sampling_params.prompt_logprobs is not None:
             return PrefixHit([[] for _ in self.windows], [], 0)
         if self.num_groups == 1:
-            blocks, hashes = self.block_manager.find_cached_prefix(request.all_token_ids, request.num_tokens - 1,
-                                                                   request.cache_root)
-            return PrefixHit([blocks], hashes, len(blocks))
+            bm = self.block_manager
+            blocks, hashes = bm.find_cached_prefix(request.all_token_ids, request.num_tokens - 1, request.cache_root)
+            if self.windows[0] is not None:  # a window frees what it leaves: no tier behind it
+                return PrefixHit([blocks], hashes, len(blocks))
+            slots, more = bm.find_offloaded(request.all_token_ids, len(blocks),
+                                            hashes[-1] if hashes else request.cache_root, request.num_tokens - 1)
+            return PrefixHit([blocks], hashes + more, len(blocks) + len(slots), slots)
         return self._find_group_prefix(request)
 
     def _find_group_prefix(self, request: Request) -> PrefixHit:
@@ -218,6 +226,7 @@ class KVCacheManager:
         if not bm.can_allocate(needed):
             return False
         if hit:
+            bm.pin_offloaded(hit.offload_slots)  # before this allocation's own offloads can take a slot
             for ids in hit.group_block_ids:
                 bm.share([b for b in ids if b != NULL_BLOCK])
             request.block_hashes = list(hit.block_hashes)
@@ -233,6 +242,11 @@ class KVCacheManager:
                 table.extend(bm.allocate(num_new - num_dead))
             tables.append(table)
         request.block_tables = tables
+        if hit and hit.offload_slots:  # the blocks after the KV cache's hits take the tier's copies
+            first = len(hit.group_block_ids[0])
+            parent = hit.block_hashes[first - 1] if first else request.cache_root
+            bm.adopt_offloaded(hit.offload_slots, tables[0][first:hit.num_blocks],
+                               hit.block_hashes[first:hit.num_blocks], parent)
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
@@ -254,7 +268,7 @@ class KVCacheManager:
             request.block_hashes.append(block_hash)
             for g, table in enumerate(tables):
                 if table[i] != NULL_BLOCK:  # out of the window, never filled here: cached nowhere
-                    bm.cache_hashed_block(table[i], block_hash, block_tokens, g)
+                    bm.cache_hashed_block(table[i], block_hash, block_tokens, g, parent)
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
         """Let ``child`` share the parent's blocks that hold its first ``num_tokens`` tokens (every group)."""

@@ -1,0 +1,101 @@
+"""A KV cache tier below the worker's own KV cache: host memory (``--kv-offload-memory``). No torch.
+
+When the block manager hands out a free block that still holds a cached prefix block, that block's
+KV would be lost. With an offload tier it is copied out first (an *offload*), and a later request
+whose prefix runs on past the blocks still in the KV cache finds the rest here and has it copied
+back (an *onload*) into freshly allocated blocks instead of recomputing it: vLLM's CPU offloading
+connector, SGLang's HiCache host tier and LMCache's local CPU backend work the same way.
+
+This module is the tier's index: which block key (the prefix cache's chained hash, as in
+``pdserve.engine.scheduling.block_manager``) is in which of ``capacity`` slots, least recently used
+first, with the tokens it holds (a hit is checked against them, as a KV cache hit is). The bytes
+live in the model runner (``pdserve.engine.execution.kv_cache.allocate_offload_cache``: the KV cache's
+layout with ``capacity`` blocks), which does the copies the block manager queues, offloads before
+onloads, before the step's forward.
+
+A slot that a queued onload reads is *pinned* until the step's copies are taken
+(``BlockManager.take_tier_copies``): an offload in the same step never overwrites it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class OffloadTier:
+    """LRU index of KV blocks kept in ``capacity`` slots outside the KV cache.
+
+    Args:
+        capacity: slots (blocks) in the tier, >= 1.
+        medium: the tier's name in KV events (``pdserve.common.protocol.KV_MEDIA``).
+
+    Raises:
+        ValueError: a capacity below 1.
+    """
+
+    def __init__(self, capacity: int, medium: str = "host"):
+        if capacity < 1:
+            raise ValueError(f"an offload tier needs at least one slot, got {capacity}")
+        self.capacity = capacity
+        self.medium = medium
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
+        self._tokens: dict[int, tuple[int, ...]] = {}  # slot -> the tokens of the block it holds
+        self._free = list(range(capacity - 1, -1, -1))
+        self._pinned: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._slots
+
+    def lookup(self, key: bytes, token_ids: tuple[int, ...]) -> int | None:
+        """The slot holding block ``key`` with ``token_ids`` (now the most recently used), or None."""
+        slot = self._slots.get(key)
+        if slot is None or self._tokens[slot] != token_ids:
+            return None
+        self._slots.move_to_end(key)
+        return slot
+
+    def tokens(self, slot: int) -> tuple[int, ...]:
+        return self._tokens[slot]
+
+    def blocks(self) -> list[tuple[bytes, tuple[int, ...]]]:
+        """(key, token_ids) of every block held, least recently used first."""
+        return [(key, self._tokens[slot]) for key, slot in self._slots.items()]
+
+    def put(self, key: bytes, token_ids: tuple[int, ...]) -> tuple[int, bytes | None] | None:
+        """Give block ``key`` a slot, evicting the least recently used unpinned block if the tier is full.
+
+        Returns (slot, the evicted key or None); None when ``key`` is already here (it is touched)
+        or every slot is pinned."""
+        if key in self._slots:
+            self._slots.move_to_end(key)
+            return None
+        evicted = None
+        if self._free:
+            slot = self._free.pop()
+        else:
+            victim = next((k for k, s in self._slots.items() if s not in self._pinned), None)
+            if victim is None:
+                return None
+            slot = self._slots.pop(victim)
+            evicted = victim
+        self._slots[key] = slot
+        self._tokens[slot] = tuple(token_ids)
+        return slot, evicted
+
+    def pin(self, slot: int) -> None:
+        self._pinned.add(slot)
+
+    def unpin_all(self) -> None:
+        self._pinned.clear()
+
+    def clear(self) -> list[bytes]:
+        """Forget every block (unpinned or not); returns their keys."""
+        keys = list(self._slots)
+        self._slots.clear()
+        self._tokens.clear()
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._pinned.clear()
+        return keys
