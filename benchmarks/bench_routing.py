@@ -18,6 +18,19 @@ prefix is sent decides whether it is still cached.
     python benchmarks/bench_routing.py                        # the figures in docs/benchmarks.md
     python benchmarks/bench_routing.py --policies prefix_aware --num-groups 4   # quick
 
+``--workload multi-turn`` (issue 39): ``--num-conversations`` chats of ``--turns`` turns behind one
+shared ``--system-len``-token system prompt; each turn's prompt is the whole conversation so far (the
+earlier prompts, a stand-in for each reply of ``--reply-len`` tokens, and a new user message of
+``--min-suffix``..``--max-suffix`` tokens). Rounds, each in its own seeded order: every conversation's
+turn 1, then every turn 2, ..., each half of a round's order a shuffle of the same half of the round
+before, so a conversation comes back more than half a round (``--num-conversations`` / 2 requests,
+keep ``--max-concurrency`` at most that) after its previous turn, and the hot context (every conversation's
+latest prompt) is sized to exceed one worker's KV cache. The ceiling is the hit rate of a cache that
+never evicts: each turn can reuse the full blocks of the turn before it (the model's real reply is
+not the stand-in, so its blocks never match).
+
+    python benchmarks/bench_routing.py --workload multi-turn --num-decode 2 --num-kv-blocks 512
+
 Default model: the built-in ``tiny`` preset (random weights), workers eager
 (``--enforce-eager``: no compile at start-up), one torch thread each.
 """
@@ -54,6 +67,41 @@ def grouped_workload(num_groups: int, per_group: int, prefix_len: int, min_suffi
     return requests
 
 
+
+def multi_turn_workload(num_conversations: int, turns: int, system_len: int, reply_len: int, min_user: int,
+                        max_user: int, output_len: int, vocab_size: int, seed: int,
+                        block_size: int = 16) -> tuple[list[BenchRequest], float]:
+    """Conversations in rounds (every conversation's turn 1, then every turn 2, ...), and the ceiling
+    hit rate (prompt tokens in full blocks of each conversation's previous turn / all prompt tokens)."""
+    rng = random.Random(seed)
+    low = min(10, vocab_size - 1)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(low, vocab_size) for _ in range(n)]
+
+    system = tokens(system_len)
+    history = [list(system) for _ in range(num_conversations)]
+    requests, reusable, total = [], 0, 0
+    order = list(range(num_conversations))
+    half = num_conversations // 2
+    for turn in range(turns):
+        # each round in its own order (a fixed one would let round robin stay sticky), each half of the last
+        # round's order shuffled in place: a conversation's next turn comes more than half a round later
+        first, second = order[:half], order[half:]
+        rng.shuffle(first)
+        rng.shuffle(second)
+        order = first + second
+        for c in order:
+            prev = len(history[c]) if turn else 0
+            if turn:
+                history[c] += tokens(reply_len)
+            history[c] += tokens(rng.randint(min_user, max_user))
+            requests.append(BenchRequest(prompt=list(history[c]), output_len=output_len))
+            reusable += (prev // block_size) * block_size if turn else (system_len // block_size) * block_size * (c != order[0])
+            total += len(history[c])
+    return requests, reusable / total
+
+
 def metric_totals(url: str) -> dict[str, float]:
     """Each Prometheus sample of ``/metrics`` summed over its label sets (by sample name)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -75,10 +123,11 @@ def worker_cpu_s(procs: list[psutil.Process]) -> float:
 
 
 def run_policy(policy: str, balance_factor: float | None, args, model_dir: str, block_bytes: int,
-               workload: list[BenchRequest]) -> dict:
+               workload: list[BenchRequest], offload_blocks: int = 0) -> dict:
     spec = ClusterSpec(model=model_dir, num_prefill=0, num_decode=args.num_decode, port=free_port(),
                        threads_per_worker=1,
                        worker_args=["--kv-cache-memory", str(args.num_kv_blocks * block_bytes),
+                                    "--kv-offload-memory", str(offload_blocks * block_bytes),
                                     "--max-num-seqs", str(args.max_concurrency), "--enforce-eager"],
                        router_args=["--routing-policy", policy, "--routing-prefix-blocks",
                                     str(args.routing_prefix_blocks),
@@ -89,7 +138,7 @@ def run_policy(policy: str, balance_factor: float | None, args, model_dir: str, 
         before = metric_totals(cluster.url)
         cpu_before = worker_cpu_s(workers)
         res = run_benchmark_sync(ServeConfig(url=cluster.url, model=name, max_concurrency=args.max_concurrency,
-                                             disable_tqdm=True), workload)
+                                             percentiles=[50, 90, 99], disable_tqdm=True), workload)
         cpu_s = worker_cpu_s(workers) - cpu_before
         time.sleep(2.5)  # a heartbeat or two, so the workers' counters are current
         after = metric_totals(cluster.url)
@@ -99,10 +148,12 @@ def run_policy(policy: str, balance_factor: float | None, args, model_dir: str, 
     hits, queries = delta.get("vllm:prefix_cache_hits_total", 0.0), delta.get("vllm:prefix_cache_queries_total", 0.0)
     decisions = {k.split(":", 3)[-1]: int(v) for k, v in delta.items()
                  if k.startswith("pdserve:routing_decisions_total:decode:") and v}
-    return {"policy": policy, "balance_factor": balance_factor, "hit_rate": hits / max(queries, 1.0),
+    return {"policy": policy, "balance_factor": balance_factor, "offload_blocks": offload_blocks,
+            "hit_rate": hits / max(queries, 1.0), "onload_blocks": delta.get("pdserve:kv_onload_blocks_total", 0.0),
             "hits": hits, "queries": queries,
             "output_throughput": m["output_throughput"], "request_throughput": m["request_throughput"],
-            "p50_ttft_ms": m["p50_ttft_ms"], "p90_ttft_ms": m["p90_ttft_ms"], "duration_s": m["duration"],
+            "p50_ttft_ms": m["p50_ttft_ms"], "p90_ttft_ms": m["p90_ttft_ms"], "p99_ttft_ms": m.get("p99_ttft_ms"),
+            "duration_s": m["duration"],
             "failed": m["failed"], "preemptions": delta.get("vllm:num_preemptions_total", 0.0),
             "routed_per_worker": routed, "decisions": decisions, "worker_cpu_s": cpu_s}
 
@@ -110,6 +161,11 @@ def run_policy(policy: str, balance_factor: float | None, args, model_dir: str, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny preset)")
+    ap.add_argument("--workload", choices=("shared-prefix", "multi-turn"), default="shared-prefix")
+    ap.add_argument("--num-conversations", type=int, default=32, help="multi-turn: conversations")
+    ap.add_argument("--turns", type=int, default=8, help="multi-turn: turns per conversation")
+    ap.add_argument("--system-len", type=int, default=64, help="multi-turn: the shared system prompt's tokens")
+    ap.add_argument("--reply-len", type=int, default=16, help="multi-turn: a reply's stand-in tokens per turn")
     ap.add_argument("--policies", nargs="+", default=list(ROUTING_POLICIES), choices=ROUTING_POLICIES)
     ap.add_argument("--num-decode", type=int, default=4)
     ap.add_argument("--num-groups", type=int, default=16)
@@ -121,6 +177,9 @@ def main() -> int:
     ap.add_argument("--max-concurrency", type=int, default=16)
     ap.add_argument("--num-kv-blocks", type=int, default=256, help="KV cache blocks per decode worker")
     ap.add_argument("--routing-prefix-blocks", type=int, default=4)
+    ap.add_argument("--kv-offload-blocks", type=int, nargs="+", default=[0],
+                    help="host-memory offload tier per worker, in blocks (--kv-offload-memory); several: one run "
+                         "of each policy per value")
     ap.add_argument("--routing-balance-factor", type=float, nargs="+", default=[1.5],
                     help="prefix_aware's bounded-load factor; several: one prefix_aware run per value")
     ap.add_argument("--seed", type=int, default=0)
@@ -132,21 +191,32 @@ def main() -> int:
         cfg = json.load(f)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     block_bytes = cfg["num_hidden_layers"] * 2 * 16 * cfg["num_key_value_heads"] * head_dim * 4  # float32, block_size 16
-    workload = grouped_workload(args.num_groups, args.requests_per_group, args.prefix_len, args.min_suffix,
-                                args.max_suffix, args.output_len, cfg["vocab_size"], args.seed)
+    if args.workload == "multi-turn":
+        workload, ceiling = multi_turn_workload(args.num_conversations, args.turns, args.system_len, args.reply_len,
+                                                args.min_suffix, args.max_suffix, args.output_len, cfg["vocab_size"],
+                                                args.seed)
+        hot = sum(len(r.prompt) for r in workload[-args.num_conversations:]) // 16
+        what = (f"{args.num_conversations} conversations x {args.turns} turns behind a {args.system_len}-token system "
+                f"prompt, user {args.min_suffix}-{args.max_suffix} + reply {args.reply_len} tokens a turn; hot context "
+                f"{hot} blocks; ceiling hit rate {ceiling:.1%}")
+    else:
+        workload = grouped_workload(args.num_groups, args.requests_per_group, args.prefix_len, args.min_suffix,
+                                    args.max_suffix, args.output_len, cfg["vocab_size"], args.seed)
+        what = (f"{args.num_groups} prefixes of {args.prefix_len} tokens x {args.requests_per_group}, suffix "
+                f"{args.min_suffix}-{args.max_suffix}")
     print(f"model {model_dir}; {args.num_decode} decode workers (colocated), {args.num_kv_blocks} KV blocks each; "
-          f"{len(workload)} requests: {args.num_groups} prefixes of {args.prefix_len} tokens x "
-          f"{args.requests_per_group}, suffix {args.min_suffix}-{args.max_suffix}, output {args.output_len}, "
-          f"concurrency {args.max_concurrency}", flush=True)
+          f"{len(workload)} requests: {what}, output {args.output_len}, concurrency {args.max_concurrency}", flush=True)
     results = []
-    runs = [(p, f) for p in args.policies for f in (args.routing_balance_factor if p == "prefix_aware" else [None])]
-    for policy, factor in runs:
-        r = run_policy(policy, factor, args, model_dir, block_bytes, workload)
+    runs = [(p, f, t) for t in args.kv_offload_blocks for p in args.policies
+            for f in (args.routing_balance_factor if p == "prefix_aware" else [None])]
+    for policy, factor, offload_blocks in runs:
+        r = run_policy(policy, factor, args, model_dir, block_bytes, workload, offload_blocks)
         results.append(r)
-        label = f"{policy} c={factor:g}" if factor else policy
-        print(f"{label:18s} prefix-cache hits {r['hit_rate']:6.1%} ({r['hits']:.0f}/{r['queries']:.0f} tokens)  "
+        label = (f"{policy} c={factor:g}" if factor else policy) + (f" +host {offload_blocks}" if offload_blocks else "")
+        print(f"{label:18s} prefix-cache hits {r['hit_rate']:6.1%} ({r['hits']:.0f}/{r['queries']:.0f} tokens, "
+              f"{r['onload_blocks']:.0f} blocks from host)  "
               f"output {r['output_throughput']:7.1f} tok/s  {r['request_throughput']:5.2f} req/s  "
-              f"TTFT p50 {r['p50_ttft_ms']:7.1f} ms  worker CPU {r['worker_cpu_s']:5.1f} s  failed {r['failed']}  "
+              f"TTFT p50 {r['p50_ttft_ms']:7.1f} ms p99 {r['p99_ttft_ms']:7.1f} ms  worker CPU {r['worker_cpu_s']:5.1f} s  failed {r['failed']}  "
               f"preemptions {r['preemptions']:.0f}  "
               f"routed per worker {r['routed_per_worker']}  decisions {r['decisions']}", flush=True)
     if args.json:
