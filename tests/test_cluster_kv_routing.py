@@ -1,8 +1,9 @@
-"""KV-aware routing in a real cluster (issue 39): router + 2 decode workers as processes.
+"""KV-aware routing in a real cluster (issue 39): 2 routers + 2 decode workers as processes.
 
-The workers publish KV events; the router's index must show what each one caches, a conversation's
-next turn must go where its earlier turns are cached and hit that cache, and a router killed and
-restarted must rebuild its index from the workers (replay or snapshot) before any new request.
+The workers publish KV events to both routers; each router's index must show what each worker
+caches, a conversation's next turn must go where its earlier turns are cached and hit that cache,
+and a router killed and restarted must rebuild its index from the workers (replay or snapshot)
+before any new request. Requests go to router-0's own port; router-1 only watches.
 """
 
 from __future__ import annotations
@@ -29,17 +30,18 @@ BLOCK_SIZE = 16  # the workers' default
 def cluster(model_dir, tmp_path_factory):
     spec = ClusterSpec(model=model_dir, num_prefill=0, num_decode=2, port=free_port(), threads_per_worker=1,
                        worker_args=["--kv-cache-memory", "16MiB", "--enforce-eager"],
-                       router_args=["--routing-policy", "kv_aware"])
+                       router_args=["--routing-policy", "kv_aware"], num_routers=2)
     with LocalCluster(spec, log_dir=str(tmp_path_factory.mktemp("logs"))) as c:  # supervised: restarts the router
         yield c
 
 
-def workers(cluster) -> dict[str, dict]:
-    return {w["id"]: w for w in httpx.get(f"{cluster.url}/workers", timeout=10).json() if w["role"] == "decode"}
+def workers(cluster, router: int = 0) -> dict[str, dict]:
+    url = cluster.router_urls()[router]
+    return {w["id"]: w for w in httpx.get(f"{url}/workers", timeout=10).json() if w["role"] == "decode"}
 
 
 def prefix_hits(cluster) -> dict[str, float]:
-    text = httpx.get(f"{cluster.url}/metrics", timeout=10).text
+    text = httpx.get(f"{cluster.router_urls()[0]}/metrics", timeout=10).text
     return {s.labels["worker"]: s.value for family in text_string_to_metric_families(text) for s in family.samples
             if s.name == "vllm:prefix_cache_hits_total" and s.labels.get("role") == "decode"}
 
@@ -61,7 +63,7 @@ def wait_for(condition, timeout_s: float = 30.0, what: str = ""):
 def complete(cluster, prompt: list[int]) -> str:
     """Send ``prompt``; the decode worker that served it."""
     before = {w: info["num_routed"] for w, info in workers(cluster).items()}
-    api = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120, max_retries=0)
+    api = openai.OpenAI(base_url=f"{cluster.router_urls()[0]}/v1", api_key="unused", timeout=120, max_retries=0)
     resp = api.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert resp.usage.completion_tokens == 4
@@ -89,16 +91,19 @@ def test_turns_follow_their_cache_and_a_restarted_router_rebuilds_its_index(clus
                     and h, what="the prefix cache hits")
     assert hits.get(other, 0) == hits_before.get(other, 0)
     decisions = {s.labels["decision"]: s.value for family in text_string_to_metric_families(
-        httpx.get(f"{cluster.url}/metrics", timeout=10).text) for s in family.samples
+        httpx.get(f"{cluster.router_urls()[0]}/metrics", timeout=10).text) for s in family.samples
         if s.name == "pdserve:routing_decisions_total" and s.labels["policy"] == "kv_aware"}
     assert decisions.get("kv_hit", 0) >= 3, decisions
-
-    # the router dies; its restart knows nothing until the workers replay (or snapshot) their events
+    # the other router of the tier, which routed none of it, knows the same
     blocks = workers(cluster)[home]["kv_index_blocks"]
+    wait_for(lambda: {w: i["kv_index_blocks"] for w, i in workers(cluster, 1).items()} == {home: blocks, other: 0},
+             what="router-1's index")
+
+    # router-0 dies; its restart knows nothing until the workers replay (or snapshot) their events
     os.kill(cluster.router_proc.pid, signal.SIGKILL)
     wait_for(lambda: len(workers(cluster)) == 2 and workers(cluster)[home]["kv_index_blocks"] == blocks,
              timeout_s=60, what="the restarted router's index")
-    info = httpx.get(f"{cluster.url}/info", timeout=10).json()["kv_index"]
+    info = httpx.get(f"{cluster.router_urls()[0]}/info", timeout=10).json()["kv_index"]
     assert info["replays_asked"] >= 2 and info["entries"] >= blocks, info
     went = complete(cluster, turn + [rng.randrange(10, 500) for _ in range(10)])
     assert went == home
