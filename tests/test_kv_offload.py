@@ -32,15 +32,18 @@ def _compute(kv: KVCacheManager, request: Request) -> int:
 def test_offload_tier_lru_and_pins():
     tier = OffloadTier(2)
     a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
-    assert tier.put(a, (1,)) == (0, None) and tier.put(b, (2,)) == (1, None)
+    assert tier.put(a, (1,)) == (0, None, ()) and tier.put(b, (2,)) == (1, None, ())
+    assert tier.put(c, (3,)) is None  # both slots were written this step: pinned
+    tier.unpin_all()
     assert tier.put(a, (1,)) is None  # already there: touched, b is now the least recently used
     assert tier.lookup(b, (9,)) is None  # other tokens under the same key: no hit
     tier.pin(1)
-    assert tier.put(c, (3,)) == (0, a)  # b is pinned: a goes
-    tier.pin(0)
+    assert tier.put(c, (3,)) == (0, a, (1,))  # b is pinned: a goes
     assert tier.put(a, (1,)) is None  # every slot pinned
     tier.unpin_all()
     assert tier.lookup(b, (2,)) == 1 and len(tier) == 2
+    with pytest.raises(ValueError):
+        tier.adopt(b"d" * 32, (4,), 1)  # taken
     with pytest.raises(ValueError):
         OffloadTier(0)
 
@@ -52,16 +55,16 @@ def test_evicted_blocks_go_to_the_tier_and_come_back_in_order():
     first = _request("a", list(range(17)))  # 4 full blocks + 1
     assert _compute(kv, first) == 0
     kv.free(first)
-    assert bm.take_tier_copies() == ([], [])
+    assert not bm.take_tier_copies()
     other = _request("b", list(range(100, 123)))  # 6 blocks: evicts all of a's cached blocks
     _compute(kv, other)
-    offloads, onloads = bm.take_tier_copies()
+    _, offloads, _, onloads = bm.take_tier_copies()
     assert len(offloads) == 4 and onloads == [] and len(bm.offload) == 4
     kv.free(other)
     bm.take_kv_events()
     again = _request("c", list(range(17)) + [5, 6])
     assert _compute(kv, again) == 16  # the four blocks, from the tier
-    offloads, onloads = bm.take_tier_copies()
+    _, offloads, _, onloads = bm.take_tier_copies()
     # b's evicted blocks were offloaded to make room, never into a slot being read back
     assert len(onloads) == 4 and offloads
     assert not {slot for slot, _ in onloads} & {slot for _, slot in offloads}
@@ -104,3 +107,99 @@ def test_every_rank_copies_its_share_of_the_tier(model_dir, prompts, hf_greedy):
             assert token_ids(outputs) == hf_greedy
         assert llm.block_manager.num_onloaded > 0 and outputs[-1].num_cached_tokens >= 32
         assert_all_blocks_free(llm)
+
+
+def _disk_llm(model_dir, path, **kw):
+    return LLM(model_dir, max_num_batched_tokens=32, kv_cache_memory="96KiB", kv_offload_memory="16KiB",
+               kv_offload_disk=f"{path}:4MiB", **kw)
+
+
+def _flush(llm: LLM) -> None:
+    """A prompt that takes every KV cache block: what the cache and the host tier held moves down a tier."""
+    llm.generate([{"prompt_token_ids": list(range(300, 300 + 12 * 16 - 8))}], SamplingParams(max_tokens=1),
+                 use_tqdm=False)
+
+
+def test_the_disk_tier_serves_prefixes_across_a_restart_and_never_a_bad_file(model_dir, prompts, hf_greedy, tmp_path):
+    """A KV cache and a host tier too small to keep the prompts: the host tier's evictions are written to
+    disk and read back on the second pass; a new engine on the same directory (a restart) finds them, a
+    corrupt file is skipped and its block recomputed, and every token matches transformers."""
+    llm = _disk_llm(model_dir, tmp_path)
+    bm = llm.block_manager
+    assert bm.num_blocks == 12 and bm.offload.capacity == 2 and bm.disk.capacity == 512
+    for _ in range(2):
+        outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+        assert token_ids(outputs) == hf_greedy
+        _flush(llm)
+    assert bm.num_spilled > 0 and bm.num_loaded > 0 and outputs[-1].num_cached_tokens >= 32
+    assert_all_blocks_free(llm)
+    on_disk = len(bm.disk)
+    files = sorted(p for p in tmp_path.rglob("*.kv"))
+    assert len(files) == on_disk
+    llm.close()
+
+    # warm restart: the index is rebuilt from the files; the long prompt is served from disk at once
+    warm = _disk_llm(model_dir, tmp_path)
+    assert len(warm.block_manager.disk) == on_disk
+    out = warm.generate([prompts[-1]], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy[-1] and out.num_cached_tokens >= 32
+    assert warm.block_manager.num_loaded > 0
+    warm.close()
+
+    # a truncated file and a flipped byte: both skipped (removed) at start, their blocks recomputed
+    files = sorted(p for p in tmp_path.rglob("*.kv"))
+    files[0].write_bytes(files[0].read_bytes()[:-100])
+    data = bytearray(files[1].read_bytes())
+    data[-1] ^= 0xFF
+    files[1].write_bytes(bytes(data))
+    checked = _disk_llm(model_dir, tmp_path)
+    assert len(checked.block_manager.disk) == len(files) - 2 and not files[0].exists() and not files[1].exists()
+    outputs = [checked.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert token_ids(outputs) == hf_greedy
+    checked.close()
+
+    # another model (here: the same weights in bfloat16) never reads these files
+    other = _disk_llm(model_dir, tmp_path, dtype="bfloat16")
+    assert len(other.block_manager.disk) == 0
+    other.close()
+    with pytest.raises(ValueError, match="needs --kv-offload-memory"):
+        LLM(model_dir, kv_offload_disk=f"{tmp_path}:1MiB")
+
+
+_KILLED_WORKER = """
+import random, sys
+from pdserve import LLM, SamplingParams
+llm = LLM(sys.argv[1], max_num_batched_tokens=32, kv_cache_memory="96KiB", kv_offload_memory="16KiB",
+          kv_offload_disk=sys.argv[2] + ":4MiB")
+llm.generate([sys.argv[3]], SamplingParams(max_tokens=24, temperature=0.0), use_tqdm=False)
+llm.generate([{"prompt_token_ids": list(range(300, 484))}], SamplingParams(max_tokens=1), use_tqdm=False)
+rng = random.Random(0)
+for i in range(3):  # fresh prompts: every tier cycles, the first prompt's blocks reach the disk
+    llm.generate([{"prompt_token_ids": [rng.randrange(300, 2000) for _ in range(184)]}], SamplingParams(max_tokens=1),
+                 use_tqdm=False)
+print("ready", flush=True)
+while True:  # still writing the disk tier when the signal comes
+    llm.generate([{"prompt_token_ids": [rng.randrange(300, 2000) for _ in range(184)]}], SamplingParams(max_tokens=8),
+                 use_tqdm=False)
+"""
+
+
+def test_a_worker_killed_with_sigkill_leaves_a_disk_tier_the_next_one_serves(model_dir, prompts, hf_greedy, tmp_path):
+    """SIGKILL while the engine keeps writing its disk tier: the next engine on the directory finds whole
+    files only (written beside, renamed into place) and serves the prompt from them, token-exact."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_WORKER, model_dir, str(tmp_path), prompts[-1]],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    warm = _disk_llm(model_dir, tmp_path)
+    assert len(warm.block_manager.disk) > 0 and not list(tmp_path.rglob("*.tmp"))
+    out = warm.generate([prompts[-1]], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy[-1] and out.num_cached_tokens >= 32
+    warm.close()

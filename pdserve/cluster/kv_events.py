@@ -79,6 +79,10 @@ class KVEventPublisher:
         self.instance = random.getrandbits(63)
         self.seq = -1
         self._kept: collections.deque[KVEventBatch] = collections.deque(maxlen=replay_batches)
+        if block_manager.cached_blocks():  # a disk tier found at start (warm restart): batch 0 says so, to
+            # every router, which asks each worker it meets for a replay from 0
+            self.seq = 0
+            self._kept.append(self.snapshot())
 
     def _batch(self, events: list[KVEvent], snapshot: bool = False) -> KVEventBatch:
         return KVEventBatch(worker_id=self.worker_id, instance=self.instance, seq=self.seq, ts=time.time(),

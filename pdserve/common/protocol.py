@@ -179,6 +179,8 @@ class WorkerStats(_Msg):
     kv_offload_blocks: int = 0  # blocks copied from the KV cache to the offload tier (--kv-offload-memory)
     kv_onload_blocks: int = 0  # blocks copied back from it: prefix hits in the tier, in blocks
     kv_offload_copy_seconds: float = 0.0  # wall time of those copies (both ways)
+    kv_disk_write_blocks: int = 0  # blocks the host tier evicted, written to the disk tier (--kv-offload-disk)
+    kv_disk_read_blocks: int = 0  # blocks read back from it: prefix hits there
 
 
 class KVLayout(_Msg):
@@ -611,10 +613,14 @@ class ExecuteModel(_Msg):
     attach: RankAttach | None = None
     lora_loads: list[tuple[int, LoRARequest]] = []  # (slot, adapter) to load into a LoRA slot first
     lora_slots: list[int] = []  # [num_seqs] each sequence's LoRA slot, -1 for the base model; [] = none
-    # The offload tier's copies (pdserve.engine.scheduling.kv_offload), before anything else of the step:
-    # (block, slot) KV cache -> tier first, then (slot, block) tier -> KV cache
+    # The offload tiers' copies (pdserve.engine.scheduling.kv_offload.TierCopies), before anything else of
+    # the step: (block, slot) KV cache -> host tier, then (slot, block) host tier -> KV cache
     kv_offloads: list[tuple[int, int]] = []
     kv_onloads: list[tuple[int, int]] = []
+    # the disk tier's, first (host slot, disk slot, key, tokens) host -> disk, then after the offloads
+    # (disk slot, host slot, key) disk -> host
+    kv_spills: list[tuple[int, int, bytes, list[int]]] = []
+    kv_loads: list[tuple[int, int, bytes]] = []
 
 
 # ---- KV events (vLLM's names and fields; pdserve.cluster.kv_events publishes, pdserve.router.kv_index reads) ----

@@ -117,6 +117,9 @@ class EngineConfig:
         kv_offload_memory: bytes of host memory, beyond the KV cache, that evicted prefix-cache blocks
             are copied to and hit from (``--kv-offload-memory 4GiB``; 0: none;
             ``pdserve.engine.scheduling.kv_offload``). Per rank.
+        kv_offload_disk: ``PATH:SIZE``: a disk tier below the host one (``--kv-offload-disk``;
+            ``pdserve.engine.execution.kv_disk``): what the host tier evicts is written there, a hit is read
+            back, and the files survive restarts. Single-rank workers; needs ``kv_offload_memory``.
         max_num_seqs: most requests in flight per worker.
         max_num_batched_tokens: token budget of one step.
         max_model_len: longest sequence; None = the model's max_position_embeddings.
@@ -226,6 +229,7 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     kv_offload_memory: int = 0
+    kv_offload_disk: str | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -234,6 +238,13 @@ class EngineConfig:
             raise ValueError("kv_cache_memory must be positive")
         if self.kv_offload_memory < 0:
             raise ValueError("kv_offload_memory must be >= 0")
+        if self.kv_offload_disk is not None:
+            from pdserve.engine.execution.kv_disk import parse_disk_spec
+
+            parse_disk_spec(self.kv_offload_disk)
+            if not self.kv_offload_memory:
+                raise ValueError("--kv-offload-disk needs --kv-offload-memory: blocks reach the disk tier through "
+                                 "the host one")
         if self.cpu_cores is not None:
             parse_cpu_list(self.cpu_cores)  # a bad list fails here, before any rank starts
         if self.native_kernels not in NATIVE_KERNEL_MODES:
@@ -304,6 +315,10 @@ class EngineConfig:
         g.add_argument("--kv-offload-memory", type=parse_size, default="0",
                        help="host memory beyond the KV cache for evicted prefix blocks (an offload tier: a prefix "
                             "found there is copied back instead of recomputed), e.g. 4GiB; 0: none")
+        g.add_argument("--kv-offload-disk", default=None, metavar="PATH:SIZE",
+                       help="a disk tier below --kv-offload-memory, e.g. /var/cache/pdserve-kv:20GiB: blocks the "
+                            "host tier evicts are written there and read back on a hit; the files survive a "
+                            "restart (warm restart), checked by model fingerprint and checksum")
         g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in flight on this worker")
         g.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help=f"token budget of one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; a prefill worker's "
@@ -425,7 +440,7 @@ class EngineConfig:
                    enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                    max_cpu_loras=args.max_cpu_loras, quantization=args.quantization,
                    native_kernels=args.native_kernels or default_native_kernels(),
-                   kv_offload_memory=args.kv_offload_memory)
+                   kv_offload_memory=args.kv_offload_memory, kv_offload_disk=args.kv_offload_disk)
 
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""
@@ -463,4 +478,6 @@ class EngineConfig:
                 args += ["--max-cpu-loras", str(self.max_cpu_loras)]
         if self.kv_offload_memory:
             args += ["--kv-offload-memory", str(self.kv_offload_memory)]
+        if self.kv_offload_disk:
+            args += ["--kv-offload-disk", self.kv_offload_disk]
         return args

@@ -84,9 +84,14 @@ class EngineCore:
                         "length, so equal tokens do not mean equal KV")
             prefix_caching = False
         offload = OffloadTier(self.runner.num_offload_blocks) if self.runner.num_offload_blocks else None
+        disk = None
+        if self.runner.disk_store is not None:  # what an earlier process left on disk (warm restart)
+            disk = OffloadTier(self.runner.disk_store.capacity, medium="disk")
+            for slot, key, tokens in self.runner.disk_entries:
+                disk.adopt(key, tokens, slot)
         self.block_manager = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                           enable_prefix_caching=prefix_caching,
-                                          salt=self.runner.model_fingerprint, offload=offload)
+                                          salt=self.runner.model_fingerprint, offload=offload, disk=disk)
         self.scheduler = Scheduler(
             SchedulerConfig(max_num_seqs=config.max_num_seqs,
                             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -351,7 +356,8 @@ class EngineCore:
             spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
             prefill_compute_tokens=self.prefill_compute_tokens, prefill_compute_seconds=self.prefill_compute_seconds,
             kv_offload_blocks=self.block_manager.num_offloaded, kv_onload_blocks=self.block_manager.num_onloaded,
-            kv_offload_copy_seconds=self.runner.tier_copy_seconds)
+            kv_offload_copy_seconds=self.runner.tier_copy_seconds,
+            kv_disk_write_blocks=self.block_manager.num_spilled, kv_disk_read_blocks=self.block_manager.num_loaded)
 
 
 def _collect_prompt_logprobs(scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:

@@ -116,17 +116,26 @@ def allocate_offload_cache(kv_cache: torch.Tensor, num_slots: int) -> torch.Tens
     return tier.zero_()
 
 
-def copy_tier_blocks(kv_cache: torch.Tensor, tier: torch.Tensor, offloads: list[tuple[int, int]],
-                     onloads: list[tuple[int, int]]) -> None:
-    """The offload tier's copies of one step, in order: ``offloads`` (block, slot) from the KV cache to
-    the tier, then ``onloads`` (slot, block) back (a block reused by an onload is offloaded first)."""
-    if offloads:
-        blocks = torch.tensor([b for b, _ in offloads], dtype=torch.int64, device=kv_cache.device)
-        slots = torch.tensor([s for _, s in offloads], dtype=torch.int64)
+def copy_tier_blocks(kv_cache: torch.Tensor, tier: torch.Tensor, step, disk=None) -> None:
+    """The offload tiers' copies of one step (``ExecuteModel``'s ``kv_spills``, ``kv_offloads``,
+    ``kv_loads``, ``kv_onloads``), in ``TierCopies``' order: host slots to disk files (``disk``: a
+    ``kv_disk.DiskKVStore``), KV cache blocks to host slots, disk files to host slots, host slots to
+    KV cache blocks. A block reused by a copy back was saved first; a host slot reused by an offload
+    was spilled first.
+
+    Raises:
+        kv_disk.CorruptKVFile: a disk file failed its check (the step's requests fail; nothing is served)."""
+    for host_slot, disk_slot, key, tokens in step.kv_spills:
+        disk.write(disk_slot, key, tuple(tokens), tier[:, :, host_slot])
+    if step.kv_offloads:
+        blocks = torch.tensor([b for b, _ in step.kv_offloads], dtype=torch.int64, device=kv_cache.device)
+        slots = torch.tensor([s for _, s in step.kv_offloads], dtype=torch.int64)
         tier.index_copy_(2, slots, kv_cache.index_select(2, blocks).to("cpu"))
-    if onloads:
-        slots = torch.tensor([s for s, _ in onloads], dtype=torch.int64)
-        blocks = torch.tensor([b for _, b in onloads], dtype=torch.int64, device=kv_cache.device)
+    for disk_slot, host_slot, key in step.kv_loads:
+        disk.read(disk_slot, key, tier[:, :, host_slot])
+    if step.kv_onloads:
+        slots = torch.tensor([s for s, _ in step.kv_onloads], dtype=torch.int64)
+        blocks = torch.tensor([b for _, b in step.kv_onloads], dtype=torch.int64, device=kv_cache.device)
         kv_cache.index_copy_(2, blocks, tier.index_select(2, slots).to(kv_cache.device, non_blocking=True))
 
 

@@ -28,6 +28,8 @@ from pdserve.engine.execution import measured_choices
 from pdserve.engine.execution.compiled_step import CompiledDecodeStep
 from pdserve.engine.execution.model_input import ModelInput
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.scheduling.kv_offload import TierCopies
+from pdserve.engine.execution.kv_disk import DiskKVStore, disk_fingerprint, parse_disk_spec
 from pdserve.engine.execution.kv_cache import (allocate_kv_cache, allocate_offload_cache, copy_blocks, copy_tier_blocks,
                                                kv_cache_block_bytes, num_blocks_for_budget)
 from pdserve.common.kv_cache_groups import kv_cache_groups_for
@@ -214,6 +216,8 @@ class ModelRunner:
         if self.ranks is not None:  # slot ids are the driver's: every rank must have every slot
             self.num_offload_blocks = self.ranks.min_over_ranks(self.num_offload_blocks)
         self.offload_cache = None
+        self.disk_store: DiskKVStore | None = None
+        self.disk_entries: list[tuple[int, bytes, tuple[int, ...]]] = []  # (slot, key, tokens) found at start
         if not config.kv_offload_memory:
             return
         why = ""
@@ -228,9 +232,23 @@ class ModelRunner:
             plan.decide("kv_offload", "none", f"--kv-offload-memory {config.kv_offload_memory}, but {why}")
             return
         self.offload_cache = allocate_offload_cache(self.kv_cache, self.num_offload_blocks)
-        plan.decide("kv_offload", f"host memory: {self.num_offload_blocks} blocks, "
-                    f"{self.num_offload_blocks * block_bytes / 2**20:.1f} MiB",
-                    f"--kv-offload-memory {config.kv_offload_memory}")
+        value = f"host memory: {self.num_offload_blocks} blocks, {self.num_offload_blocks * block_bytes / 2**20:.1f} MiB"
+        why = f"--kv-offload-memory {config.kv_offload_memory}"
+        if config.kv_offload_disk:
+            path, size = parse_disk_spec(config.kv_offload_disk)
+            if self.ranks is not None:
+                why += f"; no disk tier: --kv-offload-disk is for single-rank workers (this one has {config.parallel.world_size})"
+            elif size // block_bytes >= 1:
+                shape = (*self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
+                self.disk_store = DiskKVStore(path, disk_fingerprint(self.model_fingerprint, self.block_size, shape,
+                                                                     self.kv_cache.dtype, 0),
+                                              shape, self.kv_cache.dtype, size // block_bytes)
+                self.disk_entries = self.disk_store.scan()
+                value += (f"; disk {self.disk_store.dir}: {size // block_bytes} blocks, {len(self.disk_entries)} "
+                          f"found at start ({self.disk_store.num_corrupt} corrupt, removed)")
+            else:
+                why += f"; no disk tier: {size} bytes hold no block of {block_bytes}"
+        plan.decide("kv_offload", value, why)
 
     def _choose_step(self) -> None:
         """Choose the attention backend, attach LoRA, build the decode-linear kernel, build (or start) the
@@ -300,13 +318,14 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
                        block_copies: list[tuple[int, int]] = (),
-                       tier_copies: tuple[list, list] = ((), ())) -> tuple[ExecuteModel, list[Request]]:
+                       tier_copies: TierCopies = TierCopies()) -> tuple[ExecuteModel, list[Request]]:
         """The flattened step for ``(request, num_new_tokens)`` pairs, and the requests it samples
         (in ``sample_indices`` order; a request with ``k`` drafts owns ``k + 1`` rows)."""
         spans = [(r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
         step = flatten_step(spans, self.block_size, self.rope_needs_lengths, self.kv_groups.num_groups)
         step.block_copies = list(block_copies)
-        step.kv_offloads, step.kv_onloads = list(tier_copies[0]), list(tier_copies[1])
+        step.kv_spills, step.kv_offloads = [(h, d, k, list(t)) for h, d, k, t in tier_copies.spills], tier_copies.offloads
+        step.kv_loads, step.kv_onloads = tier_copies.loads, tier_copies.onloads
         if self.lora is not None:
             step.lora_loads, step.lora_slots = self.lora.plan([r.lora for r, _ in scheduled])
         sample_requests: list[Request] = []
@@ -342,7 +361,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], on_layer_done=None,
                 block_copies: list[tuple[int, int]] = (), kv_ops: KVStepOps | None = None,
-                tier_copies: tuple[list, list] = ((), ())) -> ModelRunnerOutput:
+                tier_copies: TierCopies = TierCopies()) -> ModelRunnerOutput:
         """Run one forward over ``scheduled`` (on every rank of the worker) and sample (driver).
 
         Args:
@@ -350,14 +369,14 @@ class ModelRunner:
             on_layer_done: called with this rank's layer index once that layer's K/V are in the cache.
             block_copies: (src, dst) block pairs to copy first (the scheduler's copy-on-write).
             kv_ops: KV transfer work for every rank's agent (``pdserve.kvtransfer.agent``), done first.
-            tier_copies: the offload tier's (offloads, onloads) (``BlockManager.take_tier_copies``), done
-                before anything else.
+            tier_copies: the offload tiers' copies (``BlockManager.take_tier_copies``), done before
+                anything else.
 
         Returns:
             the sampled token (and, where asked, its logprobs) of every request whose
             last known token was computed this step.
         """
-        if not scheduled and not block_copies and kv_ops is None and not any(tier_copies):
+        if not scheduled and not block_copies and kv_ops is None and not tier_copies:
             return ModelRunnerOutput()
         step, sample_requests = self.prepare_inputs(scheduled, block_copies, tier_copies)
         num_sampled = len(step.sample_indices)  # one row per request, k + 1 with k drafts
@@ -383,9 +402,9 @@ class ModelRunner:
         """
         if step.attach is not None:
             self.attach_kv_agent(step.attach)
-        if step.kv_offloads or step.kv_onloads:  # first: offloads read blocks this step may overwrite
-            start = time.perf_counter()
-            copy_tier_blocks(self.kv_cache, self.offload_cache, step.kv_offloads, step.kv_onloads)
+        if step.kv_offloads or step.kv_onloads or step.kv_spills or step.kv_loads:  # first: they read blocks
+            start = time.perf_counter()                                                 # this step may overwrite
+            copy_tier_blocks(self.kv_cache, self.offload_cache, step, self.disk_store)
             self.tier_copy_seconds += time.perf_counter() - start
         agent = self.kv_agent
         if step.kv is not None and agent is not None:

@@ -38,7 +38,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pdserve.engine.scheduling.kv_offload import OffloadTier
+from pdserve.engine.scheduling.kv_offload import OffloadTier, TierCopies
 
 ROOT_HASH = b""  # the "previous block" of a sequence's first block
 
@@ -78,13 +78,14 @@ class BlockManager:
         enable_prefix_caching: keep full blocks findable by hash after they are freed.
         salt: mixed into every block hash (identify the model, so two models never share KV).
         offload: the tier evicted cached blocks are copied to (None: they are lost); needs prefix caching.
+        disk: the tier the offload tier's evicted blocks are spilled to (None: they are lost); needs ``offload``.
 
     Raises:
         ValueError: non-positive sizes.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: int = 0,
-                 offload: OffloadTier | None = None):
+                 offload: OffloadTier | None = None, disk: OffloadTier | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks = num_blocks
@@ -100,9 +101,15 @@ class BlockManager:
         # ("removed", key, medium)
         self._kv_events: list[tuple] | None = None
         self.offload = offload if enable_prefix_caching else None
-        self._offloads: list[tuple[int, int]] = []  # (block, slot) copies queued for the next step
-        self._onloads: list[tuple[int, int]] = []  # (slot, block)
-        self.num_offloaded = self.num_onloaded = 0  # blocks copied out to / back from the tier, ever
+        self.disk = disk if self.offload is not None else None
+        # copies queued for the next step, run in this order: (host slot, disk slot, key, tokens) spills,
+        # (block, slot) offloads, (disk slot, host slot, key) loads, (slot, block) onloads
+        self._spills: list[tuple[int, int, bytes, tuple[int, ...]]] = []
+        self._offloads: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int, bytes]] = []
+        self._onloads: list[tuple[int, int]] = []
+        self.num_offloaded = self.num_onloaded = 0  # blocks copied out to / back from the host tier, ever
+        self.num_spilled = self.num_loaded = 0  # blocks written to / read from the disk tier, ever
 
     # ---- sizes ----------------------------------------------------------------
 
@@ -274,19 +281,20 @@ class BlockManager:
         """(key, token_ids, medium) of every block in the prefix cache and the offload tier, in no
         particular order (a KV events snapshot)."""
         blocks = [(key, self._block_tokens[block_id], "device") for key, block_id in self._cached.items()]
-        if self.offload is not None:
-            blocks += [(key, tokens, self.offload.medium) for key, tokens in self.offload.blocks()]
+        for tier in (self.offload, self.disk):
+            if tier is not None:
+                blocks += [(key, tokens, tier.medium) for key, tokens in tier.blocks()]
         return blocks
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no request holds, and the offload tier's."""
         for block_id in list(self._free):
             self._evict(block_id)
-        if self.offload is not None:
+        if self.offload is not None:  # (the disk tier stays: a reset forgets what this process computed)
             for key in self.offload.clear():
                 self._record("removed", key, self.offload.medium)
-            self._onloads.clear()
-            self._offloads.clear()
+            for queue in (self._spills, self._offloads, self._loads, self._onloads):
+                queue.clear()
 
     # ---- offload tier ------------------------------------------------------------------
 
@@ -298,15 +306,36 @@ class BlockManager:
     def _offload(self, block_id: int) -> None:
         """Queue the copy of cached block ``block_id`` into the offload tier (it is being reused)."""
         key, tokens = self._block_hash[block_id], self._block_tokens[block_id]
-        placed = self.offload.put(key, tokens)
-        if placed is None:  # already there (touched), or every slot is pinned
+        slot = self._host_slot(key, tokens)
+        if slot is None:  # already there (touched), or every slot is pinned
             return
-        slot, evicted = placed
-        if evicted is not None:
-            self._record("removed", evicted, self.offload.medium)
         self._offloads.append((block_id, slot))
         self.num_offloaded += 1
+
+    def _host_slot(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
+        """A host tier slot for block ``key``, its previous block spilled to the disk tier (queued), or
+        None when the key is there already or every slot is pinned."""
+        placed = self.offload.put(key, tokens)
+        if placed is None:
+            return None
+        slot, evicted, evicted_tokens = placed
+        if evicted is not None:
+            self._record("removed", evicted, self.offload.medium)
+            if self.disk is not None:
+                self._spill(slot, evicted, evicted_tokens)
         self._record("stored", key, self.offload.medium, None, tokens)
+        return slot
+
+    def _spill(self, host_slot: int, key: bytes, tokens: tuple[int, ...]) -> None:
+        placed = self.disk.put(key, tokens)
+        if placed is None:
+            return
+        disk_slot, evicted, _ = placed
+        if evicted is not None:
+            self._record("removed", evicted, self.disk.medium)
+        self._spills.append((host_slot, disk_slot, key, tokens))
+        self.num_spilled += 1
+        self._record("stored", key, self.disk.medium, None, tokens)
 
     def find_offloaded(self, token_ids: Sequence[int], first_block: int, parent_hash: bytes,
                        max_tokens: int) -> tuple[list[int], list[bytes]]:
@@ -315,7 +344,7 @@ class BlockManager:
         ``parent_hash``) that the tier holds without a break. Group 0 only."""
         slots: list[int] = []
         hashes: list[bytes] = []
-        if self.offload is None or not len(self.offload):
+        if self.offload is None or not (len(self.offload) or (self.disk is not None and len(self.disk))):
             return slots, hashes
         bs = self.block_size
         parent = parent_hash
@@ -323,12 +352,27 @@ class BlockManager:
             block_tokens = tuple(token_ids[start:start + bs])
             block_hash = chain_hash(parent, block_tokens, self.salt)
             slot = self.offload.lookup(block_hash, block_tokens)
+            if slot is None and self.disk is not None:
+                slot = self._load(block_hash, block_tokens)
             if slot is None:
                 break
             slots.append(slot)
             hashes.append(block_hash)
             parent = block_hash
         return slots, hashes
+
+    def _load(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
+        """Block ``key`` from the disk tier into a host slot (the read queued, both slots pinned), or None."""
+        disk_slot = self.disk.lookup(key, tokens)
+        if disk_slot is None:
+            return None
+        self.disk.pin(disk_slot)
+        host_slot = self._host_slot(key, tokens)
+        if host_slot is None:  # every host slot is pinned this step
+            return None
+        self._loads.append((disk_slot, host_slot, key))
+        self.num_loaded += 1
+        return host_slot
 
     def adopt_offloaded(self, slots: Sequence[int], block_ids: Sequence[int], block_hashes: Sequence[bytes],
                         parent_hash: bytes) -> None:
@@ -347,12 +391,13 @@ class BlockManager:
         for slot in slots:
             self.offload.pin(slot)
 
-    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The copies queued since the last call: (offloads as (block, slot), onloads as (slot, block)).
-        Run them offloads first, before anything writes the KV cache. Unpins every slot."""
-        copies = self._offloads, self._onloads
-        if self._offloads or self._onloads:
-            self._offloads, self._onloads = [], []
-        if self.offload is not None:
-            self.offload.unpin_all()
+    def take_tier_copies(self) -> TierCopies:
+        """The copies queued since the last call, to run in ``TierCopies``' order before anything
+        writes the KV cache. Unpins every slot."""
+        copies = TierCopies(self._spills, self._offloads, self._loads, self._onloads)
+        if copies:
+            self._spills, self._offloads, self._loads, self._onloads = [], [], [], []
+        for tier in (self.offload, self.disk):
+            if tier is not None:
+                tier.unpin_all()
         return copies

@@ -13,13 +13,34 @@ live in the model runner (``pdserve.engine.execution.kv_cache.allocate_offload_c
 layout with ``capacity`` blocks), which does the copies the block manager queues, offloads before
 onloads, before the step's forward.
 
-A slot that a queued onload reads is *pinned* until the step's copies are taken
-(``BlockManager.take_tier_copies``): an offload in the same step never overwrites it.
+Every slot a step's copies touch (written by an offload, read by an onload) is *pinned* until the
+step's copies are taken (``BlockManager.take_tier_copies``): no slot is written twice in a step, or
+written before it is read.
+
+A disk tier (``--kv-offload-disk``) is another ``OffloadTier`` (medium ``disk``) below the host tier,
+whose slots are files (``pdserve.engine.execution.kv_disk``): a block the host tier evicts is
+*spilled* to it, and a hit there is *loaded* into a host slot and copied back from there.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
+
+
+class TierCopies(NamedTuple):
+    """One step's tier copies, in the order they must run: ``spills`` (host slot, disk slot, key, tokens)
+    host -> disk, ``offloads`` (block, host slot) KV cache -> host, ``loads`` (disk slot, host slot, key)
+    disk -> host, ``onloads`` (host slot, block) host -> KV cache. Each reads what the ones before it
+    have not yet overwritten, or what they just wrote."""
+
+    spills: list = []
+    offloads: list = []
+    loads: list = []
+    onloads: list = []
+
+    def __bool__(self) -> bool:
+        return bool(self.spills or self.offloads or self.loads or self.onloads)
 
 
 class OffloadTier:
@@ -64,15 +85,16 @@ class OffloadTier:
         """(key, token_ids) of every block held, least recently used first."""
         return [(key, self._tokens[slot]) for key, slot in self._slots.items()]
 
-    def put(self, key: bytes, token_ids: tuple[int, ...]) -> tuple[int, bytes | None] | None:
+    def put(self, key: bytes, token_ids: tuple[int, ...]) -> tuple[int, bytes | None, tuple[int, ...]] | None:
         """Give block ``key`` a slot, evicting the least recently used unpinned block if the tier is full.
+        The slot is pinned (a slot is written at most once a step).
 
-        Returns (slot, the evicted key or None); None when ``key`` is already here (it is touched)
-        or every slot is pinned."""
+        Returns (slot, the evicted key or None, its tokens); None when ``key`` is already here (it is
+        touched) or every slot is pinned."""
         if key in self._slots:
             self._slots.move_to_end(key)
             return None
-        evicted = None
+        evicted, evicted_tokens = None, ()
         if self._free:
             slot = self._free.pop()
         else:
@@ -80,10 +102,22 @@ class OffloadTier:
             if victim is None:
                 return None
             slot = self._slots.pop(victim)
-            evicted = victim
+            evicted, evicted_tokens = victim, self._tokens[slot]
         self._slots[key] = slot
         self._tokens[slot] = tuple(token_ids)
-        return slot, evicted
+        self._pinned.add(slot)
+        return slot, evicted, evicted_tokens
+
+    def adopt(self, key: bytes, token_ids: tuple[int, ...], slot: int) -> None:
+        """Enter a block already held in ``slot`` (a disk tier's file found at start-up).
+
+        Raises:
+            ValueError: the slot is out of range or taken, or the key is here already."""
+        if not 0 <= slot < self.capacity or slot not in self._free or key in self._slots:
+            raise ValueError(f"slot {slot} cannot take a block (capacity {self.capacity})")
+        self._free.remove(slot)
+        self._slots[key] = slot
+        self._tokens[slot] = tuple(token_ids)
 
     def pin(self, slot: int) -> None:
         self._pinned.add(slot)

@@ -1,0 +1,153 @@
+"""The disk tier's files (``--kv-offload-disk PATH:SIZE``): one file a slot, safe across restarts.
+
+The index is ``pdserve.engine.scheduling.kv_offload.OffloadTier`` (medium ``disk``); this module holds
+the bytes. A slot's file ``<PATH>/<fingerprint>/<slot>.kv`` is one KV block as the host tier holds it
+(every layer, K and V), after a header:
+
+    magic b"PDKV\\x01" | fingerprint: 8 bytes | key: 2-byte length + bytes | tokens: 4-byte count +
+    int64 each | payload: 8-byte length | SHA-256 of the payload, first 16 bytes
+
+``fingerprint`` names everything that makes two blocks of equal tokens hold different KV: the model
+(its path and config, dtype, KV dtype, quantization: the prefix cache's salt), the block size and the
+KV layout (layers, KV heads, head size, K/V or latent rows, rank). It is the directory's name, and
+each header repeats it. So another model, or this one under another layout, never reads these files
+(SGLang served KV written by other weights sharing a model name; here the name is not the key).
+
+A file is written to ``<slot>.kv.tmp`` and renamed over ``<slot>.kv``, so a worker killed mid-write
+(SIGKILL included) leaves the old file or the new one, never half of one; a stray ``.tmp`` is removed
+at start. At start (warm restart) ``DiskKVStore.scan`` reads every file, checks its header and its
+payload's checksum, and hands back the blocks to index; a truncated or corrupt file is deleted and its
+block recomputed when next needed, never served (LMCache's disk index, lost at every restart, is what
+users asked to keep). A file that fails its check when read during serving raises
+``CorruptKVFile``: the step fails and its requests get an error rather than wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pathlib
+import struct
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PDKV\x01"
+
+
+class CorruptKVFile(RuntimeError):
+    """A disk tier file that does not hold what its index says (truncated, corrupt, or another block's)."""
+
+
+def disk_fingerprint(salt: int, block_size: int, block_shape: tuple[int, ...], dtype: torch.dtype, rank: int) -> bytes:
+    """8 bytes naming what a block's KV depends on besides its tokens (module docstring)."""
+    text = f"{salt}|{block_size}|{tuple(block_shape)}|{dtype}|{rank}".encode()
+    return hashlib.sha256(text).digest()[:8]
+
+
+def parse_disk_spec(spec: str) -> tuple[str, int]:
+    """``PATH:SIZE`` (``--kv-offload-disk /var/cache/kv:20GiB``) -> (path, bytes).
+
+    Raises:
+        ValueError: no ``:SIZE``, or a size that does not parse."""
+    from pdserve.common.utils import parse_size
+
+    path, sep, size = spec.rpartition(":")
+    if not sep or not path:
+        raise ValueError(f"--kv-offload-disk takes PATH:SIZE (e.g. /var/cache/pdserve-kv:20GiB), got {spec!r}")
+    return path, parse_size(size)
+
+
+class DiskKVStore:
+    """The disk tier's files under ``root/<fingerprint hex>``, each one block of ``block_shape``.
+
+    Args:
+        root: the directory (created if missing).
+        fingerprint: ``disk_fingerprint`` of this worker.
+        block_shape: one block's KV, e.g. [num_layers, kv_slots, block_size, num_kv_heads, head_dim].
+        dtype: the KV cache's storage dtype.
+        capacity: slots; files of slots past it are removed at start.
+    """
+
+    def __init__(self, root: str, fingerprint: bytes, block_shape: tuple[int, ...], dtype: torch.dtype,
+                 capacity: int):
+        self.dir = pathlib.Path(root) / fingerprint.hex()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fingerprint = fingerprint
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.capacity = capacity
+        self.payload_bytes = torch.empty(self.block_shape, dtype=dtype).numel() * dtype.itemsize
+        self.num_corrupt = 0  # files found bad (at start or when read)
+
+    def path(self, slot: int) -> pathlib.Path:
+        return self.dir / f"{slot}.kv"
+
+    def write(self, slot: int, key: bytes, tokens: tuple[int, ...], block: torch.Tensor) -> None:
+        """Store one block (``block_shape``, any strides) as slot ``slot``'s file, atomically."""
+        payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+        header = (MAGIC + self.fingerprint + struct.pack("<H", len(key)) + key + struct.pack("<I", len(tokens))
+                  + struct.pack(f"<{len(tokens)}q", *tokens) + struct.pack("<Q", len(payload))
+                  + hashlib.sha256(payload).digest()[:16])
+        tmp = self.path(slot).with_suffix(".kv.tmp")
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+        os.replace(tmp, self.path(slot))
+
+    def _read(self, path: pathlib.Path) -> tuple[bytes, tuple[int, ...], bytes]:
+        """(key, tokens, payload) of a file whose header and checksum hold; raises CorruptKVFile."""
+        try:
+            data = path.read_bytes()
+            if not data.startswith(MAGIC) or data[5:13] != self.fingerprint:
+                raise CorruptKVFile(f"{path}: not a KV block file of this model and layout")
+            pos = 13
+            (key_len,) = struct.unpack_from("<H", data, pos)
+            key = data[pos + 2:pos + 2 + key_len]
+            pos += 2 + key_len
+            (num_tokens,) = struct.unpack_from("<I", data, pos)
+            tokens = struct.unpack_from(f"<{num_tokens}q", data, pos + 4)
+            pos += 4 + 8 * num_tokens
+            (size,) = struct.unpack_from("<Q", data, pos)
+            digest = data[pos + 8:pos + 24]
+            payload = data[pos + 24:]
+        except (OSError, struct.error) as e:
+            raise CorruptKVFile(f"{path}: {e}") from e
+        if size != self.payload_bytes or len(payload) != size or hashlib.sha256(payload).digest()[:16] != digest:
+            raise CorruptKVFile(f"{path}: truncated or corrupt (checksum)")
+        return key, tokens, payload
+
+    def read(self, slot: int, key: bytes, out: torch.Tensor) -> None:
+        """Copy slot ``slot``'s block into ``out`` (``block_shape``), checking it is block ``key``.
+
+        Raises:
+            CorruptKVFile: the file is missing, truncated, corrupt or holds another block."""
+        got, _, payload = self._read(self.path(slot))
+        if got != key:
+            raise CorruptKVFile(f"{self.path(slot)} holds another block")
+        out.copy_(torch.frombuffer(bytearray(payload), dtype=self.dtype).view(self.block_shape))
+
+    def scan(self) -> list[tuple[int, bytes, tuple[int, ...]]]:
+        """Every good file's (slot, key, tokens), for the index at start; bad and stray files are removed."""
+        found, keys = [], set()
+        for path in sorted(self.dir.iterdir()):
+            name = path.name
+            if name.endswith(".kv.tmp") or not name.endswith(".kv") or not name[:-3].isdigit():
+                path.unlink(missing_ok=True)
+                continue
+            slot = int(name[:-3])
+            try:
+                key, tokens, _ = self._read(path)
+            except CorruptKVFile as e:
+                self.num_corrupt += 1
+                logger.warning("disk KV tier: skipping %s; its block will be recomputed", e)
+                path.unlink(missing_ok=True)
+                continue
+            if slot >= self.capacity or key in keys:
+                path.unlink(missing_ok=True)
+                continue
+            keys.add(key)
+            found.append((slot, key, tokens))
+        return found
