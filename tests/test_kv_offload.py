@@ -158,6 +158,13 @@ def test_the_disk_tier_serves_prefixes_across_a_restart_and_never_a_bad_file(mod
     assert token_ids(outputs) == hf_greedy
     checked.close()
 
+    # two engines at once on one path (pdserve up gives every worker the same flags): one directory each
+    first, second = _disk_llm(model_dir, tmp_path), _disk_llm(model_dir, tmp_path)
+    assert first.core.runner.disk_store.dir != second.core.runner.disk_store.dir
+    assert len(first.block_manager.disk) > 0 and len(second.block_manager.disk) == 0
+    first.close()
+    second.close()
+
     # another model (here: the same weights in bfloat16) never reads these files
     other = _disk_llm(model_dir, tmp_path, dtype="bfloat16")
     assert len(other.block_manager.disk) == 0

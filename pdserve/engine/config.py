@@ -239,8 +239,6 @@ class EngineConfig:
         if self.kv_offload_memory < 0:
             raise ValueError("kv_offload_memory must be >= 0")
         if self.kv_offload_disk is not None:
-            from pdserve.engine.execution.kv_disk import parse_disk_spec
-
             parse_disk_spec(self.kv_offload_disk)
             if not self.kv_offload_memory:
                 raise ValueError("--kv-offload-disk needs --kv-offload-memory: blocks reach the disk tier through "
@@ -481,3 +479,14 @@ class EngineConfig:
         if self.kv_offload_disk:
             args += ["--kv-offload-disk", self.kv_offload_disk]
         return args
+
+
+def parse_disk_spec(spec: str) -> tuple[str, int]:
+    """``PATH:SIZE`` (``--kv-offload-disk /var/cache/kv:20GiB``) -> (path, bytes).
+
+    Raises:
+        ValueError: no ``:SIZE``, or a size that does not parse."""
+    path, sep, size = spec.rpartition(":")
+    if not sep or not path:
+        raise ValueError(f"--kv-offload-disk takes PATH:SIZE (e.g. /var/cache/pdserve-kv:20GiB), got {spec!r}")
+    return path, parse_size(size)

@@ -335,6 +335,8 @@ class EngineCore:
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.shutdown_ranks()
+            if runner.disk_store is not None:
+                runner.disk_store.close()
         stop_processes(self._rank_procs)
         self._rank_procs = []
         if self.ranks is not None:

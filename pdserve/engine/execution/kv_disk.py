@@ -7,6 +7,11 @@ the bytes. A slot's file ``<PATH>/<fingerprint>/<slot>.kv`` is one KV block as t
     magic b"PDKV\\x01" | fingerprint: 8 bytes | key: 2-byte length + bytes | tokens: 4-byte count +
     int64 each | payload: 8-byte length | SHA-256 of the payload, first 16 bytes
 
+Workers sharing ``PATH`` (``pdserve up`` gives every worker the same flags) each take a directory of
+their own, ``<PATH>/<fingerprint>/<n>``: the first ``n`` whose lock file no live process holds
+(``flock``, released by the kernel however the holder dies). A restarted worker so finds the directory
+its predecessor left, while the others keep theirs.
+
 ``fingerprint`` names everything that makes two blocks of equal tokens hold different KV: the model
 (its path and config, dtype, KV dtype, quantization: the prefix cache's salt), the block size and the
 KV layout (layers, KV heads, head size, K/V or latent rows, rank). It is the directory's name, and
@@ -24,6 +29,7 @@ users asked to keep). A file that fails its check when read during serving raise
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -47,40 +53,47 @@ def disk_fingerprint(salt: int, block_size: int, block_shape: tuple[int, ...], d
     return hashlib.sha256(text).digest()[:8]
 
 
-def parse_disk_spec(spec: str) -> tuple[str, int]:
-    """``PATH:SIZE`` (``--kv-offload-disk /var/cache/kv:20GiB``) -> (path, bytes).
-
-    Raises:
-        ValueError: no ``:SIZE``, or a size that does not parse."""
-    from pdserve.common.utils import parse_size
-
-    path, sep, size = spec.rpartition(":")
-    if not sep or not path:
-        raise ValueError(f"--kv-offload-disk takes PATH:SIZE (e.g. /var/cache/pdserve-kv:20GiB), got {spec!r}")
-    return path, parse_size(size)
-
-
 class DiskKVStore:
     """The disk tier's files under ``root/<fingerprint hex>``, each one block of ``block_shape``.
 
     Args:
-        root: the directory (created if missing).
+        root: the directory (created if missing); this store takes the first free ``root/<fp>/<n>``.
         fingerprint: ``disk_fingerprint`` of this worker.
         block_shape: one block's KV, e.g. [num_layers, kv_slots, block_size, num_kv_heads, head_dim].
         dtype: the KV cache's storage dtype.
         capacity: slots; files of slots past it are removed at start.
     """
 
+    _MAX_SHARERS = 256
+
     def __init__(self, root: str, fingerprint: bytes, block_shape: tuple[int, ...], dtype: torch.dtype,
                  capacity: int):
-        self.dir = pathlib.Path(root) / fingerprint.hex()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._lock = None
+        for n in range(self._MAX_SHARERS):
+            self.dir = pathlib.Path(root) / fingerprint.hex() / str(n)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            lock = open(self.dir / "lock", "a")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                lock.close()
+                continue
+            self._lock = lock
+            break
+        else:
+            raise RuntimeError(f"{root}: {self._MAX_SHARERS} live workers already use this disk tier path")
         self.fingerprint = fingerprint
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.capacity = capacity
         self.payload_bytes = torch.empty(self.block_shape, dtype=dtype).numel() * dtype.itemsize
         self.num_corrupt = 0  # files found bad (at start or when read)
+
+    def close(self) -> None:
+        """Let another process take this directory (a process that dies lets go of it too)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def path(self, slot: int) -> pathlib.Path:
         return self.dir / f"{slot}.kv"
@@ -134,6 +147,8 @@ class DiskKVStore:
         found, keys = [], set()
         for path in sorted(self.dir.iterdir()):
             name = path.name
+            if name == "lock":
+                continue
             if name.endswith(".kv.tmp") or not name.endswith(".kv") or not name[:-3].isdigit():
                 path.unlink(missing_ok=True)
                 continue

@@ -29,7 +29,8 @@ from pdserve.engine.execution.compiled_step import CompiledDecodeStep
 from pdserve.engine.execution.model_input import ModelInput
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.scheduling.kv_offload import TierCopies
-from pdserve.engine.execution.kv_disk import DiskKVStore, disk_fingerprint, parse_disk_spec
+from pdserve.engine.config import parse_disk_spec
+from pdserve.engine.execution.kv_disk import DiskKVStore, disk_fingerprint
 from pdserve.engine.execution.kv_cache import (allocate_kv_cache, allocate_offload_cache, copy_blocks, copy_tier_blocks,
                                                kv_cache_block_bytes, num_blocks_for_budget)
 from pdserve.common.kv_cache_groups import kv_cache_groups_for
