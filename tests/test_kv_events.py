@@ -9,42 +9,40 @@ import random
 import pytest
 
 from pdserve.cluster.kv_events import KVEventPublisher, to_kv_events
-from pdserve.common.kv_cache_groups import KVCacheGroups
-from pdserve.common.protocol import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, RegisterWorker,
-                                     SamplingParams, WorkerRole)
+from pdserve.common.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    RegisterWorker,
+    WorkerRole,
+)
 from pdserve.common.transport import decode, encode
 from pdserve.engine.scheduling.block_manager import ROOT_HASH, BlockManager, chain_hash
 from pdserve.engine.scheduling.kv_cache_manager import KVCacheManager
-from pdserve.engine.scheduling.request import Request
 from pdserve.router.kv_index import KVIndex, block_key
 from pdserve.router.registry import WorkerRegistry
-from pdserve.router.routing import LOWER_TIER_COST, KVAwarePolicy, make_policy, prompt_block_hashes
+from pdserve.router.routing import (
+    LOWER_TIER_COST,
+    KVAwarePolicy,
+    make_policy,
+    prompt_block_hashes,
+)
+from tests.helpers.scheduling import compute_prompt, make_request
 
 BS = 4
-
-
-def _request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=4))
-
-
-def _compute(kv: KVCacheManager, request: Request) -> None:
-    """Admit ``request`` with its prefix hit, 'compute' the rest of its prompt, cache its full blocks."""
-    hit = kv.find_prefix(request)
-    assert kv.allocate_slots(request, request.num_tokens, [], hit=hit)
-    request.num_computed_tokens = request.num_tokens
-    kv.cache_full_blocks(request)
 
 
 def test_block_manager_records_stored_and_removed_blocks_in_order():
     bm = BlockManager(8, BS, salt=7)
     kv = KVCacheManager(bm)
-    r = _request("a", list(range(10)))
-    _compute(kv, r)  # nothing recorded before events are enabled
+    r = make_request("a", list(range(10)))
+    compute_prompt(kv, r)  # nothing recorded before events are enabled
     assert bm.take_kv_events() == []
     kv.free(r)
     bm.enable_kv_events()
-    r = _request("b", list(range(100, 110)))  # 10 tokens: 2 full blocks, 3 allocated
-    _compute(kv, r)
+    r = make_request("b", list(range(100, 110)))  # 10 tokens: 2 full blocks, 3 allocated
+    compute_prompt(kv, r)
     events = bm.take_kv_events()
     h0 = chain_hash(ROOT_HASH, range(100, 104), 7)
     h1 = chain_hash(h0, range(104, 108), 7)
@@ -54,8 +52,8 @@ def test_block_manager_records_stored_and_removed_blocks_in_order():
     assert bm.take_kv_events() == []
     kv.free(r)
     # five blocks: the three never used, then "a"'s (freed before "b"'s): its two cached blocks are evicted
-    r2 = _request("c", list(range(200, 220)))
-    _compute(kv, r2)
+    r2 = make_request("c", list(range(200, 220)))
+    compute_prompt(kv, r2)
     kinds = [e[0] for e in bm.take_kv_events()]
     assert kinds == ["removed", "removed"] + ["stored"] * 5
     assert sorted(k for k, _, _ in bm.cached_blocks()) == sorted(bm._cached)
@@ -82,7 +80,7 @@ def test_publisher_numbers_batches_and_replays_them_or_a_snapshot():
     pub = KVEventPublisher("w", bm, replay_batches=2)
     assert pub.poll() is None and pub.replay(0) == []
     for i in range(3):
-        _compute(kv, _request(str(i), [i * 1000 + t for t in range(9)]))
+        compute_prompt(kv, make_request(str(i), [i * 1000 + t for t in range(9)]))
         assert pub.poll().seq == i
     assert [b.seq for b in pub.replay(1)] == [1, 2]  # kept
     (snap,) = pub.replay(0)  # batch 0 is no longer kept
@@ -162,14 +160,14 @@ def test_index_matches_the_block_manager_exactly_under_random_traffic():
     pub = KVEventPublisher("w", bm, replay_batches=8)
     index, late = KVIndex(), KVIndex()
     late.meet("w", 48)
-    live: list[Request] = []
+    live: list = []
     stems = [[rng.randrange(1000) for _ in range(12)] for _ in range(5)]
     for step in range(300):
         if live and (len(live) > 4 or rng.random() < 0.4):
             kv.free(live.pop(rng.randrange(len(live))))
         else:
             tokens = rng.choice(stems)[:rng.randrange(4, 13)] + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
-            r = _request(str(step), tokens)
+            r = make_request(str(step), tokens)
             hit = kv.find_prefix(r)
             if kv.allocate_slots(r, r.num_tokens, [], hit=hit):
                 r.num_computed_tokens = r.num_tokens

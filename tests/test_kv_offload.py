@@ -6,39 +6,31 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM
-from pdserve.common.protocol import SamplingParams
+from pdserve.common.protocol import SamplingParams, TierOpKind
 from pdserve.engine.scheduling.block_manager import ROOT_HASH, BlockManager, chain_hash
 from pdserve.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdserve.engine.scheduling.kv_offload import OffloadTier
-from pdserve.engine.scheduling.request import Request
-from tests.helpers.reference import GREEDY, assert_all_blocks_free, hf_greedy, prompts, token_ids  # noqa: F401
+from tests.helpers.reference import (  # noqa: F401
+    GREEDY,
+    assert_all_blocks_free,
+    hf_greedy,
+    prompts,
+    token_ids,
+)
+from tests.helpers.scheduling import compute_prompt, make_request
 
 BS = 4
-
-
-def _request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, tokens, SamplingParams(max_tokens=4))
-
-
-def _compute(kv: KVCacheManager, request: Request) -> int:
-    """Admit with its prefix hit, 'compute' the rest, cache its full blocks; the tokens the hit covered."""
-    hit = kv.find_prefix(request)
-    assert kv.allocate_slots(request, request.num_tokens, [], hit=hit)
-    request.num_computed_tokens = request.num_tokens
-    kv.cache_full_blocks(request)
-    return hit.num_blocks * BS
 
 
 def test_offload_tier_lru_and_pins():
     tier = OffloadTier(2)
     a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
     assert tier.put(a, (1,)) == (0, None, ()) and tier.put(b, (2,)) == (1, None, ())
-    assert tier.put(c, (3,)) is None  # both slots were written this step: pinned
-    tier.unpin_all()
     assert tier.put(a, (1,)) is None  # already there: touched, b is now the least recently used
     assert tier.lookup(b, (9,)) is None  # other tokens under the same key: no hit
     tier.pin(1)
     assert tier.put(c, (3,)) == (0, a, (1,))  # b is pinned: a goes
+    tier.pin(0)
     assert tier.put(a, (1,)) is None  # every slot pinned
     tier.unpin_all()
     assert tier.lookup(b, (2,)) == 1 and len(tier) == 2
@@ -52,21 +44,24 @@ def test_evicted_blocks_go_to_the_tier_and_come_back_in_order():
     bm = BlockManager(6, BS, salt=2, offload=OffloadTier(8))
     kv = KVCacheManager(bm)
     bm.enable_kv_events()
-    first = _request("a", list(range(17)))  # 4 full blocks + 1
-    assert _compute(kv, first) == 0
+    first = make_request("a", list(range(17)))  # 4 full blocks + 1
+    assert compute_prompt(kv, first) == 0
     kv.free(first)
     assert not bm.take_tier_copies()
-    other = _request("b", list(range(100, 123)))  # 6 blocks: evicts all of a's cached blocks
-    _compute(kv, other)
-    _, offloads, _, onloads = bm.take_tier_copies()
-    assert len(offloads) == 4 and onloads == [] and len(bm.offload) == 4
+    other = make_request("b", list(range(100, 123)))  # 6 blocks: evicts all of a's cached blocks
+    compute_prompt(kv, other)
+    ops = bm.take_tier_copies()
+    assert [op.kind for op in ops] == [TierOpKind.OFFLOAD] * 4 and len(bm.offload) == 4
     kv.free(other)
     bm.take_kv_events()
-    again = _request("c", list(range(17)) + [5, 6])
-    assert _compute(kv, again) == 16  # the four blocks, from the tier
-    _, offloads, _, onloads = bm.take_tier_copies()
-    # b's evicted blocks were offloaded to make room, never into a slot being read back
-    assert len(onloads) == 4 and offloads
+    again = make_request("c", list(range(17)) + [5, 6])
+    assert compute_prompt(kv, again) == 16  # the four blocks, from the tier
+    ops = bm.take_tier_copies()
+    offloads = [(op.src, op.dst) for op in ops if op.kind == TierOpKind.OFFLOAD]
+    onloads = [(op.src, op.dst) for op in ops if op.kind == TierOpKind.ONLOAD]
+    # b's evicted blocks were offloaded to make room (queued first: they were evicted by the allocation),
+    # never into a slot being read back; the copies back come after
+    assert len(onloads) == 4 and offloads and ops[-4:] == [op for op in ops if op.kind == TierOpKind.ONLOAD]
     assert not {slot for slot, _ in onloads} & {slot for _, slot in offloads}
     assert [block for _, block in onloads] == again.block_tables[0][:4]
     # the blocks are in the prefix cache again, under the same chain

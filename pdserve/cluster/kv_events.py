@@ -23,7 +23,13 @@ import collections
 import random
 import time
 
-from pdserve.common.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from pdserve.common.protocol import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+)
 from pdserve.engine.scheduling.block_manager import BlockManager, split_key
 
 

@@ -581,6 +581,25 @@ class ConnectKVPair(_Msg):
     decode_layout: KVLayout | None = None
 
 
+class TierOpKind(enum.IntEnum):
+    """What one offload tier copy moves (``TierOp``)."""
+
+    SPILL = 1  # host slot ``src`` -> disk slot ``dst`` (the block ``key`` with ``tokens``)
+    OFFLOAD = 2  # KV cache block ``src`` -> host slot ``dst``
+    LOAD = 3  # disk slot ``src`` -> KV cache block ``dst`` (checked to be block ``key``)
+    ONLOAD = 4  # host slot ``src`` -> KV cache block ``dst``
+
+
+class TierOp(_Msg):
+    """One copy between the KV cache and its offload tiers (``pdserve.engine.scheduling.kv_offload``)."""
+
+    kind: TierOpKind
+    src: int
+    dst: int
+    key: bytes = b""
+    tokens: list[int] = []
+
+
 class ExecuteModel(_Msg):
     """Driver rank -> the other ranks of its worker, once per step (over the worker's own
     torch.distributed gloo group as msgpack bytes, not ZMQ; see ``pdserve.engine.execution.parallel``).
@@ -613,14 +632,9 @@ class ExecuteModel(_Msg):
     attach: RankAttach | None = None
     lora_loads: list[tuple[int, LoRARequest]] = []  # (slot, adapter) to load into a LoRA slot first
     lora_slots: list[int] = []  # [num_seqs] each sequence's LoRA slot, -1 for the base model; [] = none
-    # The offload tiers' copies (pdserve.engine.scheduling.kv_offload.TierCopies), before anything else of
-    # the step: (block, slot) KV cache -> host tier, then (slot, block) host tier -> KV cache
-    kv_offloads: list[tuple[int, int]] = []
-    kv_onloads: list[tuple[int, int]] = []
-    # the disk tier's, first (host slot, disk slot, key, tokens) host -> disk, then after the offloads
-    # (disk slot, host slot, key) disk -> host
-    kv_spills: list[tuple[int, int, bytes, list[int]]] = []
-    kv_loads: list[tuple[int, int, bytes]] = []
+    # The offload tiers' copies (pdserve.engine.scheduling.kv_offload), before anything else of the step,
+    # in this order: the order the tiers' indexes changed
+    kv_tier_ops: list[TierOp] = []
 
 
 # ---- KV events (vLLM's names and fields; pdserve.cluster.kv_events publishes, pdserve.router.kv_index reads) ----

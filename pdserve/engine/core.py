@@ -254,7 +254,7 @@ class EngineCore:
         start = time.perf_counter()
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
                                      block_copies=scheduler_output.block_copies, kv_ops=kv_ops,
-                                     tier_copies=self.block_manager.take_tier_copies())
+                                     tier_ops=self.block_manager.take_tier_copies())
         num_prompt_tokens = sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
                                 for r, n in scheduler_output.scheduled)
         if num_prompt_tokens:  # a step that computed prompt tokens (decode rows mixed in count as its cost)

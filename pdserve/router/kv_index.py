@@ -26,7 +26,13 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from pdserve.common.protocol import (KV_MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch)
+from pdserve.common.protocol import (
+    KV_MEDIA,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 
 _MEDIUM_BIT = {m: 1 << i for i, m in enumerate(KV_MEDIA)}
 DEVICE_BIT = _MEDIUM_BIT["device"]

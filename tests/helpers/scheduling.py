@@ -24,3 +24,21 @@ def run_to_completion(sched, max_steps=1000):
             if o.finished is not None:
                 finished[o.request.request_id] = o.request
     raise AssertionError("requests did not finish")
+
+
+def make_request(rid: str, tokens: list[int], max_tokens: int = 4):
+    """A request for ``tokens`` (the scheduler's own ``Request``), no model needed."""
+    from pdserve.common.protocol import SamplingParams
+    from pdserve.engine.scheduling.request import Request
+
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens))
+
+
+def compute_prompt(kv, request) -> int:
+    """Admit ``request`` through ``kv`` (a KVCacheManager) with its prefix hit, 'compute' the rest of its
+    prompt and cache its full blocks; returns the tokens the hit covered."""
+    hit = kv.find_prefix(request)
+    assert kv.allocate_slots(request, request.num_tokens, [], hit=hit)
+    request.num_computed_tokens = request.num_tokens
+    kv.cache_full_blocks(request)
+    return hit.num_blocks * kv.block_size

@@ -26,6 +26,7 @@ import sys
 import torch
 
 from pdserve.common.kv_quant import kv_cache_format
+from pdserve.common.protocol import TierOp, TierOpKind
 
 
 def kv_cache_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -116,27 +117,35 @@ def allocate_offload_cache(kv_cache: torch.Tensor, num_slots: int) -> torch.Tens
     return tier.zero_()
 
 
-def copy_tier_blocks(kv_cache: torch.Tensor, tier: torch.Tensor, step, disk=None) -> None:
-    """The offload tiers' copies of one step (``ExecuteModel``'s ``kv_spills``, ``kv_offloads``,
-    ``kv_loads``, ``kv_onloads``), in ``TierCopies``' order: host slots to disk files (``disk``: a
-    ``kv_disk.DiskKVStore``), KV cache blocks to host slots, disk files to host slots, host slots to
-    KV cache blocks. A block reused by a copy back was saved first; a host slot reused by an offload
-    was spilled first.
+def copy_tier_blocks(kv_cache: torch.Tensor, tier: torch.Tensor, ops: list[TierOp], disk=None) -> None:
+    """Run the offload tiers' copies of one step in order (``TierOp``: spill host -> disk, offload KV
+    cache -> host, load disk -> KV cache, onload host -> KV cache; ``disk`` a ``kv_disk.DiskKVStore``).
+    A run of offloads or onloads with no destination twice is one indexed copy.
 
     Raises:
         kv_disk.CorruptKVFile: a disk file failed its check (the step's requests fail; nothing is served)."""
-    for host_slot, disk_slot, key, tokens in step.kv_spills:
-        disk.write(disk_slot, key, tuple(tokens), tier[:, :, host_slot])
-    if step.kv_offloads:
-        blocks = torch.tensor([b for b, _ in step.kv_offloads], dtype=torch.int64, device=kv_cache.device)
-        slots = torch.tensor([s for _, s in step.kv_offloads], dtype=torch.int64)
-        tier.index_copy_(2, slots, kv_cache.index_select(2, blocks).to("cpu"))
-    for disk_slot, host_slot, key in step.kv_loads:
-        disk.read(disk_slot, key, tier[:, :, host_slot])
-    if step.kv_onloads:
-        slots = torch.tensor([s for s, _ in step.kv_onloads], dtype=torch.int64)
-        blocks = torch.tensor([b for _, b in step.kv_onloads], dtype=torch.int64, device=kv_cache.device)
-        kv_cache.index_copy_(2, blocks, tier.index_select(2, slots).to(kv_cache.device, non_blocking=True))
+    i = 0
+    while i < len(ops):
+        op = ops[i]
+        if op.kind == TierOpKind.SPILL:
+            disk.write(op.dst, op.key, tuple(op.tokens), tier[:, :, op.src])
+        elif op.kind == TierOpKind.LOAD:
+            disk.read(op.src, op.key, kv_cache[:, :, op.dst])
+        else:
+            j, seen = i, set()
+            while j < len(ops) and ops[j].kind == op.kind and ops[j].dst not in seen:
+                seen.add(ops[j].dst)
+                j += 1
+            src = torch.tensor([o.src for o in ops[i:j]], dtype=torch.int64)
+            dst = torch.tensor([o.dst for o in ops[i:j]], dtype=torch.int64)
+            if op.kind == TierOpKind.OFFLOAD:
+                tier.index_copy_(2, dst, kv_cache.index_select(2, src.to(kv_cache.device)).to("cpu"))
+            else:
+                kv_cache.index_copy_(2, dst.to(kv_cache.device),
+                                     tier.index_select(2, src).to(kv_cache.device, non_blocking=True))
+            i = j
+            continue
+        i += 1
 
 
 def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:

@@ -21,14 +21,13 @@ import torch
 from transformers import AutoConfig
 
 from pdserve.common.checkpoint import checkpoint_dtype, read_eos_token_ids
-from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach, WorkerRole
+from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach, TierOp, WorkerRole
 from pdserve.common.utils import format_cpu_list, keep_freed_memory, pin_to_cores, resolve_device, resolve_dtype
 from pdserve.engine.layers.attention import AttentionMetadata, select_backend
 from pdserve.engine.execution import measured_choices
 from pdserve.engine.execution.compiled_step import CompiledDecodeStep
 from pdserve.engine.execution.model_input import ModelInput
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.scheduling.kv_offload import TierCopies
 from pdserve.engine.config import parse_disk_spec
 from pdserve.engine.execution.kv_disk import DiskKVStore, disk_fingerprint
 from pdserve.engine.execution.kv_cache import (allocate_kv_cache, allocate_offload_cache, copy_blocks, copy_tier_blocks,
@@ -319,14 +318,13 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduled: list[tuple[Request, int]],
                        block_copies: list[tuple[int, int]] = (),
-                       tier_copies: TierCopies = TierCopies()) -> tuple[ExecuteModel, list[Request]]:
+                       tier_ops: list[TierOp] = ()) -> tuple[ExecuteModel, list[Request]]:
         """The flattened step for ``(request, num_new_tokens)`` pairs, and the requests it samples
         (in ``sample_indices`` order; a request with ``k`` drafts owns ``k + 1`` rows)."""
         spans = [(r, r.num_computed_tokens, r.num_computed_tokens + n) for r, n in scheduled]
         step = flatten_step(spans, self.block_size, self.rope_needs_lengths, self.kv_groups.num_groups)
         step.block_copies = list(block_copies)
-        step.kv_spills, step.kv_offloads = [(h, d, k, list(t)) for h, d, k, t in tier_copies.spills], tier_copies.offloads
-        step.kv_loads, step.kv_onloads = tier_copies.loads, tier_copies.onloads
+        step.kv_tier_ops = list(tier_ops)
         if self.lora is not None:
             step.lora_loads, step.lora_slots = self.lora.plan([r.lora for r, _ in scheduled])
         sample_requests: list[Request] = []
@@ -362,7 +360,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Request, int]], on_layer_done=None,
                 block_copies: list[tuple[int, int]] = (), kv_ops: KVStepOps | None = None,
-                tier_copies: TierCopies = TierCopies()) -> ModelRunnerOutput:
+                tier_ops: list[TierOp] = ()) -> ModelRunnerOutput:
         """Run one forward over ``scheduled`` (on every rank of the worker) and sample (driver).
 
         Args:
@@ -370,16 +368,16 @@ class ModelRunner:
             on_layer_done: called with this rank's layer index once that layer's K/V are in the cache.
             block_copies: (src, dst) block pairs to copy first (the scheduler's copy-on-write).
             kv_ops: KV transfer work for every rank's agent (``pdserve.kvtransfer.agent``), done first.
-            tier_copies: the offload tiers' copies (``BlockManager.take_tier_copies``), done before
-                anything else.
+            tier_ops: the offload tiers' copies (``BlockManager.take_tier_copies``), done in order
+                before anything else.
 
         Returns:
             the sampled token (and, where asked, its logprobs) of every request whose
             last known token was computed this step.
         """
-        if not scheduled and not block_copies and kv_ops is None and not tier_copies:
+        if not scheduled and not block_copies and kv_ops is None and not tier_ops:
             return ModelRunnerOutput()
-        step, sample_requests = self.prepare_inputs(scheduled, block_copies, tier_copies)
+        step, sample_requests = self.prepare_inputs(scheduled, block_copies, tier_ops)
         num_sampled = len(step.sample_indices)  # one row per request, k + 1 with k drafts
         prompt_spans = add_prompt_logprob_rows(step, scheduled)  # their rows follow the sampled ones
         step.kv = kv_ops
@@ -403,9 +401,9 @@ class ModelRunner:
         """
         if step.attach is not None:
             self.attach_kv_agent(step.attach)
-        if step.kv_offloads or step.kv_onloads or step.kv_spills or step.kv_loads:  # first: they read blocks
-            start = time.perf_counter()                                                 # this step may overwrite
-            copy_tier_blocks(self.kv_cache, self.offload_cache, step, self.disk_store)
+        if step.kv_tier_ops:  # first: they read blocks this step may overwrite
+            start = time.perf_counter()
+            copy_tier_blocks(self.kv_cache, self.offload_cache, step.kv_tier_ops, self.disk_store)
             self.tier_copy_seconds += time.perf_counter() - start
         agent = self.kv_agent
         if step.kv is not None and agent is not None:

@@ -22,8 +22,8 @@ its head.
 
 An offload tier (``pdserve.engine.scheduling.kv_offload``, ``--kv-offload-memory``): a cached block
 about to be evicted is first queued to be copied into the tier (``take_tier_copies``), and
-``find_offloaded`` continues a prefix hit there; ``adopt_offloaded`` gives such blocks KV cache
-blocks again and queues their copies back.
+``find_offloaded`` continues a prefix hit there (and in a disk tier below it); ``adopt_offloaded``
+gives such blocks KV cache blocks again and queues their copies back.
 
 KV events (vLLM's ``BlockStored`` / ``BlockRemoved``): once ``enable_kv_events`` is called, every
 block that enters or leaves the prefix cache or the offload tier is recorded, in order, until
@@ -38,7 +38,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pdserve.engine.scheduling.kv_offload import OffloadTier, TierCopies
+from pdserve.common.protocol import TierOp, TierOpKind
+from pdserve.engine.scheduling.kv_offload import OffloadTier
 
 ROOT_HASH = b""  # the "previous block" of a sequence's first block
 
@@ -102,12 +103,7 @@ class BlockManager:
         self._kv_events: list[tuple] | None = None
         self.offload = offload if enable_prefix_caching else None
         self.disk = disk if self.offload is not None else None
-        # copies queued for the next step, run in this order: (host slot, disk slot, key, tokens) spills,
-        # (block, slot) offloads, (disk slot, host slot, key) loads, (slot, block) onloads
-        self._spills: list[tuple[int, int, bytes, tuple[int, ...]]] = []
-        self._offloads: list[tuple[int, int]] = []
-        self._loads: list[tuple[int, int, bytes]] = []
-        self._onloads: list[tuple[int, int]] = []
+        self._tier_ops: list[TierOp] = []  # copies queued for the next step, to run in this order
         self.num_offloaded = self.num_onloaded = 0  # blocks copied out to / back from the host tier, ever
         self.num_spilled = self.num_loaded = 0  # blocks written to / read from the disk tier, ever
 
@@ -293,8 +289,7 @@ class BlockManager:
         if self.offload is not None:  # (the disk tier stays: a reset forgets what this process computed)
             for key in self.offload.clear():
                 self._record("removed", key, self.offload.medium)
-            for queue in (self._spills, self._offloads, self._loads, self._onloads):
-                queue.clear()
+            self._tier_ops.clear()
 
     # ---- offload tier ------------------------------------------------------------------
 
@@ -309,7 +304,7 @@ class BlockManager:
         slot = self._host_slot(key, tokens)
         if slot is None:  # already there (touched), or every slot is pinned
             return
-        self._offloads.append((block_id, slot))
+        self._tier_ops.append(TierOp(kind=TierOpKind.OFFLOAD, src=block_id, dst=slot))
         self.num_offloaded += 1
 
     def _host_slot(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
@@ -333,15 +328,16 @@ class BlockManager:
         disk_slot, evicted, _ = placed
         if evicted is not None:
             self._record("removed", evicted, self.disk.medium)
-        self._spills.append((host_slot, disk_slot, key, tokens))
+        self._tier_ops.append(TierOp(kind=TierOpKind.SPILL, src=host_slot, dst=disk_slot, key=key, tokens=list(tokens)))
         self.num_spilled += 1
         self._record("stored", key, self.disk.medium, None, tokens)
 
     def find_offloaded(self, token_ids: Sequence[int], first_block: int, parent_hash: bytes,
                        max_tokens: int) -> tuple[list[int], list[bytes]]:
-        """The offload tier's continuation of a prefix hit: the slots and hashes of the full blocks of
+        """The offload tiers' continuation of a prefix hit: the slots and hashes of the full blocks of
         ``token_ids[:max_tokens]`` from logical block ``first_block`` on (the first one chained from
-        ``parent_hash``) that the tier holds without a break. Group 0 only."""
+        ``parent_hash``) that the tiers hold without a break, a host slot ``s`` as ``s``, a disk slot
+        ``d`` as ``-(d + 1)``. Each slot is pinned until its step's copies are taken. Group 0 only."""
         slots: list[int] = []
         hashes: list[bytes] = []
         if self.offload is None or not (len(self.offload) or (self.disk is not None and len(self.disk))):
@@ -352,52 +348,43 @@ class BlockManager:
             block_tokens = tuple(token_ids[start:start + bs])
             block_hash = chain_hash(parent, block_tokens, self.salt)
             slot = self.offload.lookup(block_hash, block_tokens)
-            if slot is None and self.disk is not None:
-                slot = self._load(block_hash, block_tokens)
-            if slot is None:
+            if slot is not None:
+                self.offload.pin(slot)  # until its copy back is queued: no other block may take it
+            elif self.disk is not None and (disk_slot := self.disk.lookup(block_hash, block_tokens)) is not None:
+                self.disk.pin(disk_slot)  # until its read is queued: no spill may take it
+                slot = -(disk_slot + 1)
+            else:
                 break
             slots.append(slot)
             hashes.append(block_hash)
             parent = block_hash
         return slots, hashes
 
-    def _load(self, key: bytes, tokens: tuple[int, ...]) -> int | None:
-        """Block ``key`` from the disk tier into a host slot (the read queued, both slots pinned), or None."""
-        disk_slot = self.disk.lookup(key, tokens)
-        if disk_slot is None:
-            return None
-        self.disk.pin(disk_slot)
-        host_slot = self._host_slot(key, tokens)
-        if host_slot is None:  # every host slot is pinned this step
-            return None
-        self._loads.append((disk_slot, host_slot, key))
-        self.num_loaded += 1
-        return host_slot
-
     def adopt_offloaded(self, slots: Sequence[int], block_ids: Sequence[int], block_hashes: Sequence[bytes],
                         parent_hash: bytes) -> None:
-        """Blocks ``block_ids`` (just allocated) take the KV of tier slots ``slots``: queue the copies back
-        and cache the blocks under ``block_hashes`` (chained from ``parent_hash``). The slots stay
-        pinned until ``take_tier_copies``."""
+        """Blocks ``block_ids`` (just allocated) take the KV of tier slots ``slots`` (``find_offloaded``'s):
+        queue the copies back (a disk slot is read straight into its block) and cache the blocks under
+        ``block_hashes`` (chained from ``parent_hash``)."""
         parent = parent_hash
         for slot, block_id, block_hash in zip(slots, block_ids, block_hashes):
-            self._onloads.append((slot, block_id))
-            self.num_onloaded += 1
-            self.cache_hashed_block(block_id, block_hash, self.offload.tokens(slot), 0, parent)
+            if slot >= 0:
+                self._tier_ops.append(TierOp(kind=TierOpKind.ONLOAD, src=slot, dst=block_id))
+                self.num_onloaded += 1
+                tokens = self.offload.tokens(slot)
+            else:
+                self._tier_ops.append(TierOp(kind=TierOpKind.LOAD, src=-slot - 1, dst=block_id, key=block_hash))
+                self.num_loaded += 1
+                tokens = self.disk.tokens(-slot - 1)
+            self.cache_hashed_block(block_id, block_hash, tokens, 0, parent)
             parent = block_hash
 
-    def pin_offloaded(self, slots: Sequence[int]) -> None:
-        """Keep ``slots`` from being overwritten by this step's offloads (their copies back are queued)."""
-        for slot in slots:
-            self.offload.pin(slot)
-
-    def take_tier_copies(self) -> TierCopies:
-        """The copies queued since the last call, to run in ``TierCopies``' order before anything
-        writes the KV cache. Unpins every slot."""
-        copies = TierCopies(self._spills, self._offloads, self._loads, self._onloads)
-        if copies:
-            self._spills, self._offloads, self._loads, self._onloads = [], [], [], []
+    def take_tier_copies(self) -> list[TierOp]:
+        """The copies queued since the last call, to run in order before anything writes the KV cache.
+        Unpins every slot."""
+        ops = self._tier_ops
+        if ops:
+            self._tier_ops = []
         for tier in (self.offload, self.disk):
             if tier is not None:
                 tier.unpin_all()
-        return copies
+        return ops

@@ -226,7 +226,6 @@ class KVCacheManager:
         if not bm.can_allocate(needed):
             return False
         if hit:
-            bm.pin_offloaded(hit.offload_slots)  # before this allocation's own offloads can take a slot
             for ids in hit.group_block_ids:
                 bm.share([b for b in ids if b != NULL_BLOCK])
             request.block_hashes = list(hit.block_hashes)

@@ -13,34 +13,21 @@ live in the model runner (``pdserve.engine.execution.kv_cache.allocate_offload_c
 layout with ``capacity`` blocks), which does the copies the block manager queues, offloads before
 onloads, before the step's forward.
 
-Every slot a step's copies touch (written by an offload, read by an onload) is *pinned* until the
-step's copies are taken (``BlockManager.take_tier_copies``): no slot is written twice in a step, or
-written before it is read.
+The block manager queues the copies as the tiers' indexes change (``TierOp``s: spill, offload, load,
+onload), and the model runner runs them in that order before the step's forward, so every copy reads
+what the index said was there when it was queued. One hazard is left: a slot a hit will read (once
+allocation has found blocks for it) must not be given to another block before its read is queued;
+such slots, in either tier, are *pinned* until the step's copies are taken
+(``BlockManager.take_tier_copies``).
 
 A disk tier (``--kv-offload-disk``) is another ``OffloadTier`` (medium ``disk``) below the host tier,
 whose slots are files (``pdserve.engine.execution.kv_disk``): a block the host tier evicts is
-*spilled* to it, and a hit there is *loaded* into a host slot and copied back from there.
+*spilled* to it, and a hit there is *loaded* straight into its new KV cache block.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple
-
-
-class TierCopies(NamedTuple):
-    """One step's tier copies, in the order they must run: ``spills`` (host slot, disk slot, key, tokens)
-    host -> disk, ``offloads`` (block, host slot) KV cache -> host, ``loads`` (disk slot, host slot, key)
-    disk -> host, ``onloads`` (host slot, block) host -> KV cache. Each reads what the ones before it
-    have not yet overwritten, or what they just wrote."""
-
-    spills: list = []
-    offloads: list = []
-    loads: list = []
-    onloads: list = []
-
-    def __bool__(self) -> bool:
-        return bool(self.spills or self.offloads or self.loads or self.onloads)
 
 
 class OffloadTier:
@@ -87,7 +74,6 @@ class OffloadTier:
 
     def put(self, key: bytes, token_ids: tuple[int, ...]) -> tuple[int, bytes | None, tuple[int, ...]] | None:
         """Give block ``key`` a slot, evicting the least recently used unpinned block if the tier is full.
-        The slot is pinned (a slot is written at most once a step).
 
         Returns (slot, the evicted key or None, its tokens); None when ``key`` is already here (it is
         touched) or every slot is pinned."""
@@ -105,7 +91,6 @@ class OffloadTier:
             evicted, evicted_tokens = victim, self._tokens[slot]
         self._slots[key] = slot
         self._tokens[slot] = tuple(token_ids)
-        self._pinned.add(slot)
         return slot, evicted, evicted_tokens
 
     def adopt(self, key: bytes, token_ids: tuple[int, ...], slot: int) -> None:
