@@ -160,6 +160,20 @@ def test_the_disk_tier_serves_prefixes_across_a_restart_and_never_a_bad_file(mod
     first.close()
     second.close()
 
+    # a checkpoint replaced in place (its weight file's modification time moves) never reads them either
+    import os
+    import pathlib
+
+    weights = next(pathlib.Path(model_dir).glob("*.safetensors"))
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    try:
+        replaced = _disk_llm(model_dir, tmp_path)
+        assert len(replaced.block_manager.disk) == 0
+        replaced.close()
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
     # another model (here: the same weights in bfloat16) never reads these files
     other = _disk_llm(model_dir, tmp_path, dtype="bfloat16")
     assert len(other.block_manager.disk) == 0

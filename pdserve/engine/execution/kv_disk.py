@@ -13,8 +13,10 @@ their own, ``<PATH>/<fingerprint>/<n>``: the first ``n`` whose lock file no live
 its predecessor left, while the others keep theirs.
 
 ``fingerprint`` names everything that makes two blocks of equal tokens hold different KV: the model
-(its path and config, dtype, KV dtype, quantization: the prefix cache's salt), the block size and the
-KV layout (layers, KV heads, head size, K/V or latent rows, rank). It is the directory's name, and
+(its path and config, dtype, KV dtype, quantization: the prefix cache's salt; its weight files' names,
+sizes and modification times), the block size and the KV layout (layers, KV heads, head size, K/V or
+latent rows, rank). LoRA adapters are keyed by name and path, not by their weights, so a worker with
+``--enable-lora`` keeps no disk tier. It is the directory's name, and
 each header repeats it. So another model, or this one under another layout, never reads these files
 (SGLang served KV written by other weights sharing a model name; here the name is not the key).
 
@@ -47,9 +49,18 @@ class CorruptKVFile(RuntimeError):
     """A disk tier file that does not hold what its index says (truncated, corrupt, or another block's)."""
 
 
-def disk_fingerprint(salt: int, block_size: int, block_shape: tuple[int, ...], dtype: torch.dtype, rank: int) -> bytes:
-    """8 bytes naming what a block's KV depends on besides its tokens (module docstring)."""
-    text = f"{salt}|{block_size}|{tuple(block_shape)}|{dtype}|{rank}".encode()
+def weight_files_id(model_dir: str) -> str:
+    """The model's weight files as they are on disk: each one's name, size and modification time (cheap
+    to read at every start; a checkpoint replaced in place changes it)."""
+    files = sorted(p for pattern in ("*.safetensors", "*.bin", "*.pt") for p in pathlib.Path(model_dir).glob(pattern))
+    return ";".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+
+
+def disk_fingerprint(salt: int, weights: str, block_size: int, block_shape: tuple[int, ...], dtype: torch.dtype,
+                     rank: int) -> bytes:
+    """8 bytes naming what a block's KV depends on besides its tokens (module docstring): the prefix
+    cache's ``salt``, the weight files (``weight_files_id``), the block's size, shape and dtype, the rank."""
+    text = f"{salt}|{weights}|{block_size}|{tuple(block_shape)}|{dtype}|{rank}".encode()
     return hashlib.sha256(text).digest()[:8]
 
 

@@ -29,7 +29,7 @@ from pdserve.engine.execution.compiled_step import CompiledDecodeStep
 from pdserve.engine.execution.model_input import ModelInput
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.config import parse_disk_spec
-from pdserve.engine.execution.kv_disk import DiskKVStore, disk_fingerprint
+from pdserve.engine.execution.kv_disk import DiskKVStore, disk_fingerprint, weight_files_id
 from pdserve.engine.execution.kv_cache import (allocate_kv_cache, allocate_offload_cache, copy_blocks, copy_tier_blocks,
                                                kv_cache_block_bytes, num_blocks_for_budget)
 from pdserve.common.kv_cache_groups import kv_cache_groups_for
@@ -238,11 +238,13 @@ class ModelRunner:
             path, size = parse_disk_spec(config.kv_offload_disk)
             if self.ranks is not None:
                 why += f"; no disk tier: --kv-offload-disk is for single-rank workers (this one has {config.parallel.world_size})"
+            elif config.enable_lora:
+                why += "; no disk tier: LoRA adapters' KV is keyed by their name and path, not their weights"
             elif size // block_bytes >= 1:
                 shape = (*self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
-                self.disk_store = DiskKVStore(path, disk_fingerprint(self.model_fingerprint, self.block_size, shape,
-                                                                     self.kv_cache.dtype, 0),
-                                              shape, self.kv_cache.dtype, size // block_bytes)
+                fingerprint = disk_fingerprint(self.model_fingerprint, weight_files_id(config.model), self.block_size,
+                                               shape, self.kv_cache.dtype, 0)
+                self.disk_store = DiskKVStore(path, fingerprint, shape, self.kv_cache.dtype, size // block_bytes)
                 self.disk_entries = self.disk_store.scan()
                 value += (f"; disk {self.disk_store.dir}: {size // block_bytes} blocks, {len(self.disk_entries)} "
                           f"found at start ({self.disk_store.num_corrupt} corrupt, removed)")

@@ -286,10 +286,9 @@ class BlockManager:
         """Forget every cached block that no request holds, and the offload tier's."""
         for block_id in list(self._free):
             self._evict(block_id)
-        if self.offload is not None:  # (the disk tier stays: a reset forgets what this process computed)
+        if self.offload is not None:  # (the disk tier stays; queued copies still run, in order)
             for key in self.offload.clear():
                 self._record("removed", key, self.offload.medium)
-            self._tier_ops.clear()
 
     # ---- offload tier ------------------------------------------------------------------
 
