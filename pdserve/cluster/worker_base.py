@@ -163,7 +163,8 @@ class WorkerBase:
                               linear_weight_format=self.runner.linear_weight_format,
                               plan=self.runner.plan.as_dict(),
                               prefix_cache_salt=self.core.block_manager.salt if self.kv_events else None,
-                              kv_offload_blocks=self.runner.num_offload_blocks)
+                              kv_offload_blocks=self.runner.num_offload_blocks + (
+                                  self.runner.disk_store.capacity if self.runner.disk_store is not None else 0))
 
     def to_routers(self, msg, routers: list[str] | None = None) -> None:
         """Send ``msg`` to every router (or to ``routers``)."""

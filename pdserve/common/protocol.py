@@ -229,7 +229,7 @@ class RegisterWorker(_Msg):
     # with it the router hashes a prompt's blocks as this worker does and matches them against its KV
     # events. None: prefix caching is off here (it publishes no events).
     prefix_cache_salt: int | None = None
-    kv_offload_blocks: int = 0  # blocks of its offload tier (--kv-offload-memory), beyond num_blocks
+    kv_offload_blocks: int = 0  # blocks of its offload tiers (--kv-offload-memory, --kv-offload-disk), beyond num_blocks
 
 
 class Heartbeat(_Msg):
