@@ -11,15 +11,15 @@ from __future__ import annotations
 import os
 import random
 import signal
-import time
 
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.common.utils import free_port
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
+from pdserve.common.utils import free_port
+from tests.helpers.cluster import wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -46,20 +46,6 @@ def prefix_hits(cluster) -> dict[str, float]:
             if s.name == "vllm:prefix_cache_hits_total" and s.labels.get("role") == "decode"}
 
 
-def wait_for(condition, timeout_s: float = 30.0, what: str = ""):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = condition()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def complete(cluster, prompt: list[int]) -> str:
     """Send ``prompt``; the decode worker that served it."""
     before = {w: info["num_routed"] for w, info in workers(cluster).items()}
@@ -78,7 +64,7 @@ def test_turns_follow_their_cache_and_a_restarted_router_rebuilds_its_index(clus
     first = [rng.randrange(10, 500) for _ in range(5 * BLOCK_SIZE + 3)]
     home = complete(cluster, first)
     other = next(w for w in workers(cluster) if w != home)
-    wait_for(lambda: workers(cluster)[home]["kv_index_blocks"] >= 5, what="the index to show the first turn")
+    wait_until(lambda: workers(cluster)[home]["kv_index_blocks"] >= 5, what="the index to show the first turn")
     assert workers(cluster)[other]["kv_index_blocks"] == 0
 
     hits_before = prefix_hits(cluster)
@@ -87,7 +73,7 @@ def test_turns_follow_their_cache_and_a_restarted_router_rebuilds_its_index(clus
         turn = turn + [rng.randrange(10, 500) for _ in range(rng.randint(8, 24))]
         went = complete(cluster, turn)
         assert went == home
-    hits = wait_for(lambda: (h := prefix_hits(cluster)).get(home, 0) - hits_before.get(home, 0) >= 3 * 5 * BLOCK_SIZE
+    hits = wait_until(lambda: (h := prefix_hits(cluster)).get(home, 0) - hits_before.get(home, 0) >= 3 * 5 * BLOCK_SIZE
                     and h, what="the prefix cache hits")
     assert hits.get(other, 0) == hits_before.get(other, 0)
     decisions = {s.labels["decision"]: s.value for family in text_string_to_metric_families(
@@ -96,12 +82,12 @@ def test_turns_follow_their_cache_and_a_restarted_router_rebuilds_its_index(clus
     assert decisions.get("kv_hit", 0) >= 3, decisions
     # the other router of the tier, which routed none of it, knows the same
     blocks = workers(cluster)[home]["kv_index_blocks"]
-    wait_for(lambda: {w: i["kv_index_blocks"] for w, i in workers(cluster, 1).items()} == {home: blocks, other: 0},
+    wait_until(lambda: {w: i["kv_index_blocks"] for w, i in workers(cluster, 1).items()} == {home: blocks, other: 0},
              what="router-1's index")
 
     # router-0 dies; its restart knows nothing until the workers replay (or snapshot) their events
     os.kill(cluster.router_proc.pid, signal.SIGKILL)
-    wait_for(lambda: len(workers(cluster)) == 2 and workers(cluster)[home]["kv_index_blocks"] == blocks,
+    wait_until(lambda: len(workers(cluster)) == 2 and workers(cluster)[home]["kv_index_blocks"] == blocks,
              timeout_s=60, what="the restarted router's index")
     info = httpx.get(f"{cluster.router_urls()[0]}/info", timeout=10).json()["kv_index"]
     assert info["replays_asked"] >= 2 and info["entries"] >= blocks, info

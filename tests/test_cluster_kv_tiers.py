@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import signal
-import time
 
 import httpx
 import openai
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from pdserve.common.utils import free_port
+from tests.helpers.cluster import wait_until
 
 pytestmark = pytest.mark.cluster
 
@@ -31,19 +31,6 @@ def counters(url: str, name: str) -> float:
 
 def decode_worker(url: str) -> dict | None:
     return next((w for w in httpx.get(f"{url}/workers", timeout=10).json() if w["role"] == "decode"), None)
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = condition()
-        except httpx.HTTPError:
-            value = None
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
 
 
 def test_a_killed_worker_restarts_warm_from_its_disk_tier(model_dir, tmp_path):
@@ -60,19 +47,19 @@ def test_a_killed_worker_restarts_warm_from_its_disk_tier(model_dir, tmp_path):
         for _ in range(3):  # every block of the KV cache and the host tier is reused: the first turn reaches disk
             api.completions.create(model="tiny", prompt=[rng.randrange(10, 2000) for _ in range(40 * BLOCK_SIZE)],
                                    max_tokens=1)
-        wait_for(lambda: counters(url, "pdserve:kv_disk_write_blocks_total") >= 5, 15, "the spills to disk")
+        wait_until(lambda: counters(url, "pdserve:kv_disk_write_blocks_total") >= 5, 15, "the spills to disk")
 
         old = dict(cluster.procs)["decode-0"]
         old.send_signal(signal.SIGKILL)
         old.wait(timeout=10)
         # the supervisor starts it again; it finds its files and says so in its first KV event batch
-        wait_for(lambda: (w := decode_worker(url)) and dict(cluster.procs)["decode-0"].pid != old.pid
+        wait_until(lambda: (w := decode_worker(url)) and dict(cluster.procs)["decode-0"].pid != old.pid
                  and w["kv_index_blocks"] >= 5, 120, "the restarted worker's disk blocks in the router's index")
 
         turn = first + [rng.randrange(10, 2000) for _ in range(10)]
         text = api.completions.create(model="tiny", prompt=turn, max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True}).choices[0].text
-        wait_for(lambda: counters(url, "pdserve:kv_disk_read_blocks_total") >= 5, 15, "the reads from disk")
+        wait_until(lambda: counters(url, "pdserve:kv_disk_read_blocks_total") >= 5, 15, "the reads from disk")
         hits = counters(url, "vllm:prefix_cache_hits_total")
         assert hits >= 5 * BLOCK_SIZE, hits
 

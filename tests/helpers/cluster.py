@@ -132,3 +132,21 @@ def stream_until_cut(url: str, prompt: str, streaming) -> None:
                 pass
     except (httpx.HTTPError, threading.BrokenBarrierError):
         pass
+
+
+def wait_until(condition, timeout_s: float = 30.0, what: str = ""):
+    """Poll ``condition()`` (an HTTP error counts as not yet) until it returns something true; return it.
+
+    Raises:
+        AssertionError: ``timeout_s`` passed first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = condition()
+        except httpx.HTTPError:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
