@@ -64,7 +64,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from pdserve.common.protocol import WorkerRole
-from pdserve.engine.scheduling.block_manager import ROOT_HASH, chain_hash
+from pdserve.engine.scheduling.block_manager import ROOT_HASH, block_hashes
 
 from pdserve.router.kv_index import DEVICE_BIT
 
@@ -265,14 +265,9 @@ class PrefixAwarePolicy(RoutingPolicy):
 def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int, salt: int,
                         root: bytes = ROOT_HASH) -> list[bytes]:
     """The chained hashes of the prompt's full blocks a worker's prefix cache could hit (never the
-    block of the last token, which is always computed): the block manager's own ``chain_hash`` with
-    the worker's ``salt``, from ``root`` (a LoRA adapter's cache root, else ``ROOT_HASH``)."""
-    hashes: list[bytes] = []
-    parent = root
-    for start in range(0, len(prompt_token_ids) - 1 - block_size + 1, block_size):
-        parent = chain_hash(parent, prompt_token_ids[start:start + block_size], salt)
-        hashes.append(parent)
-    return hashes
+    block of the last token, which is always computed), as the worker with ``salt`` hashes them
+    (``block_manager.block_hashes``), from ``root`` (a LoRA adapter's cache root, else ``ROOT_HASH``)."""
+    return block_hashes(prompt_token_ids, len(prompt_token_ids) - 1, block_size, salt, root)
 
 
 def full_groups(worker: WorkerInfo) -> tuple[int, ...]:
@@ -302,12 +297,16 @@ class KVAwarePolicy(RoutingPolicy):
         self.index = index
         self.balance_factor = balance_factor
         self._last: tuple | None = None  # (prompt, salt, {worker id: matched tokens}) of the last pick
+        self._hashes: tuple | None = None  # (prompt, salt, {(block size, salt): its block hashes})
 
     def matched_tokens(self, candidates: Sequence[WorkerInfo], prompt_token_ids: Sequence[int],
                        cache_salt: bytes = b"") -> list[float]:
         """Per candidate, the prompt tokens it holds (whole blocks from the first), a token held only in a
         lower tier counting ``1 - LOWER_TIER_COST``."""
-        hashes: dict[tuple[int, int], list[bytes]] = {}
+        memo = self._hashes  # the decode pick and the prefill pick of one request hash it once
+        if memo is None or memo[0] is not prompt_token_ids or memo[1] != cache_salt:
+            memo = self._hashes = (prompt_token_ids, cache_salt, {})
+        hashes: dict[tuple[int, int], list[bytes]] = memo[2]
         matched = []
         for w in candidates:
             if w.prefix_cache_salt is None or w.block_size <= 0:

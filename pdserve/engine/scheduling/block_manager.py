@@ -70,6 +70,19 @@ def chain_hash(parent_hash: bytes, token_ids: Sequence[int], salt: int = 0) -> b
     return digest.digest()
 
 
+def block_hashes(token_ids: Sequence[int], max_tokens: int, block_size: int, salt: int = 0,
+                 root_hash: bytes = ROOT_HASH) -> list[bytes]:
+    """The chained hashes of the full blocks of ``token_ids[:max_tokens]``, the first chained from
+    ``root_hash``: what a prefix cache looks a prompt up by (``KVCacheManager.find_prefix``, and the
+    router's ``kv_aware`` policy, which hashes as each worker does)."""
+    hashes: list[bytes] = []
+    parent = root_hash
+    for start in range(0, max_tokens - block_size + 1, block_size):
+        parent = chain_hash(parent, token_ids[start:start + block_size], salt)
+        hashes.append(parent)
+    return hashes
+
+
 class BlockManager:
     """Hands out KV cache block ids, reference-counts them, and caches full blocks by hash.
 

@@ -37,7 +37,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from pdserve.engine.scheduling.block_manager import BlockManager, chain_hash
+from pdserve.engine.scheduling.block_manager import BlockManager, block_hashes, chain_hash
 from pdserve.common.kv_cache_groups import KVCacheGroups
 from pdserve.engine.scheduling.request import Request
 
@@ -159,14 +159,9 @@ class KVCacheManager:
         every sliding group holds over the window of the first token after it."""
         bm, bs = self.block_manager, self.block_size
         tokens = request.all_token_ids
-        hashes: list[bytes] = []
-        blocks: list[tuple[int, ...]] = []
-        parent = request.cache_root
-        if bm.enable_prefix_caching:
-            for start in range(0, request.num_tokens - 1 - bs + 1, bs):
-                blocks.append(tuple(tokens[start:start + bs]))
-                parent = chain_hash(parent, blocks[-1], bm.salt)
-                hashes.append(parent)
+        hashes = block_hashes(tokens, request.num_tokens - 1, bs, bm.salt, request.cache_root) \
+            if bm.enable_prefix_caching else []
+        blocks = [tuple(tokens[i * bs:(i + 1) * bs]) for i in range(len(hashes))]
 
         def cached(i: int, g: int) -> int | None:
             return bm.cached_block(hashes[i], blocks[i], g)
