@@ -13,9 +13,11 @@ from pdserve.common.protocol import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Heartbeat,
     KVEventBatch,
     RegisterWorker,
     WorkerRole,
+    WorkerStats,
 )
 from pdserve.common.transport import decode, encode
 from pdserve.engine.scheduling.block_manager import ROOT_HASH, BlockManager, chain_hash
@@ -223,5 +225,17 @@ def test_kv_aware_routes_to_the_worker_that_holds_the_prompt_under_bounded_loads
     # a prefix held in host memory counts nearly as much as one in the KV cache
     index.apply(_batch(1, [BlockRemoved(block_hashes=hashes[:3]), _stored(*hashes[:3], medium="host")], worker="d1"))
     assert policy.matched_tokens(candidates, prompt) == [0, 12 * (1 - LOWER_TIER_COST), 0]
+    # once d1 has measured both speeds, its own figures price the copy back: 1 ms a token prefilled (4 ms
+    # a block), 1 ms a block loaded from host memory, 8 ms a block read from disk
+    stats = WorkerStats(prefill_compute_tokens=1000, prefill_compute_seconds=1.0, kv_onload_blocks=10,
+                        kv_onload_seconds=0.01, kv_disk_read_blocks=10, kv_disk_read_seconds=0.08)
+    registry.heartbeat(Heartbeat(worker_id="d1", role=WorkerRole.DECODE, stats=stats), now=1.0)
+    assert candidates[1].tier_load_cost("host") == pytest.approx(0.25)
+    assert policy.matched_tokens(candidates, prompt) == pytest.approx([0, 12 * 0.75, 0])
+    # a disk dearer to read than recomputing: the worker recomputes from the first block only on disk
+    index.apply(_batch(2, [BlockRemoved(block_hashes=hashes[1:3], medium="host"),
+                           _stored(*hashes[1:3], medium="disk")], worker="d1"))
+    assert candidates[1].tier_load_cost("disk") == pytest.approx(2.0)
+    assert policy.matched_tokens(candidates, prompt) == pytest.approx([0, 4 * 0.75, 0])
     with pytest.raises(ValueError, match="KV index"):
         make_policy("kv_aware")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM
-from pdserve.common.protocol import SamplingParams, TierOpKind
+from pdserve.common import faults
+from pdserve.common.protocol import SamplingParams, TierOpKind, WorkerStats
 from pdserve.engine.scheduling.block_manager import ROOT_HASH, BlockManager, chain_hash
 from pdserve.engine.scheduling.kv_cache_manager import KVCacheManager
 from pdserve.engine.scheduling.kv_offload import OffloadTier
@@ -70,6 +71,37 @@ def test_evicted_blocks_go_to_the_tier_and_come_back_in_order():
     events = bm.take_kv_events()
     assert {e[-1] for e in events} == {"device", "host"}
     assert bm.num_onloaded == 4 and bm.num_offloaded == 8
+
+
+def test_a_tier_measured_slower_than_recomputing_is_recomputed():
+    """A hit is loaded only while the worker's measured load speed beats its measured prefill speed."""
+    bm = BlockManager(6, BS, salt=2, offload=OffloadTier(8))
+    kv = KVCacheManager(bm)
+    costs = bm.tier_costs
+    assert costs.worth_loading("host") and costs.recompute_s() is None  # nothing measured: a hit loads
+
+    def run(name: str, tokens: list[int]) -> int:
+        request = make_request(name, tokens)
+        cached = compute_prompt(kv, request)
+        kv.free(request)
+        return cached
+
+    def evict_then_ask(name: str, base: int) -> int:
+        run(f"evict-{name}", list(range(base, base + 23)))  # 6 fresh blocks: the first prompt's go to the tier
+        bm.take_tier_copies()
+        return run(name, list(range(17)) + [5, 6])
+
+    run("a", list(range(17)))
+    costs.observe_prefill(1000, 1.0)  # 1 ms a token: 4 ms a block
+    costs.observe_load("host", 10, 0.1)  # 10 ms a block
+    assert costs.recompute_s() == pytest.approx(0.004) and not costs.worth_loading("host")
+    assert evict_then_ask("b", 100) == 0  # in the tier, recomputed
+    assert not [op for op in bm.take_tier_copies() if op.kind == TierOpKind.ONLOAD]
+    assert bm.num_declined == {"host": 1, "disk": 0} and bm.num_onloaded == 0
+    costs.observe_load("host", 990, 0.0)  # now 0.1 ms a block
+    assert costs.worth_loading("host")
+    assert evict_then_ask("c", 200) == 16  # loaded
+    assert bm.num_onloaded == 4 and bm.tier_saved_s["host"] == pytest.approx(4 * (0.004 - 0.0001))
 
 
 def test_greedy_is_token_exact_with_prefixes_served_from_the_tier(model_dir, prompts, hf_greedy):
@@ -180,6 +212,33 @@ def test_the_disk_tier_serves_prefixes_across_a_restart_and_never_a_bad_file(mod
     other.close()
     with pytest.raises(ValueError, match="needs --kv-offload-memory"):
         LLM(model_dir, kv_offload_disk=f"{tmp_path}:1MiB")
+
+
+def test_a_slow_disk_is_measured_and_its_hits_recomputed_token_exact(model_dir, prompts, hf_greedy, tmp_path,
+                                                                      monkeypatch):
+    """A disk that takes 50 ms a block (an injected delay in the real read path): the first hits there
+    are read and timed, then recomputed, every token still matching transformers; the worker's
+    figures say so."""
+    monkeypatch.setitem(faults.FAULTS, "disk_read_delay_s", 0.05)
+    llm = _disk_llm(model_dir, tmp_path)
+    bm = llm.block_manager
+    passes = 0
+    while bm.num_declined["disk"] == 0 and passes < 4:
+        outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+        assert token_ids(outputs) == hf_greedy
+        _flush(llm)
+        passes += 1
+    assert bm.num_loaded >= 8 and not bm.tier_costs.worth_loading("disk")
+    assert bm.tier_costs.load_s("disk") > 0.05 > bm.tier_costs.recompute_s()
+    loaded = bm.num_loaded
+    outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+    assert token_ids(outputs) == hf_greedy and bm.num_loaded == loaded  # recomputed, not read
+    stats = llm.core.stats(WorkerStats())
+    assert stats.kv_disk_recomputed_hits == bm.num_declined["disk"] > 0
+    assert stats.kv_disk_read_seconds >= 0.05 * loaded and stats.kv_disk_saved_seconds == 0.0
+    assert stats.kv_block_bytes == llm.core.runner.block_bytes > 0
+    assert_all_blocks_free(llm)
+    llm.close()
 
 
 _KILLED_WORKER = """

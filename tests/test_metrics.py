@@ -150,3 +150,44 @@ def test_worker_counters_survive_restarts_and_death():
     samples = scrape(metrics.render()[0].decode())
     assert value(samples, "vllm:prompt_tokens_total", worker="p0") == 75
     assert "vllm:kv_cache_usage_perc" not in samples
+
+
+def test_offload_tier_figures_are_exposed_per_medium():
+    """Issue 39's per-tier metrics: hits (tokens; the KV cache's own as "device"), blocks and bytes each
+    way, copy seconds, hits recomputed and time saved, labelled by tier."""
+    registry = WorkerRegistry(worker_timeout_s=5)
+    metrics = RouterMetrics("m", registry, max_model_len=128)
+    registry.register(RegisterWorker(worker_id="d0", role=WorkerRole.DECODE, input_addr="tcp://a:1",
+                                     model_name="m", block_size=16), now=0)
+    stats = WorkerStats(prefix_cache_queries=1000, prefix_cache_hits=800, kv_onload_blocks=20, kv_disk_read_blocks=5,
+                        kv_offload_blocks=30, kv_disk_write_blocks=10, kv_block_bytes=4096, kv_onload_seconds=0.5,
+                        kv_disk_read_seconds=2.0, kv_offload_seconds=0.25, kv_disk_write_seconds=1.0,
+                        kv_host_recomputed_hits=1, kv_disk_recomputed_hits=3, kv_host_saved_seconds=1.5,
+                        kv_disk_saved_seconds=0.5)
+    msg = heartbeat("d0", stats, role=WorkerRole.DECODE)
+    assert registry.heartbeat(msg, now=1)
+    metrics.workers.observe_heartbeat(msg)
+    samples = scrape(metrics.render()[0].decode())
+
+    def tier(name, medium):
+        return value(samples, name, worker="d0", medium=medium)
+
+    assert tier("pdserve:kv_tier_hit_tokens_total", "device") == 800 - 16 * 25
+    assert tier("pdserve:kv_tier_hit_tokens_total", "host") == 16 * 20
+    assert tier("pdserve:kv_tier_hit_tokens_total", "disk") == 16 * 5
+    assert tier("pdserve:kv_tier_loaded_blocks_total", "host") == 20
+    assert tier("pdserve:kv_tier_loaded_bytes_total", "disk") == 5 * 4096
+    assert tier("pdserve:kv_tier_stored_blocks_total", "disk") == 10
+    assert tier("pdserve:kv_tier_stored_bytes_total", "host") == 30 * 4096
+    assert tier("pdserve:kv_tier_load_seconds_total", "disk") == 2.0
+    assert tier("pdserve:kv_tier_store_seconds_total", "host") == 0.25
+    assert tier("pdserve:kv_tier_recomputed_hits_total", "disk") == 3
+    assert tier("pdserve:kv_tier_saved_seconds_total", "host") == 1.5
+    # a worker that reports no tier figures (an older one) gets no tier series
+    registry.register(RegisterWorker(worker_id="d1", role=WorkerRole.DECODE, input_addr="tcp://a:2",
+                                     model_name="m", block_size=16), now=0)
+    msg = heartbeat("d1", WorkerStats(prefix_cache_hits=5), role=WorkerRole.DECODE)
+    registry.heartbeat(msg, now=1)
+    metrics.workers.observe_heartbeat(msg)
+    samples = scrape(metrics.render()[0].decode())
+    assert not [lab for lab, _ in samples["pdserve:kv_tier_hit_tokens_total"] if lab["worker"] == "d1"]

@@ -18,6 +18,8 @@ Keys:
         shorter than the receive buffer, so a cut is caught by the checksum over
         the whole buffer; a cut that only drops unused slots of the last block
         changes nothing that is read, and passes.)
+    ``disk_read_delay_s``: float. The disk KV tier (``DiskKVStore.read``) sleeps this long before
+        each block it reads back: a slow disk, whose hits the worker must learn to recompute.
 """
 
 from __future__ import annotations
@@ -53,3 +55,12 @@ def mark_kv_send(request_id: str, prompt_token_ids: list[int]) -> None:
 def kv_send_fault(request_id: str) -> dict | None:
     """The ``kv_send`` fault for ``request_id``'s KV, if a test asked for one."""
     return _kv_send_faults.get(request_id) if _kv_send_faults else None
+
+
+def disk_read_delay() -> None:
+    """Sleep ``disk_read_delay_s`` if configured (one dictionary lookup otherwise)."""
+    delay = FAULTS.get("disk_read_delay_s") if FAULTS else None
+    if delay:
+        import time
+
+        time.sleep(delay)

@@ -181,6 +181,16 @@ class WorkerStats(_Msg):
     kv_offload_copy_seconds: float = 0.0  # wall time of those copies (both ways)
     kv_disk_write_blocks: int = 0  # blocks the host tier evicted, written to the disk tier (--kv-offload-disk)
     kv_disk_read_blocks: int = 0  # blocks read back from it: prefix hits there
+    # Per tier (host: --kv-offload-memory, disk: --kv-offload-disk), as measured on the driver rank:
+    kv_block_bytes: int = 0  # one block of the KV cache over every rank (the unit of the tiers' copies)
+    kv_offload_seconds: float = 0.0  # wall time of the copies into the host tier
+    kv_onload_seconds: float = 0.0  # ... back from it
+    kv_disk_write_seconds: float = 0.0  # ... into the disk tier
+    kv_disk_read_seconds: float = 0.0  # ... back from it
+    kv_host_recomputed_hits: int = 0  # hits in the host tier recomputed instead: loading measured slower
+    kv_disk_recomputed_hits: int = 0  # ... in the disk tier
+    kv_host_saved_seconds: float = 0.0  # recompute time the host tier's hits saved (measured speeds)
+    kv_disk_saved_seconds: float = 0.0  # ... the disk tier's
 
 
 class KVLayout(_Msg):

@@ -32,8 +32,8 @@ from concurrent.futures import Future
 import msgspec
 
 from pdserve.common import faults
-from pdserve.common.protocol import (KVStepOps, LoRARequest, ResumedChoice, SamplingParams, TokenLogprob,
-                                     WorkerStats)
+from pdserve.common.protocol import (KVStepOps, LoRARequest, ResumedChoice, SamplingParams, TierOpKind,
+                                     TokenLogprob, WorkerStats)
 from pdserve.common.validation import EngineLimits, ValidationError, check_request
 from pdserve.engine.scheduling.block_manager import BlockManager
 from pdserve.engine.scheduling.kv_offload import OffloadTier
@@ -47,6 +47,8 @@ from pdserve.engine.execution.structured_output import StructuredOutputManager
 from pdserve.engine.lora.adapter import LoRAAdapterError
 
 logger = logging.getLogger(__name__)
+
+_LOAD_MEDIUM = {TierOpKind.ONLOAD: "host", TierOpKind.LOAD: "disk"}  # the copies that bring a hit back, by tier
 
 
 class EngineCore:
@@ -251,15 +253,25 @@ class EngineCore:
         if self.proposer is not None and self.proposer.drafts_at_execute:  # a draft model drafts now
             self.proposer.propose(scheduler_output.scheduled, scheduler_output.block_copies)
             _cut_drafts_to_grammar(scheduler_output)
+        copies = self.runner.tier_copy_stats
+        copied = {kind: tuple(entry) for kind, entry in copies.items()}
         start = time.perf_counter()
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
                                      block_copies=scheduler_output.block_copies, kv_ops=kv_ops,
                                      tier_ops=self.block_manager.take_tier_copies())
+        elapsed = time.perf_counter() - start
+        costs = self.block_manager.tier_costs
+        for kind, (blocks, seconds) in copies.items():  # this step's tier copies, measured
+            blocks_before, seconds_before = copied.get(kind, (0, 0.0))
+            elapsed -= seconds - seconds_before
+            if kind in _LOAD_MEDIUM and blocks > blocks_before:
+                costs.observe_load(_LOAD_MEDIUM[kind], blocks - blocks_before, seconds - seconds_before)
         num_prompt_tokens = sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
                                 for r, n in scheduler_output.scheduled)
         if num_prompt_tokens:  # a step that computed prompt tokens (decode rows mixed in count as its cost)
             self.prefill_compute_tokens += num_prompt_tokens
-            self.prefill_compute_seconds += time.perf_counter() - start
+            self.prefill_compute_seconds += elapsed
+            costs.observe_prefill(num_prompt_tokens, elapsed)
         _collect_prompt_logprobs(scheduler_output, output)
         if scheduler_output.scheduled:
             self.num_steps += 1
@@ -359,7 +371,21 @@ class EngineCore:
             prefill_compute_tokens=self.prefill_compute_tokens, prefill_compute_seconds=self.prefill_compute_seconds,
             kv_offload_blocks=self.block_manager.num_offloaded, kv_onload_blocks=self.block_manager.num_onloaded,
             kv_offload_copy_seconds=self.runner.tier_copy_seconds,
-            kv_disk_write_blocks=self.block_manager.num_spilled, kv_disk_read_blocks=self.block_manager.num_loaded)
+            kv_disk_write_blocks=self.block_manager.num_spilled, kv_disk_read_blocks=self.block_manager.num_loaded,
+            **self._tier_stats())
+
+    def _tier_stats(self) -> dict:
+        """``WorkerStats``' per-tier fields: the runner's copy timings, the block manager's hit counts."""
+        bm, runner = self.block_manager, self.runner
+        seconds = {kind: entry[1] for kind, entry in runner.tier_copy_stats.items()}
+        return dict(
+            kv_block_bytes=runner.block_bytes * self.world_size,
+            kv_offload_seconds=seconds.get(TierOpKind.OFFLOAD, 0.0),
+            kv_onload_seconds=seconds.get(TierOpKind.ONLOAD, 0.0),
+            kv_disk_write_seconds=seconds.get(TierOpKind.SPILL, 0.0),
+            kv_disk_read_seconds=seconds.get(TierOpKind.LOAD, 0.0),
+            kv_host_recomputed_hits=bm.num_declined["host"], kv_disk_recomputed_hits=bm.num_declined["disk"],
+            kv_host_saved_seconds=bm.tier_saved_s["host"], kv_disk_saved_seconds=bm.tier_saved_s["disk"])
 
 
 def _collect_prompt_logprobs(scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:

@@ -36,6 +36,8 @@ from pdserve.common.protocol import (
 
 _MEDIUM_BIT = {m: 1 << i for i, m in enumerate(KV_MEDIA)}
 DEVICE_BIT = _MEDIUM_BIT["device"]
+HOST_BIT = _MEDIUM_BIT["host"]
+DISK_BIT = _MEDIUM_BIT["disk"]
 
 
 def block_key(block_hash: bytes, group: int) -> bytes:

@@ -99,6 +99,28 @@ _WORKER_COUNTERS = (
 )
 _STAT_FIELDS = WorkerStats.__struct_fields__
 
+# Per tier of the offload tiers (label ``medium``, as KV events name them): (metric name, {medium:
+# WorkerStats field}, unit, help). A unit of "blocks" also gives a ``_bytes`` twin (blocks x the
+# worker's kv_block_bytes). Hit rate of a tier: pdserve:kv_tier_hit_tokens / vllm:prefix_cache_queries;
+# load bandwidth: pdserve:kv_tier_loaded_bytes / pdserve:kv_tier_load_seconds.
+_TIER_COUNTERS = (
+    ("pdserve:kv_tier_hit_tokens", {"device": "prefix_cache_hits", "host": "kv_onload_blocks",
+                                    "disk": "kv_disk_read_blocks"}, "tokens",
+     "Prefix cache hits by the tier they came from, in prompt tokens (device: the KV cache itself)."),
+    ("pdserve:kv_tier_loaded", {"host": "kv_onload_blocks", "disk": "kv_disk_read_blocks"}, "blocks",
+     "KV blocks copied back from an offload tier into the KV cache (its prefix hits)."),
+    ("pdserve:kv_tier_stored", {"host": "kv_offload_blocks", "disk": "kv_disk_write_blocks"}, "blocks",
+     "KV blocks written into an offload tier (host: evicted from the KV cache; disk: from the host tier)."),
+    ("pdserve:kv_tier_load_seconds", {"host": "kv_onload_seconds", "disk": "kv_disk_read_seconds"}, "",
+     "Seconds spent copying blocks back from an offload tier."),
+    ("pdserve:kv_tier_store_seconds", {"host": "kv_offload_seconds", "disk": "kv_disk_write_seconds"}, "",
+     "Seconds spent copying blocks into an offload tier."),
+    ("pdserve:kv_tier_recomputed_hits", {"host": "kv_host_recomputed_hits", "disk": "kv_disk_recomputed_hits"}, "",
+     "Prefix hits in an offload tier recomputed instead, loading from it measuring slower."),
+    ("pdserve:kv_tier_saved_seconds", {"host": "kv_host_saved_seconds", "disk": "kv_disk_saved_seconds"}, "",
+     "Prefill time an offload tier's hits saved against recomputing them (the worker's measured speeds)."),
+)
+
 # Buckets in the spirit of vLLM's.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                  7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -137,12 +159,22 @@ class _WorkerTotals:
     def __init__(self) -> None:
         self.base = dict.fromkeys(_STAT_FIELDS, 0)
         self.last = dict.fromkeys(_STAT_FIELDS, 0)
+        self.block_size = 0  # the worker's tokens per block, as last registered
+        self.block_bytes = 0  # its bytes per block (WorkerStats.kv_block_bytes), as last reported
 
     def update(self, stats: WorkerStats) -> None:
         new = msgspec.structs.asdict(stats)
         if any(new[k] < self.last[k] for k in _STAT_FIELDS):
             self.restarted()
         self.last = new
+        self.block_bytes = stats.kv_block_bytes or self.block_bytes
+
+    def tier_total(self, field: str, unit: str) -> float:
+        """``field``'s total in ``unit``: "bytes" or "tokens" converted from blocks, anything else as counted."""
+        total = self.total(field)
+        if field == "prefix_cache_hits":  # the KV cache's own hits: the tiers' came back into it first
+            return max(0.0, total - self.block_size * (self.total("kv_onload_blocks") + self.total("kv_disk_read_blocks")))
+        return total * (self.block_bytes if unit == "bytes" else self.block_size if unit == "tokens" else 1)
 
     def restarted(self) -> None:
         for k in _STAT_FIELDS:
@@ -172,7 +204,11 @@ class WorkerStatsCollector(Collector):
 
     def observe_heartbeat(self, msg: Heartbeat) -> None:
         key = (msg.worker_id, _role(msg.role))
-        self._totals.setdefault(key, _WorkerTotals()).update(msg.stats)
+        totals = self._totals.setdefault(key, _WorkerTotals())
+        totals.update(msg.stats)
+        worker = self.registry.get(msg.worker_id)
+        if worker is not None and worker.block_size > 0:
+            totals.block_size = worker.block_size
 
     def observe_restart(self, worker_id: str, role: WorkerRole) -> None:
         totals = self._totals.get((worker_id, _role(role)))
@@ -204,9 +240,19 @@ class WorkerStatsCollector(Collector):
                                      time.time())
         for role in WorkerRole:
             num_workers.add_metric([self.model_name, _role(role)], self.registry.num_live(role))
-        for family, (_, field, _) in zip(families[4:-1], _WORKER_COUNTERS):
+        counters = families[4:4 + len(_WORKER_COUNTERS)]
+        for family, (_, field, _) in zip(counters, _WORKER_COUNTERS):
             for (worker_id, role), totals in self._totals.items():
                 family.add_metric([self.model_name, worker_id, role], totals.total(field))
+        tiers = iter(families[4 + len(_WORKER_COUNTERS):-1])
+        for _, fields, unit, _ in _TIER_COUNTERS:
+            for unit_ in ["blocks", "bytes"] if unit == "blocks" else [unit]:
+                family = next(tiers)
+                for (worker_id, role), totals in self._totals.items():
+                    if totals.block_bytes == 0:  # a worker that reports no tier figures
+                        continue
+                    for medium, field in fields.items():
+                        family.add_metric([self.model_name, worker_id, role, medium], totals.tier_total(field, unit_))
         return families
 
     @staticmethod
@@ -222,6 +268,9 @@ class WorkerStatsCollector(Collector):
                               labels=["model_name", "role"]),
             *(CounterMetricFamily(name, doc, labels=_WORKER_LABELS)
               for name, _, doc in _WORKER_COUNTERS),
+            *(CounterMetricFamily(name + suffix, doc + extra, labels=[*_WORKER_LABELS, "medium"])
+              for name, _, unit, doc in _TIER_COUNTERS
+              for suffix, extra in ([("_blocks", ""), ("_bytes", " In bytes.")] if unit == "blocks" else [("", "")])),
             GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the worker's running and waiting "
                               "requests and its slots (latest heartbeat); the value is the time it was read.",
                               labels=[*_WORKER_LABELS, "max_lora", "running_lora_adapters",

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from pdserve.common.protocol import Heartbeat, KVLayout, RegisterWorker, WorkerRole
 from pdserve.common.validation import EngineLimits
+from pdserve.engine.scheduling.kv_offload import MIN_MEASURED_LOAD_BLOCKS
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,21 @@ class WorkerInfo:
                 or stats.prefill_compute_seconds <= 0:
             return None
         return stats.prefill_compute_tokens / stats.prefill_compute_seconds
+
+    def tier_load_cost(self, medium: str) -> float | None:
+        """What bringing a block back from offload tier ``medium`` (host, disk) costs this worker, as a
+        fraction of recomputing it: its measured seconds per block loaded over its measured seconds per
+        block prefilled (heartbeat figures), or None before both are measured. At 1 or more the worker
+        recomputes such hits (``kv_offload.TierCosts``)."""
+        stats = self.heartbeat.stats if self.heartbeat is not None else None
+        speed = self.prefill_tokens_per_s
+        if stats is None or speed is None or self.block_size <= 0:
+            return None
+        blocks, seconds = ((stats.kv_onload_blocks, stats.kv_onload_seconds) if medium == "host"
+                           else (stats.kv_disk_read_blocks, stats.kv_disk_read_seconds))
+        if blocks < MIN_MEASURED_LOAD_BLOCKS:
+            return None
+        return seconds / blocks / (self.block_size / speed)
 
     @property
     def state(self) -> str:

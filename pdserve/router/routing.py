@@ -47,7 +47,8 @@ lost worker never existed.
   prompt tokens it does not hold) / its measured prefill speed``, where pending
   tokens count only what each queued prompt did not find cached (tokens alone
   until every candidate has measured one; a block held only in a lower tier, host
-  memory, counts ``LOWER_TIER_COST`` of recomputing it: the copy back). The cheapest worker below the bounded
+  memory or disk, counts what loading it measured on that worker against recomputing
+  it, ``LOWER_TIER_COST`` until measured, and not at all where loading is dearer). The cheapest worker below the bounded
   load capacity above gets the request, so a conversation follows its cache until
   that worker is ``balance_factor`` times busier than the average. A decode worker's
   pending prefills are its local ones: in disaggregated serving its price is the
@@ -66,16 +67,16 @@ from typing import TYPE_CHECKING
 from pdserve.common.protocol import WorkerRole
 from pdserve.engine.scheduling.block_manager import ROOT_HASH, block_hashes
 
-from pdserve.router.kv_index import DEVICE_BIT
+from pdserve.router.kv_index import DEVICE_BIT, DISK_BIT, HOST_BIT
 
 if TYPE_CHECKING:
     from pdserve.router.kv_index import KVIndex
     from pdserve.router.registry import WorkerInfo
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
-# kv_aware: what bringing back a block held only in a lower tier (host memory) costs, as a fraction of
-# recomputing it (a copy of its bytes against a forward over its tokens: a few percent on the CPU, as
-# bench_kv_offload.py measures; PCIe against a GPU's compute is of the same order)
+# kv_aware: what bringing back a block held only in a lower tier costs, as a fraction of recomputing it,
+# until the worker has measured both (a copy of its bytes against a forward over its tokens: a few
+# percent on the CPU from host memory, as bench_kv_offload.py measures)
 LOWER_TIER_COST = 0.1
 DEFAULT_BLOCK_SIZE = 16  # when no candidate advertised a block_size
 
@@ -277,6 +278,28 @@ def full_groups(worker: WorkerInfo) -> tuple[int, ...]:
     return tuple(g for g, cap in enumerate(caps) if cap is None) or (0,)
 
 
+def _held_blocks(worker: WorkerInfo, tiers: Sequence[int]) -> float:
+    """How many blocks of a prefix ``worker`` holds, as it will reuse them: ``tiers`` is each leading
+    block's tier bits (``KVIndex.prefix_tiers``). A block only in host memory (else on disk, as the worker
+    looks) counts 1 minus its measured load cost against recomputing (``WorkerInfo.tier_load_cost``;
+    ``LOWER_TIER_COST`` until measured); at a block dearer to load than to recompute the worker stops
+    loading, and so does the count."""
+    held = 0.0
+    costs: dict[int, float] = {}
+    for bits in tiers:
+        if bits & DEVICE_BIT:
+            held += 1.0
+            continue
+        bit = HOST_BIT if bits & HOST_BIT else DISK_BIT
+        if bit not in costs:
+            measured = worker.tier_load_cost("host" if bit == HOST_BIT else "disk")
+            costs[bit] = LOWER_TIER_COST if measured is None else measured
+        if costs[bit] >= 1.0:
+            break
+        held += 1.0 - costs[bit]
+    return held
+
+
 class KVAwarePolicy(RoutingPolicy):
     """The cheapest prefill, by what each worker really caches (``KVIndex``), under bounded loads.
 
@@ -302,7 +325,7 @@ class KVAwarePolicy(RoutingPolicy):
     def matched_tokens(self, candidates: Sequence[WorkerInfo], prompt_token_ids: Sequence[int],
                        cache_salt: bytes = b"") -> list[float]:
         """Per candidate, the prompt tokens it holds (whole blocks from the first), a token held only in a
-        lower tier counting ``1 - LOWER_TIER_COST``."""
+        lower tier counting 1 minus what loading it costs that worker (``_held_blocks``)."""
         memo = self._hashes  # the decode pick and the prefill pick of one request hash it once
         if memo is None or memo[0] is not prompt_token_ids or memo[1] != cache_salt:
             memo = self._hashes = (prompt_token_ids, cache_salt, {})
@@ -317,7 +340,7 @@ class KVAwarePolicy(RoutingPolicy):
                 hashes[key] = prompt_block_hashes(prompt_token_ids, w.block_size, w.prefix_cache_salt,
                                                   cache_salt or ROOT_HASH)
             tiers = self.index.prefix_tiers(w.worker_id, hashes[key], full_groups(w))
-            matched.append(w.block_size * sum(1.0 if bits & DEVICE_BIT else 1.0 - LOWER_TIER_COST for bits in tiers))
+            matched.append(w.block_size * _held_blocks(w, tiers))
         return matched
 
     def cached_tokens(self, worker, prompt_token_ids, cache_salt=b""):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import time
 
 import torch
 
@@ -117,16 +118,20 @@ def allocate_offload_cache(kv_cache: torch.Tensor, num_slots: int) -> torch.Tens
     return tier.zero_()
 
 
-def copy_tier_blocks(kv_cache: torch.Tensor, tier: torch.Tensor, ops: list[TierOp], disk=None) -> None:
+def copy_tier_blocks(kv_cache: torch.Tensor, tier: torch.Tensor, ops: list[TierOp], disk=None,
+                     timings: dict[TierOpKind, list] | None = None) -> None:
     """Run the offload tiers' copies of one step in order (``TierOp``: spill host -> disk, offload KV
     cache -> host, load disk -> KV cache, onload host -> KV cache; ``disk`` a ``kv_disk.DiskKVStore``).
-    A run of offloads or onloads with no destination twice is one indexed copy.
+    A run of offloads or onloads with no destination twice is one indexed copy. ``timings`` (kind ->
+    [blocks, seconds]) is added each kind's blocks and wall time.
 
     Raises:
         kv_disk.CorruptKVFile: a disk file failed its check (the step's requests fail; nothing is served)."""
     i = 0
     while i < len(ops):
         op = ops[i]
+        start = time.perf_counter()
+        j = i + 1
         if op.kind == TierOpKind.SPILL:
             disk.write(op.dst, op.key, tuple(op.tokens), tier[:, :, op.src])
         elif op.kind == TierOpKind.LOAD:
@@ -143,9 +148,13 @@ def copy_tier_blocks(kv_cache: torch.Tensor, tier: torch.Tensor, ops: list[TierO
             else:
                 kv_cache.index_copy_(2, dst.to(kv_cache.device),
                                      tier.index_select(2, src).to(kv_cache.device, non_blocking=True))
-            i = j
-            continue
-        i += 1
+        if timings is not None:
+            if kv_cache.device.type == "cuda":
+                torch.cuda.synchronize(kv_cache.device)  # the copy's time, not its launch's
+            entry = timings.setdefault(op.kind, [0, 0.0])
+            entry[0] += j - i
+            entry[1] += time.perf_counter() - start
+        i = j
 
 
 def copy_blocks(kv_cache: torch.Tensor, copies: list[tuple[int, int]]) -> None:

@@ -40,6 +40,8 @@ import struct
 
 import torch
 
+from pdserve.common import faults
+
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PDKV\x01"
@@ -148,6 +150,7 @@ class DiskKVStore:
 
         Raises:
             CorruptKVFile: the file is missing, truncated, corrupt or holds another block."""
+        faults.disk_read_delay()
         got, _, payload = self._read(self.path(slot))
         if got != key:
             raise CorruptKVFile(f"{self.path(slot)} holds another block")

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig
 
 from pdserve.common.checkpoint import checkpoint_dtype, read_eos_token_ids
-from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach, TierOp, WorkerRole
+from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach, TierOp, TierOpKind, WorkerRole
 from pdserve.common.utils import format_cpu_list, keep_freed_memory, pin_to_cores, resolve_device, resolve_dtype
 from pdserve.engine.layers.attention import AttentionMetadata, select_backend
 from pdserve.engine.execution import measured_choices
@@ -213,6 +213,8 @@ class ModelRunner:
         config, plan = self.config, self.plan
         self.num_offload_blocks = config.kv_offload_memory // block_bytes
         self.tier_copy_seconds = 0.0  # wall time of this rank's offload tier copies
+        self.tier_copy_stats: dict[TierOpKind, list] = {}  # kind -> [blocks, seconds] of this rank's copies
+        self.block_bytes = block_bytes  # one block of this rank's KV cache (every layer it holds, K and V)
         if self.ranks is not None:  # slot ids are the driver's: every rank must have every slot
             self.num_offload_blocks = self.ranks.min_over_ranks(self.num_offload_blocks)
         self.offload_cache = None
@@ -405,7 +407,8 @@ class ModelRunner:
             self.attach_kv_agent(step.attach)
         if step.kv_tier_ops:  # first: they read blocks this step may overwrite
             start = time.perf_counter()
-            copy_tier_blocks(self.kv_cache, self.offload_cache, step.kv_tier_ops, self.disk_store)
+            copy_tier_blocks(self.kv_cache, self.offload_cache, step.kv_tier_ops, self.disk_store,
+                             self.tier_copy_stats)
             self.tier_copy_seconds += time.perf_counter() - start
         agent = self.kv_agent
         if step.kv is not None and agent is not None:

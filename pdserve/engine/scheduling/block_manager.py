@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from pdserve.common.protocol import TierOp, TierOpKind
-from pdserve.engine.scheduling.kv_offload import OffloadTier
+from pdserve.engine.scheduling.kv_offload import OffloadTier, TierCosts
 
 ROOT_HASH = b""  # the "previous block" of a sequence's first block
 
@@ -119,6 +119,11 @@ class BlockManager:
         self._tier_ops: list[TierOp] = []  # copies queued for the next step, to run in this order
         self.num_offloaded = self.num_onloaded = 0  # blocks copied out to / back from the host tier, ever
         self.num_spilled = self.num_loaded = 0  # blocks written to / read from the disk tier, ever
+        # Whether a hit in a tier is worth loading (the engine feeds it the measured speeds), and what
+        # the tiers' hits did: hits recomputed because loading was dearer, seconds loading saved
+        self.tier_costs = TierCosts(block_size)
+        self.num_declined = {"host": 0, "disk": 0}
+        self.tier_saved_s = {"host": 0.0, "disk": 0.0}
 
     # ---- sizes ----------------------------------------------------------------
 
@@ -345,24 +350,31 @@ class BlockManager:
         self._record("stored", key, self.disk.medium, None, tokens)
 
     def find_offloaded(self, token_ids: Sequence[int], first_block: int, parent_hash: bytes,
-                       max_tokens: int) -> tuple[list[int], list[bytes]]:
+                       max_tokens: int) -> tuple[list[int], list[bytes], str | None]:
         """The offload tiers' continuation of a prefix hit: the slots and hashes of the full blocks of
         ``token_ids[:max_tokens]`` from logical block ``first_block`` on (the first one chained from
         ``parent_hash``) that the tiers hold without a break, a host slot ``s`` as ``s``, a disk slot
-        ``d`` as ``-(d + 1)``. Each slot is pinned until its step's copies are taken. Group 0 only."""
+        ``d`` as ``-(d + 1)``, and the tier whose hit stopped it because loading from there measures
+        slower than recomputing (``tier_costs``; None: it stopped at a miss). Each slot is pinned until
+        its step's copies are taken. Group 0 only."""
         slots: list[int] = []
         hashes: list[bytes] = []
         if self.offload is None or not (len(self.offload) or (self.disk is not None and len(self.disk))):
-            return slots, hashes
+            return slots, hashes, None
         bs = self.block_size
         parent = parent_hash
+        costs = self.tier_costs
         for start in range(first_block * bs, max_tokens - bs + 1, bs):
             block_tokens = tuple(token_ids[start:start + bs])
             block_hash = chain_hash(parent, block_tokens, self.salt)
             slot = self.offload.lookup(block_hash, block_tokens)
             if slot is not None:
+                if not costs.worth_loading(self.offload.medium):
+                    return slots, hashes, self.offload.medium
                 self.offload.pin(slot)  # until its copy back is queued: no other block may take it
             elif self.disk is not None and (disk_slot := self.disk.lookup(block_hash, block_tokens)) is not None:
+                if not costs.worth_loading(self.disk.medium):
+                    return slots, hashes, self.disk.medium
                 self.disk.pin(disk_slot)  # until its read is queued: no spill may take it
                 slot = -(disk_slot + 1)
             else:
@@ -370,7 +382,7 @@ class BlockManager:
             slots.append(slot)
             hashes.append(block_hash)
             parent = block_hash
-        return slots, hashes
+        return slots, hashes, None
 
     def adopt_offloaded(self, slots: Sequence[int], block_ids: Sequence[int], block_hashes: Sequence[bytes],
                         parent_hash: bytes) -> None:
@@ -382,11 +394,12 @@ class BlockManager:
             if slot >= 0:
                 self._tier_ops.append(TierOp(kind=TierOpKind.ONLOAD, src=slot, dst=block_id))
                 self.num_onloaded += 1
-                tokens = self.offload.tokens(slot)
+                tokens, medium = self.offload.tokens(slot), self.offload.medium
             else:
                 self._tier_ops.append(TierOp(kind=TierOpKind.LOAD, src=-slot - 1, dst=block_id, key=block_hash))
                 self.num_loaded += 1
-                tokens = self.disk.tokens(-slot - 1)
+                tokens, medium = self.disk.tokens(-slot - 1), self.disk.medium
+            self.tier_saved_s[medium] += self.tier_costs.saved_s(medium)
             self.cache_hashed_block(block_id, block_hash, tokens, 0, parent)
             parent = block_hash
 

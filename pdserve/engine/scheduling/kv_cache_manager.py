@@ -59,6 +59,8 @@ class PrefixHit:
     # The offload tier's slots of the hit's last blocks (one KV cache group only): the blocks after
     # group_block_ids[0], which get KV cache blocks and copies back at allocate_slots
     offload_slots: list[int] = dataclasses.field(default_factory=list)
+    # The tier whose hit was left to recompute, loading from it measuring slower (None: none was)
+    declined_tier: str | None = None
 
     @property
     def block_ids(self) -> list[int]:
@@ -149,9 +151,10 @@ class KVCacheManager:
             blocks, hashes = bm.find_cached_prefix(request.all_token_ids, request.num_tokens - 1, request.cache_root)
             if self.windows[0] is not None:  # a window frees what it leaves: no tier behind it
                 return PrefixHit([blocks], hashes, len(blocks))
-            slots, more = bm.find_offloaded(request.all_token_ids, len(blocks),
-                                            hashes[-1] if hashes else request.cache_root, request.num_tokens - 1)
-            return PrefixHit([blocks], hashes + more, len(blocks) + len(slots), slots)
+            slots, more, declined = bm.find_offloaded(request.all_token_ids, len(blocks),
+                                                      hashes[-1] if hashes else request.cache_root,
+                                                      request.num_tokens - 1)
+            return PrefixHit([blocks], hashes + more, len(blocks) + len(slots), slots, declined)
         return self._find_group_prefix(request)
 
     def _find_group_prefix(self, request: Request) -> PrefixHit:
@@ -236,6 +239,8 @@ class KVCacheManager:
                 table.extend(bm.allocate(num_new - num_dead))
             tables.append(table)
         request.block_tables = tables
+        if hit and hit.declined_tier is not None:
+            bm.num_declined[hit.declined_tier] += 1
         if hit and hit.offload_slots:  # the blocks after the KV cache's hits take the tier's copies
             first = len(hit.group_block_ids[0])
             parent = hit.block_hashes[first - 1] if first else request.cache_root
