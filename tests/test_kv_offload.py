@@ -136,6 +136,36 @@ def test_every_rank_copies_its_share_of_the_tier(model_dir, prompts, hf_greedy):
         assert_all_blocks_free(llm)
 
 
+def test_disk_writes_run_behind_the_step_and_reads_see_them_at_once(tmp_path):
+    """``DiskKVStore.write`` only takes the bytes; the writer thread puts the file in place. A read before
+    then gets the bytes it was given, a slot written twice ends with the second, close drains the queue."""
+    import torch
+
+    from pdserve.engine.execution.kv_disk import CorruptKVFile, DiskKVStore
+
+    shape = (2, 2, BS, 1, 8)
+    store = DiskKVStore(str(tmp_path), b"f" * 8, shape, torch.float32, capacity=4)
+    blocks = [torch.randn(shape) for _ in range(3)]
+    store.write(0, b"k0", (1, 2, 3, 4), blocks[0])
+    store.write(1, b"k1", (5, 6, 7, 8), blocks[1])
+    out = torch.empty(shape)
+    store.read(1, b"k1", out)
+    assert torch.equal(out, blocks[1])
+    store.write(1, b"k2", (9, 9, 9, 9), blocks[2])  # the slot's block was evicted and the slot reused
+    store.flush()
+    assert store.num_written == 3 and store.write_seconds > 0 and not store._pending
+    store.read(1, b"k2", out)  # from the file now
+    assert torch.equal(out, blocks[2])
+    with pytest.raises(CorruptKVFile, match="another block"):
+        store.read(1, b"k1", out)
+    store.write(2, b"k3", (1, 1, 1, 1), blocks[0])
+    store.close()
+    assert sorted(p.name for p in store.dir.glob("*.kv")) == ["0.kv", "1.kv", "2.kv"]
+    again = DiskKVStore(str(tmp_path), b"f" * 8, shape, torch.float32, capacity=4)
+    assert sorted((slot, key) for slot, key, _ in again.scan()) == [(0, b"k0"), (1, b"k2"), (2, b"k3")]
+    again.close()
+
+
 def _disk_llm(model_dir, path, **kw):
     return LLM(model_dir, max_num_batched_tokens=32, kv_cache_memory="96KiB", kv_offload_memory="16KiB",
                kv_offload_disk=f"{path}:4MiB", **kw)
@@ -161,6 +191,7 @@ def test_the_disk_tier_serves_prefixes_across_a_restart_and_never_a_bad_file(mod
     assert bm.num_spilled > 0 and bm.num_loaded > 0 and outputs[-1].num_cached_tokens >= 32
     assert_all_blocks_free(llm)
     on_disk = len(bm.disk)
+    llm.core.runner.disk_store.flush()  # the writer thread's files are all in place
     files = sorted(p for p in tmp_path.rglob("*.kv"))
     assert len(files) == on_disk
     llm.close()

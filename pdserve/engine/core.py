@@ -382,7 +382,8 @@ class EngineCore:
             kv_block_bytes=runner.block_bytes * self.world_size,
             kv_offload_seconds=seconds.get(TierOpKind.OFFLOAD, 0.0),
             kv_onload_seconds=seconds.get(TierOpKind.ONLOAD, 0.0),
-            kv_disk_write_seconds=seconds.get(TierOpKind.SPILL, 0.0),
+            kv_disk_write_seconds=(runner.disk_store.write_seconds if runner.disk_store is not None  # off the loop
+                                   else seconds.get(TierOpKind.SPILL, 0.0)),
             kv_disk_read_seconds=seconds.get(TierOpKind.LOAD, 0.0),
             kv_host_recomputed_hits=bm.num_declined["host"], kv_disk_recomputed_hits=bm.num_declined["disk"],
             kv_host_saved_seconds=bm.tier_saved_s["host"], kv_disk_saved_seconds=bm.tier_saved_s["disk"])

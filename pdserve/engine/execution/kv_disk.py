@@ -27,6 +27,12 @@ payload's checksum, and hands back the blocks to index; a truncated or corrupt f
 block recomputed when next needed, never served (LMCache's disk index, lost at every restart, is what
 users asked to keep). A file that fails its check when read during serving raises
 ``CorruptKVFile``: the step fails and its requests get an error rather than wrong KV.
+
+Writes run off the step loop (SGLang HiCache's write-back, LMCache's async store): ``write`` takes the
+block's bytes (a memory copy, in the step) and a writer thread hashes and writes the file while the
+next steps compute (hashlib and file IO let go of the GIL). Until its file is in place a block is read
+back from those bytes; writes run in the order queued, so a slot written twice ends with the second.
+A worker killed with writes pending loses only those blocks: its next life indexes what is on disk.
 """
 
 from __future__ import annotations
@@ -36,7 +42,10 @@ import hashlib
 import logging
 import os
 import pathlib
+import queue
 import struct
+import threading
+import time
 
 import torch
 
@@ -101,9 +110,24 @@ class DiskKVStore:
         self.capacity = capacity
         self.payload_bytes = torch.empty(self.block_shape, dtype=dtype).numel() * dtype.itemsize
         self.num_corrupt = 0  # files found bad (at start or when read)
+        self.write_seconds = 0.0  # the writer thread's wall time, hashing and writing files
+        self.num_written = 0  # files it wrote
+        self._pending: dict[int, tuple] = {}  # slot -> (key, tokens, payload) queued, its file not yet in place
+        self._pending_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+        self._writer.start()
+
+    def flush(self) -> None:
+        """Wait until every write queued so far is on disk."""
+        self._queue.join()
 
     def close(self) -> None:
-        """Let another process take this directory (a process that dies lets go of it too)."""
+        """Finish the queued writes, stop the writer and let another process take this directory (a
+        process that dies lets go of it too)."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
         if self._lock is not None:
             self._lock.close()
             self._lock = None
@@ -112,8 +136,31 @@ class DiskKVStore:
         return self.dir / f"{slot}.kv"
 
     def write(self, slot: int, key: bytes, tokens: tuple[int, ...], block: torch.Tensor) -> None:
-        """Store one block (``block_shape``, any strides) as slot ``slot``'s file, atomically."""
-        payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+        """Store one block (``block_shape``, any strides) as slot ``slot``'s file: its bytes are taken
+        now, the file is written atomically by the writer thread."""
+        entry = (key, tuple(tokens), block.contiguous().view(torch.uint8).numpy().tobytes())
+        with self._pending_lock:
+            self._pending[slot] = entry
+        self._queue.put((slot, entry))
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            slot, entry = item
+            start = time.perf_counter()
+            try:
+                self._write_file(slot, *entry)
+            except Exception as e:  # noqa: BLE001 (the writer must not die) the index still names the block:
+                # reading it fails its check, it is never served
+                logger.warning("disk KV tier: could not write %s: %s", self.path(slot), e)
+            with self._pending_lock:
+                if self._pending.get(slot) is entry:
+                    del self._pending[slot]
+            self.write_seconds += time.perf_counter() - start
+            self.num_written += 1
+            self._queue.task_done()
+        self._queue.task_done()
+
+    def _write_file(self, slot: int, key: bytes, tokens: tuple[int, ...], payload: bytes) -> None:
         header = (MAGIC + self.fingerprint + struct.pack("<H", len(key)) + key + struct.pack("<I", len(tokens))
                   + struct.pack(f"<{len(tokens)}q", *tokens) + struct.pack("<Q", len(payload))
                   + hashlib.sha256(payload).digest()[:16])
@@ -150,8 +197,13 @@ class DiskKVStore:
 
         Raises:
             CorruptKVFile: the file is missing, truncated, corrupt or holds another block."""
-        faults.disk_read_delay()
-        got, _, payload = self._read(self.path(slot))
+        with self._pending_lock:
+            entry = self._pending.get(slot)
+        if entry is not None:  # its file is still being written: the bytes it was given
+            got, _, payload = entry
+        else:
+            faults.disk_read_delay()
+            got, _, payload = self._read(self.path(slot))
         if got != key:
             raise CorruptKVFile(f"{self.path(slot)} holds another block")
         out.copy_(torch.frombuffer(bytearray(payload), dtype=self.dtype).view(self.block_shape))
