@@ -36,6 +36,7 @@ import time
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.common.protocol import TierOpKind
 from pdserve.default_model.tiny_model import ensure_default_model
 from pdserve.engine.execution.kv_cache import kv_cache_block_bytes
 
@@ -138,6 +139,12 @@ def warm_restart(args, model: str, num_blocks: int, block_bytes: int, fresh) -> 
             cold[n] = ttft_ms(first, prompt)
             for _ in range(2):  # every tier above the disk cycles: the prompt's blocks reach it (the disk
                 ttft_ms(first, fresh(num_blocks * 16 - 8))  # holds every prompt and filler of the run)
+        store = first.core.runner.disk_store
+        store.flush()
+        in_step = first.core.runner.tier_copy_stats.get(TierOpKind.SPILL, [0, 0.0])
+        print(f"\ndisk writes: {store.num_written} blocks; the step took their bytes in {in_step[1] * 1e3:.1f} ms, "
+              f"the writer thread wrote the files in {store.write_seconds * 1e3:.1f} ms off the step loop "
+              f"({store.num_written * block_bytes / max(store.write_seconds, 1e-9) / 1e6:.0f} MB/s)")
         first.close()
         t = time.perf_counter()
         second = engine(path)
