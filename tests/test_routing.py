@@ -303,6 +303,10 @@ def test_prompts_go_to_the_decode_worker_only_when_the_prefill_queue_is_slower_b
     assert d0.prefill_pending_tokens == 300
     _measured(reg, "d0", DECODE, 3000, 10.0)  # the decode worker prefills at 300 tokens/s
     assert not prefers_local_prefill(d0, p0, 300, 0.5)  # (300 + 300) / 300 + 0.5 > (900 + 300) / 600
+    # the decode worker holds the prompt (a conversation it served before) and the prefill worker does
+    # not: it computes only the last turn's tokens, so the prompt is prefilled where its KV is
+    assert prefers_local_prefill(d0, p0, 300, 0.5, decode_cached_tokens=288)  # 312 / 300 + 0.5 < 1200 / 600
+    assert not prefers_local_prefill(d0, p0, 300, 0.5, decode_cached_tokens=288, prefill_cached_tokens=288)
     # a first token back takes the prompt out of its worker's queue; so does an abort
     from pdserve.common.protocol import RequestDelta
 

@@ -405,7 +405,8 @@ def make_policy(name: str, prefix_blocks: int = 4, balance_factor: float = 1.5,
 
 
 def prefers_local_prefill(decode_worker: WorkerInfo, prefill_worker: WorkerInfo, num_prompt_tokens: int,
-                          margin_s: float, margin_per_request_s: float = 0.0) -> bool:
+                          margin_s: float, margin_per_request_s: float = 0.0, decode_cached_tokens: int = 0,
+                          prefill_cached_tokens: int = 0) -> bool:
     """Load-aware prefill placement: should ``decode_worker`` prefill this prompt itself rather than
     ``prefill_worker``?
 
@@ -418,8 +419,15 @@ def prefers_local_prefill(decode_worker: WorkerInfo, prefill_worker: WorkerInfo,
     (``prefill_tokens_per_s``; a decode worker that never prefilled is taken to be as fast as the
     prefill worker, the same model on the same kind of machine). The prompt goes local when
 
-        (decode queue + prompt) / decode speed + margin < (prefill queue + prompt) / prefill speed
+        (decode queue + prompt - decode cached) / decode speed + margin
+            < (prefill queue + prompt - prefill cached) / prefill speed
         margin = margin_s + margin_per_request_s * (the decode worker's requests in flight)
+
+    where each side's cached tokens are the prompt's leading tokens that worker holds
+    (``RoutingPolicy.cached_tokens``: kv_aware reads them from the KV index, other policies know
+    none): a prefill worker computes all it does not hold itself (the decode worker's hits only save
+    sending), so a conversation whose history the decode worker holds and the prefill worker has
+    evicted is prefilled where its KV is.
 
     The margin (seconds) is the price of a local prefill: the decode worker's running requests
     wait for its step, so the more of them, the dearer (a batch of 2 at light load pays little, a
@@ -430,7 +438,7 @@ def prefers_local_prefill(decode_worker: WorkerInfo, prefill_worker: WorkerInfo,
     if prefill_speed is None or math.isinf(margin_s):
         return False
     decode_speed = decode_worker.prefill_tokens_per_s or prefill_speed
-    remote_s = (prefill_worker.prefill_pending_tokens + num_prompt_tokens) / prefill_speed
-    local_s = (decode_worker.prefill_pending_tokens + num_prompt_tokens) / decode_speed
+    remote_s = (prefill_worker.prefill_pending_tokens + num_prompt_tokens - prefill_cached_tokens) / prefill_speed
+    local_s = (decode_worker.prefill_pending_tokens + num_prompt_tokens - decode_cached_tokens) / decode_speed
     return local_s + margin_s + margin_per_request_s * decode_worker.num_inflight < remote_s
 

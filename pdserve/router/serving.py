@@ -40,6 +40,7 @@ from pdserve.common.protocol import (FinishReason, LoRARequest, RequestDelta, Sa
                                      WorkerRole)
 from pdserve.common.validation import (EngineLimits, ValidationError, check_context_length, check_prompt_ids,
                                        check_request, prefill_sampling_params)
+from pdserve.engine.scheduling.request import lora_cache_root
 from pdserve.router import preprocess
 from pdserve.router.routing import prefers_local_prefill
 from pdserve.router.beam import serve_beam_search
@@ -246,9 +247,12 @@ class OpenAIServing:
         prefill_worker = self.engine.route(  # only a prefill worker whose KV the decode worker can take
             WorkerRole.PREFILL, prompt_ids, lambda w: w.kv_compatible(decode_worker) and
             _accepts(prompt_ids, first_token, self.worker_limits(w)), lora)
+        salt = lora_cache_root(lora) if lora is not None else b""
         if prefill_worker is not None and prefers_local_prefill(
                 decode_worker, prefill_worker, num_prompt_tokens, self.config.local_prefill_margin_s,
-                self.config.local_prefill_margin_per_request_s):
+                self.config.local_prefill_margin_per_request_s,
+                self.engine.policy.cached_tokens(decode_worker, prompt_ids, salt),
+                self.engine.policy.cached_tokens(prefill_worker, prompt_ids, salt)):
             self.engine.observe_route(WorkerRole.PREFILL, "local_prefill")  # the prefill pool is behind
             prefill_worker = None
         return params, decode_worker, prefill_worker
