@@ -300,14 +300,14 @@ def test_a_prefill_worker_drops_the_requests_of_a_dead_router(model_dir):
                 decode_worker_id="decode-x", decode_addr=f"tcp://127.0.0.1:{free_port()}", transfer_host="127.0.0.1",
                 transfer_port=free_port(), pair_generation=0, dest_block_ids=[0], router_addr=router.addr))
         worker.run_once()
-        assert set(worker.pending_pair) == {"from-a", "from-b"}
+        assert set(worker.source.pending_pair) == {"from-a", "from-b"}
         b.close()
         deadline = time.monotonic() + ROUTER_LOST_S + 2.0
-        while "from-b" in worker.pending_pair:
+        while "from-b" in worker.source.pending_pair:
             assert time.monotonic() < deadline, "the dead router's request was kept"
             worker.run_once()
             time.sleep(0.01)  # a few hundred steps at most: router a's request must still be running after
-        assert set(worker.pending_pair) == {"from-a"}
+        assert set(worker.source.pending_pair) == {"from-a"}
     finally:
         worker.close()
         a.close()

@@ -353,3 +353,36 @@ def test_local_prefill_margin_flag(model_dir):
         RouterConfig(model=model_dir, local_prefill_margin_s=-1)
     with pytest.raises(ValueError, match="local_prefill_margin_per_request_s"):
         RouterConfig(model=model_dir, local_prefill_margin_per_request_s=float("inf"))
+
+
+def test_a_prompt_is_pulled_from_the_peer_that_holds_more_of_it_when_that_is_cheaper():
+    """``pull_source``: a decode worker holding the prompt serves its prefill for the one that will decode
+    it, when computing only what it lacks (plus the margin its own requests pay) beats the site's work."""
+    from pdserve.router.routing import pull_source
+
+    reg, _, d0, p0 = _decode_and_prefill_workers()
+    reg.register(RegisterWorker(worker_id="d1", role=DECODE, input_addr="tcp://127.0.0.1:10001", model_name="tiny",
+                                num_blocks=100, block_size=16), now=0)
+    d1 = reg.get("d1")
+    holds = {"d0": 0, "d1": 288, "p0": 0}
+
+    def held(w):
+        return holds[w.worker_id]
+
+    # d0 decodes and would prefill 300 tokens itself; d1 holds 288 of them: 12 tokens + the margin
+    assert pull_source(d0, None, [d0, d1], 300, held, 0.1) is d1
+    # the same against a prefill worker that holds none of it (no speed measured: tokens as seconds)
+    assert pull_source(d0, p0, [d0, d1], 300, held, 0.1) is d1
+    # a peer busy enough that its margin outweighs the tokens saved is left alone
+    d1.num_inflight = 20
+    assert pull_source(d0, None, [d0, d1], 300, held, 0.1, margin_per_request_s=20.0) is None
+    d1.num_inflight = 0
+    # a peer that holds no more than the site (less than a block more) is not asked
+    holds["d0"] = 280
+    assert pull_source(d0, None, [d0, d1], 300, held, 0.1) is None
+    holds["d0"] = 0
+    assert pull_source(d0, None, [d0, d1], 300, held, float("inf")) is None  # placement off: no pulls
+    # measured speeds price the work: a peer 100x slower at prefill loses even holding most of it
+    _measured(reg, "d0", DECODE, 100_000, 1.0)
+    _measured(reg, "d1", DECODE, 1_000, 1.0)
+    assert pull_source(d0, None, [d0, d1], 300, held, 0.01) is None

@@ -551,11 +551,15 @@ class KVInstall(_Msg):
 
 
 class KVReset(_Msg):
-    """Every rank: drop the pairs with ``peer_worker_id`` at ``generation`` (a failed transfer)."""
+    """Every rank: drop the pairs with ``peer_worker_id`` at ``generation`` (a failed transfer).
+
+    ``sending``: which pairs, on a decode worker that also sends (a peer pulls a prefix from it): True
+    the ones it sends on, False the ones it receives on, None by the worker's role."""
 
     peer_worker_id: str
     generation: int
     reason: str
+    sending: bool | None = None
 
 
 class KVStepOps(_Msg):

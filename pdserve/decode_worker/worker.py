@@ -22,6 +22,11 @@ this, and every rank's ``KVRankAgent`` receives and installs its own slice:
    finished ones leave between steps; token deltas go to the router that sent
    the request (``GenerateRequest.router_addr``; several routers may share this
    worker, and one's death drops only its requests, ``abandon_router``).
+
+A decode worker also serves its peers: a peer that lacks a prefix this one holds pulls it, sending
+this worker a ``RemotePrefillRequest`` as it would a prefill worker (the router names this worker as
+the request's prefill worker); ``KVSource`` serves it here, computing only what the prefix cache
+lacks and sending the KV from the cache (``pdserve.cluster.kv_source``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.config import WorkerConfig
 from pdserve.common.protocol import (AbortRequest, ConnectKVPair, ErrorKind, GenerateRequest, KVInstall, KVLane,
+                                     RemotePrefillRequest,
                                      KVLayout, WarmKVPair,
                                      KVPieceSum, KVReset, KVStepOps, KVTransferHeader, RankReport,
                                      RankReportKind, RegisterWorker, RemotePrefillDone, RemotePrefillRequest,
@@ -42,6 +48,7 @@ from pdserve.engine.scheduling.kv_cache_manager import NULL_BLOCK
 from pdserve.engine.scheduling.request import Request, RequestStatus
 from pdserve.common.sharding import KVPiece
 from pdserve.decode_worker.first_token import FirstTokenWatch, header_fields, watchable
+from pdserve.cluster.kv_source import KVSource
 from pdserve.cluster.worker_base import WorkerBase, error_delta, rejection_delta, stamp_prefill
 from pdserve.kvtransfer.agent import check_kv_dtype, layout_spec, pieces_for
 from pdserve.kvtransfer.wire import dtype_name
@@ -85,6 +92,7 @@ class DecodeWorker(WorkerBase):
         # one rank: a piece's header goes to its lane as it arrives (a step in flight need not end first)
         self._early_headers = self.core.world_size == 1
         self.mailbox.tap = self._tap
+        self.source = KVSource(self)  # the prefixes peers pull from here
 
     def registration(self, router_addr: str | None = None) -> RegisterWorker:
         reg = super().registration(router_addr)
@@ -98,8 +106,9 @@ class DecodeWorker(WorkerBase):
         if isinstance(msg, GenerateRequest):
             self._add(msg)
         elif isinstance(msg, AbortRequest):
-            self._abort(msg.request_id)
-            self.request_router.pop(msg.request_id, None)
+            if not self.source.drop(msg.request_id):
+                self._abort(msg.request_id)
+                self.request_router.pop(msg.request_id, None)
         elif isinstance(msg, KVTransferHeader):
             self._header(msg)
         elif isinstance(msg, RemotePrefillDone):
@@ -107,8 +116,14 @@ class DecodeWorker(WorkerBase):
         elif isinstance(msg, RankReport):
             if msg.kind == RankReportKind.RECEIVED and msg.request_id is not None:
                 self._remote_progress(msg.request_id, report=msg)
+            else:
+                self.source.report(msg)
         elif isinstance(msg, WarmKVPair):
             self._warm_pair(msg)
+        elif isinstance(msg, RemotePrefillRequest):  # a peer pulls a prefix from us
+            self.source.receive(msg)
+        elif isinstance(msg, ConnectKVPair):
+            self.source.connect(msg)
         else:
             logger.warning("decode worker ignores %s", type(msg).__name__)
 
@@ -164,16 +179,17 @@ class DecodeWorker(WorkerBase):
                                                          msg.prefill_layout, pieces)
 
     def idle(self) -> bool:
-        return super().idle() and not self.remote and not self._deltas
+        return super().idle() and not self.remote and not self._deltas and self.source.idle()
 
     def abandon_all(self, reason: str) -> int:
         """Free every request; the router migrates them to another decode worker when this one exits."""
+        served = self.source.abandon_all(reason)  # the peers pulling from us recompute theirs
         group_ids = {r.group_id for r in self.core.scheduler.requests.values()}
         for group_id in group_ids:
             self._abort(group_id)
         self._flush_ops()
         self._flush()
-        return len(group_ids)
+        return len(group_ids) + served
 
     def abandon_router(self, router_addr: str) -> int:
         """Free the requests ``router_addr`` sent (that router is gone); returns how many."""
@@ -183,7 +199,7 @@ class DecodeWorker(WorkerBase):
             self.request_router.pop(group_id, None)
         self._deltas = [d for d in self._deltas if d.request_id not in group_ids]
         self._flush_ops()
-        return len(group_ids)
+        return len(group_ids) + self.source.abandon_router(router_addr)
 
     def _abort(self, request_id: str) -> None:
         """Drop a request (the router asked, or is gone), freeing its blocks; tell its prefill worker."""
@@ -357,7 +373,7 @@ class DecodeWorker(WorkerBase):
             if self.generations.get(state.prefill_worker_id) == state.pair_generation:
                 self.generations[state.prefill_worker_id] = state.pair_generation + 1
             self._ops.resets.append(KVReset(peer_worker_id=state.prefill_worker_id,
-                                            generation=state.pair_generation, reason=reason))
+                                            generation=state.pair_generation, reason=reason, sending=False))
         self.mailbox.put(state.prefill_addr, AbortRequest(request_id=request_id))
         if self.config.prefill_failure_policy == "recompute":
             logger.warning("request %s: %s; recomputing the prefill locally", request_id, reason)
@@ -388,21 +404,29 @@ class DecodeWorker(WorkerBase):
     def step(self) -> bool:
         self._flush_ops()
         self._flush()  # first tokens that came with remote KV go out now, not after this step's forward
+        self.source.admit_connected()
         scheduler_output = self.core.schedule()
         for request in scheduler_output.remote_prefills:
             self._send_remote_prefill(request)
         if scheduler_output.scheduled:
             started = time.time()
+            served = {r.request_id for r, _ in scheduler_output.scheduled if self.source.serves(r.request_id)}
+            sends = self.source.start_transfers(scheduler_output.scheduled) if served else []
             try:
-                runner_output = self.core.execute(scheduler_output)
+                runner_output = self.core.execute(scheduler_output, kv_ops=KVStepOps(sends=sends) if sends else None)
             except Exception as e:  # noqa: BLE001  one failing batch must not take the worker down
                 if self.core.world_size > 1:
                     raise  # the ranks may be mid-collective: leave, the router migrates the requests
                 self._fail_step(scheduler_output, e)
             else:
-                self._time_step(scheduler_output.scheduled, started, time.time())
+                done = time.time()
+                self._time_step(scheduler_output.scheduled, started, done)
+                if served:
+                    stamp_prefill(self.source.timings, scheduler_output.scheduled, started, done)
+                    self.source.step_done(sends, runner_output)
                 for output in self.core.update(scheduler_output, runner_output):
-                    self._emit(output)
+                    if output.request.request_id not in served:  # a peer's: its KV went, its token with it
+                        self._emit(output)
         self._flush()
         return not scheduler_output.is_empty()
 
@@ -417,7 +441,7 @@ class DecodeWorker(WorkerBase):
     def _fail_step(self, scheduler_output, error: Exception) -> None:
         """Fail the requests of a step whose forward or sampling raised (500), free their blocks, go on."""
         logger.exception("decode step over %d requests failed; failing them", len(scheduler_output.scheduled))
-        for group_id in self.core.fail_step(scheduler_output):
+        for group_id in self.source.step_failed(self.core.fail_step(scheduler_output), error):
             self._abort(group_id)
             self._deltas.append(error_delta(group_id, f"the forward pass failed: {type(error).__name__}: {error}",
                                             ErrorKind.INTERNAL))

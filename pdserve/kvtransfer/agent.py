@@ -97,7 +97,8 @@ class _Outgoing:
 
 
 class KVRankAgent:
-    """This rank's pairs, sends (prefill) or receives and installs (decode).
+    """This rank's pairs, sends (prefill; a decode worker too, for a peer that pulls a prefix from it)
+    and receives and installs (decode).
 
     Args:
         attach: whom the rank works for (worker id, role, driver mailbox, transfer host, store).
@@ -129,16 +130,19 @@ class KVRankAgent:
         self.endpoint = endpoint(self.worker_id, rank)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._peers: dict[str, set[str]] = {}  # peer worker id -> the endpoints this rank pairs with
-        if self.role == WorkerRole.PREFILL:
-            self.prefill_pairs = PrefillPairs(self.endpoint, self.device, timeout_s)
-            self.completer = SendCompleter(timeout_s, on_done=self._sent)
-            self._outgoing: list[_Outgoing] = []
-            self._watching: dict[tuple[str, int], None] = {}  # (decode endpoint, generation)
-            self._watch_wake = threading.Event()
-            self._watcher = threading.Thread(target=self._watch_pairs, daemon=True, name="kv-pair-watch")
-            self._watcher.start()
-        else:
+        # peer worker id -> the endpoints this rank sends to / receives from
+        self._send_peers: dict[str, set[str]] = {}
+        self._recv_peers: dict[str, set[str]] = {}
+        # Every agent can send: a prefill worker's prompts, and a decode worker's cached prefixes to a
+        # peer decode worker that pulls them (it serves that peer as a prefill worker would).
+        self.prefill_pairs = PrefillPairs(self.endpoint, self.device, timeout_s)
+        self.completer = SendCompleter(timeout_s, on_done=self._sent)
+        self._outgoing: list[_Outgoing] = []
+        self._watching: dict[tuple[str, int], None] = {}  # (decode endpoint, generation)
+        self._watch_wake = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_pairs, daemon=True, name="kv-pair-watch")
+        self._watcher.start()
+        if self.role != WorkerRole.PREFILL:
             store = None if rank == 0 else (attach.store_host, attach.store_port)
             self.decode_pairs = DecodePairs(self.endpoint, attach.host, self.device, timeout_s,
                                             on_received=self.received, store_addr=store)
@@ -149,7 +153,7 @@ class KVRankAgent:
     @property
     def sending(self) -> bool:
         """Whether this step has pieces to send from ``on_layer_done``."""
-        return self.role == WorkerRole.PREFILL and bool(self._outgoing)
+        return bool(self._outgoing)
 
     # ---- every step -------------------------------------------------------------------------
 
@@ -157,13 +161,12 @@ class KVRankAgent:
         """Do this rank's part of a step's KV work (before the forward). ``group_tables``: per KV cache
         group, the step's block tables [num_seqs][width] (``ExecuteModel``'s, group 0 first)."""
         for reset in ops.resets:
-            self._reset(reset.peer_worker_id, reset.generation, reset.reason)
-        if self.role == WorkerRole.PREFILL:
-            for c in ops.connects:
-                self._connect(c.decode_worker_id, c.generation, c.store_host, c.store_port, c.decode_layout)
-            for plan in ops.sends:
-                self._start_sends(plan, [tables[plan.seq_index] for tables in group_tables])
-        else:
+            self._reset(reset.peer_worker_id, reset.generation, reset.reason, reset.sending)
+        for c in ops.connects:
+            self._connect(c.decode_worker_id, c.generation, c.store_host, c.store_port, c.decode_layout)
+        for plan in ops.sends:
+            self._start_sends(plan, [tables[plan.seq_index] for tables in group_tables])
+        if self.role != WorkerRole.PREFILL:
             for lane in ops.lanes:
                 self._open_lanes(lane.prefill_worker_id, lane.generation, lane.prefill_layout)
             for header in ops.headers:
@@ -189,7 +192,7 @@ class KVRankAgent:
             self.prefill_pairs.request_pair(peer, host, port, generation)
             with self._lock:
                 self._watching[(peer, generation)] = None
-                self._peers.setdefault(decode_worker_id, set()).add(peer)
+                self._send_peers.setdefault(decode_worker_id, set()).add(peer)
             self._watch_wake.set()
 
     def _watch_pairs(self) -> None:
@@ -310,7 +313,7 @@ class KVRankAgent:
             peer = endpoint(prefill_worker_id, piece.prefill_rank)
             self.decode_pairs.open_lane(peer, generation)
             with self._lock:
-                self._peers.setdefault(prefill_worker_id, set()).add(peer)
+                self._recv_peers.setdefault(prefill_worker_id, set()).add(peer)
 
     def submit(self, header: KVTransferHeader) -> None:
         """Queue one piece's header on its lane (the lanes are keyed by the sending endpoint)."""
@@ -372,20 +375,21 @@ class KVRankAgent:
 
     # ---- both ------------------------------------------------------------------------------------
 
-    def _reset(self, peer_worker_id: str, generation: int, reason: str) -> None:
+    def _reset(self, peer_worker_id: str, generation: int, reason: str, sending: bool | None = None) -> None:
+        if sending is None:
+            sending = self.role == WorkerRole.PREFILL
         with self._lock:
-            peers = list(self._peers.get(peer_worker_id, ()))
+            peers = list((self._send_peers if sending else self._recv_peers).get(peer_worker_id, ()))
         for peer in peers:
-            if self.role == WorkerRole.PREFILL:
+            if sending:
                 self.prefill_pairs.close_pair(peer, generation, reason)
             else:
                 self.decode_pairs.reset(peer, reason, generation=generation)
 
     def close(self) -> None:
         self._stop.set()
-        if self.role == WorkerRole.PREFILL:
-            self._watch_wake.set()
-            self.completer.close()
-            self.prefill_pairs.close()
-        else:
+        self._watch_wake.set()
+        self.completer.close()
+        self.prefill_pairs.close()
+        if self.role != WorkerRole.PREFILL:
             self.decode_pairs.close()

@@ -1,29 +1,8 @@
 """The prefill worker: batched (chunked) prefill, first token, KV sent to decode.
 
-For each ``RemotePrefillRequest`` (the driver, rank 0, runs this; every rank's
-``KVRankAgent`` moves its own bytes):
-
-1. Make sure every pair (prefill rank i -> decode rank j) this transfer needs
-   is connected at the request's pair generation (``KVConnect`` to the ranks;
-   each rank reports ``PAIR_READY``); the request waits in ``pending_pair``.
-2. The scheduler batches prompts under the token budget (long prompts in
-   chunks). In the step that computes a prompt's last chunk we send one
-   ``KVTransferHeader`` per piece (``sharding.transfer_pieces``: the layers
-   and KV heads prefill rank i sends to decode rank j) and the step carries
-   ``KVSendPlan``s: from the model's per-layer hook each rank sends its pieces
-   of each layer as soon as that layer has written them, so sending layer i
-   overlaps computing layer i+1 (DistServe / Mooncake style layer-wise transfer).
-3. The first token is sampled here. The sends read the request's blocks (runs of
-   adjacent blocks leave from the cache itself, the rest from gathered copies), so
-   the blocks stay the request's until every rank has reported its pieces
-   delivered (``SENT``: bytes, checksum; ``Request.delay_free_blocks``, as vLLM's KV
-   connectors delay the free). With all pieces in, the blocks are freed and we tell
-   the decode worker ``RemotePrefillDone`` with the first token and the per-piece
-   sums, or the error.
-
-Each ``RemotePrefillRequest`` names the router that took the request
-(``router_addr``): when that router dies, its requests are dropped here too
-(``abandon_router``), as their decode workers drop them.
+It serves ``RemotePrefillRequest``s and nothing else; how (pairs, layer-wise sends, the first token,
+``RemotePrefillDone``) is ``pdserve.cluster.kv_source.KVSource``, which a decode worker also runs for
+peers that pull a prefix from it.
 """
 
 from __future__ import annotations
@@ -31,69 +10,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 
-from pdserve.common import faults
 from pdserve.common.config import WorkerConfig
-from pdserve.common.protocol import (AbortRequest, ConnectKVPair, KVConnect, KVLayout, KVPieceSum, KVReset,
-                                     KVSendPlan, KVStepOps, KVTransferHeader, RankReport, RankReportKind,
-                                     RemotePrefillDone, RemotePrefillRequest, RequestTiming, TokenLogprob,
+from pdserve.common.protocol import (AbortRequest, ConnectKVPair, KVStepOps, RankReport, RemotePrefillRequest,
                                      WorkerRole)
-from pdserve.common.validation import prefill_sampling_params
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.scheduling.request import Request
-from pdserve.common.sharding import KVPiece, endpoint
+from pdserve.cluster.kv_source import KVSource
 from pdserve.cluster.worker_base import WorkerBase, stamp_prefill
-from pdserve.kvtransfer.agent import layout_spec, pieces_for
-from pdserve.kvtransfer.checksum import combine_checksums
-from pdserve.kvtransfer.wire import dtype_name
 
 logger = logging.getLogger(__name__)
 
-
-def _worker_of(peer: str) -> str:
-    """"decode-0#1" -> "decode-0"."""
-    return peer.rpartition("#")[0]
-
-
-@dataclass
-class _Pairs:
-    """The pairs of one (decode worker, generation): which (rank, peer endpoint) must connect, and how it goes."""
-
-    needed: set[tuple[int, str]]
-    ready: set[tuple[int, str]] = field(default_factory=set)
-    error: str | None = None
-
-    @property
-    def is_ready(self) -> bool:
-        return self.error is None and self.ready >= self.needed
-
-
-@dataclass
-class _Transfer:
-    """A request whose KV is on its way: the pieces still to be reported by the ranks."""
-
-    origin: RemotePrefillRequest
-    pieces: list[KVPiece]
-    started: float
-    first_token: int | None = None
-    first_logprob: TokenLogprob | None = None
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
-    sums: dict[tuple[int, int], KVPieceSum] = field(default_factory=dict)
-    error: str | None = None
-    num_bytes_from_cache: int = 0  # of the pieces reported so far, bytes sent straight from the cache
-
-
-
-def _first_sent_block(origin: RemotePrefillRequest, block_size: int) -> int:
-    """The first logical block of ``origin``'s prompt that goes to the decode worker (its earliest layer's)."""
-    return origin.num_cached_tokens // block_size if origin.first_block is None else origin.first_block
-
-
-def _layer_first_blocks(origin: RemotePrefillRequest, block_size: int, num_layers: int) -> list[int]:
-    """Per global layer, the first logical block of ``origin``'s prompt that layer sends (a decode worker's
-    sliding-window layers want only their window's)."""
-    return origin.layer_first_blocks or [_first_sent_block(origin, block_size)] * num_layers
 
 class PrefillWorker(WorkerBase):
     role = WorkerRole.PREFILL
@@ -102,164 +28,42 @@ class PrefillWorker(WorkerBase):
         # A prefill worker never runs a decode-only step: nothing to compile for one.
         super().__init__(dataclasses.replace(engine_config, enforce_eager=True, speculative_config=None), worker_config)
         self.attach_kv_agent()
-        self.pending_pair: dict[str, RemotePrefillRequest] = {}  # waiting for its pairs to connect
-        self.pairs: dict[tuple[str, int], _Pairs] = {}  # (decode_worker_id, generation)
-        self.origin: dict[str, RemotePrefillRequest] = {}  # admitted, by request_id
-        self.transfers: dict[str, _Transfer] = {}  # KV in flight, by request_id
-        self.timings: dict[str, RequestTiming] = {}  # stamps sent with RemotePrefillDone, by request_id
+        self.source = KVSource(self)
 
     # ---- inbound ------------------------------------------------------------------
 
     def handle(self, msg) -> None:
         if isinstance(msg, RemotePrefillRequest):
-            self.timings[msg.request_id] = RequestTiming(prefill_received=time.time())
-            self._connect(msg)
-            self.pending_pair[msg.request_id] = msg
+            self.source.receive(msg)
         elif isinstance(msg, AbortRequest):
-            self._drop(msg.request_id)
+            self.source.drop(msg.request_id)
         elif isinstance(msg, RankReport):
-            self._report(msg)
+            self.source.report(msg)
         elif isinstance(msg, ConnectKVPair):  # a decode worker warms our pair ahead of its first request
-            self._connect(msg)
+            self.source.connect(msg)
         else:
             logger.warning("prefill worker ignores %s", type(msg).__name__)
 
     def idle(self) -> bool:
-        return super().idle() and not self.pending_pair and not self.origin and not self.transfers
+        return super().idle() and self.source.idle()
 
     def abandon_all(self, reason: str) -> int:
-        origins = {**self.pending_pair, **self.origin, **{rid: t.origin for rid, t in self.transfers.items()}}
-        for request_id, origin in origins.items():
-            self.core.abort(request_id)
-            self.core.free_delayed(request_id)  # a send still under way fails with its pair, or reads freed blocks
-            self._fail(origin, reason)
-        self.pending_pair.clear()
-        self.origin.clear()
-        self.transfers.clear()
-        self.timings.clear()
-        return len(origins)
-
-    def _drop(self, request_id: str) -> None:
-        """Forget a request (aborted), freeing its blocks; a transfer already under way completes
-        and the decode worker drops what arrives."""
-        self.pending_pair.pop(request_id, None)
-        self.timings.pop(request_id, None)
-        if self.core.abort(request_id):
-            self.origin.pop(request_id, None)
+        return self.source.abandon_all(reason)
 
     def abandon_router(self, router_addr: str) -> int:
         """Drop the requests the router at ``router_addr`` took (it is gone; their decode workers drop
         them too); returns how many."""
-        origins = {**self.pending_pair, **self.origin}
-        dropped = [rid for rid, o in origins.items() if self.router_of(o.router_addr) == router_addr]
-        for request_id in dropped:
-            self._drop(request_id)
-        return len(dropped)
-
-    def _pieces(self, decode_layout: KVLayout | None) -> list[KVPiece]:
-        spec = self.kv_layout_spec
-        return pieces_for(spec, layout_spec(decode_layout, spec.num_layers, spec.num_kv_heads))
-
-    def _connect(self, msg: RemotePrefillRequest | ConnectKVPair) -> None:
-        """Ask every rank to connect its pairs with that decode worker's ranks (once per generation)."""
-        key = (msg.decode_worker_id, msg.pair_generation)
-        if key in self.pairs:
-            return
-        needed = {(p.prefill_rank, endpoint(msg.decode_worker_id, p.decode_rank))
-                  for p in self._pieces(msg.decode_layout)}
-        self.pairs[key] = _Pairs(needed)
-        for old in [k for k in self.pairs if k[0] == msg.decode_worker_id and k[1] < msg.pair_generation]:
-            del self.pairs[old]
-        self.runner.broadcast_kv(KVStepOps(connects=[KVConnect(
-            decode_worker_id=msg.decode_worker_id, generation=msg.pair_generation, store_host=msg.transfer_host,
-            store_port=msg.transfer_port, decode_layout=msg.decode_layout)]))
-
-    def _report(self, report: RankReport) -> None:
-        if report.kind in (RankReportKind.PAIR_READY, RankReportKind.PAIR_FAILED):
-            pairs = self.pairs.get((_worker_of(report.peer), report.generation))
-            if pairs is not None:
-                was_ready = pairs.is_ready
-                if report.kind == RankReportKind.PAIR_READY:
-                    pairs.ready.add((report.rank, report.peer))
-                else:
-                    pairs.error = pairs.error or report.error or "KV pair failed"
-                if pairs.is_ready and not was_ready:
-                    logger.info("KV transfer pairs with decode worker %s (generation %d) are ready",
-                                _worker_of(report.peer), report.generation)
-            return
-        transfer = self.transfers.get(report.request_id) if report.request_id else None
-        if transfer is None or report.kind != RankReportKind.SENT:
-            return
-        decode_rank = int(report.peer.rpartition("#")[2])
-        if report.error is not None:
-            transfer.error = transfer.error or report.error
-        transfer.num_bytes_from_cache += report.num_bytes_from_cache
-        transfer.sums[(report.rank, decode_rank)] = KVPieceSum(prefill_rank=report.rank, decode_rank=decode_rank,
-                                                               num_bytes=report.num_bytes, checksum=report.checksum)
-        if len(transfer.sums) == len(transfer.pieces) and transfer.first_token is not None:
-            self._finish(report.request_id, transfer)
-
-    def _finish(self, request_id: str, transfer: _Transfer) -> None:
-        """Every piece reported: tell the decode worker (first token and per-piece sums, or the error)."""
-        del self.transfers[request_id]
-        self.core.free_delayed(request_id)  # every send from its blocks is done (or failed)
-        self.origin.pop(request_id, None)
-        origin = transfer.origin
-        sums = [transfer.sums[(p.prefill_rank, p.decode_rank)] for p in transfer.pieces]
-        if transfer.error is not None:
-            self.stats.kv_transfer_failures += 1
-            self.runner.broadcast_kv(KVStepOps(resets=[KVReset(
-                peer_worker_id=origin.decode_worker_id, generation=origin.pair_generation, reason=transfer.error)]))
-            self.pairs.pop((origin.decode_worker_id, origin.pair_generation), None)
-            self._fail(origin, transfer.error)
-            return
-        num_bytes = sum(s.num_bytes for s in sums)
-        checksum = 0
-        for s in sums:
-            checksum = combine_checksums(checksum, s.checksum)
-        self.stats.num_kv_transfers += 1  # count successes only, as the decode worker does
-        self.stats.kv_transfer_seconds += time.monotonic() - transfer.started
-        self.stats.kv_transfer_bytes += num_bytes
-        self.stats.kv_transfer_bytes_from_cache += transfer.num_bytes_from_cache
-        self.mailbox.put(origin.decode_addr, RemotePrefillDone(
-            request_id=request_id, prefill_worker_id=self.worker_id, first_token_id=transfer.first_token,
-            num_tokens=len(origin.prompt_token_ids), num_bytes=num_bytes, checksum=checksum,
-            first_logprob=transfer.first_logprob, pieces=sums, prompt_logprobs=transfer.prompt_logprobs,
-            timing=self.timings.pop(request_id, None)))
-
-    def _fail(self, origin: RemotePrefillRequest, error: str) -> None:
-        self.timings.pop(origin.request_id, None)
-        self.mailbox.put(origin.decode_addr, RemotePrefillDone(request_id=origin.request_id,
-                                                               prefill_worker_id=self.worker_id, error=error))
-
-    def _admit_connected(self) -> None:
-        """Move requests whose pairs are all connected into the scheduler."""
-        for request_id, origin in list(self.pending_pair.items()):
-            pairs = self.pairs.get((origin.decode_worker_id, origin.pair_generation))
-            if pairs is not None and not pairs.is_ready and pairs.error is None:
-                continue  # still connecting
-            del self.pending_pair[request_id]
-            if pairs is None or pairs.error is not None:
-                self._fail(origin, pairs.error if pairs is not None else "KV pair generation superseded")
-                continue
-            try:  # only the first token is sampled here; the decode worker produces the rest
-                request = self.core.add_request(request_id, origin.prompt_token_ids,
-                                                prefill_sampling_params(origin.sampling_params), lora=origin.lora)
-                request.keep_blocks_from = self._keep_blocks_from(origin)
-            except ValueError as e:  # ValidationError included: D then recomputes or fails it
-                self._fail(origin, str(e))
-                continue
-            self.origin[request_id] = origin
+        return self.source.abandon_router(router_addr)
 
     # ---- step ---------------------------------------------------------------------
 
     def step(self) -> bool:
-        self._admit_connected()
+        self.source.admit_connected()
         scheduler_output = self.core.schedule()
         if not scheduler_output.scheduled:
             return False
         started = time.time()
-        sends = self._start_transfers(scheduler_output.scheduled)
+        sends = self.source.start_transfers(scheduler_output.scheduled)
         try:
             runner_output = self.core.execute(scheduler_output, kv_ops=KVStepOps(sends=sends) if sends else None)
         except Exception as e:  # noqa: BLE001  one failing batch must not take the worker down
@@ -267,69 +71,9 @@ class PrefillWorker(WorkerBase):
                 raise  # the ranks may be mid-collective: leave; decode workers recompute the prompts
             logger.exception("prefill step over %d requests failed; handing them back",
                              len(scheduler_output.scheduled))
-            for request_id in self.core.fail_step(scheduler_output):
-                transfer = self.transfers.pop(request_id, None)
-                self.core.free_delayed(request_id)  # its sends were aborted with the forward (abort_sends)
-                origin = self.origin.pop(request_id, None) or (transfer.origin if transfer else None)
-                if origin is not None:  # its decode worker recomputes it (and fails it if that fails too)
-                    self._fail(origin, f"the prefill forward pass failed: {type(e).__name__}: {e}")
+            self.source.step_failed(self.core.fail_step(scheduler_output), e)
             return True
-        stamp_prefill(self.timings, scheduler_output.scheduled, started, time.time())
-        for plan in sends:
-            transfer = self.transfers.get(plan.request_id)
-            if transfer is None:
-                continue
-            transfer.first_token = runner_output.sampled_token_ids[plan.request_id]
-            transfer.first_logprob = runner_output.logprobs.get(plan.request_id)
-            transfer.prompt_logprobs = self.core.prompt_logprobs_of(plan.request_id)
-            if len(transfer.sums) == len(transfer.pieces):  # every piece reported during the step
-                self._finish(plan.request_id, transfer)
+        stamp_prefill(self.source.timings, scheduler_output.scheduled, started, time.time())
+        self.source.step_done(sends, runner_output)
         self.core.update(scheduler_output, runner_output)  # max_tokens=1: finished, blocks freed
         return True
-
-    def _keep_blocks_from(self, origin: RemotePrefillRequest) -> list[int]:
-        """Per KV cache group of this worker, the first block a window must not free: the earliest any of
-        the group's layers sends."""
-        groups = self.runner.kv_groups
-        firsts = _layer_first_blocks(origin, self.runner.block_size, self.runner.model.config.num_hidden_layers)
-        if groups.is_single:  # pipeline stages included: layer indices here are global, so hybrid means one stage
-            return [min(firsts)]
-        return [min(firsts[layer] for layer in groups.group_layers(g)) for g in range(groups.num_groups)]
-
-    def _start_transfers(self, scheduled: list[tuple[Request, int]]) -> list[KVSendPlan]:
-        """Headers (one per piece) and send plans for each request whose prompt completes in this step.
-
-        Blocks the decode worker already holds (its prefix-cache hits) are not sent.
-        """
-        plans = []
-        runner = self.runner
-        dtype = dtype_name(runner.kv_cache_format.name)  # the KV dtype (int8, fp8_e4m3, ...: quantized rows)
-        for seq_index, (request, num_new) in enumerate(scheduled):
-            if request.num_computed_tokens + num_new != request.num_tokens:
-                continue  # an earlier chunk: nothing to send yet
-            origin = self.origin[request.request_id]
-            first_block = _first_sent_block(origin, runner.block_size)
-            num_blocks = len(request.block_table) - first_block
-            end = first_block + num_blocks
-            firsts = origin.layer_first_blocks
-            pieces = self._pieces(origin.decode_layout)
-            for piece in pieces:  # header order = each pair's stream order (the agents send in this order)
-                s = piece.slice
-                counts = [end - firsts[layer] for layer in range(s.layer_start, s.layer_end)] if firsts else []
-                piece_blocks = max(counts) if counts else num_blocks
-                self.mailbox.put(origin.decode_addr, KVTransferHeader(
-                    request_id=request.request_id, prefill_worker_id=self.worker_id,
-                    layer_num_blocks=counts if counts and min(counts) != max(counts) else [],
-                    pair_generation=origin.pair_generation, num_layers=s.num_layers, num_blocks=piece_blocks,
-                    block_size=runner.block_size, num_kv_heads=s.num_heads, head_dim=runner.head_dim, dtype=dtype,
-                    num_tokens=request.num_tokens, first_block=first_block, prefill_rank=piece.prefill_rank,
-                    decode_rank=piece.decode_rank, first_layer=s.layer_start, first_kv_head=s.head_start,
-                    kv_slots=runner.kv_slots))
-            faults.mark_kv_send(request.request_id, origin.prompt_token_ids)
-            request.delay_free_blocks = True  # the sends read its blocks: freed in _finish
-            self.transfers[request.request_id] = _Transfer(origin, pieces, time.monotonic())
-            plans.append(KVSendPlan(request_id=request.request_id, seq_index=seq_index, first_block=first_block,
-                                    num_blocks=num_blocks, decode_worker_id=origin.decode_worker_id,
-                                    generation=origin.pair_generation, decode_layout=origin.decode_layout,
-                                    layer_first_blocks=firsts))
-        return plans

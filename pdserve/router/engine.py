@@ -75,7 +75,7 @@ from pdserve.engine.scheduling.request import lora_cache_root
 from pdserve.router.kv_index import KVIndex
 from pdserve.router.metrics import WorkerStatsCollector
 from pdserve.router.registry import WorkerInfo, WorkerRegistry
-from pdserve.router.routing import RoundRobinPolicy, RoutingPolicy
+from pdserve.router.routing import KVAwarePolicy, RoundRobinPolicy, RoutingPolicy
 from pdserve.router.sockets import WorkerSockets
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,8 @@ class RouterEngine:
         self.kv_index = kv_index if kv_index is not None else KVIndex()
         self.router_id = router_id
         self.policy = policy or RoundRobinPolicy()
+        # what each worker holds of a prompt, by the KV index, whatever the policy (pulls from a peer)
+        self.kv_prices = self.policy if isinstance(self.policy, KVAwarePolicy) else KVAwarePolicy(self.kv_index)
         self.on_route = on_route
         self.worker_wait_s = worker_wait_s
         self.max_migrations = max_migrations

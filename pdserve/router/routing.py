@@ -442,3 +442,44 @@ def prefers_local_prefill(decode_worker: WorkerInfo, prefill_worker: WorkerInfo,
     local_s = (decode_worker.prefill_pending_tokens + num_prompt_tokens - decode_cached_tokens) / decode_speed
     return local_s + margin_s + margin_per_request_s * decode_worker.num_inflight < remote_s
 
+
+
+def pull_source(decode_worker: WorkerInfo, prefill_worker: WorkerInfo | None, peers: Sequence[WorkerInfo],
+                num_prompt_tokens: int, held: Callable[[WorkerInfo], float], margin_s: float,
+                margin_per_request_s: float = 0.0) -> WorkerInfo | None:
+    """The decode worker among ``peers`` the prompt's KV should be pulled from, or None.
+
+    ``decode_worker`` will decode the request and ``prefill_worker`` (None: ``decode_worker`` itself)
+    was to prefill it. A peer that holds more of the prompt (``held``: the tokens the KV index says a
+    worker holds, as ``KVAwarePolicy.matched_tokens`` prices them) can instead serve the request as
+    its prefill worker: it computes only what its cache lacks and sends the whole prompt's KV over the
+    transfer path, as a prefill worker does (``pdserve.cluster.kv_source``). Mooncake and LMCache move
+    cached KV between instances the same way, instead of recomputing it. A site's price is its
+    measured prefill time, ``(its pending prefill tokens + the prompt - what it holds) / its speed``,
+    plus, for a decode worker that computes (the one that will decode, or the peer), the margin its
+    running requests pay (``margin_s + margin_per_request_s`` x its requests in flight, as
+    ``prefers_local_prefill``). The cheapest peer that holds at least a block more than the site
+    wins if it is cheaper than the site. The transfer is not priced: it overlaps the peer's layers,
+    as any remote prefill's does, and its bytes are those a prefill worker would send.
+    """
+    site = prefill_worker or decode_worker
+    site_held = held(site)
+    candidates = [(p, held(p)) for p in peers if p.worker_id != decode_worker.worker_id]
+    candidates = [(p, h) for p, h in candidates if h >= site_held + max(1, p.block_size)]
+    if not candidates or math.isinf(margin_s):
+        return None
+    measured = [w.prefill_tokens_per_s for w in (site, *(p for p, _ in candidates)) if w.prefill_tokens_per_s]
+    fallback = measured[0] if measured else 1.0  # the same model on the same kind of machine
+
+    def seconds(worker: WorkerInfo, worker_held: float, computes_beside_decoding: bool) -> float:
+        work = max(0.0, worker.prefill_pending_tokens + num_prompt_tokens - worker_held)
+        margin = margin_s + margin_per_request_s * worker.num_inflight if computes_beside_decoding else 0.0
+        return work / (worker.prefill_tokens_per_s or fallback) + margin
+
+    site_s = seconds(site, site_held, prefill_worker is None)
+    best, best_s = None, site_s
+    for peer, peer_held in candidates:
+        peer_s = seconds(peer, peer_held, True)
+        if peer_s < best_s:
+            best, best_s = peer, peer_s
+    return best

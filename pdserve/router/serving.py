@@ -42,7 +42,7 @@ from pdserve.common.validation import (EngineLimits, ValidationError, check_cont
                                        check_request, prefill_sampling_params)
 from pdserve.engine.scheduling.request import lora_cache_root
 from pdserve.router import preprocess
-from pdserve.router.routing import prefers_local_prefill
+from pdserve.router.routing import prefers_local_prefill, pull_source
 from pdserve.router.beam import serve_beam_search
 from pdserve.router.config import RouterConfig
 from pdserve.router.engine import RequestFailed, RouterEngine
@@ -255,7 +255,30 @@ class OpenAIServing:
                 self.engine.policy.cached_tokens(prefill_worker, prompt_ids, salt)):
             self.engine.observe_route(WorkerRole.PREFILL, "local_prefill")  # the prefill pool is behind
             prefill_worker = None
+        peer = self._pull_source(decode_worker, prefill_worker, prompt_ids, first_token, lora)
+        if peer is not None:  # another decode worker holds more of the prompt: it serves the prefill
+            self.engine.observe_route(WorkerRole.PREFILL, "kv_pull")
+            prefill_worker = peer
         return params, decode_worker, prefill_worker
+
+    def _pull_source(self, decode_worker: WorkerInfo, prefill_worker: WorkerInfo | None, prompt_ids: list[int],
+                     first_token: SamplingParams, lora: LoRARequest | None) -> WorkerInfo | None:
+        """The decode worker to pull the prompt's cached KV from instead of computing it
+        (``routing.pull_source``), among the live ones that could prefill it for ``decode_worker``."""
+        peers = [w for w in self.engine.registry.candidates(WorkerRole.DECODE, None)
+                 if w.worker_id != decode_worker.worker_id and w.prefix_cache_salt is not None]
+        if not peers:
+            return None
+        peers = [w for w in peers if w.kv_compatible(decode_worker)
+                 and _accepts(prompt_ids, first_token, self.worker_limits(w))]
+        salt = lora_cache_root(lora) if lora is not None else b""
+        prices = self.engine.kv_prices
+
+        def held(worker: WorkerInfo) -> float:
+            return prices.matched_tokens([worker], prompt_ids, salt)[0]
+
+        return pull_source(decode_worker, prefill_worker, peers, len(prompt_ids), held,
+                           self.config.local_prefill_margin_s, self.config.local_prefill_margin_per_request_s)
 
     async def _outputs(self, run: Run) -> AsyncIterator[ChoiceDelta]:
         """Yield each choice's deltas until every choice finished.
