@@ -4,12 +4,13 @@ A conversation's first turn is prefilled on one worker; round robin sends its se
 other, which holds none of it. The router's KV index says the first holds the prompt's leading
 blocks, so it names that peer as the request's prefill worker: the peer computes only the new tokens
 (a prefix-cache hit) and sends the whole prompt's KV over the transfer path, and the second worker
-decodes from it. Greedy tokens must match transformers'.
+decodes from it. Greedy tokens must match transformers', also when the peer stops answering mid-pull.
 """
 
 from __future__ import annotations
 
 import random
+import signal
 
 import httpx
 import openai
@@ -30,7 +31,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
     spec = ClusterSpec(model=model_dir, num_prefill=0, num_decode=2, port=free_port(), threads_per_worker=1,
-                       worker_args=["--kv-cache-memory", "16MiB", "--enforce-eager"],
+                       worker_args=["--kv-cache-memory", "16MiB", "--enforce-eager", "--remote-prefill-timeout", "8"],
                        router_args=["--routing-policy", "round_robin"])
     with LocalCluster(spec, log_dir=str(tmp_path_factory.mktemp("logs"))) as c:
         yield c
@@ -94,3 +95,35 @@ def test_a_worker_that_lacks_a_prefix_pulls_it_from_the_peer_that_holds_it(clust
     third = second + [rng.randrange(10, 500) for _ in range(12)]
     assert complete(cluster, third) == hf_text(model_dir, third)
     assert metric(cluster, "pdserve:routing_decisions_total", role="prefill").get("kv_pull") == 1
+
+
+def test_a_peer_that_stops_answering_mid_pull_is_recomputed_around(cluster, model_dir):
+    """The peer is frozen (SIGSTOP) as the pull goes out: the puller's deadline passes and it prefills the
+    prompt itself, token-exact; the peer, woken, drops the stale pull and leaks no block."""
+    rng = random.Random(4)
+    first = [rng.randrange(10, 500) for _ in range(5 * BLOCK_SIZE + 7)]
+    before = metric(cluster, "vllm:request_success_total")
+    complete(cluster, first)
+    after = metric(cluster, "vllm:request_success_total")
+    (home,) = [w for w in after if after[w] != before.get(w, 0)]
+    url = cluster.router_urls()[0]
+    wait_until(lambda: {w["id"]: w for w in httpx.get(f"{url}/workers", timeout=10).json()}[home]["kv_index_blocks"]
+               >= 5 + 7, what="the index to show the turn")  # (the first test's 7 blocks are there too)
+    pulls = metric(cluster, "pdserve:routing_decisions_total", role="prefill").get("kv_pull", 0)
+    peer = dict(cluster.procs)[home]
+    peer.send_signal(signal.SIGSTOP)
+    try:
+        second = first + [rng.randrange(10, 500) for _ in range(9)]
+        assert complete(cluster, second) == hf_text(model_dir, second)
+        assert metric(cluster, "pdserve:routing_decisions_total", role="prefill").get("kv_pull") == pulls + 1
+    finally:
+        peer.send_signal(signal.SIGCONT)
+
+    def blocks_free() -> bool:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        usage = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                 if s.name == "vllm:kv_cache_usage_perc"]
+        return len(usage) == 2 and all(u == 0 for u in usage)
+
+    wait_until(blocks_free, 60, "every block back in both workers (the stale pull dropped)")
+    assert complete(cluster, second + [7, 8, 9]) == hf_text(model_dir, second + [7, 8, 9])
