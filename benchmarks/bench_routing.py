@@ -31,6 +31,12 @@ not the stand-in, so its blocks never match).
 
     python benchmarks/bench_routing.py --workload multi-turn --num-decode 2 --num-kv-blocks 512
 
+A worker that lacks a prefix another holds pulls it (the router's ``kv_pull``): the holder serves the
+prefill from its cache, so its hit counts, and the puller's lookup counts as a query with no hit; the
+hit rate is then under-stated and ``prompt tokens not computed`` (1 - the workers'
+``pdserve:prompt_tokens_computed_total`` over the workload's prompt tokens) is the measure of reuse.
+``--pull off`` runs each policy without pulls (``--local-prefill-margin-s inf``) for comparison.
+
 Default model: the built-in ``tiny`` preset (random weights), workers eager
 (``--enforce-eager``: no compile at start-up), one torch thread each.
 """
@@ -123,7 +129,7 @@ def worker_cpu_s(procs: list[psutil.Process]) -> float:
 
 
 def run_policy(policy: str, balance_factor: float | None, args, model_dir: str, block_bytes: int,
-               workload: list[BenchRequest], offload_blocks: int = 0) -> dict:
+               workload: list[BenchRequest], offload_blocks: int = 0, pull: bool = True) -> dict:
     spec = ClusterSpec(model=model_dir, num_prefill=0, num_decode=args.num_decode, port=free_port(),
                        threads_per_worker=1,
                        worker_args=["--kv-cache-memory", str(args.num_kv_blocks * block_bytes),
@@ -131,7 +137,8 @@ def run_policy(policy: str, balance_factor: float | None, args, model_dir: str, 
                                     "--max-num-seqs", str(args.max_concurrency), "--enforce-eager"],
                        router_args=["--routing-policy", policy, "--routing-prefix-blocks",
                                     str(args.routing_prefix_blocks),
-                                    *(["--routing-balance-factor", str(balance_factor)] if balance_factor else [])])
+                                    *(["--routing-balance-factor", str(balance_factor)] if balance_factor else []),
+                                    *([] if pull else ["--local-prefill-margin-s", "inf"])])
     name = os.path.basename(model_dir.rstrip("/"))
     with LocalCluster(spec, log_dir=os.environ.get("PDSERVE_BENCH_LOGS")) as cluster:
         workers = [psutil.Process(proc.pid) for name_, proc in cluster.procs if name_ != "router"]
@@ -155,7 +162,9 @@ def run_policy(policy: str, balance_factor: float | None, args, model_dir: str, 
             "p50_ttft_ms": m["p50_ttft_ms"], "p90_ttft_ms": m["p90_ttft_ms"], "p99_ttft_ms": m.get("p99_ttft_ms"),
             "duration_s": m["duration"],
             "failed": m["failed"], "preemptions": delta.get("vllm:num_preemptions_total", 0.0),
-            "routed_per_worker": routed, "decisions": decisions, "worker_cpu_s": cpu_s}
+            "routed_per_worker": routed, "decisions": decisions, "worker_cpu_s": cpu_s,
+            "computed": delta.get("pdserve:prompt_tokens_computed_total", 0.0),
+            "pulls": int(delta.get("pdserve:routing_decisions_total:prefill:kv_pull", 0.0))}
 
 
 def main() -> int:
@@ -182,6 +191,9 @@ def main() -> int:
                          "of each policy per value")
     ap.add_argument("--routing-balance-factor", type=float, nargs="+", default=[1.5],
                     help="prefix_aware's bounded-load factor; several: one prefix_aware run per value")
+    ap.add_argument("--pull", nargs="+", choices=("on", "off"), default=["on"],
+                    help="pulls from a peer (the router's default: on; off: --local-prefill-margin-s inf); several: "
+                         "one run of each policy per value")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -207,14 +219,19 @@ def main() -> int:
     print(f"model {model_dir}; {args.num_decode} decode workers (colocated), {args.num_kv_blocks} KV blocks each; "
           f"{len(workload)} requests: {what}, output {args.output_len}, concurrency {args.max_concurrency}", flush=True)
     results = []
-    runs = [(p, f, t) for t in args.kv_offload_blocks for p in args.policies
+    prompt_tokens = sum(len(r.prompt) for r in workload)
+    runs = [(p, f, t, pull) for pull in args.pull for t in args.kv_offload_blocks for p in args.policies
             for f in (args.routing_balance_factor if p == "prefix_aware" else [None])]
-    for policy, factor, offload_blocks in runs:
-        r = run_policy(policy, factor, args, model_dir, block_bytes, workload, offload_blocks)
+    for policy, factor, offload_blocks, pull in runs:
+        r = run_policy(policy, factor, args, model_dir, block_bytes, workload, offload_blocks, pull == "on")
+        r["pull"] = pull == "on"
+        r["reused"] = 1.0 - r["computed"] / prompt_tokens  # prompt tokens no worker computed
         results.append(r)
-        label = (f"{policy} c={factor:g}" if factor else policy) + (f" +host {offload_blocks}" if offload_blocks else "")
+        label = ((f"{policy} c={factor:g}" if factor else policy) + (f" +host {offload_blocks}" if offload_blocks else "")
+                 + ("" if pull == "on" else " no-pull"))
         print(f"{label:18s} prefix-cache hits {r['hit_rate']:6.1%} ({r['hits']:.0f}/{r['queries']:.0f} tokens, "
-              f"{r['onload_blocks']:.0f} blocks from host)  "
+              f"{r['onload_blocks']:.0f} blocks from host)  prompt tokens not computed {r['reused']:6.1%}  "
+              f"pulls {r['pulls']}  "
               f"output {r['output_throughput']:7.1f} tok/s  {r['request_throughput']:5.2f} req/s  "
               f"TTFT p50 {r['p50_ttft_ms']:7.1f} ms p99 {r['p99_ttft_ms']:7.1f} ms  worker CPU {r['worker_cpu_s']:5.1f} s  failed {r['failed']}  "
               f"preemptions {r['preemptions']:.0f}  "

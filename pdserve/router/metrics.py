@@ -86,6 +86,8 @@ _WORKER_COUNTERS = (
     ("pdserve:kv_disk_write_blocks", "kv_disk_write_blocks",
      "KV blocks the host tier evicted, written to the disk tier (--kv-offload-disk)."),
     ("pdserve:kv_disk_read_blocks", "kv_disk_read_blocks", "KV blocks read back from the disk tier: prefix hits there."),
+    ("pdserve:prompt_tokens_computed", "prefill_compute_tokens",
+     "Prompt tokens the worker computed: prefix-cache hits and KV received excluded."),
     ("pdserve:local_prefills", "num_local_prefills",
      "Prompts a decode worker prefilled itself instead of remotely."),
     ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts",
