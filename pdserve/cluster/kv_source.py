@@ -118,8 +118,9 @@ class KVSource:
         self.pending_pair[msg.request_id] = msg
 
     def serves(self, request_id: str) -> bool:
-        """Whether ``request_id`` is one of the remote prefills served here (not the worker's own)."""
-        return request_id in self.origin or request_id in self.transfers or request_id in self.pending_pair
+        """Whether ``request_id`` is a remote prefill served here (not the worker's own) still to be
+        computed: waiting for its pairs, or in the scheduler. (One whose KV is on its way is past that.)"""
+        return request_id in self.origin or request_id in self.pending_pair
 
     def idle(self) -> bool:
         return not self.pending_pair and not self.origin and not self.transfers
@@ -143,7 +144,8 @@ class KVSource:
         served = self.serves(request_id)
         self.pending_pair.pop(request_id, None)
         self.timings.pop(request_id, None)
-        if self.core.abort(request_id):
+        if served:
+            self.core.abort(request_id)  # (one already computed keeps its blocks until its sends end)
             self.origin.pop(request_id, None)
         return served
 

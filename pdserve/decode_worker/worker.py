@@ -154,6 +154,8 @@ class DecodeWorker(WorkerBase):
 
     def _add(self, msg: GenerateRequest) -> None:
         received = time.time()
+        if self.source.drop(msg.request_id):  # a pull we served for a peer that died: the request is ours now
+            logger.info("request %s: moved here while its prompt was served to a peer; dropping that", msg.request_id)
         self.request_router[msg.request_id] = self.router_of(msg.router_addr)
         remote = msg.prefill_worker_id is not None and msg.prefill_addr is not None and msg.resume is None
         pieces = []
