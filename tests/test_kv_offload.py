@@ -166,6 +166,39 @@ def test_disk_writes_run_behind_the_step_and_reads_see_them_at_once(tmp_path):
     again.close()
 
 
+def test_every_rank_keeps_its_share_on_disk_and_a_block_comes_back_only_whole(model_dir, prompts, hf_greedy,
+                                                                                 tmp_path):
+    """Tensor parallel: each rank writes its KV heads' share of a block to its own directory; a restart
+    finds the blocks every rank holds (a file corrupt on one rank drops that block on both) and serves
+    them token-exact."""
+    rank_block_bytes = 8192 // 2
+
+    def engine():
+        return LLM(model_dir, tensor_parallel_size=2, max_num_batched_tokens=32, kv_cache_memory=12 * rank_block_bytes,
+                   kv_offload_memory=2 * rank_block_bytes, kv_offload_disk=f"{tmp_path}:{512 * rank_block_bytes}")
+
+    with engine() as llm:
+        for _ in range(2):
+            outputs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+            assert token_ids(outputs) == hf_greedy
+            _flush(llm)
+        assert llm.block_manager.num_loaded > 0
+        on_disk = len(llm.block_manager.disk)
+    dirs = sorted({p.parent for p in tmp_path.rglob("*.kv")})
+    assert len(dirs) == 2  # one per rank (the fingerprint names the rank)
+    assert len(list(dirs[0].glob("*.kv"))) == len(list(dirs[1].glob("*.kv"))) == on_disk
+    victim = sorted(dirs[1].glob("*.kv"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with engine() as warm:
+        assert len(warm.block_manager.disk) == on_disk - 1  # that block is on neither rank now
+        assert len(list(dirs[0].glob("*.kv"))) == len(list(dirs[1].glob("*.kv"))) == on_disk - 1
+        outputs = [warm.generate([p], GREEDY, use_tqdm=False)[0] for p in prompts]
+        assert token_ids(outputs) == hf_greedy
+        assert warm.block_manager.num_loaded > 0
+
+
 def _disk_llm(model_dir, path, **kw):
     return LLM(model_dir, max_num_batched_tokens=32, kv_cache_memory="96KiB", kv_offload_memory="16KiB",
                kv_offload_disk=f"{path}:4MiB", **kw)

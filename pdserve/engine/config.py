@@ -119,7 +119,8 @@ class EngineConfig:
             ``pdserve.engine.scheduling.kv_offload``). Per rank.
         kv_offload_disk: ``PATH:SIZE``: a disk tier below the host one (``--kv-offload-disk``;
             ``pdserve.engine.execution.kv_disk``): what the host tier evicts is written there, a hit is read
-            back, and the files survive restarts. Single-rank workers; needs ``kv_offload_memory``.
+            back, and the files survive restarts. Per rank (each rank keeps its share of a block); needs
+            ``kv_offload_memory``.
         max_num_seqs: most requests in flight per worker.
         max_num_batched_tokens: token budget of one step.
         max_model_len: longest sequence; None = the model's max_position_embeddings.

@@ -132,6 +132,10 @@ class DiskKVStore:
             self._lock.close()
             self._lock = None
 
+    def discard(self, slot: int) -> None:
+        """Remove slot ``slot``'s file (a block the index will not hold)."""
+        self.path(slot).unlink(missing_ok=True)
+
     def path(self, slot: int) -> pathlib.Path:
         return self.dir / f"{slot}.kv"
 

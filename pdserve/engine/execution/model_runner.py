@@ -238,21 +238,37 @@ class ModelRunner:
         why = f"--kv-offload-memory {config.kv_offload_memory}"
         if config.kv_offload_disk:
             path, size = parse_disk_spec(config.kv_offload_disk)
-            if self.ranks is not None:
-                why += f"; no disk tier: --kv-offload-disk is for single-rank workers (this one has {config.parallel.world_size})"
-            elif config.enable_lora:
+            slots = size // block_bytes  # SIZE is each rank's, as --kv-offload-memory is
+            if self.ranks is not None:  # slot ids are the driver's: every rank must have every slot
+                slots = self.ranks.min_over_ranks(slots)
+            if config.enable_lora:
                 why += "; no disk tier: LoRA adapters' KV is keyed by their name and path, not their weights"
-            elif size // block_bytes >= 1:
+            elif slots >= 1:
                 shape = (*self.kv_cache.shape[:2], *self.kv_cache.shape[3:])
                 fingerprint = disk_fingerprint(self.model_fingerprint, weight_files_id(config.model), self.block_size,
-                                               shape, self.kv_cache.dtype, 0)
-                self.disk_store = DiskKVStore(path, fingerprint, shape, self.kv_cache.dtype, size // block_bytes)
+                                               shape, self.kv_cache.dtype, config.rank)
+                self.disk_store = DiskKVStore(path, fingerprint, shape, self.kv_cache.dtype, slots)
                 self.disk_entries = self.disk_store.scan()
-                value += (f"; disk {self.disk_store.dir}: {size // block_bytes} blocks, {len(self.disk_entries)} "
+                if self.ranks is not None:
+                    self.disk_entries = self._disk_entries_on_every_rank(self.disk_entries)
+                value += (f"; disk {self.disk_store.dir}: {slots} blocks, {len(self.disk_entries)} "
                           f"found at start ({self.disk_store.num_corrupt} corrupt, removed)")
             else:
                 why += f"; no disk tier: {size} bytes hold no block of {block_bytes}"
         plan.decide("kv_offload", value, why)
+
+    def _disk_entries_on_every_rank(self, entries: list[tuple[int, bytes, tuple[int, ...]]]) -> list:
+        """The disk tier's blocks found at start that every rank holds its share of, in the same slot (a
+        rank killed with writes pending, or a corrupt file on one rank, leaves a block incomplete: it is
+        recomputed). This rank's files of the others are removed."""
+        mine = [(slot, key) for slot, key, _ in entries]
+        common = set(mine)
+        for theirs in self.ranks.gather_objects(mine):
+            common &= set(theirs)
+        for slot, key in mine:
+            if (slot, key) not in common:
+                self.disk_store.discard(slot)
+        return [entry for entry in entries if (entry[0], entry[1]) in common]
 
     def _choose_step(self) -> None:
         """Choose the attention backend, attach LoRA, build the decode-linear kernel, build (or start) the
@@ -528,6 +544,8 @@ class ModelRunner:
         finally:
             if self.kv_agent is not None:
                 self.kv_agent.close()
+            if self.disk_store is not None:  # its queued writes go to disk before the process ends
+                self.disk_store.close()
 
     def ping_ranks(self) -> None:
         """Driver: an empty step, so a dead rank is noticed (an error here) while the worker is idle."""

@@ -226,6 +226,12 @@ class RankGroup:
             dist.recv(rows, src=last)
         return rows
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+        out = [None] * self.parallel.world_size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
+
     def min_over_ranks(self, value: int) -> int:
         """The smallest ``value`` any rank holds (e.g. KV blocks, so block ids agree everywhere)."""
         t = torch.tensor([value], dtype=torch.int64)
