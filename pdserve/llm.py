@@ -391,6 +391,8 @@ class LLM:
         if scheduler_output.is_empty() and (pending := self.core.pending_grammars()):
             concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
             return 0, []
+        if scheduler_output.is_empty() and self.core.block_manager.num_prefetching:
+            return 0, []  # its requests wait for their disk-tier blocks (core.step waited a little)
         if scheduler_output.is_empty():
             raise RuntimeError(f"the scheduler made no progress with {self.core.scheduler.num_waiting} "
                                f"requests waiting")

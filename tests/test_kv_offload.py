@@ -136,6 +136,40 @@ def test_every_rank_copies_its_share_of_the_tier(model_dir, prompts, hf_greedy):
         assert_all_blocks_free(llm)
 
 
+def test_a_disk_hit_is_read_off_the_step_loop_while_other_requests_compute(model_dir, prompts, hf_greedy, tmp_path,
+                                                                          monkeypatch):
+    """A prompt whose prefix is on disk waits while its blocks are read (slowed to 0.3 s a block by the
+    ``disk_read_delay_s`` fault); a request behind it computes 24 tokens meanwhile and finishes first,
+    though the slow one wants a single token. Its token still matches transformers."""
+    from pdserve.common.protocol import SamplingParams as Params
+
+    llm = _disk_llm(model_dir, tmp_path)
+    bm = llm.block_manager
+    long_ids = llm.generate([prompts[-1]], GREEDY, use_tqdm=False)[0].prompt_token_ids
+    for _ in range(2):
+        _flush(llm)
+    assert len(bm.disk) >= 4  # its blocks: most on disk, the last few in the host tier's 2 slots
+    loaded = bm.num_loaded
+    monkeypatch.setitem(faults.FAULTS, "disk_read_delay_s", 0.3)
+    core = llm.core
+    core.add_request("slow", long_ids, Params(max_tokens=1, temperature=0.0))
+    core.add_request("other", list(range(600, 630)), Params(max_tokens=24, temperature=0.0, ignore_eos=True))
+    finished, first_token = [], None
+    while core.has_unfinished():
+        _, outputs = core.step()
+        for out in outputs:
+            if out.request.request_id == "slow" and out.new_token_ids:
+                first_token = out.new_token_ids[0]
+            if out.finished is not None:
+                finished.append(out.request.request_id)
+    assert finished == ["other", "slow"]
+    assert first_token == hf_greedy[-1][0]
+    assert core.scheduler.requests == {} and bm.num_prefetching == 0
+    assert bm.num_loaded - loaded >= 4
+    assert_all_blocks_free(llm)
+    llm.close()
+
+
 def test_disk_writes_run_behind_the_step_and_reads_see_them_at_once(tmp_path):
     """``DiskKVStore.write`` only takes the bytes; the writer thread puts the file in place. A read before
     then gets the bytes it was given, a slot written twice ends with the second, close drains the queue."""

@@ -105,6 +105,7 @@ class EngineCore:
                             max_loras=config.max_loras if config.enable_lora else 0,
                             recompute_past_len=self.runner.recompute_past_len),
             self.block_manager, kv_groups=self.runner.kv_groups)
+        self.scheduler.prefetch = self.runner.prefetcher is not None
         self.proposer = None
         spec = config.speculative
         if spec is not None:
@@ -240,7 +241,39 @@ class EngineCore:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch (never raises for lack of blocks: it preempts or waits)."""
-        return self.scheduler.schedule()
+        self._collect_prefetches()
+        out = self.scheduler.schedule()
+        if not out.scheduled and not out.block_copies and self.block_manager.num_prefetching:
+            self._start_prefetches()  # no step to run first: their tier copies run now
+        return out
+
+    # ---- prefetch (disk-tier hits read off the step loop; kv_prefetch.py) --------------------
+
+    def _start_prefetches(self) -> None:
+        """Hand the prefetches started this step to the reader, after the step's own tier copies."""
+        starts = self.block_manager.take_prefetch_starts()
+        if not starts:
+            return
+        ops = self.block_manager.take_tier_copies()
+        if ops:  # (in a step, execute took them already)
+            self.runner.execute([], tier_ops=ops)
+        for prefetch_id, copies in starts:
+            self.runner.prefetcher.start(prefetch_id, copies)
+
+    def _collect_prefetches(self, timeout_s: float = 0.0) -> None:
+        """Cache the blocks of every prefetch the reader finished and let their requests be admitted."""
+        prefetcher = self.runner.prefetcher
+        if prefetcher is None or not prefetcher.in_flight:
+            return
+        costs = self.block_manager.tier_costs
+        for prefetch_id, ok, timings in prefetcher.finished(timeout_s):
+            self.block_manager.finish_prefetch(prefetch_id, ok)  # (time saved: at the speeds known when it began)
+            self.scheduler.prefetch_done(prefetch_id)
+            for kind, (blocks, seconds) in timings.items():
+                entry = self.runner.tier_copy_stats.setdefault(kind, [0, 0.0])
+                entry[0] += blocks
+                entry[1] += seconds
+                costs.observe_load(_LOAD_MEDIUM[kind], blocks, seconds)
 
     def execute(self, scheduler_output: SchedulerOutput, on_layer_done: Callable[[int], None] | None = None,
                 kv_ops: KVStepOps | None = None) -> ModelRunnerOutput:
@@ -260,6 +293,7 @@ class EngineCore:
                                      block_copies=scheduler_output.block_copies, kv_ops=kv_ops,
                                      tier_ops=self.block_manager.take_tier_copies())
         elapsed = time.perf_counter() - start
+        self._start_prefetches()
         costs = self.block_manager.tier_costs
         for kind, (blocks, seconds) in copies.items():  # this step's tier copies, measured
             blocks_before, seconds_before = copied.get(kind, (0, 0.0))
@@ -299,6 +333,9 @@ class EngineCore:
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         """``schedule -> execute -> update`` with nothing in between."""
         scheduler_output = self.schedule()
+        if not scheduler_output.scheduled and not scheduler_output.block_copies and self.block_manager.num_prefetching:
+            self._collect_prefetches(timeout_s=0.05)  # nothing to run but prefetches: wait for one
+            scheduler_output = self.schedule()
         if not scheduler_output.scheduled and not scheduler_output.block_copies:
             return scheduler_output, []
         return scheduler_output, self.update(scheduler_output, self.execute(scheduler_output))
@@ -347,6 +384,8 @@ class EngineCore:
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.shutdown_ranks()
+            if runner.prefetcher is not None:
+                runner.prefetcher.close()
             if runner.disk_store is not None:
                 runner.disk_store.close()
         stop_processes(self._rank_procs)

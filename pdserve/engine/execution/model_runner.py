@@ -30,6 +30,7 @@ from pdserve.engine.execution.model_input import ModelInput
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.config import parse_disk_spec
 from pdserve.engine.execution.kv_disk import DiskKVStore, disk_fingerprint, weight_files_id
+from pdserve.engine.execution.kv_prefetch import TierPrefetcher
 from pdserve.engine.execution.kv_cache import (allocate_kv_cache, allocate_offload_cache, copy_blocks, copy_tier_blocks,
                                                kv_cache_block_bytes, num_blocks_for_budget)
 from pdserve.common.kv_cache_groups import kv_cache_groups_for
@@ -219,6 +220,7 @@ class ModelRunner:
             self.num_offload_blocks = self.ranks.min_over_ranks(self.num_offload_blocks)
         self.offload_cache = None
         self.disk_store: DiskKVStore | None = None
+        self.prefetcher: TierPrefetcher | None = None  # disk-tier hits read off the step loop (one rank)
         self.disk_entries: list[tuple[int, bytes, tuple[int, ...]]] = []  # (slot, key, tokens) found at start
         if not config.kv_offload_memory:
             return
@@ -251,6 +253,8 @@ class ModelRunner:
                 self.disk_entries = self.disk_store.scan()
                 if self.ranks is not None:
                     self.disk_entries = self._disk_entries_on_every_rank(self.disk_entries)
+                else:
+                    self.prefetcher = TierPrefetcher(self.kv_cache, self.offload_cache, self.disk_store)
                 value += (f"; disk {self.disk_store.dir}: {slots} blocks, {len(self.disk_entries)} "
                           f"found at start ({self.disk_store.num_corrupt} corrupt, removed)")
             else:

@@ -122,6 +122,11 @@ class BlockManager:
         # Whether a hit in a tier is worth loading (the engine feeds it the measured speeds), and what
         # the tiers' hits did: hits recomputed because loading was dearer, seconds loading saved
         self.tier_costs = TierCosts(block_size)
+        # Prefetches (tier hits read off the step loop): id -> what finish_prefetch needs; those not yet
+        # handed to the runner, with their copies
+        self._prefetches: dict[int, tuple] = {}
+        self._prefetch_starts: list[tuple[int, list[TierOp]]] = []
+        self._next_prefetch = 0
         self.num_declined = {"host": 0, "disk": 0}
         self.tier_saved_s = {"host": 0.0, "disk": 0.0}
 
@@ -413,3 +418,73 @@ class BlockManager:
             if tier is not None:
                 tier.unpin_all()
         return ops
+
+    # ---- prefetch: tier hits read off the step loop ----------------------------------------
+
+    def start_prefetch(self, slots: Sequence[int], block_hashes: Sequence[bytes], parent_hash: bytes,
+                       hit_blocks: Sequence[int]) -> int | None:
+        """Read a hit's tier blocks (``find_offloaded``'s ``slots`` and hashes, chained from
+        ``parent_hash``) into fresh KV cache blocks off the step loop, for a request that waits
+        meanwhile (SGLang HiCache's prefetch; vLLM's offloading connector loads asynchronously too).
+        ``hit_blocks``, the KV cache's own hit before them, are held so they stay cached. The copies
+        wait in ``take_prefetch_starts`` until this step's tier copies have run (they may write the
+        blocks and slots these read); ``finish_prefetch`` caches what was read. Returns the prefetch's
+        id, or None when there are not enough free blocks (the request then loads in the step)."""
+        self.share(hit_blocks)  # first: the allocation below must not take them
+        if not self.can_allocate(len(slots)):
+            self.free(hit_blocks)
+            return None
+        blocks = self.allocate(len(slots))
+        ops, tokens = [], []
+        for slot, block_id, block_hash in zip(slots, blocks, block_hashes):
+            if slot >= 0:
+                self.offload.hold(slot)
+                ops.append(TierOp(kind=TierOpKind.ONLOAD, src=slot, dst=block_id))
+                tokens.append(self.offload.tokens(slot))
+            else:
+                self.disk.hold(-slot - 1)
+                ops.append(TierOp(kind=TierOpKind.LOAD, src=-slot - 1, dst=block_id, key=block_hash))
+                tokens.append(self.disk.tokens(-slot - 1))
+        prefetch_id = self._next_prefetch
+        self._next_prefetch += 1
+        self._prefetches[prefetch_id] = (list(slots), blocks, list(block_hashes), parent_hash, list(hit_blocks), tokens)
+        self._prefetch_starts.append((prefetch_id, ops))
+        return prefetch_id
+
+    def take_prefetch_starts(self) -> list[tuple[int, list[TierOp]]]:
+        """The prefetches started since the last call, with their copies, for the runner's reader."""
+        starts, self._prefetch_starts = self._prefetch_starts, []
+        return starts
+
+    def finish_prefetch(self, prefetch_id: int, ok: Sequence[bool]) -> int:
+        """The reader is done with prefetch ``prefetch_id`` (``ok``: per block, whether it was read): the
+        blocks read, up to the first that was not (a corrupt file: recomputed), enter the prefix cache;
+        every block and hold is let go. Returns how many were cached."""
+        slots, blocks, hashes, parent, hit_blocks, tokens = self._prefetches.pop(prefetch_id)
+        cached = 0
+        for slot, block_id, block_hash, block_tokens, good in zip(slots, blocks, hashes, tokens, ok):
+            if not good:
+                break
+            self.cache_hashed_block(block_id, block_hash, block_tokens, 0, parent)
+            medium = self.offload.medium if slot >= 0 else self.disk.medium
+            if slot >= 0:
+                self.num_onloaded += 1
+            else:
+                self.num_loaded += 1
+            self.tier_saved_s[medium] += self.tier_costs.saved_s(medium)
+            parent = block_hash
+            cached += 1
+        for slot in slots:
+            if slot >= 0:
+                self.offload.release(slot)
+            else:
+                self.disk.release(-slot - 1)
+        self.free(blocks)
+        self.free(hit_blocks)
+        return cached
+
+    @property
+    def num_prefetching(self) -> int:
+        """Prefetches started and not finished."""
+        return len(self._prefetches)
+

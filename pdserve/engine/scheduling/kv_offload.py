@@ -50,6 +50,7 @@ class OffloadTier:
         self._tokens: dict[int, tuple[int, ...]] = {}  # slot -> the tokens of the block it holds
         self._free = list(range(capacity - 1, -1, -1))
         self._pinned: set[int] = set()
+        self._held: set[int] = set()  # slots a prefetch reads off the step loop: pinned until it ends
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -84,7 +85,7 @@ class OffloadTier:
         if self._free:
             slot = self._free.pop()
         else:
-            victim = next((k for k, s in self._slots.items() if s not in self._pinned), None)
+            victim = next((k for k, s in self._slots.items() if s not in self._pinned and s not in self._held), None)
             if victim is None:
                 return None
             slot = self._slots.pop(victim)
@@ -110,12 +111,20 @@ class OffloadTier:
     def unpin_all(self) -> None:
         self._pinned.clear()
 
+    def hold(self, slot: int) -> None:
+        """Pin ``slot`` until ``release``: a prefetch reads it off the step loop."""
+        self._held.add(slot)
+
+    def release(self, slot: int) -> None:
+        self._held.discard(slot)
+
     def clear(self) -> list[bytes]:
-        """Forget every block (unpinned or not); returns their keys."""
-        keys = list(self._slots)
-        self._slots.clear()
-        self._tokens.clear()
-        self._free = list(range(self.capacity - 1, -1, -1))
+        """Forget every block but those a prefetch is reading (pinned or not); returns their keys."""
+        keys = [key for key, slot in self._slots.items() if slot not in self._held]
+        for key in keys:
+            slot = self._slots.pop(key)
+            del self._tokens[slot]
+            self._free.append(slot)
         self._pinned.clear()
         return keys
 

@@ -82,6 +82,10 @@ class Request:
         self.sample_index = sample_index  # which of the n samples (choices) this is
         self.block_hashes: list[bytes] = []  # prefix-cache hash of each full, computed block
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        # Its prefix hit's disk-tier blocks are being read into the KV cache off the step loop (not
+        # admitted meanwhile); once read, it is admitted with them as device hits (``prefetched``).
+        self.prefetching = False
+        self.prefetched = False
         self.forked = sample_index > 0  # sample 0 forks samples 1..n-1 after its prompt is computed
         # Speculative decoding (pdserve.engine.execution.spec_decode): this step's draft tokens, the
         # distributions they were drawn from ([k, vocab] or None: point masses), and how many

@@ -71,6 +71,10 @@ class Scheduler:
         # Speculative decoding: ``num_lookahead(request, max_k) -> k`` drafts to schedule (it may
         # set ``request.spec_token_ids`` now; a draft model fills them in at execute). None: off.
         self.proposer = None
+        # Disk-tier hits read off the step loop (``BlockManager.start_prefetch``): the engine turns this on
+        # where the runner can (one rank). prefetch id -> the request waiting for it.
+        self.prefetch = False
+        self._prefetching: dict[int, Request] = {}
 
     @property
     def num_preemptions(self) -> int:
@@ -193,6 +197,8 @@ class Scheduler:
             if request is None:
                 return
             hit = self.kv.find_prefix(request)
+            if self._prefetch(request, hit):
+                continue  # it waits (in ``waiting``) for its blocks; the next one may go
             num_cached = hit.num_blocks * self.kv.block_size
             if request.remote_prefill and self._prefill_locally(request, hit):
                 request.remote_prefill = False
@@ -224,6 +230,29 @@ class Scheduler:
                 self.stats.prefix_cache_hits += num_cached
                 self.stats.num_prompt_tokens += request.num_prompt_tokens
 
+    def _prefetch(self, request: Request, hit) -> bool:
+        """Start reading ``request``'s hit from the tiers off the step loop, if it reaches the disk tier
+        (a host-tier copy back is a memory copy: it runs in the step). True: it waits for it."""
+        if not self.prefetch or request.prefetched or not any(slot < 0 for slot in hit.offload_slots):
+            return False
+        first = len(hit.group_block_ids[0])
+        parent = hit.block_hashes[first - 1] if first else request.cache_root
+        prefetch_id = self.block_manager.start_prefetch(hit.offload_slots, hit.block_hashes[first:hit.num_blocks],
+                                                        parent, hit.group_block_ids[0])
+        if prefetch_id is None:
+            return False
+        request.prefetching = True
+        self._prefetching[prefetch_id] = request
+        return True
+
+    def prefetch_done(self, prefetch_id: int) -> None:
+        """Prefetch ``prefetch_id`` ended (its blocks are in the prefix cache): its request may be admitted,
+        its hit now the KV cache's own (read in the step if the blocks were lost meanwhile)."""
+        request = self._prefetching.pop(prefetch_id, None)
+        if request is not None:
+            request.prefetching = False
+            request.prefetched = True
+
     def _next_ready(self) -> Request | None:
         """The first waiting request (in the policy's order) not waiting for its grammar to compile
         (structured outputs; vLLM's WAITING_FOR_FSM) and whose LoRA adapter fits the slots, or None.
@@ -236,6 +265,8 @@ class Scheduler:
             in_flight = {r.lora.lora_int_id for r in (*self.running, *self.waiting_for_remote_kvs.values())
                          if r.lora is not None}
         for request in self.waiting:
+            if request.prefetching:
+                continue
             if in_flight is not None and request.lora is not None and request.lora.lora_int_id not in in_flight \
                     and len(in_flight) >= self.config.max_loras:
                 continue
