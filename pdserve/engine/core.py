@@ -286,20 +286,21 @@ class EngineCore:
         if self.proposer is not None and self.proposer.drafts_at_execute:  # a draft model drafts now
             self.proposer.propose(scheduler_output.scheduled, scheduler_output.block_copies)
             _cut_drafts_to_grammar(scheduler_output)
+        tier_ops = self.block_manager.take_tier_copies()
         copies = self.runner.tier_copy_stats
-        copied = {kind: tuple(entry) for kind, entry in copies.items()}
+        copied = {kind: tuple(entry) for kind, entry in copies.items()} if tier_ops else None
         start = time.perf_counter()
         output = self.runner.execute(scheduler_output.scheduled, on_layer_done=on_layer_done,
-                                     block_copies=scheduler_output.block_copies, kv_ops=kv_ops,
-                                     tier_ops=self.block_manager.take_tier_copies())
+                                     block_copies=scheduler_output.block_copies, kv_ops=kv_ops, tier_ops=tier_ops)
         elapsed = time.perf_counter() - start
         self._start_prefetches()
         costs = self.block_manager.tier_costs
-        for kind, (blocks, seconds) in copies.items():  # this step's tier copies, measured
-            blocks_before, seconds_before = copied.get(kind, (0, 0.0))
-            elapsed -= seconds - seconds_before
-            if kind in _LOAD_MEDIUM and blocks > blocks_before:
-                costs.observe_load(_LOAD_MEDIUM[kind], blocks - blocks_before, seconds - seconds_before)
+        if copied is not None:  # this step's tier copies, measured: loads priced, and not prefill time
+            for kind, (blocks, seconds) in copies.items():
+                blocks_before, seconds_before = copied.get(kind, (0, 0.0))
+                elapsed -= seconds - seconds_before
+                if kind in _LOAD_MEDIUM and blocks > blocks_before:
+                    costs.observe_load(_LOAD_MEDIUM[kind], blocks - blocks_before, seconds - seconds_before)
         num_prompt_tokens = sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
                                 for r, n in scheduler_output.scheduled)
         if num_prompt_tokens:  # a step that computed prompt tokens (decode rows mixed in count as its cost)
