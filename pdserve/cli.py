@@ -102,14 +102,29 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                        api_key=from_env(args.api_key, API_KEY_ENV), max_restarts=args.max_restarts,
                        threads_per_worker=args.threads_per_worker, num_routers=args.num_routers,
                        **pool_parallel_sizes(args))
+    on_up = None
+    if args.autoscale:
+        from pdserve.sizing.commands import make_autoscaler
+
+        try:
+            autoscaler = make_autoscaler(args, f"http://{'127.0.0.1' if args.host == '0.0.0.0' else args.host}:"
+                                               f"{args.port}", spec.api_key, colocated=num_prefill == 0)
+        except (ValueError, OSError) as e:
+            print(f"pdserve: --autoscale: {e}", file=sys.stderr)
+            return 2
+
+        def on_up():
+            _, stop = autoscaler.start()
+            return stop.set
     if args.ray:
         from pdserve.cluster.supervisor import serve_until_stopped
         from pdserve.cluster.ray_launcher import RayCluster
 
         return serve_until_stopped(RayCluster(spec, address=args.address,
                                               prefill_resources=json.loads(args.prefill_resources or "{}"),
-                                              decode_resources=json.loads(args.decode_resources or "{}")))
-    return run_cluster(spec)
+                                              decode_resources=json.loads(args.decode_resources or "{}")),
+                                   on_up=on_up)
+    return run_cluster(spec, on_up=on_up)
 
 
 def pool_parallel_sizes(args: argparse.Namespace) -> dict[str, int]:
@@ -280,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
             up.add_argument(f"--{role}-{kind}-parallel-size", type=int, default=None,
                             help=f"{kind} parallel size of the {role} workers (overrides --{kind}-parallel-size)")
 
+    from pdserve.sizing.commands import add_autoscale_args, add_plan_args, add_profile_args, add_simulate_args
+
     add_routing_cli_args(up)
     add_lora_cli_args(up)
     add_tracing_cli_args(up)
@@ -326,6 +343,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_args(bench_sub.add_parser(
         "compare", help="one workload against pdserve (disagg, colocated), vLLM, transformers serve, HF generate",
         description="Writes results.json, results.md and plots to --out-dir."))
+
+    add_autoscale_args(up, standalone=False)
+    add_autoscale_args(sub.add_parser(
+        "autoscale", help="size a running cluster's pools from its live load and a profile (SLA autoscaler)",
+        description="Reads the router's /metrics every interval and sets the pools' targets through "
+                    "/admin/scale: beside pdserve up --ray, Kubernetes, or any cluster."), standalone=True)
+    add_profile_args(sub.add_parser(
+        "profile", help="measure real workers (prefill, decode, KV transfer) into a profile for simulate and plan",
+        description="Any other flag (e.g. --kv-cache-memory 1GiB) is a worker flag, as with pdserve up."))
+    add_simulate_args(sub.add_parser(
+        "simulate", help="simulate a cluster on a workload from a profile: TTFT/TPOT/ITL/E2EL, goodput, usage",
+        description="Runs pdserve's own scheduler, block manager and routing with the profile's step times."))
+    add_plan_args(sub.add_parser(
+        "plan", help="the prefill/decode split that serves the most load within SLOs (simulated)",
+        description="DistServe's placement search over pdserve simulate."))
     flags = sub.add_parser("flags", help="print a command's flags as a Markdown table (README's tables)")
     flags.add_argument("of", choices=[c for c in _subcommands(parser) if c != "bench"], help="the command")
     for sub_parser in [parser, *_subcommands(parser).values(), *_subcommands(bench).values()]:
@@ -336,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "up":
+    if extra and args.command not in ("up", "profile"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     _setup_logging(args.log_level)
     if args.command in _SERVING_COMMANDS:
@@ -375,6 +407,14 @@ def _run(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[
         from pdserve.bench.commands import cmd_compare, cmd_serve
 
         return cmd_serve(args) if args.bench_command == "serve" else cmd_compare(args)
+    if args.command in ("profile", "simulate", "plan", "autoscale"):
+        from pdserve.sizing import commands
+
+        if args.command == "profile":
+            return commands.cmd_profile(args, extra)
+        if args.command == "autoscale":
+            return commands.cmd_autoscale(args)
+        return commands.cmd_simulate(args) if args.command == "simulate" else commands.cmd_plan(args)
     if args.command == "default-model":
         return _cmd_default_model(args)
     if args.command == "flags":

@@ -158,6 +158,7 @@ class LocalCluster(ClusterLauncher):
                     proc.wait()
 
 
-def run_cluster(spec: ClusterSpec) -> int:
-    """Start the cluster and serve until Ctrl-C/SIGTERM or a process dies. Returns an exit code."""
-    return serve_until_stopped(LocalCluster(spec))
+def run_cluster(spec: ClusterSpec, on_up=None) -> int:
+    """Start the cluster and serve until Ctrl-C/SIGTERM or a process dies. Returns an exit code.
+    ``on_up``: see ``serve_until_stopped``."""
+    return serve_until_stopped(LocalCluster(spec), on_up=on_up)

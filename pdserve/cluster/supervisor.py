@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.cluster.scale import admin_request
@@ -352,7 +353,7 @@ class ClusterLauncher:
         self.stop()
 
 
-def serve_until_stopped(cluster) -> int:
+def serve_until_stopped(cluster, on_up: Callable[[], Callable[[], None]] | None = None) -> int:
     """Start ``cluster`` (a ``LocalCluster`` or ``RayCluster``), wait until every worker is live, and
     serve until Ctrl-C/SIGTERM, or a router or worker out of restarts (a worker that exits 0 has
     left the cluster: drained or scaled away; one that fails is restarted); meanwhile start workers while
@@ -360,9 +361,11 @@ def serve_until_stopped(cluster) -> int:
     Then stop everything. Returns an exit code.
 
     A cluster with a ``connect()`` (Ray) is connected first: Ray installs signal handlers of its own
-    when it connects, and ours must come after.
+    when it connects, and ours must come after. ``on_up`` is called once every process is live (the
+    SLA autoscaler starts there) and returns what stops it, called before the cluster stops.
     """
     stopping = False
+    stop_controller = None
 
     def on_signal(*_):
         nonlocal stopping
@@ -380,6 +383,8 @@ def serve_until_stopped(cluster) -> int:
         routers = f"{spec.num_routers} routers sharing the port, " if spec.num_routers > 1 else ""
         print(f"pdserve is up: {cluster.url}/v1  (model {spec.model}; {routers}"
               f"{spec.num_prefill} prefill, {spec.num_decode} decode). Ctrl-C stops it.", flush=True)
+        if on_up is not None:
+            stop_controller = on_up()
         while not stopping:
             if fatal := cluster.supervise_once():
                 print(f"pdserve: process exited: {', '.join(fatal)}; stopping", file=sys.stderr)
@@ -390,4 +395,6 @@ def serve_until_stopped(cluster) -> int:
         print(f"pdserve: {e}", file=sys.stderr)
         return 1
     finally:
+        if stop_controller is not None:
+            stop_controller()
         cluster.stop()

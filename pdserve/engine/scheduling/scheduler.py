@@ -135,12 +135,16 @@ class Scheduler:
                 self._recompute_past_switch(request)
             num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
             num_new += self._schedule_drafts(request, num_new, budget, out)
+            num_preempted = len(out.preempted)
             if not self._allocate_or_preempt(request, request.num_computed_tokens + num_new, out):
                 break  # ``request`` itself was the victim: nothing after it gets blocks either
             out.scheduled.append((request, num_new))
-            # A priority victim may have been scheduled already: its tokens went back to the budget.
-            budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
-            i = self.running.index(request) + 1
+            if len(out.preempted) == num_preempted:
+                budget -= num_new
+                i += 1
+            else:  # a priority victim may have been scheduled already: its tokens went back to the budget
+                budget = self.config.max_num_batched_tokens - out.num_scheduled_tokens
+                i = self.running.index(request) + 1
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out

@@ -1,0 +1,276 @@
+"""Command-line flags and entry points of ``pdserve profile``, ``pdserve simulate`` and ``pdserve plan``.
+
+Imports nothing heavy at module level: ``pdserve --help`` builds these parsers. The workload flags
+are ``pdserve bench serve``'s own (``add_dataset_args``, ``add_load_args``), so one workload line
+drives a real benchmark and a simulation alike; the routing flags are the router's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+
+from pdserve.bench.commands import add_dataset_args, add_load_args, dataset_config_from_args
+from pdserve.bench.metrics import format_table, parse_goodput
+from pdserve.router.config import add_routing_cli_args
+
+
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (default: the built-in model pdserve up serves)")
+    p.add_argument("--out", required=True, help="the profile file to write (JSON)")
+    p.add_argument("--kinds", default="prefill,decode,colocated",
+                   help="worker kinds to measure, comma-separated: prefill, decode (each on its share of the "
+                        "cores, as pdserve up places them), colocated (all cores) (default: all three)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per measured point (median; default 5)")
+    p.add_argument("--no-transfer", dest="transfer", action="store_false", help="skip the KV transfer measure")
+    p.add_argument("--no-serving", dest="serving", action="store_false",
+                   help="skip measuring the colocated and decode kinds inside a real cluster (router, streaming "
+                        "client): the simulator then knows only the engines' own step times")
+    p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """The simulated cluster's flags (shared by simulate and plan)."""
+    p.add_argument("--profile", required=True, help="the profile file (pdserve profile --out)")
+    p.add_argument("--trace", default=None,
+                   help="replay this trace instead of a synthetic workload: JSONL (Mooncake's timestamp (ms), "
+                        "input_length, output_length, hash_ids; or arrival_s, input_len, output_len) or an Azure "
+                        "CSV (TIMESTAMP, ContextTokens, GeneratedTokens)")
+    p.add_argument("--trace-block-tokens", type=int, default=512, help="tokens per trace hash id (Mooncake: 512)")
+    p.add_argument("--trace-time-scale", type=float, default=1.0, help="divide the trace's arrival times by this")
+    p.add_argument("--machine-cores", type=int, default=None,
+                   help="the workers share this many cores, placed as pdserve up places them (default: each "
+                        "worker has the cores it was profiled with to itself)")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache per worker, e.g. 1GiB (default: as profiled)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="per worker (default: as profiled)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per worker (default: as profiled)")
+    p.add_argument("--no-step-jitter", dest="step_jitter", action="store_false",
+                   help="every step exactly the cost model's (default: steps scatter by the profile's measured "
+                        "jitter, seeded by --seed)")
+    add_routing_cli_args(p)
+
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    add_cluster_args(p)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: colocated; default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--result-file", default=None,
+                   help="write settings and metrics as JSON here (pdserve bench serve's keys, plus \"sim\")")
+    add_dataset_args(p)
+    add_load_args(p)
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    add_cluster_args(p)
+    p.add_argument("--workers", type=int, required=True, help="workers to split between the pools")
+    p.add_argument("--slo", nargs="+", required=True, metavar="METRIC:MS",
+                   help="the SLOs goodput counts, e.g. --slo ttft:500 tpot:50")
+    p.add_argument("--attainment", type=float, default=0.9,
+                   help="the SLO attainment a rate must keep to count as served (DistServe: 0.9)")
+    p.add_argument("--colocated", choices=["yes", "no", "only"], default="yes",
+                   help="also try every worker colocated (yes), never (no), or only that (only)")
+    p.add_argument("--result-file", default=None, help="write every alternative tried as JSON here")
+    add_dataset_args(p)
+    add_load_args(p)
+
+
+def add_autoscale_args(p: argparse.ArgumentParser, standalone: bool) -> None:
+    """The SLA autoscaler's flags: ``pdserve autoscale`` (``standalone``: it names the router) and
+    ``pdserve up --autoscale``."""
+    g = p.add_argument_group("SLA autoscaler")
+    if standalone:
+        g.add_argument("--router", default="http://127.0.0.1:8000", help="the router's HTTP address")
+        g.add_argument("--kubernetes", action="store_true",
+                       help="set the pools as the replicas of Deployments pdserve-prefill and pdserve-decode "
+                            "(kubectl scale; the routers run --pool-owner none), not through the router; delete "
+                            "k8s/base/autoscaling.yaml's HPAs first")
+        g.add_argument("--namespace", default="default", help="with --kubernetes: the Deployments' namespace")
+        g.add_argument("--api-key", default=None, help="the router's API key (or set $PDSERVE_API_KEY)")
+        g.add_argument("--profile", required=True, help="the workers' profile (pdserve profile --out)")
+        g.add_argument("--slo", nargs="+", required=True, metavar="METRIC:MS",
+                       help="the SLOs to size for, e.g. --slo ttft:500 tpot:50")
+    else:
+        g.add_argument("--autoscale", action="store_true",
+                       help="size the pools from the live load every --autoscale-interval (needs --profile, --slo)")
+        g.add_argument("--profile", default=None, help="with --autoscale: the workers' profile (pdserve profile)")
+        g.add_argument("--slo", nargs="+", default=None, metavar="METRIC:MS",
+                       help="with --autoscale: the SLOs to size for, e.g. --slo ttft:500 tpot:50")
+    g.add_argument("--autoscale-interval", type=float, default=10.0, help="seconds between decisions (default 10)")
+    g.add_argument("--max-prefill", type=int, default=8, help="most prefill workers the autoscaler asks for")
+    g.add_argument("--max-decode", type=int, default=8, help="most decode workers the autoscaler asks for")
+    g.add_argument("--min-decode", type=int, default=1, help="fewest decode workers (default 1)")
+    g.add_argument("--scale-down-intervals", type=int, default=3,
+                   help="shrink a pool only after this many intervals in a row wanted fewer (default 3)")
+
+
+def make_autoscaler(args: argparse.Namespace, router: str, api_key: str | None, colocated: bool):
+    """The ``Autoscaler`` the flags describe, sizing from the profile. Raises ValueError / OSError."""
+    from pdserve.cluster.autoscaler import Autoscaler, KubectlPools
+    from pdserve.sizing.profile import load_profile
+    from pdserve.sizing.sizer import ProfileSizer
+
+    if not args.profile or not args.slo:
+        raise ValueError("the autoscaler needs --profile and --slo")
+    slos = parse_goodput(args.slo)
+    sizer = ProfileSizer(load_profile(args.profile), slos, colocated=colocated)
+    return Autoscaler(router, sizer, slos, interval_s=args.autoscale_interval, min_prefill=0 if colocated else 1,
+                      max_prefill=0 if colocated else args.max_prefill, min_decode=args.min_decode,
+                      max_decode=args.max_decode, scale_down_intervals=args.scale_down_intervals, api_key=api_key,
+                      on_interval=lambda interval: print(interval.line(), flush=True),
+                      pools=KubectlPools(args.namespace) if getattr(args, "kubernetes", False) else None)
+
+
+def cmd_autoscale(args: argparse.Namespace) -> int:
+    """``pdserve autoscale``: the controller beside any cluster (Ray, Kubernetes) whose router it can reach."""
+    import threading
+
+    from pdserve.cluster.scale import admin_request
+    from pdserve.common.auth import API_KEY_ENV, from_env
+
+    api_key = from_env(args.api_key, API_KEY_ENV)
+    try:
+        pools = admin_request(args.router, "/admin/pools", api_key)
+        colocated = pools["prefill"]["num_serving"] == 0 and not pools["prefill"].get("desired")
+        autoscaler = make_autoscaler(args, args.router, api_key, colocated)
+        autoscaler.pools.read()  # kubectl or the router answers before the loop starts
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"pdserve autoscale: {e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    try:
+        autoscaler.run(stop)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _workload(args, vocab_size: int | None = None):
+    from pdserve.sizing.workload import synthetic, trace
+
+    if args.trace:
+        return trace(args.trace, args.num_prompts, args.trace_block_tokens, args.trace_time_scale)
+    return synthetic(dataset_config_from_args(args, vocab_size), args.request_rate, args.burstiness)
+
+
+def sim_config_from_args(args, num_prefill: int, num_decode: int):
+    from pdserve.common.utils import parse_size
+    from pdserve.sizing.simulator import SimConfig
+
+    return SimConfig(num_prefill=num_prefill, num_decode=num_decode, routing_policy=args.routing_policy,
+                     routing_prefix_blocks=args.routing_prefix_blocks,
+                     routing_balance_factor=args.routing_balance_factor,
+                     local_prefill_margin_s=args.local_prefill_margin_s,
+                     local_prefill_margin_per_request_s=args.local_prefill_margin_per_request_s,
+                     machine_cores=args.machine_cores,
+                     kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                     step_jitter=args.step_jitter, seed=args.seed)
+
+
+def _check_load_flags(args) -> None:
+    if args.max_concurrency is not None:
+        raise ValueError("the simulator replays open-loop arrivals: --max-concurrency is not simulated")
+
+
+def cmd_profile(args: argparse.Namespace, worker_flags: list[str]) -> int:
+    from pdserve.default_model.train import shipped_model_dir
+    from pdserve.sizing.profiler import run_profile
+
+    model = args.model or str(shipped_model_dir())
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    try:
+        profile = run_profile(model, args.out, kinds, worker_flags, repeats=args.repeats, transfer=args.transfer,
+                              serving=args.serving, disable_tqdm=args.disable_tqdm)
+    except (ValueError, RuntimeError) as e:
+        print(f"pdserve profile: {e}", file=sys.stderr)
+        return 1
+    machine = profile.machine
+    print(f"wrote {args.out}: {', '.join(profile.workers)} on {machine.get('cpu', '?')} ({machine.get('isa', '?')}, "
+          f"{machine.get('cores')} cores) in {profile.profile_seconds:.0f} s")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from pdserve.sizing.profile import load_profile
+    from pdserve.sizing.simulator import Simulator
+
+    try:
+        _check_load_flags(args)
+        slos = parse_goodput(args.goodput)
+        profile = load_profile(args.profile)
+        config = sim_config_from_args(args, args.prefill, args.decode)
+        workload = _workload(args)
+        bar = tqdm(total=args.num_prompts, desc="simulated requests", disable=args.disable_tqdm)
+        done = [0]
+
+        def progress(n: int) -> None:
+            bar.update(n - done[0])
+            done[0] = n
+
+        result = Simulator(profile, config, on_progress=progress).run(workload, args.percentiles, slos or None,
+                                                                       seed=args.seed)
+        bar.update(result.metrics["completed"] - done[0])
+        bar.close()
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"pdserve simulate: {e}", file=sys.stderr)
+        return 1
+    settings = {"date": time.strftime("%Y%m%d-%H%M%S"), "backend": "pdserve-simulate", "model": profile.model,
+                "num_prompts": result.metrics["completed"],
+                "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+                "burstiness": args.burstiness, "max_concurrency": None, "seed": args.seed,
+                "goodput_slos_ms": slos or None, "percentiles": args.percentiles,
+                "dataset": {"trace": args.trace} if args.trace else dataclasses.asdict(dataset_config_from_args(args)),
+                "profile": args.profile, "num_prefill": args.prefill, "num_decode": args.decode,
+                "routing_policy": args.routing_policy}
+    header = {"Profile:": args.profile, "Pools (P+D):": f"{args.prefill}+{args.decode}",
+              "Request rate (req/s):": settings["request_rate"]}
+    print(format_table(result.metrics, args.percentiles, title="Simulated Serving Result", header=header))
+    sim = result.sim
+    for name, pool in sim["pools"].items():
+        print(f"{name} pool: {pool['num_workers']} workers, {100 * pool['utilization']:.1f}% busy, "
+              f"{pool['num_preemptions']} preemptions, peak KV usage {100 * sim['max_kv_usage'][name]:.1f}%")
+    print(f"simulated {sim['simulated_seconds']:.1f} s in {sim['wall_seconds']:.1f} s ({sim['num_events']} events)")
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump({**settings, **result.metrics, "errors": [], "sim": sim}, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pdserve.sizing.planner import plan, format_plan
+    from pdserve.sizing.profile import load_profile
+
+    try:
+        _check_load_flags(args)
+        slos = parse_goodput(args.slo)
+        profile = load_profile(args.profile)
+        result = plan(profile, lambda p, d: sim_config_from_args(args, p, d), lambda rate: _workload_at(args, rate),
+                      args.workers, slos, attainment=args.attainment, colocated=args.colocated,
+                      request_rate=None if math.isinf(args.request_rate) else args.request_rate,
+                      on_try=None if args.disable_tqdm else lambda line: print(line, flush=True))
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"pdserve plan: {e}", file=sys.stderr)
+        return 1
+    print(format_plan(result))
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def _workload_at(args, rate: float):
+    """The workload of the flags, arriving at ``rate`` per second (a trace: its times scaled to that rate)."""
+    from pdserve.sizing.workload import synthetic, trace
+
+    if args.trace:
+        return trace(args.trace, args.num_prompts, args.trace_block_tokens, args.trace_time_scale * rate)
+    return synthetic(dataset_config_from_args(args), rate, args.burstiness)

@@ -1,0 +1,309 @@
+"""The profile file (``pdserve profile --out``) and the cost model the simulator reads from it.
+
+A profile holds what real workers measured, per kind of worker (``prefill``, ``decode``,
+``colocated``: a role with its flags and its share of the machine's cores):
+
+* prefill step seconds against new prompt tokens (one prompt, nothing cached), and a few steps of
+  prompts after a cached prefix, which give the attention's cost per (query, key) pair;
+* decode step seconds on a grid of batch size x context tokens per sequence;
+* the engine's limits as the worker computed them (KV blocks, block size, bytes per block, budgets);
+* inside a real cluster (router, workers, a streaming client on the same machine): the decode grid
+  again, the steps' jitter, and for prompts of a few lengths at idle the prefill-compute hop and the
+  rest of their time to first token (the request's fixed latency);
+
+and, for the cluster, KV transfer seconds against bytes for one layout pair. The model interpolates
+the measured tables piecewise linearly and extends them linearly past their ends, as Vidur and
+DistServe's simulator interpolate operator and step profiles; one coefficient is fitted, the prompt
+attention's.
+
+A step's seconds (``WorkerProfile.step_seconds``):
+
+* decode rows only: ``decode(B, mean context)``, the serving grid where measured;
+* prompt rows (chunks of any number of prompts, decode rows mixed in):
+  ``linear(T) + attention_pair_seconds * sum(n * (k + n / 2))`` over its prompt rows of ``n`` new
+  tokens after ``k`` cached or computed ones, where ``T`` counts every row's tokens (a decode row
+  is one more token through every linear layer) and ``linear(N) = prefill(N) -
+  attention_pair_seconds * N**2 / 2`` is the measured prompt step without its attention; plus what
+  the decode rows' context adds over a short one, ``engine_decode(B, C) - engine_decode(B, smallest
+  C)``; all of it times the larger of two slowdowns the cluster measured: a prompt step's against
+  the engine's (``prefill_slowdown``: on a prefill worker the steps also send the KV) and the decode
+  step's at that batch (``decode(B, C) / engine_decode(B, C)``: the router's and the client's share
+  of the machine slows the whole step, not only its decode rows).
+
+Pure Python (no torch, no numpy): the simulator calls it once per simulated step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+PROFILE_VERSION = 1
+PROFILE_KIND = "pdserve-profile"
+WORKER_KINDS = ("prefill", "decode", "colocated")
+
+
+def interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear ``y(x)`` through the points (``xs`` increasing), extended linearly past both ends
+    by the nearest segment's slope; a single point is a constant. Never below 0."""
+    n = len(xs)
+    if n == 1:
+        return max(0.0, ys[0])
+    i = bisect.bisect_right(xs, x) - 1
+    i = min(max(i, 0), n - 2)
+    x0, x1 = xs[i], xs[i + 1]
+    y0, y1 = ys[i], ys[i + 1]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in least squares (pool adjacent violators): a
+    step takes no less time for more tokens or sequences, so a measured dip is noise, averaged away."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m2 * w2 + m1 * w1) / (w2 + w1), w2 + w1]
+    return [m for m, w in blocks for _ in range(int(w))]
+
+
+def isotonic_grid(grid: list[list[float]]) -> list[list[float]]:
+    """``isotonic`` along both axes of ``grid[i][j]`` (rows, then columns)."""
+    rows = [isotonic(row) for row in grid]
+    columns = [isotonic(list(col)) for col in zip(*rows)]
+    return [list(row) for row in zip(*columns)] if columns else rows
+
+
+def interp2(xs: list[float], ys: list[float], table: list[list[float]], x: float, y: float) -> float:
+    """Bilinear ``table[i][j] = f(xs[i], ys[j])`` at ``(x, y)``, each axis as ``interp``."""
+    column = [interp(ys, row, y) for row in table]
+    return interp(xs, column, x)
+
+
+@dataclass
+class WorkerProfile:
+    """What one kind of worker measured, and its engine's limits.
+
+    Args:
+        kind: ``prefill``, ``decode`` or ``colocated``.
+        role: the role its flags were read with (``prefill`` or ``decode``).
+        cores, threads: cores it was pinned to and torch threads per rank.
+        tensor_parallel_size, pipeline_parallel_size: its layout.
+        flags: the worker flags profiled (besides ``--model``).
+        num_blocks, block_size, block_bytes: its KV cache: blocks, tokens per block, bytes of one
+            block over every layer and rank (what a transfer of that block ships).
+        max_num_seqs, max_num_batched_tokens, max_model_len, long_prefill_token_threshold,
+            prefill_admission, remote_prefill_threshold, enable_prefix_caching: its scheduler's settings.
+        prefill_tokens, prefill_seconds: seconds of a step computing one prompt of that many tokens.
+        prefill_cached_points: ``[new tokens, cached tokens, seconds]`` of steps computing one prompt
+            after a cached prefix.
+        attention_pair_seconds: the prompt attention's seconds per (query, key) pair, fitted to them.
+        decode_batch, decode_context, decode_seconds: the engine's decode grid (seconds[i][j] for a step
+            of decode_batch[i] sequences of decode_context[j] tokens each).
+        serving_decode_seconds: the same grid measured inside a real cluster, as streaming clients see
+            the steps (every cost of the serving loop and of sharing the machine with the router and the
+            client included); empty when not measured.
+        request_overhead_s: seconds a request spends outside the steps before its first token in a
+            cluster of this kind (router, hops, HTTP), measured at idle; 0 when not measured.
+        overhead_tokens, overhead_seconds: the same fixed latency for prompts of these lengths (the
+            router's and the workers' per-request work grows with the prompt: JSON, validation, hashing).
+        serving_prefill_tokens, serving_prefill_seconds: one prompt's steps of that many tokens as a
+            real cluster ran them at idle (its prefill-compute hop): on a prefill worker they include the
+            KV sends on its cores. Prompt steps are scaled by their ratio to ``prefill``.
+        serving_step_cv: the coefficient of variation of the decode steps the clients saw (their
+            jitter on a shared machine; the simulator draws each step's length around the model's with
+            it); 0 when not measured.
+
+    The tables are read made monotone (``isotonic``): a measured dip in a noisy machine's step times is
+    averaged with its neighbours.
+    """
+
+    kind: str
+    role: str
+    cores: int
+    threads: int
+    flags: list[str]
+    num_blocks: int
+    block_size: int
+    block_bytes: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    long_prefill_token_threshold: int
+    prefill_admission: str
+    remote_prefill_threshold: int
+    enable_prefix_caching: bool
+    prefill_tokens: list[int]
+    prefill_seconds: list[float]
+    prefill_cached_points: list[list[float]]
+    attention_pair_seconds: float
+    decode_batch: list[int]
+    decode_context: list[int]
+    decode_seconds: list[list[float]]
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    serving_decode_seconds: list[list[float]] = field(default_factory=list)
+    request_overhead_s: float = 0.0
+    serving_step_cv: float = 0.0
+    overhead_tokens: list[int] = field(default_factory=list)
+    overhead_seconds: list[float] = field(default_factory=list)
+    serving_prefill_tokens: list[int] = field(default_factory=list)
+    serving_prefill_seconds: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        # measured tables, made monotone (more tokens or sequences never take less time): noise averaged
+        q = self.attention_pair_seconds
+        prefill = isotonic(self.prefill_seconds)
+        self._linear = isotonic([max(s - q * n * n / 2, 0.0) for n, s in zip(self.prefill_tokens, prefill)])
+        self._engine = isotonic_grid(self.decode_seconds)
+        self._serving = isotonic_grid(self.serving_decode_seconds) if self.serving_decode_seconds else None
+
+    def linear(self, num_tokens: float) -> float:
+        """Seconds of a step's ``num_tokens`` rows through everything but the prompt attention."""
+        return interp(self.prefill_tokens, self._linear, num_tokens)
+
+    def prefill(self, num_tokens: float, num_cached: float = 0.0) -> float:
+        """Seconds of a step computing one prompt's ``num_tokens`` tokens after ``num_cached`` cached ones."""
+        return self.linear(num_tokens) + self.attention_pair_seconds * num_tokens * (num_cached + num_tokens / 2)
+
+    def request_overhead(self, num_prompt_tokens: float) -> float:
+        """Seconds a request of ``num_prompt_tokens`` spends outside the steps before its first token."""
+        if self.overhead_tokens:
+            return interp(self.overhead_tokens, self.overhead_seconds, num_prompt_tokens)
+        return self.request_overhead_s
+
+    def engine_decode(self, batch: float, context: float) -> float:
+        """Seconds of the engine's decode step of ``batch`` sequences of ``context`` tokens each."""
+        return interp2(self.decode_batch, self.decode_context, self._engine, batch, context)
+
+    def decode(self, batch: float, context: float) -> float:
+        """Seconds of a decode step of ``batch`` sequences of ``context`` tokens each while serving (the
+        serving grid where measured, else the engine's)."""
+        if self._serving is not None:
+            return interp2(self.decode_batch, self.decode_context, self._serving, batch, context)
+        return self.engine_decode(batch, context)
+
+    def step_seconds(self, prompt_tokens: int, attention_pairs: float, num_decode: int, mean_context: float) -> float:
+        """Seconds of one step: ``prompt_tokens`` prompt tokens (chunks of any number of prompts) whose
+        attention covers ``attention_pairs`` (query, key) pairs (``n * (k + n / 2)`` summed over
+        the prompt rows), and ``num_decode`` decoding sequences of ``mean_context`` tokens on average
+        (the module's docstring has the rule)."""
+        if not prompt_tokens:
+            return self.decode(num_decode, mean_context) if num_decode else 0.0
+        seconds = self.linear(prompt_tokens + num_decode) + self.attention_pair_seconds * attention_pairs
+        slowdown = self.prefill_slowdown(prompt_tokens)
+        if num_decode:  # the decode rows' context; then the serving loop's slowdown at that batch
+            engine = self.engine_decode(num_decode, mean_context)
+            seconds += max(0.0, engine - self.engine_decode(num_decode, self.decode_context[0]))
+            if self._serving is not None and engine > 0:
+                slowdown = max(slowdown, self.decode(num_decode, mean_context) / engine)
+        return seconds * slowdown
+
+    def prefill_slowdown(self, num_tokens: float) -> float:
+        """How much slower a prompt step of ``num_tokens`` runs in a serving cluster than in the engine alone
+        (``serving_prefill_seconds`` over ``prefill``; 1 when not measured, never below 1)."""
+        if not self.serving_prefill_tokens:
+            return 1.0
+        engine = self.prefill(num_tokens)
+        return max(1.0, interp(self.serving_prefill_tokens, self.serving_prefill_seconds, num_tokens) / engine) \
+            if engine > 0 else 1.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def fit_attention_pair_seconds(prefill_tokens: list[int], prefill_seconds: list[float],
+                               cached_points: list[list[float]]) -> float:
+    """The prompt attention's seconds per (query, key) pair: what a cached prefix of ``k`` tokens adds to
+    a prompt step of ``n`` tokens is ``q * n * k``; least squares over ``cached_points`` (never below 0)."""
+    num = den = 0.0
+    for n, k, seconds in cached_points:
+        extra = seconds - interp(prefill_tokens, prefill_seconds, n)
+        num += extra * n * k
+        den += (n * k) ** 2
+    return max(0.0, num / den) if den else 0.0
+
+
+@dataclass
+class TransferProfile:
+    """KV transfer seconds against bytes, from a prefill worker of ``prefill_layout`` to a decode worker
+    of ``decode_layout`` (``tpNppM``), over ``backend`` (gloo on CPU)."""
+
+    prefill_layout: str
+    decode_layout: str
+    backend: str
+    bytes: list[int]
+    seconds: list[float]
+
+    def transfer_seconds(self, num_bytes: float) -> float:
+        """Seconds to ship ``num_bytes`` of KV (interpolated, extended linearly past the measured sizes)."""
+        return interp(self.bytes, self.seconds, num_bytes)
+
+
+@dataclass
+class Profile:
+    """A profile file: the machine, the model, each worker kind, the transfer, the fixed latencies.
+
+    ``request_overhead_s``: seconds a request spends outside every step between the client sending it
+    and reading its first token (HTTP, the router's work, the ZeroMQ hops), measured on a real cluster
+    at idle; ``token_overhead_s``: the same for each later token (0: not measured).
+    """
+
+    model: str
+    machine: dict
+    workers: dict[str, WorkerProfile]
+    transfer: TransferProfile | None = None
+    request_overhead_s: float = 0.0
+    token_overhead_s: float = 0.0
+    created: str = ""
+    profile_seconds: float = 0.0  # how long profiling took
+    version: int = PROFILE_VERSION
+    extra: dict = field(default_factory=dict)
+
+    def worker(self, kind: str) -> WorkerProfile:
+        """The profile of worker kind ``kind``. Raises ValueError naming the kinds the file has."""
+        try:
+            return self.workers[kind]
+        except KeyError:
+            raise ValueError(f"the profile has no {kind!r} workers (it has {', '.join(self.workers) or 'none'}); "
+                             f"run pdserve profile with --kinds {kind}") from None
+
+    def to_dict(self) -> dict:
+        return {"kind": PROFILE_KIND, "version": self.version, "created": self.created, "model": self.model,
+                "machine": self.machine, "profile_seconds": self.profile_seconds,
+                "request_overhead_s": self.request_overhead_s, "token_overhead_s": self.token_overhead_s,
+                "workers": {k: w.to_dict() for k, w in self.workers.items()},
+                "transfer": dataclasses.asdict(self.transfer) if self.transfer else None, "extra": self.extra}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        """Raises ValueError for a file that is not a pdserve profile or has another version."""
+        if d.get("kind") != PROFILE_KIND:
+            raise ValueError("not a pdserve profile (no \"kind\": \"pdserve-profile\")")
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {d.get('version')} is not {PROFILE_VERSION}: profile again")
+        names = {f.name for f in dataclasses.fields(WorkerProfile)}
+        workers = {k: WorkerProfile(**{n: v for n, v in w.items() if n in names}) for k, w in d["workers"].items()}
+        transfer = TransferProfile(**d["transfer"]) if d.get("transfer") else None
+        return cls(model=d["model"], machine=d.get("machine", {}), workers=workers, transfer=transfer,
+                   request_overhead_s=d.get("request_overhead_s", 0.0), token_overhead_s=d.get("token_overhead_s", 0.0),
+                   created=d.get("created", ""), profile_seconds=d.get("profile_seconds", 0.0),
+                   version=d["version"], extra=d.get("extra", {}))
+
+
+def load_profile(path: str) -> Profile:
+    """Read a profile file. Raises OSError (unreadable) or ValueError (not a profile, other version)."""
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    return Profile.from_dict(data)

@@ -1,0 +1,587 @@
+"""``pdserve simulate``: a discrete-event simulation of a pdserve cluster, calibrated by a profile.
+
+What runs is pdserve's own code wherever the cluster decides something: each simulated worker holds a
+real ``Scheduler`` over a real ``BlockManager`` (continuous batching, chunked prefill, prefix caching,
+preemption, remote-prefill admission, delayed frees while a prompt's KV is sent), configured from the
+worker's profiled flags; the router is the real routing policy (``routing.make_policy``, with the real
+``KVIndex`` fed by the workers' real ``KVEventPublisher`` under ``kv_aware``), load-aware prefill
+placement (``prefers_local_prefill``) and the router's own request counts (``WorkerInfo``, updated as
+``RouterEngine.submit`` and its releases update them). Only the model runner is replaced: a step
+lasts what the profile's cost model says (``WorkerProfile.step_seconds``) and samples a fixed token;
+a KV transfer lasts ``TransferProfile.transfer_seconds`` of its bytes, overlapped with the prefill
+step that produced it (the real sender ships each layer as the forward finishes it); a request pays
+the profile's fixed ``request_overhead_s`` outside the steps.
+
+Life of a simulated request (disaggregated)::
+
+    arrival -> router picks decode worker D and prefill worker P (or none: local prefill)
+    -> D.add_request(remote_prefill) -> D's schedule parks it, reserving blocks (remote_prefills)
+    -> P.add_request(max_tokens=1) -> P's steps compute the prompt
+    -> transfer ends at max(step end, step start + transfer seconds) -> D.remote_kv_arrived: first token
+    -> D's decode steps -> last token: finished, the router's counts released
+
+The event loop is a heap of (time, sequence, callback): each step, arrival and transfer is one event,
+and per token only the scheduler's own bookkeeping runs. With ``machine_cores`` the workers are placed
+on the cores as ``pdserve up`` places them: a worker given fewer cores than it was profiled with runs
+its steps slower in proportion, and cores shared by workers stretch a step by the number of busy
+workers on its cores when it starts (processor sharing, fixed at the step's start). Each step's length
+is drawn around the model's with the jitter the profile measured in the real cluster (a gamma
+distribution of mean 1 and the measured coefficient of variation; seeded), which spreads the tail.
+
+Not modelled: the router's HTTP and tokenizer work under load (a fixed overhead per request),
+heartbeats' lag beyond ``heartbeat_interval_s`` (a worker's heartbeat is its state when the router
+reads it, at most that old), speculative decoding, LoRA, structured outputs, KV offload tiers, pulls
+from peers, failures and migration.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+import time
+from array import array
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from pdserve.bench.metrics import latency_stats
+from pdserve.cluster.kv_events import KVEventPublisher
+from pdserve.common.protocol import Heartbeat, SamplingParams, WorkerRole, WorkerStats
+from pdserve.engine.scheduling.block_manager import BlockManager
+from pdserve.engine.scheduling.outputs import ModelRunnerOutput
+from pdserve.engine.scheduling.request import Request
+from pdserve.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from pdserve.router.config import (DEFAULT_LOCAL_PREFILL_MARGIN_PER_REQUEST_S, DEFAULT_LOCAL_PREFILL_MARGIN_S,
+                                   RouterConfig)
+from pdserve.router.kv_index import KVIndex
+from pdserve.router.registry import WorkerInfo
+from pdserve.router.routing import make_policy, prefers_local_prefill
+from pdserve.sizing.profile import Profile, WorkerProfile
+from pdserve.sizing.workload import SimRequest
+
+SAMPLED_TOKEN = 11  # the token every simulated step samples (never an EOS: outputs run to max_tokens)
+_SALT = 0x5EED  # the simulated workers' block-hash salt (one model)
+ITL_RESERVOIR = 1_000_000  # inter-token gaps kept for the ITL percentiles (a uniform sample beyond)
+KV_SAMPLES = 512  # most KV-usage samples kept (the interval doubles when they fill)
+
+
+@dataclass
+class SimConfig:
+    """The simulated cluster.
+
+    Args:
+        num_prefill, num_decode: pool sizes (0 prefill workers: colocated, each worker prefills and
+            decodes with the profile's ``colocated`` kind).
+        routing_policy, routing_prefix_blocks, routing_balance_factor, local_prefill_margin_s,
+            local_prefill_margin_per_request_s: the router's flags (``pdserve up``'s defaults).
+        heartbeat_interval_s: how old a worker's load figures may be when the router reads them.
+        machine_cores: cores the workers share, placed as ``pdserve up`` places them (None: each
+            worker has the cores it was profiled with to itself).
+        kv_cache_memory: bytes of KV cache per worker (None: as profiled).
+        max_num_seqs, max_num_batched_tokens: override the profiled worker flags (None: as profiled).
+        step_jitter: draw each step's seconds from a gamma distribution around the cost model's with the
+            profile's ``serving_step_cv`` (False: every step exactly the model's).
+        seed: seeds the jitter.
+    """
+
+    num_prefill: int
+    num_decode: int
+    routing_policy: str = RouterConfig.routing_policy
+    routing_prefix_blocks: int = RouterConfig.routing_prefix_blocks
+    routing_balance_factor: float = RouterConfig.routing_balance_factor
+    local_prefill_margin_s: float = DEFAULT_LOCAL_PREFILL_MARGIN_S
+    local_prefill_margin_per_request_s: float = DEFAULT_LOCAL_PREFILL_MARGIN_PER_REQUEST_S
+    heartbeat_interval_s: float = 1.0
+    machine_cores: int | None = None
+    kv_cache_memory: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    step_jitter: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_decode < 1:
+            raise ValueError(f"a cluster needs at least one decode worker, got {self.num_decode}")
+        if self.num_prefill < 0:
+            raise ValueError(f"num_prefill must be >= 0, got {self.num_prefill}")
+        if self.machine_cores is not None and self.machine_cores < 1:
+            raise ValueError(f"machine_cores must be >= 1, got {self.machine_cores}")
+
+
+class _Tracked:
+    """What the simulator keeps of one request in flight (the router's handle, the client's clock)."""
+
+    __slots__ = ("index", "arrival", "prompt_len", "output_len", "decode", "prefill", "site", "site_tokens",
+                 "prefill_pending", "first", "last", "tokens", "decode_cached", "half_overhead")
+
+    def __init__(self, sim_request: SimRequest):
+        self.index = sim_request.index
+        self.arrival = sim_request.arrival_s
+        self.prompt_len = len(sim_request.prompt_token_ids)
+        self.output_len = sim_request.output_len
+        self.decode: SimWorker | None = None
+        self.prefill: SimWorker | None = None
+        self.site: SimWorker | None = None
+        self.site_tokens = 0
+        self.prefill_pending = False
+        self.first = -1.0
+        self.last = -1.0
+        self.tokens = 0
+        self.decode_cached = 0
+        self.half_overhead = 0.0
+
+
+class SimWorker:
+    """One simulated worker: a real scheduler and block manager, a profiled step time, the router's view."""
+
+    def __init__(self, sim: "Simulator", worker_id: str, role: WorkerRole, profile: WorkerProfile,
+                 num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, cores: tuple[int, ...]):
+        self.sim = sim
+        self.worker_id = worker_id
+        self.role = role
+        self.profile = profile
+        self.cores = cores
+        self.block_manager = BlockManager(num_blocks, profile.block_size,
+                                          enable_prefix_caching=profile.enable_prefix_caching, salt=_SALT)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=profile.max_model_len, remote_prefill_threshold=profile.remote_prefill_threshold,
+            long_prefill_token_threshold=profile.long_prefill_token_threshold,
+            prefill_admission=profile.prefill_admission), self.block_manager)
+        self.info = WorkerInfo(worker_id=worker_id, role=role, input_addr=worker_id, model_name="sim",
+                               num_blocks=num_blocks, block_size=profile.block_size,
+                               max_model_len=profile.max_model_len, registered_at=0.0, last_seen=0.0,
+                               prefix_cache_salt=_SALT if profile.enable_prefix_caching else None)
+        self.publisher = KVEventPublisher(worker_id, self.block_manager) if sim.index is not None \
+            and profile.enable_prefix_caching else None
+        profiled = profile.cores * profile.tensor_parallel_size * profile.pipeline_parallel_size
+        self.core_shortfall = max(1.0, profiled / max(1, len(cores)))  # placed on fewer cores than profiled
+        cv = profile.serving_step_cv
+        self.jitter_shape = 1.0 / (cv * cv) if cv > 0 and sim.config.step_jitter else 0.0
+        self.busy = False
+        self.heartbeat_at = -math.inf
+        self.busy_seconds = 0.0
+        self.num_steps = 0
+        self.prefill_tokens = 0
+        self.prefill_seconds = 0.0
+
+    # ---- the router's view -----------------------------------------------------------------
+
+    def refresh_heartbeat(self, now: float) -> None:
+        """The worker's load as its latest heartbeat says it (at most ``heartbeat_interval_s`` old)."""
+        if now - self.heartbeat_at < self.sim.config.heartbeat_interval_s:
+            return
+        self.heartbeat_at = now
+        s = self.scheduler
+        self.info.heartbeat = Heartbeat(
+            worker_id=self.worker_id, role=self.role, num_running=s.num_running, num_waiting=s.num_waiting,
+            num_free_blocks=self.block_manager.num_free_blocks, num_blocks=self.block_manager.num_blocks,
+            stats=WorkerStats(prefill_compute_tokens=self.prefill_tokens,
+                              prefill_compute_seconds=self.prefill_seconds))
+
+    # ---- the step loop ---------------------------------------------------------------------
+
+    def kick(self, now: float) -> None:
+        """Start a step if the worker is idle and has something to schedule."""
+        if not self.busy and self.scheduler.has_unfinished():
+            self.busy = True
+            self.sim.at(now, self._step)
+
+    def _step(self, now: float) -> None:
+        out = self.scheduler.schedule()
+        for request in out.remote_prefills:
+            self.sim.send_remote_prefill(self, request, now)
+        if not out.scheduled:
+            self.busy = False  # waiting for KV, blocks or arrivals: an event kicks it again
+            return
+        prompt_tokens = pairs = num_decode = context = 0
+        for request, num_new in out.scheduled:
+            computed = request.num_computed_tokens
+            if num_new == 1 and computed == request.num_tokens - 1 and request.num_output_tokens:
+                num_decode += 1
+                context += computed + 1
+            else:
+                prompt_tokens += num_new
+                pairs += num_new * (computed + num_new / 2)
+        seconds = self.profile.step_seconds(prompt_tokens, pairs, num_decode,
+                                            context / num_decode if num_decode else 0.0)
+        seconds *= self.sim.core_contention(self)
+        if self.jitter_shape:  # a shared machine's step times scatter around the model's (mean kept)
+            seconds *= self.sim.rng.gammavariate(self.jitter_shape, 1.0 / self.jitter_shape)
+        self.busy_seconds += seconds
+        self.num_steps += 1
+        if prompt_tokens:
+            self.prefill_tokens += prompt_tokens
+            self.prefill_seconds += seconds
+        self.sim.at(now + seconds, self._step_done, out, now)
+
+    def _step_done(self, now: float, out, started: float) -> None:
+        sampled = {request.request_id: SAMPLED_TOKEN for request, num_new in out.scheduled
+                   if request.num_computed_tokens + num_new >= request.num_tokens}
+        outputs = self.scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+        sim = self.sim
+        if self.role == WorkerRole.PREFILL:
+            for output in outputs:
+                sim.prefill_done(self, output.request, now, started)
+        else:
+            tokens = sim._tokens
+            for output in outputs:
+                tokens(output.request.request_id, len(output.new_token_ids), output.finished is not None, now)
+        if self.publisher is not None:
+            self.publish()
+        if self.scheduler.has_unfinished():
+            self._step(now)  # the next step starts as this one ends
+        else:
+            self.busy = False
+
+    def publish(self) -> None:
+        """Hand the step's KV events to the router's index (kv_aware)."""
+        if self.publisher is not None:
+            batch = self.publisher.poll()
+            if batch is not None:
+                self.sim.index.apply(batch)
+
+
+class Simulator:
+    """Runs a workload through a simulated cluster. ``run`` returns ``SimResult``.
+
+    Args:
+        profile: the measured workers (``pdserve profile``).
+        config: the cluster (pools, router flags, shared cores).
+        on_progress: called with the number of requests finished so far, every few thousand.
+    """
+
+    def __init__(self, profile: Profile, config: SimConfig, on_progress: Callable[[int], None] | None = None):
+        self.profile = profile
+        self.config = config
+        self.on_progress = on_progress
+        self.index = KVIndex(now=lambda: self.now) if config.routing_policy == "kv_aware" else None
+        self.policy = make_policy(config.routing_policy, config.routing_prefix_blocks,
+                                  config.routing_balance_factor, self.index)
+        self.now = 0.0
+        self.rng = random.Random(config.seed)
+        self._heap: list = []
+        self._seq = itertools.count()
+        colocated = config.num_prefill == 0
+        decode_kind = "colocated" if colocated else "decode"
+        if not colocated and profile.transfer is None:
+            raise ValueError("the profile has no KV transfer figures: disaggregated runs need them "
+                             "(pdserve profile measures them unless --kinds leaves prefill or decode out)")
+        placements = self._place(config.num_prefill, profile.worker("prefill") if not colocated else None,
+                                 config.num_decode, profile.worker(decode_kind))
+        self.prefill_workers = [self._worker(f"prefill-{i}", WorkerRole.PREFILL, profile.worker("prefill"),
+                                             placements[f"prefill-{i}"]) for i in range(config.num_prefill)]
+        self.decode_workers = [self._worker(f"decode-{i}", WorkerRole.DECODE, profile.worker(decode_kind),
+                                            placements[f"decode-{i}"]) for i in range(config.num_decode)]
+        self._core_users: dict[int, list[SimWorker]] = {}
+        for w in (*self.prefill_workers, *self.decode_workers):
+            for c in w.cores:
+                self._core_users.setdefault(c, []).append(w)
+        self._shared = {w.worker_id: sorted({u.worker_id: u for c in w.cores for u in self._core_users[c]
+                                             if u is not w}.values(), key=lambda u: u.worker_id)
+                        for w in (*self.prefill_workers, *self.decode_workers)}
+        self._reads_heartbeats = config.routing_policy != "round_robin"
+        self._infos = {WorkerRole.PREFILL: [w.info for w in self.prefill_workers],
+                       WorkerRole.DECODE: [w.info for w in self.decode_workers]}
+        self._by_id = {w.worker_id: w for w in (*self.prefill_workers, *self.decode_workers)}
+        self.tracked: dict[str, _Tracked] = {}
+        self._overhead_profile = profile.worker(decode_kind)
+
+    # ---- building -----------------------------------------------------------------------
+
+    def _place(self, num_prefill: int, prefill: WorkerProfile | None, num_decode: int,
+               decode: WorkerProfile) -> dict[str, tuple[int, ...]]:
+        """Each worker's cores: its own (profiled count) unless ``machine_cores`` is set, then an even
+        share with the least-used cores first, as ``ClusterLauncher._cores_for`` places them."""
+        names = [(f"prefill-{i}", prefill) for i in range(num_prefill)] + \
+                [(f"decode-{i}", decode) for i in range(num_decode)]
+        if self.config.machine_cores is None:
+            placed, next_core = {}, 0
+            for name, wp in names:
+                n = wp.cores * wp.tensor_parallel_size * wp.pipeline_parallel_size
+                placed[name] = tuple(range(next_core, next_core + n))
+                next_core += n
+            return placed
+        available = list(range(self.config.machine_cores))
+        num_ranks = sum(wp.tensor_parallel_size * wp.pipeline_parallel_size for _, wp in names)
+        per_rank = max(1, len(available) // max(1, num_ranks))
+        used = {c: 0 for c in available}
+        placed = {}
+        for name, wp in names:
+            want = min(len(available), per_rank * wp.tensor_parallel_size * wp.pipeline_parallel_size)
+            cores = tuple(sorted(sorted(available, key=lambda c: (used[c], c))[:want]))
+            for c in cores:
+                used[c] += 1
+            placed[name] = cores
+        return placed
+
+    def _worker(self, worker_id: str, role: WorkerRole, wp: WorkerProfile, cores: tuple[int, ...]) -> SimWorker:
+        cfg = self.config
+        num_blocks = wp.num_blocks if cfg.kv_cache_memory is None else max(1, cfg.kv_cache_memory // wp.block_bytes)
+        return SimWorker(self, worker_id, role, wp, num_blocks, cfg.max_num_seqs or wp.max_num_seqs,
+                         cfg.max_num_batched_tokens or wp.max_num_batched_tokens, cores)
+
+    def core_contention(self, worker: SimWorker) -> float:
+        """How much slower ``worker``'s step runs than profiled: fewer cores than it was profiled with (in
+        proportion), and the workers sharing its cores that are busy now (one more share each)."""
+        shared = self._shared[worker.worker_id]
+        busy = 1.0 + sum(1 for u in shared if u.busy and u is not worker) if shared else 1.0
+        return busy * worker.core_shortfall
+
+    # ---- events -------------------------------------------------------------------------
+
+    def at(self, t: float, fn: Callable, *args) -> None:
+        """Run ``fn(t, *args)`` at simulated time ``t`` (events at equal times run in the order queued)."""
+        heapq.heappush(self._heap, (t, next(self._seq), fn, args))
+
+    def run(self, workload: Iterable[SimRequest], percentiles: Iterable[float] = (50.0, 90.0, 99.0),
+            goodput_slos: dict[str, float] | None = None, seed: int = 0) -> "SimResult":
+        """Simulate every request of ``workload`` (arrival order) to its last token."""
+        wall = time.perf_counter()
+        self._records = _Records(seed)
+        arrivals = iter(workload)
+        self._next_arrival(arrivals)
+        heap = self._heap
+        num_events = 0
+        while heap:
+            t, _, fn, args = heapq.heappop(heap)
+            self.now = t
+            fn(t, *args)
+            num_events += 1
+        leftover = sum(w.scheduler.has_unfinished() for w in (*self.prefill_workers, *self.decode_workers))
+        if self.tracked or leftover:
+            raise RuntimeError(f"simulation stalled with {len(self.tracked)} requests unfinished "
+                               f"({leftover} workers still hold requests)")
+        return SimResult.build(self, list(percentiles), goodput_slos, num_events, time.perf_counter() - wall)
+
+    def _next_arrival(self, arrivals) -> None:
+        request = next(arrivals, None)
+        if request is not None:
+            self.at(request.arrival_s, self._arrive, request, arrivals)
+
+    def _arrive(self, now: float, sim_request: SimRequest, arrivals) -> None:
+        self._next_arrival(arrivals)
+        self._records.sample_kv(self, now)
+        tracked = _Tracked(sim_request)
+        prompt = sim_request.prompt_token_ids
+        decode = self._route(WorkerRole.DECODE, self.decode_workers, prompt, now)
+        prefill = self._route(WorkerRole.PREFILL, self.prefill_workers, prompt, now) if self.prefill_workers \
+            else None
+        if prefill is not None:
+            decode.refresh_heartbeat(now)
+            prefill.refresh_heartbeat(now)
+            if prefers_local_prefill(decode.info, prefill.info, len(prompt), self.config.local_prefill_margin_s,
+                                     self.config.local_prefill_margin_per_request_s,
+                                     self.policy.cached_tokens(decode.info, prompt),
+                                     self.policy.cached_tokens(prefill.info, prompt)):
+                prefill = None
+        # RouterEngine.submit's counts
+        tracked.decode, tracked.prefill = decode, prefill
+        decode.info.num_inflight += 1
+        decode.info.num_routed += 1
+        if prefill is not None:
+            prefill.info.num_routed += 1
+            prefill.info.num_prefill_pending += 1
+            tracked.prefill_pending = True
+        site = prefill or decode
+        tracked.site = site
+        tracked.site_tokens = len(prompt) - self.policy.cached_tokens(site.info, prompt)
+        site.info.prefill_pending_tokens += tracked.site_tokens
+        request_id = f"r{sim_request.index}"
+        self.tracked[request_id] = tracked
+        request = Request(request_id, prompt, SamplingParams(max_tokens=sim_request.output_len, ignore_eos=True),
+                          max_model_len=decode.profile.max_model_len)
+        request.arrival_time = now
+        overhead = self._overhead_profile.request_overhead(len(prompt)) or self.profile.request_overhead_s
+        tracked.half_overhead = overhead / 2  # half on the way in, half on the way out
+        self.at(now + tracked.half_overhead, self._reach_decode, decode, request, prefill is not None)
+
+    def _route(self, role: WorkerRole, workers: list[SimWorker], prompt: list[int], now: float) -> SimWorker:
+        """The worker the routing policy picks among every one of ``role`` (the pools do not change)."""
+        if self._reads_heartbeats:  # the policy reads every candidate's load, as the router does
+            for w in workers:
+                w.refresh_heartbeat(now)
+        info, _ = self.policy.pick(role, self._infos[role], prompt)
+        return self._by_id[info.worker_id]
+
+    def _reach_decode(self, now: float, decode: SimWorker, request: Request, remote: bool) -> None:
+        decode.scheduler.add_request(request, remote_prefill=remote)
+        decode.kick(now)
+
+    def send_remote_prefill(self, decode: SimWorker, request: Request, now: float) -> None:
+        """``decode`` parked ``request`` for its prompt's KV: its prefill worker gets the prompt."""
+        tracked = self.tracked[request.request_id]
+        prefill = tracked.prefill
+        if prefill is None:  # the decode worker prefills itself after all (never the case: it was routed)
+            raise AssertionError(f"{request.request_id} waits for KV without a prefill worker")
+        tracked.decode_cached = request.num_cached_tokens
+        remote = Request(request.request_id, request.prompt_token_ids, SamplingParams(max_tokens=1, ignore_eos=True),
+                         max_model_len=prefill.profile.max_model_len)
+        remote.delay_free_blocks = True  # its blocks are read by the sends until the KV has arrived
+        prefill.scheduler.add_request(remote)
+        prefill.kick(now)
+
+    def prefill_done(self, worker: SimWorker, request: Request, now: float, started: float) -> None:
+        """A prefill worker computed ``request``'s prompt in the step that began at ``started``: its KV
+        (the blocks the decode worker lacks) reaches the decode worker as the transfer allows."""
+        tracked = self.tracked[request.request_id]
+        bs = worker.profile.block_size
+        num_blocks = -(-request.num_prompt_tokens // bs) - tracked.decode_cached // bs
+        seconds = self.profile.transfer.transfer_seconds(num_blocks * worker.profile.block_bytes)
+        self.at(max(now, started + seconds), self._kv_arrived, worker, tracked.decode, request.request_id)
+
+    def _kv_arrived(self, now: float, prefill: SimWorker, decode: SimWorker, request_id: str) -> None:
+        prefill.scheduler.free_delayed(request_id)
+        prefill.publish()
+        prefill.kick(now)
+        output = decode.scheduler.remote_kv_arrived(request_id, SAMPLED_TOKEN)
+        if output is not None:
+            self._tokens(request_id, 1, output.finished is not None, now)
+        decode.publish()
+        decode.kick(now)
+
+    def _tokens(self, request_id: str, num_tokens: int, finished: bool, now: float) -> None:
+        tracked = self.tracked[request_id]
+        seen = now + tracked.half_overhead
+        if tracked.first < 0:
+            tracked.first = seen
+            self._release_prefill(tracked)
+        else:
+            records = self._records
+            if len(records.itls) < ITL_RESERVOIR:
+                records.num_itls += 1
+                records.itls.append(seen - tracked.last)
+            else:
+                records.itl(seen - tracked.last)
+        tracked.last = seen
+        tracked.tokens += num_tokens
+        if finished:
+            del self.tracked[request_id]
+            self._release_prefill(tracked)
+            tracked.decode.info.num_inflight = max(0, tracked.decode.info.num_inflight - 1)
+            self._records.finish(tracked)
+            if self.on_progress is not None and self._records.completed % 2000 == 0:
+                self.on_progress(self._records.completed)
+
+    def _release_prefill(self, tracked: _Tracked) -> None:
+        if tracked.site_tokens:
+            info = tracked.site.info
+            info.prefill_pending_tokens = max(0, info.prefill_pending_tokens - tracked.site_tokens)
+            tracked.site_tokens = 0
+        if tracked.prefill_pending:
+            tracked.prefill_pending = False
+            info = tracked.prefill.info
+            info.num_prefill_pending = max(0, info.num_prefill_pending - 1)
+
+    @property
+    def workers(self) -> list[SimWorker]:
+        return [*self.prefill_workers, *self.decode_workers]
+
+
+class _Records:
+    """Per-request outcomes in flat arrays (a million requests: a few tens of MB), the ITL reservoir,
+    and the KV usage samples."""
+
+    def __init__(self, seed: int):
+        self.arrival = array("d")
+        self.ttft = array("d")
+        self.e2el = array("d")
+        self.tokens = array("l")
+        self.prompt = array("l")
+        self.itls = array("d")
+        self.num_itls = 0
+        self._rng = random.Random(seed)
+        self.kv_times: list[float] = []
+        self.kv_usage: list[dict[str, float]] = []
+        self._kv_every = 1.0
+        self._kv_next = 0.0
+
+    @property
+    def completed(self) -> int:
+        return len(self.ttft)
+
+    def itl(self, gap: float) -> None:
+        self.num_itls += 1
+        if len(self.itls) < ITL_RESERVOIR:
+            self.itls.append(gap)
+        else:  # reservoir sampling (Vitter's algorithm R): every gap kept with equal chance
+            j = self._rng.randrange(self.num_itls)
+            if j < ITL_RESERVOIR:
+                self.itls[j] = gap
+
+    def finish(self, tracked: _Tracked) -> None:
+        self.arrival.append(tracked.arrival)
+        self.ttft.append(tracked.first - tracked.arrival)
+        self.e2el.append(tracked.last - tracked.arrival)
+        self.tokens.append(tracked.tokens)
+        self.prompt.append(tracked.prompt_len)
+
+    def sample_kv(self, sim: Simulator, now: float) -> None:
+        """Each pool's mean KV cache usage, sampled at arrivals at most every ``_kv_every`` seconds."""
+        if now < self._kv_next:
+            return
+        self._kv_next = now + self._kv_every
+        usage = {}
+        for name, pool in (("prefill", sim.prefill_workers), ("decode", sim.decode_workers)):
+            if pool:
+                usage[name] = sum(1.0 - w.block_manager.num_free_blocks / w.block_manager.num_blocks
+                                  for w in pool) / len(pool)
+        self.kv_times.append(now)
+        self.kv_usage.append(usage)
+        if len(self.kv_times) >= KV_SAMPLES:  # keep every other one; sample half as often
+            self.kv_times, self.kv_usage = self.kv_times[::2], self.kv_usage[::2]
+            self._kv_every *= 2
+
+
+@dataclass
+class SimResult:
+    """A simulated run: ``metrics`` with ``pdserve bench serve --result-file``'s keys, and the simulator's own."""
+
+    metrics: dict
+    sim: dict = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, simulator: Simulator, percentiles: list[float], slos: dict[str, float] | None,
+              num_events: int, wall_s: float) -> "SimResult":
+        r = simulator._records
+        n = r.completed
+        duration = max((a + e for a, e in zip(r.arrival, r.e2el)), default=0.0) or 1e-9
+        tpots = [(e - t) / (k - 1) for t, e, k in zip(r.ttft, r.e2el, r.tokens) if k > 1]
+        total_in, total_out = sum(r.prompt), sum(r.tokens)
+        good = None
+        if slos:
+            good = 0
+            for t, e, k in zip(r.ttft, r.e2el, r.tokens):
+                values = {"ttft": t, "tpot": (e - t) / (k - 1) if k > 1 else 0.0, "e2el": e}
+                good += all(values[name] * 1000.0 <= ms for name, ms in slos.items())
+        metrics = {"duration": duration, "completed": n, "failed": 0, "total_input_tokens": total_in,
+                   "total_output_tokens": total_out, "request_throughput": n / duration,
+                   "request_goodput": good / duration if slos else None,
+                   "slo_attainment": good / n if slos and n else None,
+                   "output_throughput": total_out / duration, "total_token_throughput": (total_in + total_out) / duration}
+        for name, values in (("ttft", list(r.ttft)), ("tpot", tpots), ("itl", list(r.itls)), ("e2el", list(r.e2el))):
+            for stat, value in latency_stats(values, percentiles).items():
+                metrics[f"{stat}_{name}_ms"] = value
+        workers = simulator.workers
+        pools = {}
+        for name, pool in (("prefill", simulator.prefill_workers), ("decode", simulator.decode_workers)):
+            if pool:
+                pools[name] = {"num_workers": len(pool),
+                               "utilization": sum(w.busy_seconds for w in pool) / len(pool) / duration,
+                               "num_steps": sum(w.num_steps for w in pool),
+                               "num_preemptions": sum(w.scheduler.stats.num_preemptions for w in pool),
+                               "prefix_cache_hit_rate": _hit_rate(pool),
+                               "num_local_prefills": sum(w.scheduler.stats.num_local_prefills for w in pool)}
+        sim = {"num_events": num_events, "wall_seconds": wall_s, "simulated_seconds": duration,
+               "num_itl_samples": len(r.itls), "num_itls": r.num_itls, "pools": pools,
+               "kv_usage": {"times_s": r.kv_times, "usage": r.kv_usage},
+               "max_kv_usage": {name: max((u.get(name, 0.0) for u in r.kv_usage), default=0.0)
+                                for name in pools},
+               "num_workers": len(workers)}
+        return cls(metrics, sim)
+
+
+def _hit_rate(pool: list[SimWorker]) -> float | None:
+    queries = sum(w.scheduler.stats.prefix_cache_queries for w in pool)
+    return sum(w.scheduler.stats.prefix_cache_hits for w in pool) / queries if queries else None

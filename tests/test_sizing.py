@@ -1,0 +1,224 @@
+"""The sizing room: profile files, workloads, the simulator (pdserve's own scheduler and routing with a
+cost model), the planner and the sizer. Profiles here are hand-made (tests/helpers/sizing.py) so every
+expected figure is worked out by hand; tests/test_sim_calibration.py compares with a real cluster."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from pdserve.bench.datasets import DatasetConfig, build_requests
+from pdserve.bench.metrics import RequestOutput, compute_metrics
+from pdserve.bench.serve import arrival_offsets
+from pdserve.cli import main
+from pdserve.sizing.planner import format_plan, plan
+from pdserve.sizing.profile import Profile, interp, isotonic, load_profile
+from pdserve.sizing.simulator import SimConfig, Simulator
+from pdserve.sizing.sizer import ProfileSizer
+from pdserve.sizing.workload import SimRequest, synthetic, trace
+from tests.helpers.sizing import make_profile
+
+
+def one(prompt_len: int, output_len: int, at: float = 0.0, index: int = 0, first: int = 100) -> SimRequest:
+    return SimRequest(index, at, [first + index * 1000 + j for j in range(prompt_len)], output_len)
+
+
+# ---- the profile -------------------------------------------------------------------------------
+
+def test_interp_is_piecewise_linear_and_extends_past_both_ends():
+    xs, ys = [1, 2, 4], [10.0, 20.0, 24.0]
+    assert interp(xs, ys, 1.5) == 15.0
+    assert interp(xs, ys, 3) == 22.0
+    assert interp(xs, ys, 8) == 32.0  # the last segment's slope, 2 per unit
+    assert interp(xs, ys, 0) == 0.0  # extended below, never negative
+    assert interp([5], [3.0], 100) == 3.0
+
+
+def test_measured_tables_are_read_monotone_and_serving_slowdowns_scale_steps():
+    assert isotonic([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]  # the dip averaged with its neighbour
+    assert isotonic([5.0, 1.0, 1.0]) == [7 / 3] * 3
+    w = make_profile().worker("colocated")  # decode step 0.004 + 0.0005 B; prompt step 0.002 + 1e-4 N
+    assert w.step_seconds(0, 0, 8, 32) == pytest.approx(0.008)
+    assert w.step_seconds(64, 64 * 32, 0, 0) == pytest.approx(0.0084)
+    w.serving_decode_seconds = [[2 * x for x in row] for row in w.decode_seconds]  # serving: twice the engine
+    w.serving_prefill_tokens, w.serving_prefill_seconds = [16, 1024], [3 * w.prefill(16), 3 * w.prefill(1024)]
+    w.__post_init__()
+    assert w.step_seconds(0, 0, 8, 32) == pytest.approx(0.016)
+    assert w.prefill_slowdown(16) == pytest.approx(3.0)
+    assert w.step_seconds(16, 16 * 8, 0, 0) == pytest.approx(3 * 0.0036)
+    mixed = w.linear(16 + 8) + 0.0  # no attention term; the decode context adds nothing (flat in C)
+    assert w.step_seconds(16, 16 * 8, 8, 32) == pytest.approx(mixed * max(2.0, w.prefill_slowdown(16)))
+
+
+def test_a_profile_round_trips_and_refuses_another_version(tmp_path):
+    profile = make_profile(request_overhead_s=0.01)
+    path = tmp_path / "p.json"
+    profile.save(str(path))
+    again = load_profile(str(path))
+    assert again.to_dict() == profile.to_dict()
+    assert again.worker("decode").step_seconds(0, 0, 8, 100) == pytest.approx(0.004 + 0.0005 * 8)
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="version 99"):
+        load_profile(str(path))
+    with pytest.raises(ValueError, match="no 'colocated' workers"):
+        Profile(model="m", machine={}, workers={}).worker("colocated")
+
+
+# ---- workloads ---------------------------------------------------------------------------------
+
+def test_synthetic_workload_is_bench_serves_own_prompts_and_arrivals():
+    cfg = DatasetConfig(num_prompts=30, input_len=40, range_ratio=0.5, output_len=8, prefix_len=16, seed=3)
+    requests = list(synthetic(cfg, 5.0, burstiness=0.7))
+    bench = build_requests(cfg)
+    assert [r.prompt_token_ids for r in requests] == [b.prompt for b in bench]
+    assert [r.output_len for r in requests] == [b.output_len for b in bench]
+    assert [r.arrival_s for r in requests] == pytest.approx(arrival_offsets(30, 5.0, 0.7, 3))
+
+
+def test_traces_mooncake_hash_ids_share_prefixes_and_azure_csv_parses(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in [
+        {"timestamp": 1000, "input_length": 40, "output_length": 5, "hash_ids": [7, 8, 9]},
+        {"timestamp": 1500, "input_length": 30, "output_length": 6, "hash_ids": [7, 8]},
+        {"timestamp": 3000, "input_length": 20, "output_length": 7, "hash_ids": [1]},
+    ]) + "\n")
+    a, b, c = trace(str(path), block_tokens=16)
+    assert [a.arrival_s, b.arrival_s, c.arrival_s] == [0.0, 0.5, 2.0]
+    assert len(a.prompt_token_ids) == 40 and len(b.prompt_token_ids) == 30 and b.output_len == 6
+    assert a.prompt_token_ids[:30] == b.prompt_token_ids  # hash ids 7, 8: the same 32 tokens
+    assert a.prompt_token_ids[:16] != c.prompt_token_ids[:16]
+    scaled = list(trace(str(path), block_tokens=16, time_scale=2.0))
+    assert scaled[2].arrival_s == 1.0
+    csv = tmp_path / "azure.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                   "2023-11-16 18:15:50.9951690,396,109\n")
+    first, second = trace(str(csv))
+    assert second.arrival_s == pytest.approx(4.314579)
+    assert (len(first.prompt_token_ids), first.output_len) == (374, 44)
+    assert first.prompt_token_ids[:16] != second.prompt_token_ids[:16]  # no prefix ids: nothing shared
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 4, "output_length": 2}\n{"timestamp": 5, "output_length": 1}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: no input_length"):
+        list(trace(str(bad)))
+
+
+# ---- the simulator ---------------------------------------------------------------------------------
+
+def test_one_colocated_request_takes_the_profiled_steps_exactly():
+    profile = make_profile(request_overhead_s=0.01)
+    result = Simulator(profile, SimConfig(num_prefill=0, num_decode=1)).run([one(64, 4)])
+    m = result.metrics
+    prefill = 0.002 + 1e-4 * 64
+    decode = 0.004 + 0.0005
+    assert m["completed"] == 1 and m["total_output_tokens"] == 4
+    assert m["median_ttft_ms"] == pytest.approx(1000 * (0.01 + prefill))
+    assert m["median_tpot_ms"] == pytest.approx(1000 * decode)
+    assert m["median_itl_ms"] == pytest.approx(1000 * decode)
+    assert m["median_e2el_ms"] == pytest.approx(1000 * (0.01 + prefill + 3 * decode))
+
+
+def test_a_disaggregated_request_waits_for_its_transfer_when_it_outlasts_the_prefill():
+    prefill = 0.002 + 1e-4 * 64
+    for transfer in (0.001, 0.05):  # hidden under the prefill step / longer than it
+        profile = make_profile(transfer_s=transfer)
+        m = Simulator(profile, SimConfig(num_prefill=1, num_decode=1)).run([one(64, 3)]).metrics
+        assert m["median_ttft_ms"] == pytest.approx(1000 * max(prefill, transfer))
+
+
+def test_every_request_finishes_and_every_block_is_free_afterwards():
+    profile = make_profile()
+    sim = Simulator(profile, SimConfig(num_prefill=2, num_decode=3))
+    cfg = DatasetConfig(num_prompts=120, input_len=100, range_ratio=0.9, output_len=20, prefix_len=32)
+    result = sim.run(synthetic(cfg, 50.0), goodput_slos={"ttft": 50, "tpot": 10})
+    assert result.metrics["completed"] == 120
+    for w in sim.workers:
+        assert not w.scheduler.has_unfinished()
+        assert w.block_manager.num_free_blocks == w.block_manager.num_blocks
+        assert w.info.num_inflight == 0 and w.info.prefill_pending_tokens == 0 and w.info.num_prefill_pending == 0
+    assert 0 < result.metrics["slo_attainment"] <= 1
+    pools = result.sim["pools"]
+    assert pools["decode"]["prefix_cache_hit_rate"] > 0.2  # the shared 32 tokens (2 blocks) hit
+    assert sum(w.info.num_routed for w in sim.decode_workers) == 120
+
+
+def test_a_small_kv_cache_preempts_and_still_finishes_everything():
+    profile = make_profile(num_blocks=24)  # 384 tokens for 8 requests of up to 96
+    sim = Simulator(profile, SimConfig(num_prefill=0, num_decode=1))
+    result = sim.run([one(40, 56, index=i) for i in range(8)])
+    assert result.metrics["completed"] == 8
+    assert result.sim["pools"]["decode"]["num_preemptions"] > 0
+    assert sim.decode_workers[0].block_manager.num_free_blocks == 24
+
+
+def test_kv_aware_routing_keeps_conversations_where_their_prefix_is(tmp_path):
+    path = tmp_path / "conv.jsonl"
+    rows = []
+    for turn in range(6):  # 7 conversations (round robin moves each one every turn), each turn extends the last
+        for conv in range(7):
+            rows.append({"arrival_s": turn * 1.0 + conv * 0.01, "input_length": 64 * (turn + 1), "output_length": 4,
+                         "hash_ids": [conv * 100 + k for k in range(turn + 1)]})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    rates = {}
+    for policy in ("round_robin", "kv_aware"):
+        sim = Simulator(make_profile(), SimConfig(num_prefill=0, num_decode=4, routing_policy=policy))
+        result = sim.run(trace(str(path), block_tokens=64))
+        rates[policy] = result.sim["pools"]["decode"]["prefix_cache_hit_rate"]
+    assert rates["kv_aware"] > rates["round_robin"] + 0.2, rates
+
+
+def test_workers_sharing_cores_slow_each_other():
+    profile = make_profile()
+    requests = [one(64, 30, at=0.0, index=i) for i in range(4)]
+    alone = Simulator(profile, SimConfig(num_prefill=1, num_decode=2)).run(list(requests)).metrics
+    shared = Simulator(profile, SimConfig(num_prefill=1, num_decode=2, machine_cores=1)).run(list(requests)).metrics
+    assert shared["median_tpot_ms"] > 1.3 * alone["median_tpot_ms"]
+
+
+def test_simulate_writes_bench_serves_keys(tmp_path):
+    profile_path = tmp_path / "p.json"
+    make_profile().save(str(profile_path))
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--profile", str(profile_path), "--prefill", "1", "--decode", "2", "--num-prompts", "40",
+                 "--request-rate", "20", "--random-input-len", "64", "--random-output-len", "8", "--goodput",
+                 "ttft:100", "--disable-tqdm", "--result-file", str(out)]) == 0
+    result = json.loads(out.read_text())
+    bench_keys = set(compute_metrics([RequestOutput(success=True, prompt_len=1, output_tokens=2, ttft_s=0.1,
+                                                    e2el_s=0.2, itl_s=[0.1])], 1.0, [50.0, 90.0, 99.0], {"ttft": 1}))
+    assert bench_keys <= set(result)
+    assert result["completed"] == 40 and result["num_prefill"] == 1 and "pools" in result["sim"]
+    assert main(["simulate", "--profile", str(profile_path), "--max-concurrency", "4", "--disable-tqdm"]) == 1
+
+
+# ---- planner and sizer -------------------------------------------------------------------------------
+
+def test_plan_tries_every_split_and_recommends_the_best(tmp_path):
+    # decode is the dear phase here: more decode workers serve more
+    profile = make_profile(decode_base_s=0.01, decode_per_seq_s=0.004, prefill_per_token_s=2e-5)
+    cfg = DatasetConfig(num_prompts=80, input_len=64, output_len=16)
+
+    result = plan(profile, lambda p, d: SimConfig(num_prefill=p, num_decode=d),
+                  lambda rate: synthetic(cfg, rate), 3, {"ttft": 100, "tpot": 30})
+    tried = {(e["num_prefill"], e["num_decode"]) for e in result["tried"]}
+    assert tried == {(0, 3), (1, 2), (2, 1)}
+    best = result["recommended"]
+    assert best["goodput_rps"] == max(e["goodput_rps"] for e in result["tried"]) > 0
+    by_split = {(e["num_prefill"], e["num_decode"]): e["goodput_rps"] for e in result["tried"]}
+    assert by_split[(1, 2)] > by_split[(2, 1)]
+    assert "recommended:" in format_plan(result)
+
+
+def test_sizer_grows_each_pool_with_the_load_it_carries():
+    profile = make_profile(decode_base_s=0.01, decode_per_seq_s=0.01)
+    sizer = ProfileSizer(profile, {"ttft": 200, "tpot": 100})
+    # decode: B <= 9 within 100 ms (0.01 + 0.01 B); step(9) = 0.1 s; share = rate * 15 * 0.1 / 9
+    assert sizer(2.0, 64, 16) == (1, 1)
+    assert sizer(6.0, 64, 16) == (1, math.ceil(6 * 15 * 0.1 / 9 / 0.8))
+    p_low, _ = sizer(10.0, 1024, 2)
+    p_high, _ = sizer(200.0, 1024, 2)
+    assert p_high > p_low
+    colocated = ProfileSizer(profile, {"ttft": 200, "tpot": 100}, colocated=True)
+    assert colocated(6.0, 64, 16)[0] == 0
