@@ -117,7 +117,8 @@ def test_one_colocated_request_takes_the_profiled_steps_exactly():
     assert m["completed"] == 1 and m["total_output_tokens"] == 4
     assert m["median_ttft_ms"] == pytest.approx(1000 * (0.01 + prefill))
     assert m["median_tpot_ms"] == pytest.approx(1000 * decode)
-    assert m["median_itl_ms"] == pytest.approx(1000 * decode)
+    assert m["median_itl_ms"] == pytest.approx(1000 * decode, rel=1e-3)  # ITL: a histogram of 0.05% bins
+    assert m["mean_itl_ms"] == pytest.approx(1000 * decode)
     assert m["median_e2el_ms"] == pytest.approx(1000 * (0.01 + prefill + 3 * decode))
 
 
@@ -168,6 +169,29 @@ def test_kv_aware_routing_keeps_conversations_where_their_prefix_is(tmp_path):
         result = sim.run(trace(str(path), block_tokens=64))
         rates[policy] = result.sim["pools"]["decode"]["prefix_cache_hit_rate"]
     assert rates["kv_aware"] > rates["round_robin"] + 0.2, rates
+
+
+@pytest.mark.parametrize("num_prefill", [0, 2])
+def test_decode_runs_give_the_step_by_step_schedule_exactly(num_prefill):
+    """A run of identical decode steps advanced as one event lands every token where one event per step
+    puts it (no jitter: the same step lengths), with arrivals cutting runs short all along."""
+    cfg = DatasetConfig(num_prompts=150, input_len=80, range_ratio=0.9, output_len=30, prefix_len=16)
+    results = {}
+    for runs in (False, True):
+        config = SimConfig(num_prefill=num_prefill, num_decode=3, step_jitter=False, decode_runs=runs)
+        sim = Simulator(make_profile(decode_per_token_s=2e-6), config)
+        result = sim.run(synthetic(cfg, 40.0))
+        results[runs] = (result, sim)
+    (stepwise, s0), (runs, s1) = results[False], results[True]
+    for series in ("e2el", "ttft", "arrival"):  # per request, in the order they finished
+        assert list(getattr(runs.records, series)) == pytest.approx(list(getattr(stepwise.records, series)), rel=1e-9)
+    assert runs.sim["num_decode_runs"] > 0 and stepwise.sim["num_decode_runs"] == 0
+    assert runs.sim["num_events"] < 0.8 * stepwise.sim["num_events"]
+    for key in ("median_itl_ms", "p99_itl_ms", "mean_itl_ms", "median_tpot_ms"):
+        assert runs.metrics[key] == pytest.approx(stepwise.metrics[key], rel=1e-3), key
+    assert sum(w.num_steps for w in s1.workers) == sum(w.num_steps for w in s0.workers)
+    for w in s1.workers:
+        assert w.block_manager.num_free_blocks == w.block_manager.num_blocks
 
 
 def test_workers_sharing_cores_slow_each_other():

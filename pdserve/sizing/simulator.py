@@ -21,12 +21,13 @@ Life of a simulated request (disaggregated)::
     -> D's decode steps -> last token: finished, the router's counts released
 
 The event loop is a heap of (time, sequence, callback): each step, arrival and transfer is one event,
-and per token only the scheduler's own bookkeeping runs. With ``machine_cores`` the workers are placed
+and per token only the scheduler's own bookkeeping runs; a run of identical decode-only steps is one
+event, applied in bulk when it ends (``SimWorker._start_run``: the same tokens at the same times). With ``machine_cores`` the workers are placed
 on the cores as ``pdserve up`` places them: a worker given fewer cores than it was profiled with runs
 its steps slower in proportion, and cores shared by workers stretch a step by the number of busy
 workers on its cores when it starts (processor sharing, fixed at the step's start). Each step's length
-is drawn around the model's with the jitter the profile measured in the real cluster (a gamma
-distribution of mean 1 and the measured coefficient of variation; seeded), which spreads the tail.
+is drawn around the model's with the jitter the profile measured in the real cluster (a lognormal
+factor of mean 1 and the measured coefficient of variation; seeded), which spreads the tail.
 
 Not modelled: the router's HTTP and tokenizer work under load (a fixed overhead per request),
 heartbeats' lag beyond ``heartbeat_interval_s`` (a worker's heartbeat is its state when the router
@@ -36,6 +37,7 @@ from peers, failures and migration.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -45,7 +47,7 @@ from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pdserve.bench.metrics import latency_stats
+from pdserve.bench.metrics import latency_stats, percentile_label
 from pdserve.cluster.kv_events import KVEventPublisher
 from pdserve.common.protocol import Heartbeat, SamplingParams, WorkerRole, WorkerStats
 from pdserve.engine.scheduling.block_manager import BlockManager
@@ -62,7 +64,7 @@ from pdserve.sizing.workload import SimRequest
 
 SAMPLED_TOKEN = 11  # the token every simulated step samples (never an EOS: outputs run to max_tokens)
 _SALT = 0x5EED  # the simulated workers' block-hash salt (one model)
-ITL_RESERVOIR = 1_000_000  # inter-token gaps kept for the ITL percentiles (a uniform sample beyond)
+ITL_BIN_RATIO = 1.0005  # ITL histogram bins: each 0.05% wider than the last (percentiles to that precision)
 KV_SAMPLES = 512  # most KV-usage samples kept (the interval doubles when they fill)
 
 
@@ -80,9 +82,11 @@ class SimConfig:
             worker has the cores it was profiled with to itself).
         kv_cache_memory: bytes of KV cache per worker (None: as profiled).
         max_num_seqs, max_num_batched_tokens: override the profiled worker flags (None: as profiled).
-        step_jitter: draw each step's seconds from a gamma distribution around the cost model's with the
-            profile's ``serving_step_cv`` (False: every step exactly the model's).
+        step_jitter: draw each step's seconds from a lognormal distribution around the cost model's with
+            the profile's ``serving_step_cv`` (False: every step exactly the model's).
         seed: seeds the jitter.
+        decode_runs: advance a worker's identical decode-only steps as one event (``SimWorker._start_run``);
+            False: an event per step (the same schedule: the tests compare the two).
     """
 
     num_prefill: int
@@ -99,6 +103,7 @@ class SimConfig:
     max_num_batched_tokens: int | None = None
     step_jitter: bool = True
     seed: int = 0
+    decode_runs: bool = True
 
     def __post_init__(self):
         if self.num_decode < 1:
@@ -132,6 +137,16 @@ class _Tracked:
         self.half_overhead = 0.0
 
 
+class _Run:
+    """A run of decode steps: the scheduler's first step (``out``), when it began, each step's end time,
+    and the token naming its current end event."""
+
+    __slots__ = ("out", "start", "ends", "token")
+
+    def __init__(self, out, start: float, ends: list[float], token: int):
+        self.out, self.start, self.ends, self.token = out, start, ends, token
+
+
 class SimWorker:
     """One simulated worker: a real scheduler and block manager, a profiled step time, the router's view."""
 
@@ -158,8 +173,14 @@ class SimWorker:
         profiled = profile.cores * profile.tensor_parallel_size * profile.pipeline_parallel_size
         self.core_shortfall = max(1.0, profiled / max(1, len(cores)))  # placed on fewer cores than profiled
         cv = profile.serving_step_cv
-        self.jitter_shape = 1.0 / (cv * cv) if cv > 0 and sim.config.step_jitter else 0.0
+        self.jitter = None  # () -> a step's length over the model's: lognormal, mean 1, coefficient of variation cv
+        if cv > 0 and sim.config.step_jitter:
+            sigma = math.sqrt(math.log1p(cv * cv))
+            gauss, exp, mu = sim.rng.gauss, math.exp, -sigma * sigma / 2
+            self.jitter = lambda: exp(gauss(mu, sigma))
         self.busy = False
+        self.run: _Run | None = None  # the decode run in progress
+        self.num_runs = 0
         self.heartbeat_at = -math.inf
         self.busy_seconds = 0.0
         self.num_steps = 0
@@ -183,8 +204,11 @@ class SimWorker:
     # ---- the step loop ---------------------------------------------------------------------
 
     def kick(self, now: float) -> None:
-        """Start a step if the worker is idle and has something to schedule."""
-        if not self.busy and self.scheduler.has_unfinished():
+        """Start a step if the worker is idle and has something to schedule; cut its decode run short at
+        the step in progress if it is in one (something new waits for the next step)."""
+        if self.run is not None:
+            self._cut_run(now)
+        elif not self.busy and self.scheduler.has_unfinished():
             self.busy = True
             self.sim.at(now, self._step)
 
@@ -204,11 +228,13 @@ class SimWorker:
             else:
                 prompt_tokens += num_new
                 pairs += num_new * (computed + num_new / 2)
+        if not prompt_tokens and self.sim.config.decode_runs and self._start_run(now, out, num_decode, context):
+            return
         seconds = self.profile.step_seconds(prompt_tokens, pairs, num_decode,
                                             context / num_decode if num_decode else 0.0)
         seconds *= self.sim.core_contention(self)
-        if self.jitter_shape:  # a shared machine's step times scatter around the model's (mean kept)
-            seconds *= self.sim.rng.gammavariate(self.jitter_shape, 1.0 / self.jitter_shape)
+        if self.jitter:  # a shared machine's step times scatter around the model's (mean kept)
+            seconds *= self.jitter()
         self.busy_seconds += seconds
         self.num_steps += 1
         if prompt_tokens:
@@ -234,6 +260,80 @@ class SimWorker:
             self._step(now)  # the next step starts as this one ends
         else:
             self.busy = False
+
+    # ---- decode runs: identical decode-only steps advanced in bulk -----------------------------------
+
+    def _start_run(self, now: float, out, num_decode: int, context: int) -> bool:
+        """If the scheduler's step ``out`` is a decode-only step of every running request with nothing
+        waiting, the steps after it are the same decision until a request finishes or something new
+        reaches the worker: schedule them as one run (ending when its first request finishes) instead of
+        an event per step. True if a run started. ``_cut_run`` ends it early, ``_run_end`` applies it."""
+        sched = self.scheduler
+        if out.block_copies or out.remote_prefills or out.preempted or sched.waiting \
+                or len(out.scheduled) != len(sched.running):
+            return False
+        steps = min(min(r.sampling_params.max_tokens - r.num_output_tokens, sched.config.max_model_len - r.num_tokens)
+                    for r, _ in out.scheduled)
+        if steps < 2:
+            return False
+        bs = self.profile.block_size
+        needed = sum(max(0, -(-(r.num_computed_tokens + steps) // bs) - len(r.block_table)) for r, _ in out.scheduled)
+        if not self.block_manager.can_allocate(needed):  # the run's blocks must be there without preempting
+            return False
+        factor = self.sim.core_contention(self)
+        mean_context = context / num_decode
+        # the step grows linearly with the context within a grid cell: its first and last length give the rest
+        first = self.profile.step_seconds(0, 0.0, num_decode, mean_context) * factor
+        last = self.profile.step_seconds(0, 0.0, num_decode, mean_context + steps - 1) * factor
+        slope = (last - first) / (steps - 1)
+        ends, t = [], now
+        jitter = self.jitter
+        for i in range(steps):
+            t += (first + slope * i) * (jitter() if jitter else 1.0)
+            ends.append(t)
+        self.run = _Run(out, now, ends, next(self.sim._seq))
+        self.sim.at(ends[-1], self._run_end, self.run.token)
+        return True
+
+    def _cut_run(self, now: float) -> None:
+        """End the run with the step in progress at ``now``."""
+        run = self.run
+        j = bisect.bisect_left(run.ends, now)
+        if j >= len(run.ends) - 1:
+            return  # in its last step already
+        del run.ends[j + 1:]
+        run.token = next(self.sim._seq)  # the event at the old end is stale
+        self.sim.at(run.ends[-1], self._run_end, run.token)
+
+    def _run_end(self, now: float, token: int) -> None:
+        """The run's last step ended: its earlier steps are applied in bulk to each request (tokens, KV
+        slots, full blocks cached, the client's token times), its last one through the scheduler's own
+        ``update_from_output``; then the worker schedules again."""
+        run = self.run
+        if run is None or run.token != token:
+            return
+        self.run = None
+        ends, out = run.ends, run.out
+        bulk = len(ends) - 1
+        self.num_steps += len(ends)
+        self.num_runs += 1
+        self.busy_seconds += ends[-1] - run.start
+        if bulk:
+            kv = self.scheduler.kv
+            sim = self.sim
+            copies: list = []
+            for request, _ in out.scheduled:
+                request.output_token_ids.extend([SAMPLED_TOKEN] * bulk)
+                request.num_computed_tokens += bulk
+                if not kv.allocate_slots(request, request.num_computed_tokens + 1, copies):
+                    raise AssertionError("a decode run's blocks were checked free at its start")
+                kv.cache_full_blocks(request)
+                sim.tokens_in_run(request.request_id, ends[0], bulk, ends[bulk - 1])
+            itl = sim._records.itl
+            weight = len(out.scheduled)
+            for a, b in zip(ends, ends[1:bulk]):
+                itl.add(b - a, weight)
+        self._step_done(now, out, ends[-2] if bulk else run.start)
 
     def publish(self) -> None:
         """Hand the step's KV events to the router's index (kv_aware)."""
@@ -448,12 +548,7 @@ class Simulator:
             tracked.first = seen
             self._release_prefill(tracked)
         else:
-            records = self._records
-            if len(records.itls) < ITL_RESERVOIR:
-                records.num_itls += 1
-                records.itls.append(seen - tracked.last)
-            else:
-                records.itl(seen - tracked.last)
+            self._records.itl.add(seen - tracked.last)
         tracked.last = seen
         tracked.tokens += num_tokens
         if finished:
@@ -463,6 +558,15 @@ class Simulator:
             self._records.finish(tracked)
             if self.on_progress is not None and self._records.completed % 2000 == 0:
                 self.on_progress(self._records.completed)
+
+    def tokens_in_run(self, request_id: str, first: float, count: int, last: float) -> None:
+        """``count`` tokens of a decode run reached the client, the first at ``first``, the last at ``last``
+        (the gaps between them are the run's steps, which the run records once for its whole batch)."""
+        tracked = self.tracked[request_id]
+        half = tracked.half_overhead
+        self._records.itl.add(first + half - tracked.last)
+        tracked.last = last + half
+        tracked.tokens += count
 
     def _release_prefill(self, tracked: _Tracked) -> None:
         if tracked.site_tokens:
@@ -479,8 +583,45 @@ class Simulator:
         return [*self.prefill_workers, *self.decode_workers]
 
 
+class LatencyHistogram:
+    """Weighted latencies in log-spaced bins (``ITL_BIN_RATIO`` apart): mean and std exact, percentiles to
+    the bins' precision, memory by the spread of the values, not their count. A run of decode steps adds
+    each step's gap once, weighted by its batch."""
+
+    def __init__(self):
+        self.bins: dict[int, float] = {}
+        self.count = 0.0
+        self.total = 0.0
+        self.total_sq = 0.0
+        self._log_ratio = math.log(ITL_BIN_RATIO)
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        key = math.floor(math.log(value) / self._log_ratio) if value > 0 else -(1 << 40)
+        self.bins[key] = self.bins.get(key, 0.0) + weight
+        self.count += weight
+        self.total += value * weight
+        self.total_sq += value * value * weight
+
+    def stats(self, percentiles: list[float]) -> dict[str, float | None]:
+        """``latency_stats``' keys in ms: mean, median, std, each ``pNN``."""
+        keys = ["mean", "median", "std", *(percentile_label(p) for p in percentiles)]
+        if not self.count:
+            return dict.fromkeys(keys)
+        mean = self.total / self.count
+        out = {"mean": 1000 * mean, "std": 1000 * math.sqrt(max(0.0, self.total_sq / self.count - mean * mean))}
+        ordered = sorted(self.bins.items())
+        for name, p in [("median", 50.0), *((percentile_label(p), p) for p in percentiles)]:
+            target, seen = p / 100 * self.count, 0.0
+            for key, weight in ordered:
+                seen += weight
+                if seen >= target:
+                    out[name] = 1000 * (ITL_BIN_RATIO ** (key + 0.5) if key > -(1 << 40) else 0.0)
+                    break
+        return {k: out[k] for k in keys}
+
+
 class _Records:
-    """Per-request outcomes in flat arrays (a million requests: a few tens of MB), the ITL reservoir,
+    """Per-request outcomes in flat arrays (a million requests: a few tens of MB), the ITL histogram,
     and the KV usage samples."""
 
     def __init__(self, seed: int):
@@ -489,9 +630,7 @@ class _Records:
         self.e2el = array("d")
         self.tokens = array("l")
         self.prompt = array("l")
-        self.itls = array("d")
-        self.num_itls = 0
-        self._rng = random.Random(seed)
+        self.itl = LatencyHistogram()
         self.kv_times: list[float] = []
         self.kv_usage: list[dict[str, float]] = []
         self._kv_every = 1.0
@@ -500,15 +639,6 @@ class _Records:
     @property
     def completed(self) -> int:
         return len(self.ttft)
-
-    def itl(self, gap: float) -> None:
-        self.num_itls += 1
-        if len(self.itls) < ITL_RESERVOIR:
-            self.itls.append(gap)
-        else:  # reservoir sampling (Vitter's algorithm R): every gap kept with equal chance
-            j = self._rng.randrange(self.num_itls)
-            if j < ITL_RESERVOIR:
-                self.itls[j] = gap
 
     def finish(self, tracked: _Tracked) -> None:
         self.arrival.append(tracked.arrival)
@@ -540,6 +670,7 @@ class SimResult:
 
     metrics: dict
     sim: dict = field(default_factory=dict)
+    records: "_Records | None" = None  # per request, in the order they finished (arrival, ttft, e2el, ...)
 
     @classmethod
     def build(cls, simulator: Simulator, percentiles: list[float], slos: dict[str, float] | None,
@@ -560,9 +691,11 @@ class SimResult:
                    "request_goodput": good / duration if slos else None,
                    "slo_attainment": good / n if slos and n else None,
                    "output_throughput": total_out / duration, "total_token_throughput": (total_in + total_out) / duration}
-        for name, values in (("ttft", list(r.ttft)), ("tpot", tpots), ("itl", list(r.itls)), ("e2el", list(r.e2el))):
+        for name, values in (("ttft", list(r.ttft)), ("tpot", tpots), ("e2el", list(r.e2el))):
             for stat, value in latency_stats(values, percentiles).items():
                 metrics[f"{stat}_{name}_ms"] = value
+        for stat, value in r.itl.stats(percentiles).items():
+            metrics[f"{stat}_itl_ms"] = value
         workers = simulator.workers
         pools = {}
         for name, pool in (("prefill", simulator.prefill_workers), ("decode", simulator.decode_workers)):
@@ -574,12 +707,12 @@ class SimResult:
                                "prefix_cache_hit_rate": _hit_rate(pool),
                                "num_local_prefills": sum(w.scheduler.stats.num_local_prefills for w in pool)}
         sim = {"num_events": num_events, "wall_seconds": wall_s, "simulated_seconds": duration,
-               "num_itl_samples": len(r.itls), "num_itls": r.num_itls, "pools": pools,
+               "num_itls": r.itl.count, "num_decode_runs": sum(w.num_runs for w in workers), "pools": pools,
                "kv_usage": {"times_s": r.kv_times, "usage": r.kv_usage},
                "max_kv_usage": {name: max((u.get(name, 0.0) for u in r.kv_usage), default=0.0)
                                 for name in pools},
                "num_workers": len(workers)}
-        return cls(metrics, sim)
+        return cls(metrics, sim, r)
 
 
 def _hit_rate(pool: list[SimWorker]) -> float | None:
