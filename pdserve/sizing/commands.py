@@ -255,7 +255,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result = plan(profile, lambda p, d: sim_config_from_args(args, p, d), lambda rate: _workload_at(args, rate),
                       args.workers, slos, attainment=args.attainment, colocated=args.colocated,
                       request_rate=None if math.isinf(args.request_rate) else args.request_rate,
-                      on_try=None if args.disable_tqdm else lambda line: print(line, flush=True))
+                      on_try=None if args.disable_tqdm else lambda line: print(line, flush=True),
+                      rate_unit="x the trace's speed" if args.trace else "req/s")
     except (ValueError, OSError, RuntimeError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 1

@@ -8,7 +8,8 @@ pdserve's simulator: for ``workers`` workers it tries every split into ``P`` pre
 goodput by simulating the workload at rising rates (doubling until attainment falls below the
 target, then bisecting). The layouts tried per pool are those the profile measured (a profile made
 with ``-tp 2`` worker flags holds TP-2 workers). The recommendation is the split with the highest
-goodput, i.e. the highest goodput per worker for the fixed count.
+goodput, i.e. the highest goodput per worker for the fixed count. With a trace the rate searched is
+the trace's speed-up over its own arrival times (``rate_unit``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def max_rate(profile: Profile, config: SimConfig, workload_at: Callable[[float],
 def plan(profile: Profile, config_for: Callable[[int, int], SimConfig],
          workload_at: Callable[[float], Iterable[SimRequest]], workers: int, slos: dict[str, float],
          attainment: float = 0.9, colocated: str = "yes", request_rate: float | None = None,
-         on_try: Callable[[str], None] | None = None) -> dict:
+         on_try: Callable[[str], None] | None = None, rate_unit: str = "req/s") -> dict:
     """Every split tried with its goodput (and, given ``request_rate``, its attainment at that rate),
     best first, and the recommendation.
 
@@ -77,6 +78,7 @@ def plan(profile: Profile, config_for: Callable[[int, int], SimConfig],
         config_for: ``(num_prefill, num_decode) -> SimConfig`` (the router flags and the rest fixed).
         workload_at: the workload arriving at a given rate.
         colocated: ``yes`` (try all-colocated too), ``no``, ``only``.
+        rate_unit: what ``workload_at``'s rate is (``req/s``; a trace's is its speed-up over real time).
 
     Raises:
         ValueError: fewer than 1 worker, no SLO, or nothing to try (a profile without the kinds).
@@ -106,9 +108,10 @@ def plan(profile: Profile, config_for: Callable[[int, int], SimConfig],
             entry["attainment_at_rate"], _ = attainment_at(profile, config, workload_at(request_rate), slos)
         tried.append(entry)
         if on_try is not None:
-            on_try(f"tried {_name(entry)}: goodput {rate:.2f} req/s ({runs} simulations)")
+            on_try(f"tried {_name(entry)}: goodput {rate:.2f} {rate_unit} ({runs} simulations)")
     tried.sort(key=lambda e: (-e["goodput_rps"], e["num_prefill"]))
     return {"workers": workers, "slos_ms": slos, "attainment": attainment, "request_rate": request_rate,
+            "rate_unit": rate_unit,
             "recommended": tried[0], "tried": tried, "seconds": time.monotonic() - start}
 
 
@@ -128,8 +131,9 @@ def _name(entry: dict) -> str:
 def format_plan(result: dict) -> str:
     """The alternatives tried, best first, and the recommendation, as text."""
     slos = ", ".join(f"{k} <= {v:g} ms" for k, v in result["slos_ms"].items())
-    lines = [f"{result['workers']} workers, SLOs {slos}, attainment >= {100 * result['attainment']:.0f}%",
-             f"{'split':<36}{'goodput req/s':>14}{'per worker':>12}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
+    lines = [f"{result['workers']} workers, SLOs {slos}, attainment >= {100 * result['attainment']:.0f}%; "
+             f"goodput in {result.get('rate_unit', 'req/s')}",
+             f"{'split':<36}{'goodput':>14}{'per worker':>12}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
              + (f"{'attain@rate':>13}" if result["request_rate"] is not None else "")]
     for e in result["tried"]:
         ttft = f"{e['median_ttft_ms']:.1f}" if e["median_ttft_ms"] is not None else "n/a"
@@ -139,6 +143,6 @@ def format_plan(result: dict) -> str:
             line += f"{100 * e['attainment_at_rate']:>12.1f}%"
         lines.append(line)
     lines.append(f"recommended: {_name(result['recommended'])} "
-                 f"({result['recommended']['goodput_rps']:.2f} req/s within the SLOs; searched in "
+                 f"({result['recommended']['goodput_rps']:.2f} {result.get('rate_unit', 'req/s')} within the SLOs; searched in "
                  f"{result['seconds']:.1f} s)")
     return "\n".join(lines)
