@@ -257,12 +257,13 @@ class Autoscaler:
         if changed:
             self.pools.write(*targets)
             self._changed_at = now
+        slo_s = {name: ms / 1000 for name, ms in self.slos_ms.items()}
         interval = Interval(time=now, request_rate=rate, mean_input_tokens=mean_in or 0.0,
                             mean_output_tokens=mean_out or 0.0, forecast_rate=forecast,
-                            ttft_attainment=share_within(last.ttft_buckets, figures.ttft_buckets,
-                                                         self.slos_ms["ttft"] / 1000) if "ttft" in self.slos_ms else None,
-                            tpot_attainment=share_within(last.itl_buckets, figures.itl_buckets,
-                                                         self.slos_ms["tpot"] / 1000) if "tpot" in self.slos_ms else None,
+                            ttft_attainment=share_within(last.ttft_buckets, figures.ttft_buckets, slo_s["ttft"])
+                            if "ttft" in slo_s else None,
+                            tpot_attainment=share_within(last.itl_buckets, figures.itl_buckets, slo_s["tpot"])
+                            if "tpot" in slo_s else None,
                             wanted=wanted, targets=targets, changed=changed)
         self.history.append(interval)
         self.on_interval(interval)

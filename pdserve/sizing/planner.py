@@ -142,7 +142,7 @@ def format_plan(result: dict) -> str:
         if result["request_rate"] is not None:
             line += f"{100 * e['attainment_at_rate']:>12.1f}%"
         lines.append(line)
-    lines.append(f"recommended: {_name(result['recommended'])} "
-                 f"({result['recommended']['goodput_rps']:.2f} {result.get('rate_unit', 'req/s')} within the SLOs; searched in "
+    best, unit = result["recommended"], result.get("rate_unit", "req/s")
+    lines.append(f"recommended: {_name(best)} ({best['goodput_rps']:.2f} {unit} within the SLOs; searched in "
                  f"{result['seconds']:.1f} s)")
     return "\n".join(lines)

@@ -22,10 +22,10 @@ Life of a simulated request (disaggregated)::
 
 The event loop is a heap of (time, sequence, callback): each step, arrival and transfer is one event,
 and per token only the scheduler's own bookkeeping runs; a run of identical decode-only steps is one
-event, applied in bulk when it ends (``SimWorker._start_run``: the same tokens at the same times). With ``machine_cores`` the workers are placed
-on the cores as ``pdserve up`` places them: a worker given fewer cores than it was profiled with runs
-its steps slower in proportion, and cores shared by workers stretch a step by the number of busy
-workers on its cores when it starts (processor sharing, fixed at the step's start). Each step's length
+event, applied in bulk when it ends (``SimWorker._start_run``: the same tokens at the same times).
+With ``machine_cores`` the workers are placed on the cores as ``pdserve up`` places them: a worker
+given fewer cores than it was profiled with runs its steps slower in proportion, and cores shared by
+workers stretch a step by the number of busy workers on its cores when it starts (processor sharing, fixed at the step's start). Each step's length
 is drawn around the model's with the jitter the profile measured in the real cluster (a lognormal
 factor of mean 1 and the measured coefficient of variation; seeded), which spreads the tail.
 
@@ -690,7 +690,8 @@ class SimResult:
                    "total_output_tokens": total_out, "request_throughput": n / duration,
                    "request_goodput": good / duration if slos else None,
                    "slo_attainment": good / n if slos and n else None,
-                   "output_throughput": total_out / duration, "total_token_throughput": (total_in + total_out) / duration}
+                   "output_throughput": total_out / duration,
+                   "total_token_throughput": (total_in + total_out) / duration}
         for name, values in (("ttft", list(r.ttft)), ("tpot", tpots), ("e2el", list(r.e2el))):
             for stat, value in latency_stats(values, percentiles).items():
                 metrics[f"{stat}_{name}_ms"] = value
