@@ -25,11 +25,13 @@ and per token only the scheduler's own bookkeeping runs; a run of identical deco
 event, applied in bulk when it ends (``SimWorker._start_run``: the same tokens at the same times).
 With ``machine_cores`` the workers are placed on the cores as ``pdserve up`` places them: a worker
 given fewer cores than it was profiled with runs its steps slower in proportion, and cores shared by
-workers stretch a step by the number of busy workers on its cores when it starts (processor sharing, fixed at the step's start). Each step's length
-is drawn around the model's with the jitter the profile measured in the real cluster (a lognormal
-factor of mean 1 and the measured coefficient of variation; seeded), which spreads the tail.
+workers stretch a step by the number of busy workers on its cores when it starts (processor sharing,
+fixed at the step's start). Each step's length is drawn around the model's with the jitter the profile
+measured in the real cluster (a lognormal factor of mean 1 and the measured coefficient of variation;
+seeded), which spreads the tail.
 
-Not modelled: the router's HTTP and tokenizer work under load (a fixed overhead per request),
+Not modelled: the router's HTTP and tokenizer work under load (a fixed overhead per request by prompt
+length, measured at idle), contention that grows with load,
 heartbeats' lag beyond ``heartbeat_interval_s`` (a worker's heartbeat is its state when the router
 reads it, at most that old), speculative decoding, LoRA, structured outputs, KV offload tiers, pulls
 from peers, failures and migration.
