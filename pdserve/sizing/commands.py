@@ -214,8 +214,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             bar.update(n - done[0])
             done[0] = n
 
-        result = Simulator(profile, config, on_progress=progress).run(workload, args.percentiles, slos or None,
-                                                                       seed=args.seed)
+        result = Simulator(profile, config, on_progress=progress).run(workload, args.percentiles, slos or None)
         bar.update(result.metrics["completed"] - done[0])
         bar.close()
     except (ValueError, OSError, RuntimeError) as e:

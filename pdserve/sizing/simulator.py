@@ -438,10 +438,10 @@ class Simulator:
         heapq.heappush(self._heap, (t, next(self._seq), fn, args))
 
     def run(self, workload: Iterable[SimRequest], percentiles: Iterable[float] = (50.0, 90.0, 99.0),
-            goodput_slos: dict[str, float] | None = None, seed: int = 0) -> "SimResult":
+            goodput_slos: dict[str, float] | None = None) -> "SimResult":
         """Simulate every request of ``workload`` (arrival order) to its last token."""
         wall = time.perf_counter()
-        self._records = _Records(seed)
+        self._records = _Records()
         arrivals = iter(workload)
         self._next_arrival(arrivals)
         heap = self._heap
@@ -626,7 +626,7 @@ class _Records:
     """Per-request outcomes in flat arrays (a million requests: a few tens of MB), the ITL histogram,
     and the KV usage samples."""
 
-    def __init__(self, seed: int):
+    def __init__(self):
         self.arrival = array("d")
         self.ttft = array("d")
         self.e2el = array("d")
