@@ -4,7 +4,7 @@ Pinned to one core, the simulator runs a synthetic workload (Poisson arrivals; p
 lengths uniform in the given ranges, a shared prefix) on ``--prefill`` + ``--decode`` workers of the
 profile, and prints the wall time, the events handled, the simulated seconds, and the peak resident
 memory (``ru_maxrss``), with the run's own figures (TTFT/TPOT, pool utilisation). The request rate
-defaults to what the profile's sizer says the decode pool carries at about 70% of its capacity.
+defaults to 7/8 of the highest the profile's sizer fits in both pools at 80% busy (about 70%).
 
     python benchmarks/bench_sim_scale.py --profile /tmp/profile.json [--prefill 250 --decode 750]
         [--num-prompts 1000000] [--input 256 --output 32] [--routing-policy round_robin] [--out F]
@@ -45,12 +45,21 @@ def main() -> int:
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     profile = load_profile(args.profile)
     rate = args.request_rate
-    if rate is None:  # the highest rate the sizer fits in the decode pool, at 70% of it
+    if rate is None:  # the highest rate the sizer fits in both pools (each at most 80% busy), at 7/8 of it
         sizer = ProfileSizer(profile, {})
-        per_worker = 1.0
-        while sizer(per_worker * 2, args.input + args.prefix_len, args.output)[1] <= 1:
-            per_worker *= 2
-        rate = 0.7 * per_worker * args.decode
+        mean_input = args.input + args.prefix_len
+
+        def fits(r: float) -> bool:
+            prefill, decode = sizer(r, mean_input, args.output)
+            return prefill <= max(1, args.prefill) and decode <= args.decode
+
+        lo, hi = 0.0, 1.0
+        while fits(hi):
+            lo, hi = hi, hi * 2
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        rate = 0.875 * lo
     cfg = DatasetConfig(num_prompts=args.num_prompts, input_len=args.input, range_ratio=0.5, output_len=args.output,
                         prefix_len=args.prefix_len, seed=0)
     config = SimConfig(num_prefill=args.prefill, num_decode=args.decode, routing_policy=args.routing_policy,

@@ -78,9 +78,13 @@ def isotonic_grid(grid: list[list[float]]) -> list[list[float]]:
 
 
 def interp2(xs: list[float], ys: list[float], table: list[list[float]], x: float, y: float) -> float:
-    """Bilinear ``table[i][j] = f(xs[i], ys[j])`` at ``(x, y)``, each axis as ``interp``."""
-    column = [interp(ys, row, y) for row in table]
-    return interp(xs, column, x)
+    """Bilinear ``table[i][j] = f(xs[i], ys[j])`` at ``(x, y)``, each axis as ``interp`` (only the two rows
+    around ``x`` are read: ``interp`` along ``x`` uses no others)."""
+    n = len(xs)
+    if n == 1:
+        return interp(ys, table[0], y)
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), n - 2)
+    return interp(xs[i:i + 2], [interp(ys, table[i], y), interp(ys, table[i + 1], y)], x)
 
 
 @dataclass

@@ -40,10 +40,12 @@ from peers, failures and migration.
 from __future__ import annotations
 
 import bisect
+import gc
 import heapq
 import itertools
 import math
 import random
+import statistics
 import time
 from array import array
 from collections.abc import Callable, Iterable
@@ -66,6 +68,7 @@ from pdserve.sizing.workload import SimRequest
 
 SAMPLED_TOKEN = 11  # the token every simulated step samples (never an EOS: outputs run to max_tokens)
 _SALT = 0x5EED  # the simulated workers' block-hash salt (one model)
+JITTER_LEVELS = 4096  # a step's jitter is one of this many equally likely quantiles of its lognormal
 ITL_BIN_RATIO = 1.0005  # ITL histogram bins: each 0.05% wider than the last (percentiles to that precision)
 KV_SAMPLES = 512  # most KV-usage samples kept (the interval doubles when they fill)
 
@@ -175,11 +178,9 @@ class SimWorker:
         profiled = profile.cores * profile.tensor_parallel_size * profile.pipeline_parallel_size
         self.core_shortfall = max(1.0, profiled / max(1, len(cores)))  # placed on fewer cores than profiled
         cv = profile.serving_step_cv
-        self.jitter = None  # () -> a step's length over the model's: lognormal, mean 1, coefficient of variation cv
-        if cv > 0 and sim.config.step_jitter:
-            sigma = math.sqrt(math.log1p(cv * cv))
-            gauss, exp, mu = sim.rng.gauss, math.exp, -sigma * sigma / 2
-            self.jitter = lambda: exp(gauss(mu, sigma))
+        # a step's length over the model's: levels[int(random() * JITTER_LEVELS)], lognormal of mean 1 and
+        # coefficient of variation cv (None: no jitter)
+        self.jitter_levels = sim.jitter_levels(cv) if cv > 0 and sim.config.step_jitter else None
         self.busy = False
         self.run: _Run | None = None  # the decode run in progress
         self.num_runs = 0
@@ -235,8 +236,8 @@ class SimWorker:
         seconds = self.profile.step_seconds(prompt_tokens, pairs, num_decode,
                                             context / num_decode if num_decode else 0.0)
         seconds *= self.sim.core_contention(self)
-        if self.jitter:  # a shared machine's step times scatter around the model's (mean kept)
-            seconds *= self.jitter()
+        if self.jitter_levels:  # a shared machine's step times scatter around the model's (mean kept)
+            seconds *= self.jitter_levels[int(self.sim.rng.random() * JITTER_LEVELS)]
         self.busy_seconds += seconds
         self.num_steps += 1
         if prompt_tokens:
@@ -289,10 +290,16 @@ class SimWorker:
         last = self.profile.step_seconds(0, 0.0, num_decode, mean_context + steps - 1) * factor
         slope = (last - first) / (steps - 1)
         ends, t = [], now
-        jitter = self.jitter
-        for i in range(steps):
-            t += (first + slope * i) * (jitter() if jitter else 1.0)
-            ends.append(t)
+        levels = self.jitter_levels
+        if levels:
+            draw = self.sim.rng.random
+            for i in range(steps):
+                t += (first + slope * i) * levels[int(draw() * JITTER_LEVELS)]
+                ends.append(t)
+        else:
+            for i in range(steps):
+                t += first + slope * i
+                ends.append(t)
         self.run = _Run(out, now, ends, next(self.sim._seq))
         self.sim.at(ends[-1], self._run_end, self.run.token)
         return True
@@ -331,10 +338,7 @@ class SimWorker:
                     raise AssertionError("a decode run's blocks were checked free at its start")
                 kv.cache_full_blocks(request)
                 sim.tokens_in_run(request.request_id, ends[0], bulk, ends[bulk - 1])
-            itl = sim._records.itl
-            weight = len(out.scheduled)
-            for a, b in zip(ends, ends[1:bulk]):
-                itl.add(b - a, weight)
+            sim._records.itl.add_gaps(ends, bulk, len(out.scheduled))
         self._step_done(now, out, ends[-2] if bulk else run.start)
 
     def publish(self) -> None:
@@ -363,6 +367,7 @@ class Simulator:
                                   config.routing_balance_factor, self.index)
         self.now = 0.0
         self.rng = random.Random(config.seed)
+        self._jitter_levels: dict[float, list[float]] = {}
         self._heap: list = []
         self._seq = itertools.count()
         colocated = config.num_prefill == 0
@@ -424,6 +429,20 @@ class Simulator:
         return SimWorker(self, worker_id, role, wp, num_blocks, cfg.max_num_seqs or wp.max_num_seqs,
                          cfg.max_num_batched_tokens or wp.max_num_batched_tokens, cores)
 
+    def jitter_levels(self, cv: float) -> list[float]:
+        """``JITTER_LEVELS`` step-length factors, equally likely, of a lognormal distribution of mean 1 and
+        coefficient of variation ``cv``: its quantiles at the levels' midpoints, scaled to mean 1 exactly.
+        One uniform draw picks one (a Gaussian draw and an ``exp`` per step cost more than the rest of a
+        decode run's step); the tail past the last level's quantile (p99.99) is cut."""
+        levels = self._jitter_levels.get(cv)
+        if levels is None:
+            sigma = math.sqrt(math.log1p(cv * cv))
+            normal = statistics.NormalDist(-sigma * sigma / 2, sigma)
+            levels = [math.exp(normal.inv_cdf((k + 0.5) / JITTER_LEVELS)) for k in range(JITTER_LEVELS)]
+            mean = sum(levels) / JITTER_LEVELS
+            levels = self._jitter_levels[cv] = [v / mean for v in levels]
+        return levels
+
     def core_contention(self, worker: SimWorker) -> float:
         """How much slower ``worker``'s step runs than profiled: fewer cores than it was profiled with (in
         proportion), and the workers sharing its cores that are busy now (one more share each)."""
@@ -446,11 +465,19 @@ class Simulator:
         self._next_arrival(arrivals)
         heap = self._heap
         num_events = 0
-        while heap:
-            t, _, fn, args = heapq.heappop(heap)
-            self.now = t
-            fn(t, *args)
-            num_events += 1
+        # The workers' caches hold millions of objects that live for the whole run: the cyclic garbage
+        # collector's passes over them cost a quarter of the run, and the simulation makes no cycles.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            while heap:
+                t, _, fn, args = heapq.heappop(heap)
+                self.now = t
+                fn(t, *args)
+                num_events += 1
+        finally:
+            if collecting:
+                gc.enable()
         leftover = sum(w.scheduler.has_unfinished() for w in (*self.prefill_workers, *self.decode_workers))
         if self.tracked or leftover:
             raise RuntimeError(f"simulation stalled with {len(self.tracked)} requests unfinished "
@@ -595,14 +622,28 @@ class LatencyHistogram:
         self.count = 0.0
         self.total = 0.0
         self.total_sq = 0.0
-        self._log_ratio = math.log(ITL_BIN_RATIO)
+        self._scale = 1.0 / math.log(ITL_BIN_RATIO)
 
     def add(self, value: float, weight: float = 1.0) -> None:
-        key = math.floor(math.log(value) / self._log_ratio) if value > 0 else -(1 << 40)
+        key = math.floor(math.log(value) * self._scale) if value > 0 else -(1 << 40)
         self.bins[key] = self.bins.get(key, 0.0) + weight
         self.count += weight
         self.total += value * weight
         self.total_sq += value * value * weight
+
+    def add_gaps(self, times: list[float], count: int, weight: float) -> None:
+        """``add`` each gap between ``times[0..count-1]`` (increasing), weighted by ``weight``."""
+        bins, get, log, floor, scale = self.bins, self.bins.get, math.log, math.floor, self._scale
+        total = total_sq = 0.0
+        for a, b in zip(times, times[1:count]):
+            gap = b - a
+            key = floor(log(gap) * scale) if gap > 0 else -(1 << 40)
+            bins[key] = get(key, 0.0) + weight
+            total += gap
+            total_sq += gap * gap
+        self.count += weight * max(0, count - 1)
+        self.total += total * weight
+        self.total_sq += total_sq * weight
 
     def stats(self, percentiles: list[float]) -> dict[str, float | None]:
         """``latency_stats``' keys in ms: mean, median, std, each ``pNN``."""

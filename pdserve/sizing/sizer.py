@@ -4,8 +4,8 @@ Closed-form, so the autoscaler decides in microseconds each interval (``pdserve 
 this estimates), as Dynamo's SLA planner sizes pools from its profile's interpolated TTFT and ITL:
 
 * **prefill pool**: each prefill worker is a queue serving prompts in ``s = prefill(mean input)``
-  seconds. With Poisson arrivals and fixed service (M/D/1), a prompt waits ``rho * s / (2 (1 - rho))``
-  on average at utilisation ``rho``; the TTFT SLO leaves ``a = ttft - s - request_overhead`` for
+  seconds (times the slowdown the profile measured in a serving cluster). With Poisson arrivals and
+  fixed service (M/D/1), a prompt waits ``rho * s / (2 (1 - rho))`` on average at utilisation ``rho``; the TTFT SLO leaves ``a = ttft - s - request_overhead`` for
   that wait, so a worker may run at ``rho <= 2a / (s + 2a)`` (capped at ``max_utilization``), and
   the pool needs ``ceil(rate * s / rho)`` workers.
 * **decode pool**: the largest batch ``B`` whose step ``decode(B, mean context)`` stays within the TPOT
@@ -70,7 +70,7 @@ class ProfileSizer:
     def __call__(self, rate: float, mean_input: float, mean_output: float) -> tuple[int, int]:
         if rate <= 0:
             return (0 if self.colocated else 1), 1
-        service = self.prefill.prefill(mean_input)
+        service = self.prefill.prefill(mean_input) * self.prefill.prefill_slowdown(mean_input)  # as served
         batch, step = self.decode_batch(self.decode, mean_input, mean_output)
         decode_share = rate * max(0.0, mean_output - 1) * step / batch  # busy workers' worth of decoding
         if self.colocated:

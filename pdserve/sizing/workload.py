@@ -57,10 +57,17 @@ def arrivals(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0
         yield t
 
 
+_CYCLE = 997  # the filler tokens after a unique prompt's head repeat with this period
+_filler: list[int] = []  # MIN_TOKEN_ID + k % _CYCLE for k = 0, 1, ...: sliced, not rebuilt, per prompt
+
+
 def _unique_tokens(index: int, length: int) -> list[int]:
     """``length`` token ids whose first block no other request index starts with (two tokens name it)."""
     head = [MIN_TOKEN_ID + index // _TOKEN_SPAN % _TOKEN_SPAN, MIN_TOKEN_ID + index % _TOKEN_SPAN]
-    return (head + [MIN_TOKEN_ID + (index + j) % 997 for j in range(max(0, length - 2))])[:length]
+    start, count = index % _CYCLE, max(0, length - 2)
+    if len(_filler) < start + count:
+        _filler.extend(MIN_TOKEN_ID + k % _CYCLE for k in range(len(_filler), start + count + _CYCLE))
+    return (head + _filler[start:start + count])[:length]
 
 
 def synthetic(cfg: DatasetConfig, request_rate: float, burstiness: float = 1.0) -> Iterator[SimRequest]:

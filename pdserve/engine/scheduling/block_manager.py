@@ -33,6 +33,7 @@ block that enters or leaves the prefix cache or the offload tier is recorded, in
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from array import array
 from collections import OrderedDict
@@ -64,10 +65,12 @@ def chain_hash(parent_hash: bytes, token_ids: Sequence[int], salt: int = 0) -> b
 
     The same in every process; 32 bytes.
     """
-    digest = hashlib.sha256(parent_hash)
-    digest.update(salt.to_bytes(8, "little", signed=False))
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
+    return hashlib.sha256(b"".join((parent_hash, _salt_bytes(salt), array("q", token_ids).tobytes()))).digest()
+
+
+@functools.lru_cache(maxsize=64)
+def _salt_bytes(salt: int) -> bytes:
+    return salt.to_bytes(8, "little", signed=False)
 
 
 def block_hashes(token_ids: Sequence[int], max_tokens: int, block_size: int, salt: int = 0,

@@ -202,6 +202,10 @@ class KVCacheManager:
         """
         bm = self.block_manager
         bs = self.block_size
+        if hit is None and next_position is None and self.num_groups == 1 and request.block_tables:
+            grown = self._grow_writable(request, num_tokens)  # a decode step's case: nothing to copy
+            if grown is not None:
+                return grown
         first_written = hit.num_blocks if hit else request.num_computed_tokens // bs  # hits are never written
         end_block = -(-num_tokens // bs)
         plans = []
@@ -248,26 +252,46 @@ class KVCacheManager:
                                hit.block_hashes[first:hit.num_blocks], parent)
         return True
 
+    def _grow_writable(self, request: Request, num_tokens: int) -> bool | None:
+        """``allocate_slots`` for one group, no hit, when every block written from ``num_computed_tokens``
+        on is the request's own (nothing to copy on write): extend the table to ``num_tokens`` slots.
+        True/False as ``allocate_slots``; None when a block would need a copy (the general path's case)."""
+        bm = self.block_manager
+        table = request.block_tables[0]
+        have = len(table)
+        end_block = -(-num_tokens // self.block_size)
+        for i in range(request.num_computed_tokens // self.block_size, min(have, end_block)):
+            block = table[i]
+            if block != NULL_BLOCK and not bm.is_writable(block):
+                return None
+        if end_block > have:
+            if not bm.can_allocate(end_block - have):
+                return False
+            request.block_tables = [table + bm.allocate(end_block - have)]
+        return True
+
     def cache_full_blocks(self, request: Request) -> None:
         """Name every block whose tokens are all computed, extending the hash chain (one hash per
         logical block; each group's block is cached under it, ``NULL_BLOCK``s nowhere)."""
         bs = self.block_size
         bm = self.block_manager
         num_full = min(request.num_computed_tokens, request.num_tokens) // bs
-        tokens = None
+        hashes = request.block_hashes
+        if len(hashes) >= num_full:
+            return
         tables = request.block_tables
-        for i in range(len(request.block_hashes), num_full):
-            tokens = tokens or request.all_token_ids
-            parent = request.block_hashes[-1] if request.block_hashes else request.cache_root
-            block_tokens = tokens[i * bs:(i + 1) * bs]
-            if self.num_groups == 1 and tables[0][i] != NULL_BLOCK:
-                request.block_hashes.append(bm.cache_block(tables[0][i], parent, block_tokens))
-                continue
-            block_hash = chain_hash(parent, block_tokens, bm.salt)
-            request.block_hashes.append(block_hash)
+        prompt = request.prompt_token_ids
+        salt = bm.salt
+        parent = hashes[-1] if hashes else request.cache_root
+        for i in range(len(hashes), num_full):
+            start, end = i * bs, (i + 1) * bs
+            block_tokens = prompt[start:end] if end <= len(prompt) else request.token_ids_between(start, end)
+            block_hash = chain_hash(parent, block_tokens, salt)
+            hashes.append(block_hash)
             for g, table in enumerate(tables):
                 if table[i] != NULL_BLOCK:  # out of the window, never filled here: cached nowhere
                     bm.cache_hashed_block(table[i], block_hash, block_tokens, g, parent)
+            parent = block_hash
 
     def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
         """Let ``child`` share the parent's blocks that hold its first ``num_tokens`` tokens (every group)."""
