@@ -15,7 +15,7 @@ from pdserve.bench.serve import arrival_offsets
 from pdserve.cli import main
 from pdserve.sizing.planner import format_plan, plan
 from pdserve.sizing.profile import Profile, interp, isotonic, load_profile
-from pdserve.sizing.simulator import SimConfig, Simulator
+from pdserve.sizing.simulator import LatencyHistogram, SimConfig, Simulator
 from pdserve.sizing.sizer import ProfileSizer
 from pdserve.sizing.workload import SimRequest, synthetic, trace
 from tests.helpers.sizing import make_profile
@@ -144,6 +144,12 @@ def test_every_request_finishes_and_every_block_is_free_afterwards():
     pools = result.sim["pools"]
     assert pools["decode"]["prefix_cache_hit_rate"] > 0.2  # the shared 32 tokens (2 blocks) hit
     assert sum(w.info.num_routed for w in sim.decode_workers) == 120
+    # the hops to the first token add up to TTFT, as the router's do
+    hops = result.sim["ttft_hops_mean_ms"]
+    counts = {name: count for name, (_, count) in result.records.hops.items()}
+    assert {"router_in", "decode_admission", "prefill_queue", "prefill_compute", "kv_transfer",
+            "first_token_back"} <= set(hops) and counts["router_in"] == 120
+    assert sum(hops[k] * counts[k] for k in hops) / 120 == pytest.approx(result.metrics["mean_ttft_ms"])
 
 
 def test_a_small_kv_cache_preempts_and_still_finishes_everything():
@@ -202,6 +208,28 @@ def test_workers_sharing_cores_slow_each_other():
     assert shared["median_tpot_ms"] > 1.3 * alone["median_tpot_ms"]
 
 
+def test_step_jitter_has_mean_one_and_the_profiled_spread():
+    sim = Simulator(make_profile(), SimConfig(num_prefill=0, num_decode=1))
+    levels = sim.jitter_levels(0.25)
+    mean = sum(levels) / len(levels)
+    std = math.sqrt(sum((v - mean) ** 2 for v in levels) / len(levels))
+    assert mean == pytest.approx(1.0, abs=1e-12)
+    assert std == pytest.approx(0.25, rel=0.02)  # the lognormal's cv, its far tail cut
+    assert levels == sorted(levels) and levels[0] > 0
+    assert sim.jitter_levels(0.25) is levels  # built once per cv
+
+
+def test_a_runs_gaps_enter_the_itl_histogram_as_one_by_one():
+    bulk, single = LatencyHistogram(), LatencyHistogram()
+    times = [0.0, 0.004, 0.009, 0.0151, 0.0152, 0.03]
+    bulk.add_gaps(times, 5, 3)  # the gaps between the first five times, each for a batch of three
+    for a, b in zip(times, times[1:5]):
+        single.add(b - a, 3)
+    assert bulk.bins == single.bins and bulk.count == single.count == 12
+    assert bulk.total == pytest.approx(single.total) and bulk.total_sq == pytest.approx(single.total_sq)
+    assert bulk.stats([90.0]) == pytest.approx(single.stats([90.0]))
+
+
 def test_simulate_writes_bench_serves_keys(tmp_path):
     profile_path = tmp_path / "p.json"
     make_profile().save(str(profile_path))
@@ -246,3 +274,9 @@ def test_sizer_grows_each_pool_with_the_load_it_carries():
     assert p_high > p_low
     colocated = ProfileSizer(profile, {"ttft": 200, "tpot": 100}, colocated=True)
     assert colocated(6.0, 64, 16)[0] == 0
+    # a prompt is priced as served: a profile whose serving cluster ran prompts 3x slower needs more prefill
+    served = make_profile(decode_base_s=0.01, decode_per_seq_s=0.01)
+    w = served.worker("prefill")
+    w.serving_prefill_tokens, w.serving_prefill_seconds = [16, 4096], [3 * w.prefill(16), 3 * w.prefill(4096)]
+    w.__post_init__()
+    assert ProfileSizer(served, {"ttft": 200, "tpot": 100})(200.0, 1024, 2)[0] > p_high

@@ -123,7 +123,8 @@ class _Tracked:
     """What the simulator keeps of one request in flight (the router's handle, the client's clock)."""
 
     __slots__ = ("index", "arrival", "prompt_len", "output_len", "decode", "prefill", "site", "site_tokens",
-                 "prefill_pending", "first", "last", "tokens", "decode_cached", "half_overhead")
+                 "prefill_pending", "first", "last", "tokens", "decode_cached", "half_overhead", "reached", "sent",
+                 "computed")
 
     def __init__(self, sim_request: SimRequest):
         self.index = sim_request.index
@@ -140,6 +141,7 @@ class _Tracked:
         self.tokens = 0
         self.decode_cached = 0
         self.half_overhead = 0.0
+        self.reached = self.sent = self.computed = -1.0  # reached the decode worker, prompt sent, computed
 
 
 class _Run:
@@ -535,6 +537,7 @@ class Simulator:
         return self._by_id[info.worker_id]
 
     def _reach_decode(self, now: float, decode: SimWorker, request: Request, remote: bool) -> None:
+        self.tracked[request.request_id].reached = now
         decode.scheduler.add_request(request, remote_prefill=remote)
         decode.kick(now)
 
@@ -545,6 +548,8 @@ class Simulator:
         if prefill is None:  # the decode worker prefills itself after all (never the case: it was routed)
             raise AssertionError(f"{request.request_id} waits for KV without a prefill worker")
         tracked.decode_cached = request.num_cached_tokens
+        tracked.sent = now
+        self._records.hop("decode_admission", now - tracked.reached)
         remote = Request(request.request_id, request.prompt_token_ids, SamplingParams(max_tokens=1, ignore_eos=True),
                          max_model_len=prefill.profile.max_model_len)
         remote.delay_free_blocks = True  # its blocks are read by the sends until the KV has arrived
@@ -555,6 +560,10 @@ class Simulator:
         """A prefill worker computed ``request``'s prompt in the step that began at ``started``: its KV
         (the blocks the decode worker lacks) reaches the decode worker as the transfer allows."""
         tracked = self.tracked[request.request_id]
+        tracked.computed = now
+        hop = self._records.hop
+        hop("prefill_queue", started - tracked.sent)
+        hop("prefill_compute", now - started)
         bs = worker.profile.block_size
         num_blocks = -(-request.num_prompt_tokens // bs) - tracked.decode_cached // bs
         seconds = self.profile.transfer.transfer_seconds(num_blocks * worker.profile.block_bytes)
@@ -564,6 +573,7 @@ class Simulator:
         prefill.scheduler.free_delayed(request_id)
         prefill.publish()
         prefill.kick(now)
+        self._records.hop("kv_transfer", now - self.tracked[request_id].computed)
         output = decode.scheduler.remote_kv_arrived(request_id, SAMPLED_TOKEN)
         if output is not None:
             self._tokens(request_id, 1, output.finished is not None, now)
@@ -576,6 +586,11 @@ class Simulator:
         if tracked.first < 0:
             tracked.first = seen
             self._release_prefill(tracked)
+            hop = self._records.hop
+            hop("router_in", tracked.half_overhead)
+            if tracked.computed < 0:  # prefilled where it decodes: its queue and compute there, together
+                hop("local_prefill", now - tracked.reached)
+            hop("first_token_back", tracked.half_overhead)
         else:
             self._records.itl.add(seen - tracked.last)
         tracked.last = seen
@@ -674,6 +689,7 @@ class _Records:
         self.tokens = array("l")
         self.prompt = array("l")
         self.itl = LatencyHistogram()
+        self.hops: dict[str, list] = {}  # a request's way to its first token: hop -> [seconds summed, count]
         self.kv_times: list[float] = []
         self.kv_usage: list[dict[str, float]] = []
         self._kv_every = 1.0
@@ -682,6 +698,13 @@ class _Records:
     @property
     def completed(self) -> int:
         return len(self.ttft)
+
+    def hop(self, name: str, seconds: float) -> None:
+        entry = self.hops.get(name)
+        if entry is None:
+            entry = self.hops[name] = [0.0, 0]
+        entry[0] += seconds
+        entry[1] += 1
 
     def finish(self, tracked: _Tracked) -> None:
         self.arrival.append(tracked.arrival)
@@ -709,7 +732,13 @@ class _Records:
 
 @dataclass
 class SimResult:
-    """A simulated run: ``metrics`` with ``pdserve bench serve --result-file``'s keys, and the simulator's own."""
+    """A simulated run: ``metrics`` with ``pdserve bench serve --result-file``'s keys, and the simulator's own
+    (``sim``: pools' utilisation, preemptions and hit rates, KV usage over time, events, wall time, and
+    ``ttft_hops_mean_ms``: the mean of each hop to the first token, named as the router's
+    ``pdserve:request_phase_seconds`` hops where they match: ``router_in`` and ``first_token_back`` the
+    two halves of the per-request overhead, ``decode_admission``, ``prefill_queue``, ``prefill_compute``,
+    ``kv_transfer``, or ``local_prefill`` (queue and compute where the request decodes); each request's
+    hops add up to its TTFT)."""
 
     metrics: dict
     sim: dict = field(default_factory=dict)
@@ -755,7 +784,8 @@ class SimResult:
                "kv_usage": {"times_s": r.kv_times, "usage": r.kv_usage},
                "max_kv_usage": {name: max((u.get(name, 0.0) for u in r.kv_usage), default=0.0)
                                 for name in pools},
-               "num_workers": len(workers)}
+               "num_workers": len(workers),
+               "ttft_hops_mean_ms": {name: 1000 * total / count for name, (total, count) in r.hops.items()}}
         return cls(metrics, sim, r)
 
 
