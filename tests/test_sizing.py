@@ -230,6 +230,27 @@ def test_a_runs_gaps_enter_the_itl_histogram_as_one_by_one():
     assert bulk.stats([90.0]) == pytest.approx(single.stats([90.0]))
 
 
+def test_a_worker_on_fewer_cores_slows_by_the_measured_one_core_ratios():
+    w = make_profile().worker("colocated")
+    w.cores = 4
+    assert w.fewer_cores_slowdown(4, True) == 1.0 and w.fewer_cores_slowdown(1, True) == 4.0  # unmeasured
+    w.one_core_prefill_ratio, w.one_core_decode_ratio = 1.6, 1.1
+    assert w.fewer_cores_slowdown(1, True) == pytest.approx(1.6)
+    assert w.fewer_cores_slowdown(1, False) == pytest.approx(1.1)
+    assert w.fewer_cores_slowdown(2, True) == pytest.approx(1.2)  # a third of the way: 4/2 - 1 of 4 - 1
+    # two colocated workers profiled on two cores, placed one core each: decode steps 1.1x, not 2x
+    profile = make_profile()
+    profile.workers["colocated"].cores = 2
+    profile.workers["colocated"].one_core_decode_ratio = 1.1
+    profile.workers["colocated"].one_core_prefill_ratio = 1.5
+    requests = [one(64, 40, at=0.0, index=i) for i in range(2)]
+    config = dict(num_prefill=0, num_decode=2, step_jitter=False, routing_policy="round_robin")
+    alone = Simulator(profile, SimConfig(**config)).run(list(requests)).metrics
+    placed = Simulator(profile, SimConfig(**config, machine_cores=2)).run(list(requests)).metrics
+    assert placed["median_tpot_ms"] == pytest.approx(1.1 * alone["median_tpot_ms"])
+    assert placed["median_ttft_ms"] == pytest.approx(1.5 * alone["median_ttft_ms"])
+
+
 def test_simulate_writes_bench_serves_keys(tmp_path):
     profile_path = tmp_path / "p.json"
     make_profile().save(str(profile_path))

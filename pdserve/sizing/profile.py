@@ -120,6 +120,10 @@ class WorkerProfile:
         serving_step_cv: the coefficient of variation of the decode steps the clients saw (their
             jitter on a shared machine; the simulator draws each step's length around the model's with
             it); 0 when not measured.
+        one_core_prefill_ratio, one_core_decode_ratio: a prompt step's and a decode step's seconds on one
+            of its cores over its seconds on all ``cores`` (medians over a few points; how a worker placed
+            on fewer cores than profiled slows: a small model's steps barely use a second thread); 0 when
+            not measured (profiled on one core, or an older profile).
 
     The tables are read made monotone (``isotonic``): a measured dip in a noisy machine's step times is
     averaged with its neighbours.
@@ -152,6 +156,8 @@ class WorkerProfile:
     serving_decode_seconds: list[list[float]] = field(default_factory=list)
     request_overhead_s: float = 0.0
     serving_step_cv: float = 0.0
+    one_core_prefill_ratio: float = 0.0
+    one_core_decode_ratio: float = 0.0
     overhead_tokens: list[int] = field(default_factory=list)
     overhead_seconds: list[float] = field(default_factory=list)
     serving_prefill_tokens: list[int] = field(default_factory=list)
@@ -214,6 +220,20 @@ class WorkerProfile:
         engine = self.prefill(num_tokens)
         return max(1.0, interp(self.serving_prefill_tokens, self.serving_prefill_seconds, num_tokens) / engine) \
             if engine > 0 else 1.0
+
+    def fewer_cores_slowdown(self, num_cores: int, prompt: bool) -> float:
+        """How much slower a step (``prompt``: one with prompt rows; else decode-only) runs on ``num_cores``
+        cores than on the ``cores * TP * PP`` profiled: from the one-core ratios where measured (linear in
+        the fraction of cores taken away: 1 on all of them, the ratio on one), else in proportion to the
+        cores; never below 1."""
+        profiled = self.cores * self.tensor_parallel_size * self.pipeline_parallel_size
+        num_cores = max(1, num_cores)
+        if num_cores >= profiled:
+            return 1.0
+        ratio = self.one_core_prefill_ratio if prompt else self.one_core_decode_ratio
+        if ratio <= 0 or profiled == 1:
+            return profiled / num_cores
+        return max(1.0, 1.0 + (ratio - 1.0) * (profiled / num_cores - 1.0) / (profiled - 1.0))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

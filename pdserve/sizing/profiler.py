@@ -12,6 +12,10 @@ all), its decode step compiled first (as a warm worker runs it):
   serving, where prompt lengths vary);
 * **decode**: B sequences of context C decoding together, for B over powers of two up to
   ``max_num_seqs`` and C in ``DECODE_CONTEXTS``; the median step of ``repeats``;
+* **one core**: a kind pinned to several cores is timed again on one of them at a few points
+  (``SCALING_PROMPTS``, ``SCALING_BATCHES``): the ratios say how its steps slow when ``pdserve up``
+  places it on fewer cores (a small model's steps barely use a second thread, so "in proportion to
+  the cores" would be far off);
 * **transfer**: one request's KV through pdserve's own pairs (``PrefillPairs`` / ``DecodePairs``:
   headers, per-layer checksums, layer runs), between two processes on two cores, for a range of
   prompt lengths, timed from the first layer sent until both sides hold the bytes and checksum;
@@ -44,6 +48,8 @@ PREFILL_CACHED = (256, 512)
 CACHED_NEW_TOKENS = (64, 256)
 DECODE_CONTEXTS = (32, 256, 768, 2048)
 TRANSFER_TOKENS = (64, 256, 1024, 2048)
+SCALING_PROMPTS = (64, 256, 512)  # the prompt lengths and decode batches a worker of several cores is also
+SCALING_BATCHES = (1, 8, 32)  # timed on one of them (``one_core_ratios``)
 OVERHEAD_TOKENS = (16, 128, 512, 1500)
 _CTX = mp.get_context("spawn")
 
@@ -98,8 +104,11 @@ def _powers(limit: int, start: int = 1) -> list[int]:
 # ---- one worker kind, in its own process ---------------------------------------------------------
 
 def measure_worker(kind: str, model: str, flags: list[str], cores: list[int], repeats: int,
-                   on_point=None) -> dict:
-    """Build the engine of ``kind`` and measure its grids (runs in the calling process; pins it)."""
+                   on_point=None, scaling_only: bool = False) -> dict:
+    """Build the engine of ``kind`` and measure its grids (runs in the calling process; pins it).
+
+    ``scaling_only``: only ``SCALING_PROMPTS`` and ``SCALING_BATCHES`` at the first decode context, no
+    cached-prefix points (the few points that compare ``cores`` with the full profile's)."""
     from pdserve.common.protocol import SamplingParams
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.core import EngineCore
@@ -160,9 +169,11 @@ def measure_worker(kind: str, model: str, flags: list[str], cores: list[int], re
 
         # prompts of N tokens, nothing cached; then N after a cached prefix of K (computed first, then hit)
         tokens = _powers(min(budget, max_len - 2), 16)
+        if scaling_only:
+            tokens = [n for n in SCALING_PROMPTS if n <= tokens[-1]]
         prefill_seconds = [prefill_step(n, []) for n in tokens]
         cached_points = []
-        for k in PREFILL_CACHED:
+        for k in PREFILL_CACHED if not scaling_only else ():
             prefix = prompt(k)
             core.add_request(f"prefix{k}", prefix + [5], SamplingParams(max_tokens=1, ignore_eos=True))
             timed_steps({f"prefix{k}"})
@@ -171,6 +182,8 @@ def measure_worker(kind: str, model: str, flags: list[str], cores: list[int], re
                     cached_points.append([n, k, prefill_step(n, prefix)])
         # decode grid: B sequences of context C
         batches = [b for b in _powers(sched.max_num_seqs) if b <= sched.max_num_seqs]
+        if scaling_only:
+            batches = [b for b in SCALING_BATCHES if b <= sched.max_num_seqs]
         contexts = []
         decode_seconds = []
         for c in DECODE_CONTEXTS:
@@ -178,6 +191,8 @@ def measure_worker(kind: str, model: str, flags: list[str], cores: list[int], re
             if c + repeats + 4 >= max_len or need_blocks > runner.num_blocks:
                 continue
             contexts.append(c)
+        if scaling_only:
+            contexts = contexts[1:2] or contexts[:1]
         for c in contexts:
             ids = [f"d{c}-{i}" for i in range(batches[-1])]
             for rid in ids:
@@ -220,6 +235,19 @@ def measure_worker(kind: str, model: str, flags: list[str], cores: list[int], re
         core.close()
 
 
+def one_core_ratios(full: WorkerProfile, one: dict) -> dict:
+    """``WorkerProfile``'s ``one_core_prefill_ratio`` and ``one_core_decode_ratio``: the medians of the
+    one-core pass's step times (``measure_worker(..., scaling_only=True)``) over the full profile's at the
+    same points (interpolated)."""
+    prefill = [s / full.prefill(n) for n, s in zip(one["prefill_tokens"], one["prefill_seconds"])
+               if full.prefill(n) > 0]
+    decode = [one["decode_seconds"][i][j] / full.engine_decode(b, c)
+              for i, b in enumerate(one["decode_batch"]) for j, c in enumerate(one["decode_context"])
+              if full.engine_decode(b, c) > 0]
+    return {"one_core_prefill_ratio": statistics.median(prefill) if prefill else 0.0,
+            "one_core_decode_ratio": statistics.median(decode) if decode else 0.0}
+
+
 def num_points(model: str, flags: list[str], kind: str) -> int:
     """How many grid points ``measure_worker`` will time (for the progress bar; an estimate)."""
     budget = 512 if kind == "prefill" else 2048
@@ -234,8 +262,17 @@ def num_points(model: str, flags: list[str], kind: str) -> int:
 
 
 def _worker_main(kind, model, flags, cores, repeats, queue) -> None:
+    _measure_child(kind, model, flags, cores, repeats, False, queue)
+
+
+def _one_core_main(kind, model, flags, cores, repeats, queue) -> None:
+    _measure_child(kind, model, flags, cores, repeats, True, queue)
+
+
+def _measure_child(kind, model, flags, cores, repeats, scaling_only, queue) -> None:
     try:
-        result = measure_worker(kind, model, flags, cores, repeats, on_point=lambda: queue.put(("point", None)))
+        result = measure_worker(kind, model, flags, cores, repeats, on_point=lambda: queue.put(("point", None)),
+                                scaling_only=scaling_only)
         queue.put(("done", result))
     except BaseException as e:  # the parent reports it
         queue.put(("error", f"{type(e).__name__}: {e}"))
@@ -587,7 +624,12 @@ def run_profile(model: str, out: str, kinds: list[str], flags: list[str], repeat
     with tqdm(total=total, desc="profiling", disable=disable_tqdm, unit="point") as bar:
         for i, kind in enumerate(kinds):
             bar.set_postfix_str(kind)
-            workers[kind] = _run_child(_worker_main, (kind, model, flags, kind_cores(kind, num_cores), repeats), bar)
+            cores = kind_cores(kind, num_cores)
+            workers[kind] = _run_child(_worker_main, (kind, model, flags, cores, repeats), bar)
+            if len(cores) > 1:  # the same engine on one of its cores: how it slows when placed on fewer
+                bar.total += len(SCALING_PROMPTS) + len(SCALING_BATCHES)
+                one = _run_child(_one_core_main, (kind, model, flags, cores[:1], repeats), bar)
+                workers[kind].update(one_core_ratios(WorkerProfile(**workers[kind]), one))
             # the grid fits the model's limits: the estimate of the points left is now this kind's count
             left = sum(num_points(model, flags, k) for k in kinds[i + 1:]) + (len(TRANSFER_TOKENS) if transfer else 0)
             bar.total = bar.n + left

@@ -17,14 +17,16 @@ Life of a simulated request (disaggregated)::
     arrival -> router picks decode worker D and prefill worker P (or none: local prefill)
     -> D.add_request(remote_prefill) -> D's schedule parks it, reserving blocks (remote_prefills)
     -> P.add_request(max_tokens=1) -> P's steps compute the prompt
-    -> transfer ends at max(step end, step start + transfer seconds) -> D.remote_kv_arrived: first token
+    -> transfer ends at max(step end, step start + transfer seconds) -> D.remote_kv_arrived between
+       D's steps (the step in progress ends first, as D's engine loop takes arrivals): first token
     -> D's decode steps -> last token: finished, the router's counts released
 
 The event loop is a heap of (time, sequence, callback): each step, arrival and transfer is one event,
 and per token only the scheduler's own bookkeeping runs; a run of identical decode-only steps is one
 event, applied in bulk when it ends (``SimWorker._start_run``: the same tokens at the same times).
 With ``machine_cores`` the workers are placed on the cores as ``pdserve up`` places them: a worker
-given fewer cores than it was profiled with runs its steps slower in proportion, and cores shared by
+given fewer cores than it was profiled with runs its steps slower by the one-core ratios the profile
+measured (in proportion to the cores where it did not), and cores shared by
 workers stretch a step by the number of busy workers on its cores when it starts (processor sharing,
 fixed at the step's start). Each step's length is drawn around the model's with the jitter the profile
 measured in the real cluster (a lognormal factor of mean 1 and the measured coefficient of variation;
@@ -177,14 +179,16 @@ class SimWorker:
                                prefix_cache_salt=_SALT if profile.enable_prefix_caching else None)
         self.publisher = KVEventPublisher(worker_id, self.block_manager) if sim.index is not None \
             and profile.enable_prefix_caching else None
-        profiled = profile.cores * profile.tensor_parallel_size * profile.pipeline_parallel_size
-        self.core_shortfall = max(1.0, profiled / max(1, len(cores)))  # placed on fewer cores than profiled
+        # placed on fewer cores than profiled: (prompt steps, decode-only steps) this much slower
+        self.core_shortfall = (profile.fewer_cores_slowdown(len(cores), True),
+                               profile.fewer_cores_slowdown(len(cores), False))
         cv = profile.serving_step_cv
         # a step's length over the model's: levels[int(random() * JITTER_LEVELS)], lognormal of mean 1 and
         # coefficient of variation cv (None: no jitter)
         self.jitter_levels = sim.jitter_levels(cv) if cv > 0 and sim.config.step_jitter else None
         self.busy = False
         self.run: _Run | None = None  # the decode run in progress
+        self.arrived_kv: list[str] = []  # requests whose KV arrived during the step in progress
         self.num_runs = 0
         self.heartbeat_at = -math.inf
         self.busy_seconds = 0.0
@@ -237,7 +241,7 @@ class SimWorker:
             return
         seconds = self.profile.step_seconds(prompt_tokens, pairs, num_decode,
                                             context / num_decode if num_decode else 0.0)
-        seconds *= self.sim.core_contention(self)
+        seconds *= self.sim.core_contention(self, prompt_tokens > 0)
         if self.jitter_levels:  # a shared machine's step times scatter around the model's (mean kept)
             seconds *= self.jitter_levels[int(self.sim.rng.random() * JITTER_LEVELS)]
         self.busy_seconds += seconds
@@ -261,6 +265,10 @@ class SimWorker:
                 tokens(output.request.request_id, len(output.new_token_ids), output.finished is not None, now)
         if self.publisher is not None:
             self.publish()
+        if self.arrived_kv:  # KV that arrived during the step: the engine loop takes it before the next one
+            arrived, self.arrived_kv = self.arrived_kv, []
+            for request_id in arrived:
+                sim.take_kv(self, request_id, now)
         if self.scheduler.has_unfinished():
             self._step(now)  # the next step starts as this one ends
         else:
@@ -285,7 +293,7 @@ class SimWorker:
         needed = sum(max(0, -(-(r.num_computed_tokens + steps) // bs) - len(r.block_table)) for r, _ in out.scheduled)
         if not self.block_manager.can_allocate(needed):  # the run's blocks must be there without preempting
             return False
-        factor = self.sim.core_contention(self)
+        factor = self.sim.core_contention(self, False)
         mean_context = context / num_decode
         # the step grows linearly with the context within a grid cell: its first and last length give the rest
         first = self.profile.step_seconds(0, 0.0, num_decode, mean_context) * factor
@@ -445,12 +453,13 @@ class Simulator:
             levels = self._jitter_levels[cv] = [v / mean for v in levels]
         return levels
 
-    def core_contention(self, worker: SimWorker) -> float:
-        """How much slower ``worker``'s step runs than profiled: fewer cores than it was profiled with (in
-        proportion), and the workers sharing its cores that are busy now (one more share each)."""
+    def core_contention(self, worker: SimWorker, prompt: bool) -> float:
+        """How much slower ``worker``'s step (``prompt``: one with prompt rows) runs than profiled: fewer
+        cores than it was profiled with (``WorkerProfile.fewer_cores_slowdown``), and the workers sharing
+        its cores that are busy now (one more share each)."""
         shared = self._shared[worker.worker_id]
         busy = 1.0 + sum(1 for u in shared if u.busy and u is not worker) if shared else 1.0
-        return busy * worker.core_shortfall
+        return busy * worker.core_shortfall[0 if prompt else 1]
 
     # ---- events -------------------------------------------------------------------------
 
@@ -570,15 +579,27 @@ class Simulator:
         self.at(max(now, started + seconds), self._kv_arrived, worker, tracked.decode, request.request_id)
 
     def _kv_arrived(self, now: float, prefill: SimWorker, decode: SimWorker, request_id: str) -> None:
+        """The prompt's KV is in ``decode``'s cache: the prefill worker frees its blocks; the decode worker
+        takes the request in (its first token out) now if it is idle, else between its steps, as its
+        engine loop does: the step in progress (a run: cut there) ends first."""
         prefill.scheduler.free_delayed(request_id)
         prefill.publish()
         prefill.kick(now)
+        if decode.busy:
+            decode.arrived_kv.append(request_id)
+            if decode.run is not None:
+                decode._cut_run(now)
+            return
+        self.take_kv(decode, request_id, now)
+        decode.kick(now)
+
+    def take_kv(self, decode: SimWorker, request_id: str, now: float) -> None:
+        """``decode``'s scheduler takes in ``request_id``, whose KV has arrived: its first token."""
         self._records.hop("kv_transfer", now - self.tracked[request_id].computed)
         output = decode.scheduler.remote_kv_arrived(request_id, SAMPLED_TOKEN)
         if output is not None:
             self._tokens(request_id, 1, output.finished is not None, now)
         decode.publish()
-        decode.kick(now)
 
     def _tokens(self, request_id: str, num_tokens: int, finished: bool, now: float) -> None:
         tracked = self.tracked[request_id]
