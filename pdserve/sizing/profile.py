@@ -115,8 +115,10 @@ class WorkerProfile:
         overhead_tokens, overhead_seconds: the same fixed latency for prompts of these lengths (the
             router's and the workers' per-request work grows with the prompt: JSON, validation, hashing).
         serving_prefill_tokens, serving_prefill_seconds: one prompt's steps of that many tokens as a
-            real cluster ran them at idle (its prefill-compute hop): on a prefill worker they include the
-            KV sends on its cores. Prompt steps are scaled by their ratio to ``prefill``.
+            real cluster ran them (its prefill-compute hop): a colocated worker's at idle; a prefill
+            worker's among other prompts at half its capacity (sharing its core with their KV sends and
+            the machine with the rest of the cluster: ``profiler.measure_serving``). Prompt steps are
+            scaled by their ratio to ``prefill``.
         serving_step_cv: the coefficient of variation of the decode steps the clients saw (their
             jitter on a shared machine; the simulator draws each step's length around the model's with
             it); 0 when not measured.

@@ -51,6 +51,8 @@ TRANSFER_TOKENS = (64, 256, 1024, 2048)
 SCALING_PROMPTS = (64, 256, 512)  # the prompt lengths and decode batches a worker of several cores is also
 SCALING_BATCHES = (1, 8, 32)  # timed on one of them (``one_core_ratios``)
 OVERHEAD_TOKENS = (16, 128, 512, 1500)
+LOADED_UTILIZATION = 0.5  # a prefill worker's prompts are also timed arriving at this share of its capacity
+LOADED_PROMPTS = 24
 _CTX = mp.get_context("spawn")
 
 
@@ -465,6 +467,33 @@ class _Cluster:
         self.log.close()
 
 
+async def _stream_poisson(url: str, model_id: str, prompts: list[list[int]], max_tokens: int, rate: float,
+                          seed: int = 0) -> None:
+    """Stream ``prompts`` arriving as a Poisson process of ``rate`` per second (seeded), each to its end."""
+    import asyncio
+    import random
+
+    import httpx
+
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in prompts:
+        offsets.append(t)
+        t += rng.expovariate(rate)
+
+    async def one(client, prompt, offset) -> None:
+        await asyncio.sleep(offset)
+        body = {"model": model_id, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            async for _ in resp.aiter_lines():
+                pass
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        await client.get(f"{url}/health")
+        await asyncio.gather(*(one(client, p, o) for p, o in zip(prompts, offsets)))
+
+
 async def _stream_batch(url: str, model_id: str, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
     """Stream every prompt at once; each one's send time then its chunks' arrival times (perf_counter s)."""
     import asyncio
@@ -540,10 +569,14 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
     * ``serving_decode_seconds``: the decode step grid (the profiled batches and contexts) as the clients
       see it: every overhead of the serving loop (outputs to the router, its streaming, the client's and
       router's share of the cores) on top of the engine's step;
-    * ``serving_prefill_seconds``: for prompts of ``OVERHEAD_TOKENS`` tokens at idle, the router's
+    * ``serving_prefill_seconds``: for prompts of ``OVERHEAD_TOKENS`` tokens, the router's
       prefill-compute hop (``pdserve:request_phase_seconds``: the prefill worker's, or the colocated
-      worker's local one), mean: the prompt's steps as the cluster runs them (a prefill worker's include
-      the KV sends on its core, which the engine alone does not do);
+      worker's local one), mean: the prompt's steps as the cluster runs them. A colocated worker's at
+      idle (its steps among decodes are the cost model's mixed steps); a prefill worker's with
+      ``LOADED_PROMPTS`` such prompts arriving (Poisson) at ``LOADED_UTILIZATION`` of what the idle hop
+      allows, each decoding ``max_tokens`` tokens: its prompts then share its core with the previous
+      ones' KV sends and the machine with the decode worker, the router and the client, which an idle
+      prompt never does (on a 2-core machine the hop under load is 1.5-2x the idle one);
     * ``overhead_seconds``: those prompts' time to first token minus that hop: the router, the hops,
       HTTP, the transfer's tail, and the per-request work that grows with the prompt
       (``request_overhead_s``: the shortest's);
@@ -579,8 +612,17 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                 ttfts.append(first - sent)
             phases = summarize(before, _scrape_phases(cluster.url))
             compute = phases["phases"][hop]["mean_s"] if phases and hop in phases["phases"] else engine.prefill(n)
+            served = compute
+            if kind == "decode":  # the prefill worker's prompts among others (the docstring says why)
+                before = _scrape_phases(cluster.url)
+                prompts = [prompt(n + num_idle + 2 + k) for k in range(LOADED_PROMPTS)]
+                asyncio.run(_stream_poisson(cluster.url, model_id, prompts, max_tokens,
+                                            LOADED_UTILIZATION / max(compute, 1e-3)))
+                phases = summarize(before, _scrape_phases(cluster.url))
+                if phases and hop in phases["phases"]:
+                    served = phases["phases"][hop]["mean_s"]
             overhead_tokens.append(n)
-            prefill_seconds.append(compute)
+            prefill_seconds.append(served)
             overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute))
         grid, jitters = [], []
         for b in worker["decode_batch"]:
