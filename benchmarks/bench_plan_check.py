@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sim_calibration import PDSERVE, run_json, wait_up  # noqa: E402
+from bench_sim_calibration import PDSERVE, run_json, stop, wait_up  # noqa: E402
 
 WORKLOAD = ["--dataset", "random", "--random-input-len", "256", "--random-range-ratio", "0.5",
             "--prefix-len", "64", "--random-output-len", "48", "--vocab-size", "4096"]
@@ -139,11 +138,7 @@ def main() -> int:
                       flush=True)
                 row.setdefault("sim_hops_mean_ms", []).append(sim["sim"].get("ttft_hops_mean_ms", {}))
         finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop(proc)
             log.close()
         row["real_goodput_rps"] = crossing(rates, row["real"], args.attainment)
         row["sim_goodput_rps"] = crossing(rates, row["sim"], args.attainment)

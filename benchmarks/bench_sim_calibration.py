@@ -55,6 +55,15 @@ def wait_up(url: str, num_workers: int, proc: subprocess.Popen, timeout_s: float
     raise RuntimeError("the cluster did not come up")
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a ``pdserve up`` started in its own session: Ctrl-C, then SIGKILL after a minute."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def run_json(cmd: list[str], path: str) -> dict:
     subprocess.run(cmd + ["--result-file", path], check=True, stdout=subprocess.DEVNULL)
     with open(path) as f:
@@ -128,11 +137,7 @@ def main() -> int:
                 rows.append(row)
                 print(format_row(row), flush=True)
         finally:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop(proc)
             log.close()
     print(table(rows))
     if args.out:

@@ -5,9 +5,10 @@ this estimates), as Dynamo's SLA planner sizes pools from its profile's interpol
 
 * **prefill pool**: each prefill worker is a queue serving prompts in ``s = prefill(mean input)``
   seconds (times the slowdown the profile measured in a serving cluster). With Poisson arrivals and
-  fixed service (M/D/1), a prompt waits ``rho * s / (2 (1 - rho))`` on average at utilisation ``rho``; the TTFT SLO leaves ``a = ttft - s - request_overhead`` for
-  that wait, so a worker may run at ``rho <= 2a / (s + 2a)`` (capped at ``max_utilization``), and
-  the pool needs ``ceil(rate * s / rho)`` workers.
+  fixed service (M/D/1), a prompt waits ``rho * s / (2 (1 - rho))`` on average at utilisation ``rho``;
+  the TTFT SLO leaves ``a = ttft - s - request_overhead`` for that wait, so a worker may run at
+  ``rho <= 2a / (s + 2a)`` (capped at ``max_utilization``), and the pool needs ``ceil(rate * s / rho)``
+  workers.
 * **decode pool**: the largest batch ``B`` whose step ``decode(B, mean context)`` stays within the TPOT
   SLO (and whose sequences fit the KV cache and ``max_num_seqs``) is what one worker can hold; by
   Little's law the cluster holds ``rate * mean output * step`` requests at once, so it needs
