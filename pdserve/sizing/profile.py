@@ -119,6 +119,8 @@ class WorkerProfile:
             worker's among other prompts at half its capacity (sharing its core with their KV sends and
             the machine with the rest of the cluster: ``profiler.measure_serving``). Prompt steps are
             scaled by their ratio to ``prefill``.
+        serving_prefill_idle_seconds: the same hop at idle (equal to ``serving_prefill_seconds`` for a
+            colocated worker; recorded, not yet read: the simulator scales by the loaded hop at every load).
         serving_step_cv: the coefficient of variation of the decode steps the clients saw (their
             jitter on a shared machine; the simulator draws each step's length around the model's with
             it); 0 when not measured.
@@ -164,6 +166,7 @@ class WorkerProfile:
     overhead_seconds: list[float] = field(default_factory=list)
     serving_prefill_tokens: list[int] = field(default_factory=list)
     serving_prefill_seconds: list[float] = field(default_factory=list)
+    serving_prefill_idle_seconds: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         # measured tables, made monotone (more tokens or sequences never take less time): noise averaged

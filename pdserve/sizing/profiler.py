@@ -599,7 +599,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         model_id = cluster.wait_ready()
         engine = WorkerProfile(**(prefill or worker))
         hop = "local_prefill_compute" if kind == "colocated" else "prefill_compute"
-        overhead_tokens, overhead_seconds, prefill_seconds = [], [], []
+        overhead_tokens, overhead_seconds, prefill_seconds, idle_seconds = [], [], [], []
         for n in OVERHEAD_TOKENS:
             if n + num_idle + 2 >= engine.max_model_len - 1:
                 continue
@@ -623,6 +623,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                     served = phases["phases"][hop]["mean_s"]
             overhead_tokens.append(n)
             prefill_seconds.append(served)
+            idle_seconds.append(compute)
             overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute))
         grid, jitters = [], []
         for b in worker["decode_batch"]:
@@ -637,6 +638,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             grid.append(row)
         return {"request_overhead_s": overhead_seconds[0], "overhead_tokens": overhead_tokens,
                 "overhead_seconds": overhead_seconds, "serving_prefill_seconds": prefill_seconds,
+                "serving_prefill_idle_seconds": idle_seconds,
                 "serving_decode_seconds": grid,
                 "serving_step_cv": statistics.median(jitters) if jitters else 0.0}
     finally:
@@ -694,6 +696,7 @@ def run_profile(model: str, out: str, kinds: list[str], flags: list[str], repeat
             prefiller = workers["prefill" if kind == "decode" else kind]
             prefiller["serving_prefill_tokens"] = figures["overhead_tokens"]
             prefiller["serving_prefill_seconds"] = figures.pop("serving_prefill_seconds")
+            prefiller["serving_prefill_idle_seconds"] = figures.pop("serving_prefill_idle_seconds")
             w.update(figures)
     profile = Profile.from_dict({
         "kind": "pdserve-profile", "version": PROFILE_VERSION,
