@@ -52,6 +52,31 @@ def test_measured_tables_are_read_monotone_and_serving_slowdowns_scale_steps():
     assert w.step_seconds(16, 16 * 8, 8, 32) == pytest.approx(mixed * max(2.0, w.prefill_slowdown(16)))
 
 
+def test_a_prompt_steps_served_slowdown_moves_from_the_idle_hop_to_the_loaded_one_with_utilization():
+    w = make_profile().worker("prefill")
+    w.serving_prefill_tokens = [16, 1024]
+    w.serving_prefill_idle_seconds = [2 * w.prefill(16), 2 * w.prefill(1024)]
+    w.serving_prefill_seconds = [4 * w.prefill(16), 4 * w.prefill(1024)]
+    assert w.prefill_slowdown(256) == pytest.approx(4.0)  # no utilization: the loaded hop, as before
+    w.serving_prefill_utilization = 0.8
+    assert w.prefill_slowdown(256, 0.0) == pytest.approx(2.0)
+    assert w.prefill_slowdown(256, 0.4) == pytest.approx(3.0)
+    assert w.prefill_slowdown(256, 1.0) == pytest.approx(4.0)  # never past the loaded hop
+    # in the simulator: a prefill worker at light load runs its prompts nearer the idle hop
+    profile = make_profile()
+    p = profile.workers["prefill"]
+    p.serving_prefill_tokens, p.serving_prefill_utilization = [16, 1024], 0.5
+    p.serving_prefill_idle_seconds = [p.prefill(16), p.prefill(1024)]
+    p.serving_prefill_seconds = [3 * p.prefill(16), 3 * p.prefill(1024)]
+    config = SimConfig(num_prefill=1, num_decode=1, step_jitter=False)
+    light = Simulator(profile, config).run([one(200, 4, at=2.0 * i, index=i) for i in range(5)])
+    busy = Simulator(profile, config).run([one(200, 4, at=0.04 * i, index=i) for i in range(150)])
+    compute = p.prefill(200)
+    light_hop = light.sim["ttft_hops_mean_ms"]["prefill_compute"] / 1000
+    assert light_hop < 1.3 * compute  # 2 s apart: the worker never gets busy, its prompts near the idle hop
+    assert busy.sim["ttft_hops_mean_ms"]["prefill_compute"] / 1000 > 2 * light_hop  # busy: near the loaded one
+
+
 def test_a_profile_round_trips_and_refuses_another_version(tmp_path):
     profile = make_profile(request_overhead_s=0.01)
     path = tmp_path / "p.json"

@@ -119,8 +119,10 @@ class WorkerProfile:
             worker's among other prompts at half its capacity (sharing its core with their KV sends and
             the machine with the rest of the cluster: ``profiler.measure_serving``). Prompt steps are
             scaled by their ratio to ``prefill``.
-        serving_prefill_idle_seconds: the same hop at idle (equal to ``serving_prefill_seconds`` for a
-            colocated worker; recorded, not yet read: the simulator scales by the loaded hop at every load).
+        serving_prefill_idle_seconds, serving_prefill_utilization: the same hop at idle, and how busy
+            the worker was when ``serving_prefill_seconds`` was measured (0: at idle, a colocated worker's
+            case); a step's slowdown moves from the idle hop's to the loaded one's with the worker's
+            recent utilisation (``prefill_slowdown``).
         serving_step_cv: the coefficient of variation of the decode steps the clients saw (their
             jitter on a shared machine; the simulator draws each step's length around the model's with
             it); 0 when not measured.
@@ -167,6 +169,7 @@ class WorkerProfile:
     serving_prefill_tokens: list[int] = field(default_factory=list)
     serving_prefill_seconds: list[float] = field(default_factory=list)
     serving_prefill_idle_seconds: list[float] = field(default_factory=list)
+    serving_prefill_utilization: float = 0.0
 
     def __post_init__(self):
         # measured tables, made monotone (more tokens or sequences never take less time): noise averaged
@@ -201,15 +204,17 @@ class WorkerProfile:
             return interp2(self.decode_batch, self.decode_context, self._serving, batch, context)
         return self.engine_decode(batch, context)
 
-    def step_seconds(self, prompt_tokens: int, attention_pairs: float, num_decode: int, mean_context: float) -> float:
+    def step_seconds(self, prompt_tokens: int, attention_pairs: float, num_decode: int, mean_context: float,
+                     utilization: float | None = None) -> float:
         """Seconds of one step: ``prompt_tokens`` prompt tokens (chunks of any number of prompts) whose
         attention covers ``attention_pairs`` (query, key) pairs (``n * (k + n / 2)`` summed over
         the prompt rows), and ``num_decode`` decoding sequences of ``mean_context`` tokens on average
-        (the module's docstring has the rule)."""
+        (the module's docstring has the rule); ``utilization``: the worker's recent busy share
+        (``prefill_slowdown``)."""
         if not prompt_tokens:
             return self.decode(num_decode, mean_context) if num_decode else 0.0
         seconds = self.linear(prompt_tokens + num_decode) + self.attention_pair_seconds * attention_pairs
-        slowdown = self.prefill_slowdown(prompt_tokens)
+        slowdown = self.prefill_slowdown(prompt_tokens, utilization)
         if num_decode:  # the decode rows' context; then the serving loop's slowdown at that batch
             engine = self.engine_decode(num_decode, mean_context)
             seconds += max(0.0, engine - self.engine_decode(num_decode, self.decode_context[0]))
@@ -217,14 +222,22 @@ class WorkerProfile:
                 slowdown = max(slowdown, self.decode(num_decode, mean_context) / engine)
         return seconds * slowdown
 
-    def prefill_slowdown(self, num_tokens: float) -> float:
+    def prefill_slowdown(self, num_tokens: float, utilization: float | None = None) -> float:
         """How much slower a prompt step of ``num_tokens`` runs in a serving cluster than in the engine alone
-        (``serving_prefill_seconds`` over ``prefill``; 1 when not measured, never below 1)."""
+        (``serving_prefill_seconds`` over ``prefill``; 1 when not measured, never below 1). Where the hop
+        was measured both at idle and at ``serving_prefill_utilization`` busy, a worker ``utilization``
+        busy (0..1; None: loaded) takes the idle hop plus that share of the difference, up to the loaded
+        hop (which the real hops under heavier load stayed near)."""
         if not self.serving_prefill_tokens:
             return 1.0
         engine = self.prefill(num_tokens)
-        return max(1.0, interp(self.serving_prefill_tokens, self.serving_prefill_seconds, num_tokens) / engine) \
-            if engine > 0 else 1.0
+        if engine <= 0:
+            return 1.0
+        served = interp(self.serving_prefill_tokens, self.serving_prefill_seconds, num_tokens)
+        if utilization is not None and self.serving_prefill_utilization > 0 and self.serving_prefill_idle_seconds:
+            idle = interp(self.serving_prefill_tokens, self.serving_prefill_idle_seconds, num_tokens)
+            served = idle + (served - idle) * min(1.0, utilization / self.serving_prefill_utilization)
+        return max(1.0, served / engine)
 
     def fewer_cores_slowdown(self, num_cores: int, prompt: bool) -> float:
         """How much slower a step (``prompt``: one with prompt rows; else decode-only) runs on ``num_cores``

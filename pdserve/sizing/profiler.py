@@ -639,6 +639,9 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         return {"request_overhead_s": overhead_seconds[0], "overhead_tokens": overhead_tokens,
                 "overhead_seconds": overhead_seconds, "serving_prefill_seconds": prefill_seconds,
                 "serving_prefill_idle_seconds": idle_seconds,
+                # how busy the loaded pass kept the prefill worker: its arrivals were paced by the idle hop
+                "serving_prefill_utilization": min(1.0, LOADED_UTILIZATION * statistics.fmean(
+                    s / i for s, i in zip(prefill_seconds, idle_seconds) if i > 0)) if kind == "decode" else 0.0,
                 "serving_decode_seconds": grid,
                 "serving_step_cv": statistics.median(jitters) if jitters else 0.0}
     finally:
@@ -697,6 +700,7 @@ def run_profile(model: str, out: str, kinds: list[str], flags: list[str], repeat
             prefiller["serving_prefill_tokens"] = figures["overhead_tokens"]
             prefiller["serving_prefill_seconds"] = figures.pop("serving_prefill_seconds")
             prefiller["serving_prefill_idle_seconds"] = figures.pop("serving_prefill_idle_seconds")
+            prefiller["serving_prefill_utilization"] = figures.pop("serving_prefill_utilization")
             w.update(figures)
     profile = Profile.from_dict({
         "kind": "pdserve-profile", "version": PROFILE_VERSION,

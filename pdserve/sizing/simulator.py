@@ -70,6 +70,7 @@ from pdserve.sizing.workload import SimRequest
 
 SAMPLED_TOKEN = 11  # the token every simulated step samples (never an EOS: outputs run to max_tokens)
 _SALT = 0x5EED  # the simulated workers' block-hash salt (one model)
+UTILIZATION_WINDOW_S = 2.0  # the time constant of a worker's recent busy share (prompt steps slow with load)
 JITTER_LEVELS = 4096  # a step's jitter is one of this many equally likely quantiles of its lognormal
 ITL_BIN_RATIO = 1.0005  # ITL histogram bins: each 0.05% wider than the last (percentiles to that precision)
 KV_SAMPLES = 512  # most KV-usage samples kept (the interval doubles when they fill)
@@ -192,6 +193,7 @@ class SimWorker:
         self.num_runs = 0
         self.heartbeat_at = -math.inf
         self.busy_seconds = 0.0
+        self._busy_recent, self._busy_at = 0.0, 0.0  # step seconds, each decayed by its age at _busy_at
         self.num_steps = 0
         self.prefill_tokens = 0
         self.prefill_seconds = 0.0
@@ -209,6 +211,13 @@ class SimWorker:
             num_free_blocks=self.block_manager.num_free_blocks, num_blocks=self.block_manager.num_blocks,
             stats=WorkerStats(prefill_compute_tokens=self.prefill_tokens,
                               prefill_compute_seconds=self.prefill_seconds))
+
+    def utilization(self, now: float) -> float:
+        """The worker's busy share lately: its step seconds weighted by ``exp(-age / UTILIZATION_WINDOW_S)``
+        over the window (1 for a worker busy throughout; counts the steps this worker timed one by one,
+        which every prompt step is)."""
+        return min(1.0, self._busy_recent * math.exp((self._busy_at - now) / UTILIZATION_WINDOW_S)
+                   / UTILIZATION_WINDOW_S)
 
     # ---- the step loop ---------------------------------------------------------------------
 
@@ -240,10 +249,14 @@ class SimWorker:
         if not prompt_tokens and self.sim.config.decode_runs and self._start_run(now, out, num_decode, context):
             return
         seconds = self.profile.step_seconds(prompt_tokens, pairs, num_decode,
-                                            context / num_decode if num_decode else 0.0)
+                                            context / num_decode if num_decode else 0.0,
+                                            self.utilization(now) if prompt_tokens else None)
         seconds *= self.sim.core_contention(self, prompt_tokens > 0)
         if self.jitter_levels:  # a shared machine's step times scatter around the model's (mean kept)
             seconds *= self.jitter_levels[int(self.sim.rng.random() * JITTER_LEVELS)]
+        self._busy_recent = self._busy_recent * math.exp((self._busy_at - now - seconds) / UTILIZATION_WINDOW_S) \
+            + seconds
+        self._busy_at = now + seconds
         self.busy_seconds += seconds
         self.num_steps += 1
         if prompt_tokens:
