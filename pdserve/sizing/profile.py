@@ -26,7 +26,8 @@ A step's seconds (``WorkerProfile.step_seconds``):
   attention_pair_seconds * N**2 / 2`` is the measured prompt step without its attention; plus what
   the decode rows' context adds over a short one, ``engine_decode(B, C) - engine_decode(B, smallest
   C)``; all of it times the larger of two slowdowns the cluster measured: a prompt step's against
-  the engine's (``prefill_slowdown``: on a prefill worker the steps also send the KV) and the decode
+  the engine's (``prefill_slowdown``: on a prefill worker the steps also send the KV, and it grows
+  with the worker's load from the idle hop's to the loaded hop's) and the decode
   step's at that batch (``decode(B, C) / engine_decode(B, C)``: the router's and the client's share
   of the machine slows the whole step, not only its decode rows).
 
