@@ -109,8 +109,9 @@ def measure_worker(kind: str, model: str, flags: list[str], cores: list[int], re
                    on_point=None, scaling_only: bool = False) -> dict:
     """Build the engine of ``kind`` and measure its grids (runs in the calling process; pins it).
 
-    ``scaling_only``: only ``SCALING_PROMPTS`` and ``SCALING_BATCHES`` at the first decode context, no
-    cached-prefix points (the few points that compare ``cores`` with the full profile's)."""
+    ``scaling_only``: only ``SCALING_PROMPTS`` and ``SCALING_BATCHES`` at one decode context (the second
+    of ``DECODE_CONTEXTS`` the model allows), no cached-prefix points (the few points that compare
+    ``cores`` with the full profile's)."""
     from pdserve.common.protocol import SamplingParams
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.core import EngineCore
@@ -576,7 +577,10 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
       ``LOADED_PROMPTS`` such prompts arriving (Poisson) at ``LOADED_UTILIZATION`` of what the idle hop
       allows, each decoding ``max_tokens`` tokens: its prompts then share its core with the previous
       ones' KV sends and the machine with the decode worker, the router and the client, which an idle
-      prompt never does (on a 2-core machine the hop under load is 1.5-2x the idle one);
+      prompt never does (on a 2-core machine the hop under load is 1.5-3x the idle one);
+      ``serving_prefill_idle_seconds`` the idle hop, ``serving_prefill_utilization`` how busy the loaded
+      pass kept the prefill worker (its arrivals paced by the idle hop: ``LOADED_UTILIZATION`` times
+      the loaded hop over the idle one, at most 1; 0 for a colocated worker);
     * ``overhead_seconds``: those prompts' time to first token minus that hop: the router, the hops,
       HTTP, the transfer's tail, and the per-request work that grows with the prompt
       (``request_overhead_s``: the shortest's);
