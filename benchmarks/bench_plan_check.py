@@ -55,11 +55,8 @@ def crossing(rates: list[float], attainments: list[float], target: float) -> flo
 
 def bound(rates: list[float], attainments: list[float], target: float) -> str:
     """The goodput the runs show: the crossing, or a bound when every rate met (or missed) the target."""
-    if all(a >= target for a in attainments):
-        return f">= {rates[-1]:g}"
-    if attainments[0] < target:
-        return f"< {rates[0]:g}"
-    return f"{crossing(rates, attainments, target):.2f}"
+    lo, hi = interval(rates, attainments, target)
+    return f">= {lo:g}" if hi == float("inf") else f"< {hi:g}" if lo == 0 else f"{lo:.2f}"
 
 
 def interval(rates: list[float], attainments: list[float], target: float) -> tuple[float, float]:

@@ -194,6 +194,8 @@ class SimWorker:
         self.heartbeat_at = -math.inf
         self.busy_seconds = 0.0
         self._busy_recent, self._busy_at = 0.0, 0.0  # step seconds, each decayed by its age at _busy_at
+        # only a worker whose prompt steps slow with its load keeps its recent utilisation (a prefill worker)
+        self.load_aware = profile.serving_prefill_utilization > 0 and bool(profile.serving_prefill_idle_seconds)
         self.num_steps = 0
         self.prefill_tokens = 0
         self.prefill_seconds = 0.0
@@ -250,13 +252,14 @@ class SimWorker:
             return
         seconds = self.profile.step_seconds(prompt_tokens, pairs, num_decode,
                                             context / num_decode if num_decode else 0.0,
-                                            self.utilization(now) if prompt_tokens else None)
+                                            self.utilization(now) if prompt_tokens and self.load_aware else None)
         seconds *= self.sim.core_contention(self, prompt_tokens > 0)
         if self.jitter_levels:  # a shared machine's step times scatter around the model's (mean kept)
             seconds *= self.jitter_levels[int(self.sim.rng.random() * JITTER_LEVELS)]
-        self._busy_recent = self._busy_recent * math.exp((self._busy_at - now - seconds) / UTILIZATION_WINDOW_S) \
-            + seconds
-        self._busy_at = now + seconds
+        if self.load_aware:
+            self._busy_recent = self._busy_recent * math.exp((self._busy_at - now - seconds) / UTILIZATION_WINDOW_S) \
+                + seconds
+            self._busy_at = now + seconds
         self.busy_seconds += seconds
         self.num_steps += 1
         if prompt_tokens:
