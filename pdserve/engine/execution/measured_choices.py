@@ -11,7 +11,8 @@ it: the same plan every restart, the same compiled graphs, and no probe time.
 
 The key hashes what the measurements depend on: the model (``config.json``, the weights' path and
 modification times, the dtype and quantization), the machine (``pdserve.kernels.machine_key``: CPU,
-kernel ISA and sources, torch's version), the torch thread count and the flags that steer the probes.
+kernel ISA and sources, torch's version), the torch thread count, the flags that steer the probes
+and the probes' rules (``PROBE_RULES``).
 ``$PDSERVE_MEASURED_CHOICES`` names another directory, or ``off`` to measure at every start (the tests'
 default); deleting a file measures again. An unreadable file is measured over.
 """
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "PDSERVE_MEASURED_CHOICES"
 VERSION = 1  # of the file's layout
+# The probes' rules (what they time, how they decide): a change of rule measures again instead of keeping
+# a choice the old rule made. 2: a packed weight layout must beat plain by weight_format.PROBE_MARGIN.
+PROBE_RULES = 2
 
 
 def cache_dir() -> pathlib.Path | None:
@@ -66,7 +70,7 @@ def choices_path(model_dir: str, steering: dict) -> pathlib.Path | None:
     from pdserve.kernels import machine_key
 
     parts = {"model": model_key(model_dir), "machine": machine_key(), "threads": torch.get_num_threads(),
-             **steering}
+             "probe_rules": PROBE_RULES, **steering}
     return root / (hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24] + ".json")
 
 

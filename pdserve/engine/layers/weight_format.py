@@ -158,7 +158,12 @@ def pack_lm_head(model: nn.Module, layout: str = "onednn") -> bool:
 
 
 PROBE_BYTES = 256 * 2**20  # weights the format probe streams per timing: past any core's caches
-PROBE_MARGIN = 1.10  # a packed layout is chosen over plain when its probed matmuls take at most this times plain's
+# A packed layout replaces the plain path only when its probed matmuls are at least this much faster (mean
+# slowdown times this at most plain's): the probe times the matmuls alone, while a packed layout in a step
+# also pays for its op by handle and its own prompt-chunk path. On an Intel Xeon with AVX-512 (2 MiB L2 a
+# core) the probe put panels 2% behind plain and a margin that favoured packed layouts chose them, and the
+# whole decode step then took 36.9 ms at batch 1 against plain's 29.4 (48.5 against 41.3 at batch 8).
+PROBE_MARGIN = 1.05
 LAYOUT_NAMES = {"plain": "plain", "onednn": "oneDNN", "panel": "panel"}
 
 
@@ -182,9 +187,10 @@ def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 6
     streamed from memory as in a step. It runs each of ``rows`` (decode batches and one prompt
     chunk), interleaving the layouts, best of ``repeats`` (start-up contention from other processes
     biases none). Each row count weighs alike: the layout with the least mean slowdown against the
-    fastest at each row count wins, a packed one over plain only when its slowdown is at most
-    ``PROBE_MARGIN`` times plain's. A layout whose library is unavailable (oneDNN, the panel kernel) or
-    whose dtype it does not take (panel: float32) is not timed. Returns plain when no packed layout
+    fastest at each row count wins, a packed one over plain only when it is ``PROBE_MARGIN`` ahead
+    (``pick_layout``). On a fourth machine (an Intel Xeon with AVX-512) plain led at 1 and 8 rows and
+    panels and oneDNN at 64, all within 10%. A layout whose library is unavailable (oneDNN, the panel
+    kernel) or whose dtype it does not take (panel: float32) is not timed. Returns plain when no packed layout
     qualifies or no float linear layer exists."""
     weights, total = [], 0
     for module in model.modules():
@@ -233,13 +239,7 @@ def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 6
             for n in rows:
                 for layout, step in layouts.items():
                     best[layout, n] = min(best[layout, n], timed(step, n))
-    sums = {layout: sum(best[layout, n] for n in rows) for layout in layouts}
-    # Each row count weighs alike: a layout's score is its mean slowdown against the fastest at each (a sum
-    # of times let the prompt chunk's 64 rows, 5-7x a decode step's time, decide alone).
-    fastest = {n: min(best[layout, n] for layout in layouts) for n in rows}
-    slowdown = {layout: sum(best[layout, n] / fastest[n] for n in rows) / len(rows) for layout in layouts}
-    score = {layout: s * (PROBE_MARGIN if layout == "plain" else 1.0) for layout, s in slowdown.items()}
-    choice = min(score, key=score.get)
+    choice, slowdown = pick_layout(best, rows)
     names = " / ".join(LAYOUT_NAMES[layout] for layout in layouts)
     per_rows = ", ".join(f"{n}: " + " / ".join(f"{best[layout, n] * 1e3:.1f}" for layout in layouts) for n in rows)
     why = (f"{len(weights)} linears ({total / 2**20:.0f} MiB), ms {names} at rows {per_rows}; "
@@ -247,3 +247,18 @@ def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 6
     if skipped:
         why += f"; {'; '.join(skipped)}"
     return choice, why
+
+
+def pick_layout(best: dict[tuple[str, int], float], rows: Sequence[int]) -> tuple[str, dict[str, float]]:
+    """The layout ``choose_linear_weight_format`` keeps, from its timings ``best[(layout, rows)]`` (seconds;
+    ``"plain"`` among the layouts), and each layout's mean slowdown.
+
+    Each row count weighs alike: a layout's score is its mean slowdown against the fastest at each row
+    count (a sum of times let a prompt chunk's 64 rows, 5-7x a decode step's time, decide alone). A
+    packed layout replaces plain only when its slowdown times ``PROBE_MARGIN`` is at most plain's (issue
+    35: no path slower than the one it replaces)."""
+    layouts = list(dict.fromkeys(layout for layout, _ in best))
+    fastest = {n: min(best[layout, n] for layout in layouts) for n in rows}
+    slowdown = {layout: sum(best[layout, n] / fastest[n] for n in rows) / len(rows) for layout in layouts}
+    score = {layout: s * (1.0 if layout == "plain" else PROBE_MARGIN) for layout, s in slowdown.items()}
+    return min(score, key=score.get), slowdown
