@@ -33,8 +33,20 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def _invariant_row_multiple() -> int:
+    """The row count MKL's sgemm computes every row of the same way at, on this CPU: 4 where its
+    kernels are AVX2 ones (AMD EPYC Zen 3, MKL 2024.2), 16 where the CPU has AVX-512 (an Intel Xeon:
+    with 4, a row's bits changed with the batch; MKL picks its AVX-512 kernels from the CPU, whatever
+    ``ATEN_CPU_CAPABILITY`` caps torch's own kernels to). 16 is a multiple of 4, so a wrong guess
+    towards it costs only padding."""
+    try:
+        return 16 if torch.cpu._is_avx512_supported() else 4
+    except AttributeError:  # an older torch without the query
+        return 16
+
+
 # Rows of every batch-invariant matmul are padded to a multiple of this (see batch_invariant_linear).
-INVARIANT_ROW_MULTIPLE = 4
+INVARIANT_ROW_MULTIPLE = _invariant_row_multiple()
 
 
 def pad_rows(x: torch.Tensor, multiple: int = INVARIANT_ROW_MULTIPLE) -> torch.Tensor:
@@ -57,7 +69,8 @@ def batch_invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     the batch (He & Thinking Machines Lab, "Defeating Nondeterminism in LLM Inference", 2025).
     Padding the rows to a multiple of ``INVARIANT_ROW_MULTIPLE`` (at least that many) sends
     every row through the same full-width micro-kernel. Measured on MKL 2024.2, AVX2 (AMD EPYC), float32:
-    a row's bits are identical for every M in 1..69 and up to 4100, at any position
+    a row's bits are identical for every M in 1..69 and up to 4100, at any position, with a multiple
+    of 4; on an Intel Xeon with AVX-512 a multiple of 4 or 8 was not enough and 16 was
     (tests/test_batch_invariance.py checks it on the machine that runs the tests). The bias
     is added after the matmul, elementwise, so it cannot change the order either.
     """
