@@ -188,8 +188,9 @@ def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 6
     chunk), interleaving the layouts, best of ``repeats`` (start-up contention from other processes
     biases none). Each row count weighs alike: the layout with the least mean slowdown against the
     fastest at each row count wins, a packed one over plain only when it is ``PROBE_MARGIN`` ahead
-    (``pick_layout``). On a fourth machine (an Intel Xeon with AVX-512) plain led at 1 and 8 rows and
-    panels and oneDNN at 64, all within 10%. A layout whose library is unavailable (oneDNN, the panel
+    (``pick_layout``). On a fourth machine (an Intel Xeon with AVX-512) panels led at 1 row by 5%, plain
+    at 8 rows by 12%, oneDNN at 64 rows by 11%, and panels ran the whole decode step 25% slower than
+    plain. A layout whose library is unavailable (oneDNN, the panel
     kernel) or whose dtype it does not take (panel: float32) is not timed. Returns plain when no packed layout
     qualifies or no float linear layer exists."""
     weights, total = [], 0
