@@ -361,3 +361,40 @@ def test_conditional_disaggregation_short_or_cached_prompts_stay_local():
     sched.add_request(again, remote_prefill=True)
     out = sched.schedule()
     assert again not in out.remote_prefills and again.num_cached_tokens == 16  # fully cached: local
+
+
+def test_a_prompt_is_hashed_once_for_lookup_and_caching_and_a_handed_over_hash_list_is_reused(monkeypatch):
+    """``KVCacheManager.prompt_hashes``: the prefix lookup and the caching of the computed blocks read one
+    list of the prompt's chained hashes; a second worker given that list (the simulator's prefill worker,
+    the same prompt) hashes nothing, unless its salt differs, when it hashes with its own. The digests
+    are ``block_hashes``' in every case, and a hit still finds the cached blocks."""
+    from pdserve.engine.scheduling import block_manager as bm_mod
+    from pdserve.engine.scheduling import kv_cache_manager as kv_mod
+    calls = []
+    real = bm_mod.chain_hash
+
+    def counting(parent, tokens, salt=0):
+        calls.append(tuple(tokens))
+        return real(parent, tokens, salt)
+
+    monkeypatch.setattr(bm_mod, "chain_hash", counting)
+    monkeypatch.setattr(kv_mod, "chain_hash", counting)
+    sched, bm = make()
+    first = req("a", 22, max_tokens=3)  # five full blocks of 4, a sixth once two outputs are computed
+    sched.add_request(first)
+    run_to_completion(sched)
+    assert len(calls) == 5 + 1  # the prompt once (lookup and caching), then the block its outputs filled
+    assert first.prompt_hashes[1] == bm_mod.block_hashes(first.prompt_token_ids, 22, 4)
+    calls.clear()
+    second = req("b", 22, max_tokens=2)
+    second.prompt_hashes = first.prompt_hashes  # handed over: the same prompt, block size, salt and root
+    sched.add_request(second)
+    out, _ = fake_step(sched)
+    assert second.num_cached_tokens == 20 and calls == []  # its hits found by the handed-over hashes
+    other = Scheduler(SchedulerConfig(8, 32, 256), BlockManager(64, 4, salt=9))
+    third = req("c", 22, max_tokens=3)
+    third.prompt_hashes = first.prompt_hashes  # another model's salt: not used
+    other.add_request(third)
+    run_to_completion(other)
+    assert len(calls) == 5 + 1
+    assert third.prompt_hashes[1] == bm_mod.block_hashes(third.prompt_token_ids, 22, 4, salt=9)

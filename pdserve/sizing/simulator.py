@@ -578,6 +578,7 @@ class Simulator:
         remote = Request(request.request_id, request.prompt_token_ids, SamplingParams(max_tokens=1, ignore_eos=True),
                          max_model_len=prefill.profile.max_model_len)
         remote.delay_free_blocks = True  # its blocks are read by the sends until the KV has arrived
+        remote.prompt_hashes = request.prompt_hashes  # the same prompt: hashed once (used if the salt matches)
         prefill.scheduler.add_request(remote)
         prefill.kick(now)
 

@@ -218,10 +218,13 @@ class BlockManager:
     # ---- prefix cache ----------------------------------------------------------
 
     def find_cached_prefix(self, token_ids: Sequence[int], max_tokens: int,
-                           root_hash: bytes = ROOT_HASH, group: int = 0) -> tuple[list[int], list[bytes]]:
+                           root_hash: bytes = ROOT_HASH, group: int = 0,
+                           known_hashes: Sequence[bytes] = ()) -> tuple[list[int], list[bytes]]:
         """Longest run of cached full blocks that prefixes ``token_ids[:max_tokens]``, the first
         block's hash chained from ``root_hash`` (a LoRA adapter's own root: ``Request.cache_root``),
         among KV cache group ``group``'s blocks (``pdserve.common.kv_cache_groups``).
+        ``known_hashes``: the chained hashes of the first full blocks, already computed (the request's
+        prompt hashes: ``KVCacheManager.prompt_hashes``); blocks past them are hashed here.
 
         Takes no references (call ``share`` on the result to keep the blocks).
 
@@ -234,9 +237,10 @@ class BlockManager:
             return hits, hashes
         bs = self.block_size
         parent = root_hash
-        for start in range(0, max_tokens - bs + 1, bs):
+        num_known = len(known_hashes)
+        for i, start in enumerate(range(0, max_tokens - bs + 1, bs)):
             block_tokens = tuple(token_ids[start:start + bs])
-            block_hash = chain_hash(parent, block_tokens, self.salt)
+            block_hash = known_hashes[i] if i < num_known else chain_hash(parent, block_tokens, self.salt)
             block_id = self.cached_block(block_hash, block_tokens, group)
             if block_id is None:
                 break

@@ -148,7 +148,9 @@ class KVCacheManager:
             return PrefixHit([[] for _ in self.windows], [], 0)
         if self.num_groups == 1:
             bm = self.block_manager
-            blocks, hashes = bm.find_cached_prefix(request.all_token_ids, request.num_tokens - 1, request.cache_root)
+            blocks, hashes = bm.find_cached_prefix(request.all_token_ids, request.num_tokens - 1, request.cache_root,
+                                                   known_hashes=self.prompt_hashes(request)
+                                                   if bm.enable_prefix_caching else ())
             if self.windows[0] is not None:  # a window frees what it leaves: no tier behind it
                 return PrefixHit([blocks], hashes, len(blocks))
             slots, more, declined = bm.find_offloaded(request.all_token_ids, len(blocks),
@@ -156,6 +158,20 @@ class KVCacheManager:
                                                       request.num_tokens - 1)
             return PrefixHit([blocks], hashes + more, len(blocks) + len(slots), slots, declined)
         return self._find_group_prefix(request)
+
+    def prompt_hashes(self, request: Request) -> list[bytes]:
+        """The chained hashes of ``request``'s full prompt blocks (``block_hashes`` from its cache root),
+        computed once per request and read by both the prefix lookup and ``cache_full_blocks``, so a
+        prompt is hashed once, not once to look up and again to cache (vLLM v1 keeps
+        ``Request.block_hashes`` for the same reason). Kept with the (block size, salt, root) they were
+        computed for: another worker's (``Request.prompt_hashes`` handed over) is used only if they match."""
+        key = (self.block_size, self.block_manager.salt, request.cache_root)
+        kept = request.prompt_hashes
+        if kept is None or kept[0] != key:
+            tokens = request.prompt_token_ids
+            kept = request.prompt_hashes = (key, block_hashes(tokens, len(tokens), self.block_size,
+                                                              self.block_manager.salt, request.cache_root))
+        return kept[1]
 
     def _find_group_prefix(self, request: Request) -> PrefixHit:
         """``find_prefix`` over several groups: the longest prefix every full group holds whole and
@@ -282,11 +298,12 @@ class KVCacheManager:
         tables = request.block_tables
         prompt = request.prompt_token_ids
         salt = bm.salt
+        known = self.prompt_hashes(request) if bm.enable_prefix_caching else ()
         parent = hashes[-1] if hashes else request.cache_root
         for i in range(len(hashes), num_full):
             start, end = i * bs, (i + 1) * bs
             block_tokens = prompt[start:end] if end <= len(prompt) else request.token_ids_between(start, end)
-            block_hash = chain_hash(parent, block_tokens, salt)
+            block_hash = known[i] if i < len(known) else chain_hash(parent, block_tokens, salt)
             hashes.append(block_hash)
             for g, table in enumerate(tables):
                 if table[i] != NULL_BLOCK:  # out of the window, never filled here: cached nowhere

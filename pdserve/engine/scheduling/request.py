@@ -81,6 +81,9 @@ class Request:
         self.group_id = group_id or request_id  # the router's request_id, shared by the n samples
         self.sample_index = sample_index  # which of the n samples (choices) this is
         self.block_hashes: list[bytes] = []  # prefix-cache hash of each full, computed block
+        # ((block size, salt, cache root), the chained hashes of the prompt's full blocks): computed once by
+        # KVCacheManager.prompt_hashes, read by the prefix lookup and by the caching of computed blocks
+        self.prompt_hashes: tuple[tuple, list[bytes]] | None = None
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         # Its prefix hit's disk-tier blocks are being read into the KV cache off the step loop (not
         # admitted meanwhile); once read, it is admitted with them as device hits (``prefetched``).
