@@ -4,6 +4,7 @@ expected figure is worked out by hand; tests/test_sim_calibration.py compares wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -13,7 +14,7 @@ from pdserve.bench.datasets import DatasetConfig, build_requests
 from pdserve.bench.metrics import RequestOutput, compute_metrics
 from pdserve.bench.serve import arrival_offsets
 from pdserve.cli import main
-from pdserve.sizing.planner import format_plan, plan
+from pdserve.sizing.planner import attainment_at, format_plan, plan
 from pdserve.sizing.profile import Profile, interp, isotonic, load_profile
 from pdserve.sizing.simulator import LatencyHistogram, SimConfig, Simulator
 from pdserve.sizing.sizer import ProfileSizer
@@ -299,7 +300,7 @@ def test_plan_tries_every_split_and_recommends_the_best(tmp_path):
     cfg = DatasetConfig(num_prompts=80, input_len=64, output_len=16)
 
     result = plan(profile, lambda p, d: SimConfig(num_prefill=p, num_decode=d),
-                  lambda rate: synthetic(cfg, rate), 3, {"ttft": 100, "tpot": 30})
+                  lambda rate, k: synthetic(dataclasses.replace(cfg, seed=k), rate), 3, {"ttft": 100, "tpot": 30})
     tried = {(e["num_prefill"], e["num_decode"]) for e in result["tried"]}
     assert tried == {(0, 3), (1, 2), (2, 1)}
     best = result["recommended"]
@@ -307,6 +308,30 @@ def test_plan_tries_every_split_and_recommends_the_best(tmp_path):
     by_split = {(e["num_prefill"], e["num_decode"]): e["goodput_rps"] for e in result["tried"]}
     assert by_split[(1, 2)] > by_split[(2, 1)]
     assert "recommended:" in format_plan(result)
+
+
+def test_plan_pools_the_attainment_of_several_draws_at_each_rate():
+    """``attainment_at`` with seeds=3: the share of all three runs' requests that met the SLOs, run k
+    replaying draw k of the workload with its jitter seeded k (each run alone gives the same figures)."""
+    profile = make_profile(decode_base_s=0.01, decode_per_seq_s=0.004, prefill_per_token_s=2e-5)
+    cfg = DatasetConfig(num_prompts=30, input_len=64, output_len=16, range_ratio=0.5)
+    config = SimConfig(num_prefill=1, num_decode=1)
+    slos = {"ttft": 100, "tpot": 30}
+
+    def workload_at(rate, k):
+        return synthetic(dataclasses.replace(cfg, seed=k), rate)
+
+    singles = []
+    for k in range(3):
+        got, metrics = attainment_at(profile, dataclasses.replace(config, seed=k), lambda r, _k: workload_at(r, k),
+                                     10.0, slos)
+        singles.append((got, metrics["completed"]))
+    pooled, first = attainment_at(profile, config, workload_at, 10.0, slos, seeds=3)
+    assert len({got for got, _ in singles}) == 3  # the draws differ (here 93%, 33% and 57%)
+    assert pooled == pytest.approx(sum(g * n for g, n in singles) / sum(n for _, n in singles))
+    assert first["slo_attainment"] == pytest.approx(singles[0][0])
+    result = plan(profile, lambda p, d: SimConfig(num_prefill=p, num_decode=d), workload_at, 2, slos, seeds=2)
+    assert result["seeds"] == 2 and all(e["simulations"] % 2 == 0 for e in result["tried"])
 
 
 def test_sizer_grows_each_pool_with_the_load_it_carries():

@@ -74,6 +74,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="the SLO attainment a rate must keep to count as served (DistServe: 0.9)")
     p.add_argument("--colocated", choices=["yes", "no", "only"], default="yes",
                    help="also try every worker colocated (yes), never (no), or only that (only)")
+    p.add_argument("--seeds", type=int, default=3,
+                   help="simulated runs pooled at each rate tried, each with its own draw of the workload (seeds "
+                        "--seed, --seed+1, ...) and of the step jitter (default 3; 1 for the fastest plan)")
     p.add_argument("--result-file", default=None, help="write every alternative tried as JSON here")
     add_dataset_args(p)
     add_load_args(p)
@@ -251,11 +254,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _check_load_flags(args)
         slos = parse_goodput(args.slo)
         profile = load_profile(args.profile)
-        result = plan(profile, lambda p, d: sim_config_from_args(args, p, d), lambda rate: _workload_at(args, rate),
-                      args.workers, slos, attainment=args.attainment, colocated=args.colocated,
-                      request_rate=None if math.isinf(args.request_rate) else args.request_rate,
+        result = plan(profile, lambda p, d: sim_config_from_args(args, p, d),
+                      lambda rate, k: _workload_at(args, rate, k), args.workers, slos, attainment=args.attainment,
+                      colocated=args.colocated, request_rate=None if math.isinf(args.request_rate) else args.request_rate,
                       on_try=None if args.disable_tqdm else lambda line: print(line, flush=True),
-                      rate_unit="x the trace's speed" if args.trace else "req/s")
+                      rate_unit="x the trace's speed" if args.trace else "req/s", seeds=args.seeds)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 1
@@ -267,10 +270,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workload_at(args, rate: float):
-    """The workload of the flags, arriving at ``rate`` per second (a trace: its times scaled to that rate)."""
+def _workload_at(args, rate: float, k: int = 0):
+    """The workload of the flags, arriving at ``rate`` per second (a trace: its times scaled to that rate);
+    ``k``: the ``k``-th draw of a synthetic workload (seed ``--seed + k``; a trace is the same every time)."""
     from pdserve.sizing.workload import synthetic, trace
 
     if args.trace:
         return trace(args.trace, args.num_prompts, args.trace_block_tokens, args.trace_time_scale * rate)
-    return synthetic(dataset_config_from_args(args), rate, args.burstiness)
+    cfg = dataset_config_from_args(args)
+    return synthetic(dataclasses.replace(cfg, seed=cfg.seed + k), rate, args.burstiness)
