@@ -14,7 +14,7 @@ from pdserve.bench.datasets import DatasetConfig, build_requests
 from pdserve.bench.metrics import RequestOutput, compute_metrics
 from pdserve.bench.serve import arrival_offsets
 from pdserve.cli import main
-from pdserve.sizing.planner import attainment_at, format_plan, plan
+from pdserve.sizing.planner import attainment_at, candidates, format_plan, plan
 from pdserve.sizing.profile import Profile, interp, isotonic, load_profile
 from pdserve.sizing.simulator import LatencyHistogram, SimConfig, Simulator
 from pdserve.sizing.sizer import ProfileSizer
@@ -332,6 +332,36 @@ def test_plan_pools_the_attainment_of_several_draws_at_each_rate():
     assert first["slo_attainment"] == pytest.approx(singles[0][0])
     result = plan(profile, lambda p, d: SimConfig(num_prefill=p, num_decode=d), workload_at, 2, slos, seeds=2)
     assert result["seeds"] == 2 and all(e["simulations"] % 2 == 0 for e in result["tried"])
+
+
+def test_plan_tries_each_pools_layout_from_several_profiles_within_the_devices():
+    """Two profiles, TP-1 and TP-2 workers (a TP-2 worker holds two devices): every pair of a prefill and a
+    decode layout, each split filling at most ``workers`` devices, and each colocated layout; a TP-2
+    decode worker three times as fast as a TP-1 one (so faster per device) is what the plan picks for a
+    decode-bound workload, beside TP-1 prefill workers."""
+    def with_tp(profile, tp):
+        workers = {k: dataclasses.replace(w, tensor_parallel_size=tp) for k, w in profile.workers.items()}
+        return dataclasses.replace(profile, workers=workers)
+
+    tp1 = with_tp(make_profile(decode_base_s=0.012, decode_per_seq_s=0.006, prefill_per_token_s=2e-5), 1)
+    tp2 = with_tp(make_profile(decode_base_s=0.004, decode_per_seq_s=0.002, prefill_per_token_s=2e-5), 2)
+    found = {(c.num_prefill, c.num_decode, *c.layout.values(), c.ranks) for c in candidates([tp1, tp2], 4)}
+    assert found == {(0, 4, "tp1pp1", 4), (0, 2, "tp2pp1", 4),  # colocated
+                     (1, 3, "tp1pp1", "tp1pp1", 4), (2, 2, "tp1pp1", "tp1pp1", 4), (3, 1, "tp1pp1", "tp1pp1", 4),
+                     (1, 1, "tp1pp1", "tp2pp1", 3),  # one TP-1 prefill + one TP-2 decode: 3 of the 4 devices
+                     (2, 1, "tp1pp1", "tp2pp1", 4), (1, 2, "tp2pp1", "tp1pp1", 4), (1, 1, "tp2pp1", "tp2pp1", 4)}
+    assert {(c.num_prefill, c.num_decode) for c in candidates([tp1], 3)} == {(0, 3), (1, 2), (2, 1)}
+    joined = next(c for c in candidates([tp1, tp2], 4) if c.layout == {"prefill": "tp1pp1", "decode": "tp2pp1"})
+    assert joined.profile.workers["decode"] is tp2.workers["decode"] and joined.profile.transfer.decode_layout == "tp2pp1"
+
+    cfg = DatasetConfig(num_prompts=80, input_len=64, output_len=32)
+    result = plan([tp1, tp2], lambda p, d: SimConfig(num_prefill=p, num_decode=d),
+                  lambda rate, k: synthetic(dataclasses.replace(cfg, seed=k), rate), 4, {"ttft": 200, "tpot": 40},
+                  colocated="no")
+    best = result["recommended"]
+    assert best["layout"]["decode"] == "tp2pp1" and best["ranks"] <= 4
+    assert best["goodput_per_worker_rps"] == max(e["goodput_per_worker_rps"] for e in result["tried"])
+    assert "devices" in format_plan(result)
 
 
 def test_sizer_grows_each_pool_with_the_load_it_carries():

@@ -34,9 +34,15 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
-def add_cluster_args(p: argparse.ArgumentParser) -> None:
-    """The simulated cluster's flags (shared by simulate and plan)."""
-    p.add_argument("--profile", required=True, help="the profile file (pdserve profile --out)")
+def add_cluster_args(p: argparse.ArgumentParser, several_profiles: bool = False) -> None:
+    """The simulated cluster's flags (shared by simulate and plan; ``several_profiles``: plan's
+    ``--profile`` takes one file per layout)."""
+    if several_profiles:
+        p.add_argument("--profile", required=True, nargs="+",
+                       help="profile files (pdserve profile --out), one per layout measured (e.g. one made with "
+                            "-tp 1, one with -tp 2): each pool may take any of their layouts")
+    else:
+        p.add_argument("--profile", required=True, help="the profile file (pdserve profile --out)")
     p.add_argument("--trace", default=None,
                    help="replay this trace instead of a synthetic workload: JSONL (Mooncake's timestamp (ms), "
                         "input_length, output_length, hash_ids; or arrival_s, input_len, output_len) or an Azure "
@@ -66,8 +72,10 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
-    add_cluster_args(p)
-    p.add_argument("--workers", type=int, required=True, help="workers to split between the pools")
+    add_cluster_args(p, several_profiles=True)
+    p.add_argument("--workers", type=int, required=True,
+                   help="devices to split between the pools (a worker of TP x PP ranks holds TP x PP of them; "
+                        "with TP-1 workers, the number of workers)")
     p.add_argument("--slo", nargs="+", required=True, metavar="METRIC:MS",
                    help="the SLOs goodput counts, e.g. --slo ttft:500 tpot:50")
     p.add_argument("--attainment", type=float, default=0.9,
@@ -253,8 +261,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         _check_load_flags(args)
         slos = parse_goodput(args.slo)
-        profile = load_profile(args.profile)
-        result = plan(profile, lambda p, d: sim_config_from_args(args, p, d),
+        profiles = [load_profile(path) for path in args.profile]
+        result = plan(profiles, lambda p, d: sim_config_from_args(args, p, d),
                       lambda rate, k: _workload_at(args, rate, k), args.workers, slos, attainment=args.attainment,
                       colocated=args.colocated, request_rate=None if math.isinf(args.request_rate) else args.request_rate,
                       on_try=None if args.disable_tqdm else lambda line: print(line, flush=True),

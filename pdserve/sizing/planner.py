@@ -1,24 +1,27 @@
-"""``pdserve plan``: the pool split that serves the most load within the SLOs (DistServe's placement search).
+"""``pdserve plan``: the pool split and layouts that serve the most load within the SLOs (DistServe's placement search).
 
 DistServe (Zhong et al., OSDI'24) picks each phase's parallelism and instance count by searching
 placements with a simulator fitted to profiles, scoring each by its goodput: the highest request rate
 at which at least 90% of requests meet both the TTFT and the TPOT SLO. ``plan`` does the same with
-pdserve's simulator: for ``workers`` workers it tries every split into ``P`` prefill and ``D = workers
-- P`` decode workers (``P >= 1``), and every worker colocated (``P = 0``), and finds each one's
-goodput by simulating the workload at rising rates (doubling until attainment falls below the
-target, then bisecting), each rate's attainment pooled over ``seeds`` runs of different draws. The layouts tried per pool are those the profile measured (a profile made
-with ``-tp 2`` worker flags holds TP-2 workers). The recommendation is the split with the highest
-goodput, i.e. the highest goodput per worker for the fixed count. With a trace the rate searched is
-the trace's speed-up over its own arrival times (``rate_unit``).
+pdserve's simulator: for ``workers`` devices (cores or GPUs; a TP x PP worker holds TP x PP of them) it
+tries every split into ``P`` prefill and as many decode workers as the rest of the devices hold
+(``P >= 1``), and every worker colocated (``P = 0``), in every layout the profiles measured (one
+profile per layout: ``pdserve profile -tp 2`` holds TP-2 workers; given several, each pool may take
+any of them), and finds each one's goodput by simulating the workload at rising rates (doubling until
+attainment falls below the target, then bisecting), each rate's attainment pooled over ``seeds`` runs
+of different draws. The recommendation is the cluster with the highest goodput per device it holds
+(then the highest goodput): with one TP-1 profile, the split with the highest goodput. With a trace
+the rate searched is the trace's speed-up over its own arrival times (``rate_unit``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
-from pdserve.sizing.profile import Profile
+from pdserve.sizing.profile import Profile, WorkerProfile
 from pdserve.sizing.simulator import SimConfig, Simulator
 from pdserve.sizing.workload import SimRequest
 
@@ -78,15 +81,94 @@ def max_rate(profile: Profile, config: SimConfig, workload_at: Callable[[float, 
     return lo, lo_metrics, runs
 
 
-def plan(profile: Profile, config_for: Callable[[int, int], SimConfig],
+def layout_name(wp: WorkerProfile) -> str:
+    """A worker's parallel layout as the profile's transfer names it: ``tp{T}pp{P}``."""
+    return f"tp{wp.tensor_parallel_size}pp{wp.pipeline_parallel_size}"
+
+
+def ranks(wp: WorkerProfile) -> int:
+    """Devices (cores' shares on CPU, GPUs) one worker of this profile holds: TP x PP."""
+    return wp.tensor_parallel_size * wp.pipeline_parallel_size
+
+
+@dataclass
+class Candidate:
+    """One cluster the planner tries: ``num_prefill`` prefill workers (0: every worker colocated) and
+    ``num_decode`` decode (or colocated) workers, each pool in the layout of the profile it came from;
+    ``profile``: the simulator's profile of that pair (one profile's kinds, or two profiles' joined:
+    ``join_profiles``); ``ranks``: devices it holds."""
+
+    num_prefill: int
+    num_decode: int
+    profile: Profile
+    ranks: int
+
+    @property
+    def layout(self) -> dict:
+        kinds = ("prefill", "decode") if self.num_prefill else ("colocated",)
+        return {k: layout_name(self.profile.workers[k]) for k in kinds}
+
+
+def join_profiles(prefill_from: Profile, decode_from: Profile) -> Profile:
+    """A profile whose prefill workers are ``prefill_from``'s and decode workers ``decode_from``'s (two
+    layouts measured apart, e.g. ``pdserve profile -tp 1`` and ``-tp 2``). The KV transfer between them
+    was measured in neither: the prefill side's figures stand for it, by bytes (``TransferProfile``),
+    with its layout pair renamed; the fixed latencies are the decode side's (it streams the tokens)."""
+    if prefill_from is decode_from:
+        return prefill_from
+    transfer = prefill_from.transfer or decode_from.transfer
+    if transfer is not None:
+        transfer = dataclasses.replace(transfer, prefill_layout=layout_name(prefill_from.worker("prefill")),
+                                       decode_layout=layout_name(decode_from.worker("decode")))
+    return dataclasses.replace(decode_from, workers={"prefill": prefill_from.worker("prefill"),
+                                                     "decode": decode_from.worker("decode")}, transfer=transfer)
+
+
+def candidates(profiles: Sequence[Profile], workers: int, colocated: str = "yes") -> list[Candidate]:
+    """Every cluster of at most ``workers`` devices the profiles allow, each using as many as fit: all
+    colocated in each colocated layout; and for each prefill layout and each decode layout, every number
+    of prefill workers with the rest of the devices given to decode workers (DistServe searches each
+    phase's parallelism and instance count the same way). A worker of TP x PP ranks takes that many
+    devices; with one TP-1 profile these are the splits ``P + D = workers``."""
+    found: list[Candidate] = []
+    seen = set()
+
+    def add(c: Candidate) -> None:
+        key = (c.num_prefill, c.num_decode, tuple(sorted(c.layout.items())))
+        if key not in seen:
+            seen.add(key)
+            found.append(c)
+
+    if colocated in ("yes", "only"):
+        for prof in profiles:
+            if "colocated" in prof.workers and (n := workers // ranks(prof.workers["colocated"])):
+                add(Candidate(0, n, prof, n * ranks(prof.workers["colocated"])))
+    if colocated != "only":
+        for pre in (p for p in profiles if "prefill" in p.workers):
+            for dec in (p for p in profiles if "decode" in p.workers):
+                if pre is not dec and (pre.transfer or dec.transfer) is None:
+                    continue
+                joined = join_profiles(pre, dec)
+                sp, sd = ranks(pre.workers["prefill"]), ranks(dec.workers["decode"])
+                for num_prefill in range(1, (workers - sd) // sp + 1):
+                    num_decode = (workers - num_prefill * sp) // sd
+                    add(Candidate(num_prefill, num_decode, joined, num_prefill * sp + num_decode * sd))
+    return found
+
+
+def plan(profile: Profile | Sequence[Profile], config_for: Callable[[int, int], SimConfig],
          workload_at: Callable[[float, int], Iterable[SimRequest]], workers: int, slos: dict[str, float],
          attainment: float = 0.9, colocated: str = "yes", request_rate: float | None = None,
          on_try: Callable[[str], None] | None = None, rate_unit: str = "req/s", seeds: int = 1) -> dict:
-    """Every split tried with its goodput (and, given ``request_rate``, its attainment at that rate),
-    best first, and the recommendation.
+    """Every cluster tried (``candidates``) with its goodput (and, given ``request_rate``, its attainment
+    at that rate), best first, and the recommendation: the most goodput per device held, then the most
+    goodput.
 
     Args:
+        profile: one profile, or several (each measured with other worker flags, e.g. ``-tp 2``): each
+            pool may take any of their layouts.
         config_for: ``(num_prefill, num_decode) -> SimConfig`` (the router flags and the rest fixed).
+        workers: devices to fill (a TP x PP worker holds TP x PP of them).
         workload_at: ``(rate, k) -> workload``: the workload arriving at a given rate, its ``k``-th draw
             (``k`` < ``seeds``; a trace may ignore it: then only the step jitter differs between runs).
         seeds: runs pooled at each rate (``attainment_at``).
@@ -94,46 +176,38 @@ def plan(profile: Profile, config_for: Callable[[int, int], SimConfig],
         rate_unit: what ``workload_at``'s rate is (``req/s``; a trace's is its speed-up over real time).
 
     Raises:
-        ValueError: fewer than 1 worker, no SLO, or nothing to try (a profile without the kinds).
+        ValueError: fewer than 1 worker, no SLO, or nothing to try (profiles without the kinds, or whose
+            workers need more devices than ``workers``).
     """
+    profiles = [profile] if isinstance(profile, Profile) else list(profile)
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     if not slos:
         raise ValueError("plan needs at least one SLO (--slo ttft:MS tpot:MS)")
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
-    splits = []
-    if colocated in ("yes", "only") and "colocated" in profile.workers:
-        splits.append((0, workers))
-    if colocated != "only" and "prefill" in profile.workers and "decode" in profile.workers:
-        splits += [(p, workers - p) for p in range(1, workers)]
-    if not splits:
-        raise ValueError("nothing to try: the profile lacks the worker kinds (colocated, or prefill and decode)")
+    tries = candidates(profiles, workers, colocated)
+    if not tries:
+        raise ValueError(f"nothing to try: the profiles lack the worker kinds (colocated, or prefill and decode) "
+                         f"or their workers need more than {workers} devices")
     start = time.monotonic()
     tried = []
-    for num_prefill, num_decode in splits:
-        config = config_for(num_prefill, num_decode)
-        rate, metrics, runs = max_rate(profile, config, workload_at, slos, attainment, seeds)
-        entry = {"num_prefill": num_prefill, "num_decode": num_decode,
-                 "layout": _layout(profile, num_prefill), "goodput_rps": rate,
-                 "goodput_per_worker_rps": rate / workers, "simulations": runs,
+    for c in tries:
+        config = config_for(c.num_prefill, c.num_decode)
+        rate, metrics, runs = max_rate(c.profile, config, workload_at, slos, attainment, seeds)
+        entry = {"num_prefill": c.num_prefill, "num_decode": c.num_decode, "layout": c.layout, "ranks": c.ranks,
+                 "goodput_rps": rate, "goodput_per_worker_rps": rate / c.ranks, "simulations": runs,
                  "median_ttft_ms": metrics["median_ttft_ms"] if metrics else None,
                  "median_tpot_ms": metrics["median_tpot_ms"] if metrics else None}
         if request_rate is not None:
-            entry["attainment_at_rate"], _ = attainment_at(profile, config, workload_at, request_rate, slos, seeds)
+            entry["attainment_at_rate"], _ = attainment_at(c.profile, config, workload_at, request_rate, slos, seeds)
         tried.append(entry)
         if on_try is not None:
             on_try(f"tried {_name(entry)}: goodput {rate:.2f} {rate_unit} ({runs} simulations)")
-    tried.sort(key=lambda e: (-e["goodput_rps"], e["num_prefill"]))
+    tried.sort(key=lambda e: (-e["goodput_per_worker_rps"], -e["goodput_rps"], e["num_prefill"]))
     return {"workers": workers, "slos_ms": slos, "attainment": attainment, "request_rate": request_rate,
             "rate_unit": rate_unit, "seeds": seeds,
             "recommended": tried[0], "tried": tried, "seconds": time.monotonic() - start}
-
-
-def _layout(profile: Profile, num_prefill: int) -> dict:
-    kinds = ("prefill", "decode") if num_prefill else ("colocated",)
-    return {k: f"tp{profile.workers[k].tensor_parallel_size}pp{profile.workers[k].pipeline_parallel_size}"
-            for k in kinds}
 
 
 def _name(entry: dict) -> str:
@@ -146,14 +220,14 @@ def _name(entry: dict) -> str:
 def format_plan(result: dict) -> str:
     """The alternatives tried, best first, and the recommendation, as text."""
     slos = ", ".join(f"{k} <= {v:g} ms" for k, v in result["slos_ms"].items())
-    lines = [f"{result['workers']} workers, SLOs {slos}, attainment >= {100 * result['attainment']:.0f}%; "
-             f"goodput in {result.get('rate_unit', 'req/s')}",
-             f"{'split':<36}{'goodput':>14}{'per worker':>12}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
+    lines = [f"{result['workers']} devices, SLOs {slos}, attainment >= {100 * result['attainment']:.0f}%"
+             f" (pooled over {result.get('seeds', 1)} draws a rate); goodput in {result.get('rate_unit', 'req/s')}",
+             f"{'split':<36}{'devices':>8}{'goodput':>14}{'per device':>12}{'TTFT p50 ms':>13}{'TPOT p50 ms':>13}"
              + (f"{'attain@rate':>13}" if result["request_rate"] is not None else "")]
     for e in result["tried"]:
         ttft = f"{e['median_ttft_ms']:.1f}" if e["median_ttft_ms"] is not None else "n/a"
         tpot = f"{e['median_tpot_ms']:.1f}" if e["median_tpot_ms"] is not None else "n/a"
-        line = f"{_name(e):<36}{e['goodput_rps']:>14.2f}{e['goodput_per_worker_rps']:>12.2f}{ttft:>13}{tpot:>13}"
+        line = f"{_name(e):<36}{e.get('ranks', result['workers']):>8}{e['goodput_rps']:>14.2f}{e['goodput_per_worker_rps']:>12.2f}{ttft:>13}{tpot:>13}"
         if result["request_rate"] is not None:
             line += f"{100 * e['attainment_at_rate']:>12.1f}%"
         lines.append(line)
