@@ -288,8 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--cluster-secret", default=None, help="secret the workers prove to join the router's pools, "
                                                            "and the key of every ZMQ socket's CurveZMQ "
                                                            "(or set $PDSERVE_CLUSTER_SECRET)")
-    for kind in ("tensor", "pipeline"):
-        up.add_argument(f"--{kind}-parallel-size", type=int, default=None,
+    for kind in ("tensor", "pipeline"):  # -tp / -pp as the workers spell them: else they would reach the
+        # workers as extra flags and the pools' own --{kind}-parallel-size 1 after them would win
+        up.add_argument(f"--{kind}-parallel-size", f"-{kind[0]}p", type=int, default=None,
                         help=f"{kind} parallel size of every worker (default 1)")
         for role in ("prefill", "decode"):
             up.add_argument(f"--{role}-{kind}-parallel-size", type=int, default=None,

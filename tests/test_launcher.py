@@ -84,6 +84,12 @@ def test_up_parallel_flags_size_each_pool():
     spec = ClusterSpec(model="m", num_prefill=1, num_decode=2, **sizes)
     assert spec.num_ranks == 4 + 2 and spec.parallel_args("prefill") == [
         "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
+    # the workers' short spellings size the pools too (they once reached the workers as extra flags, where
+    # the pool's own --tensor-parallel-size 1 after them won: pdserve up -tp 2 ran TP-1 workers)
+    args, extra = build_parser().parse_known_args(["up", "--colocated", "-tp", "2", "-pp", "2"])
+    assert extra == [] and pool_parallel_sizes(args) == {
+        "prefill_tensor_parallel_size": 2, "prefill_pipeline_parallel_size": 2,
+        "decode_tensor_parallel_size": 2, "decode_pipeline_parallel_size": 2}
 
 
 def test_cpu_lists_and_core_shares():
