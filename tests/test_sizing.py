@@ -364,6 +364,22 @@ def test_plan_tries_each_pools_layout_from_several_profiles_within_the_devices()
     assert "devices" in format_plan(result)
 
 
+def test_the_profiler_gives_each_rank_its_share_of_the_cores_as_pdserve_up_does():
+    import argparse
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.sizing.profiler import threads_per_rank
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+
+    def threads(flags, cores):
+        return threads_per_rank(parser.parse_args(["--model", "m", *flags]), cores)
+
+    assert threads([], 2) == 2 and threads(["-tp", "2"], 2) == 1 and threads(["-tp", "2"], 8) == 4
+    assert threads(["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"], 2) == 1
+
+
 def test_sizer_grows_each_pool_with_the_load_it_carries():
     profile = make_profile(decode_base_s=0.01, decode_per_seq_s=0.01)
     sizer = ProfileSizer(profile, {"ttft": 200, "tpot": 100})

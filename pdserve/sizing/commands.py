@@ -82,9 +82,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="the SLO attainment a rate must keep to count as served (DistServe: 0.9)")
     p.add_argument("--colocated", choices=["yes", "no", "only"], default="yes",
                    help="also try every worker colocated (yes), never (no), or only that (only)")
-    p.add_argument("--seeds", type=int, default=3,
+    p.add_argument("--seeds", type=int, default=2,
                    help="simulated runs pooled at each rate tried, each with its own draw of the workload (seeds "
-                        "--seed, --seed+1, ...) and of the step jitter (default 3; 1 for the fastest plan)")
+                        "--seed, --seed+1, ...) and of the step jitter (default 2; 1 for the fastest plan)")
+    p.add_argument("--min-duration", type=float, default=10.0,
+                   help="seconds of arrivals each simulated run spans at least: at a rate r a synthetic workload has "
+                        "max(--num-prompts, r x this) requests, so a high rate is a steady load, not a burst of "
+                        "--num-prompts that ends before queues build (default 10; 0: --num-prompts always)")
     p.add_argument("--result-file", default=None, help="write every alternative tried as JSON here")
     add_dataset_args(p)
     add_load_args(p)
@@ -264,7 +268,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         profiles = [load_profile(path) for path in args.profile]
         result = plan(profiles, lambda p, d: sim_config_from_args(args, p, d),
                       lambda rate, k: _workload_at(args, rate, k), args.workers, slos, attainment=args.attainment,
-                      colocated=args.colocated, request_rate=None if math.isinf(args.request_rate) else args.request_rate,
+                      colocated=args.colocated,
+                      request_rate=None if math.isinf(args.request_rate) else args.request_rate,
                       on_try=None if args.disable_tqdm else lambda line: print(line, flush=True),
                       rate_unit="x the trace's speed" if args.trace else "req/s", seeds=args.seeds)
     except (ValueError, OSError, RuntimeError) as e:
@@ -280,10 +285,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _workload_at(args, rate: float, k: int = 0):
     """The workload of the flags, arriving at ``rate`` per second (a trace: its times scaled to that rate);
-    ``k``: the ``k``-th draw of a synthetic workload (seed ``--seed + k``; a trace is the same every time)."""
+    ``k``: the ``k``-th draw of a synthetic workload (seed ``--seed + k``; a trace is the same every time),
+    of at least ``--min-duration`` seconds of arrivals."""
     from pdserve.sizing.workload import synthetic, trace
 
     if args.trace:
         return trace(args.trace, args.num_prompts, args.trace_block_tokens, args.trace_time_scale * rate)
     cfg = dataset_config_from_args(args)
-    return synthetic(dataclasses.replace(cfg, seed=cfg.seed + k), rate, args.burstiness)
+    num_prompts = max(cfg.num_prompts, math.ceil(rate * args.min_duration))
+    return synthetic(dataclasses.replace(cfg, seed=cfg.seed + k, num_prompts=num_prompts), rate, args.burstiness)

@@ -227,7 +227,8 @@ def format_plan(result: dict) -> str:
     for e in result["tried"]:
         ttft = f"{e['median_ttft_ms']:.1f}" if e["median_ttft_ms"] is not None else "n/a"
         tpot = f"{e['median_tpot_ms']:.1f}" if e["median_tpot_ms"] is not None else "n/a"
-        line = f"{_name(e):<36}{e.get('ranks', result['workers']):>8}{e['goodput_rps']:>14.2f}{e['goodput_per_worker_rps']:>12.2f}{ttft:>13}{tpot:>13}"
+        line = (f"{_name(e):<36}{e.get('ranks', result['workers']):>8}{e['goodput_rps']:>14.2f}"
+                f"{e['goodput_per_worker_rps']:>12.2f}{ttft:>13}{tpot:>13}")
         if result["request_rate"] is not None:
             line += f"{100 * e['attainment_at_rate']:>12.1f}%"
         lines.append(line)
