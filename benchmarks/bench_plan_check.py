@@ -1,17 +1,18 @@
 """Is ``pdserve plan``'s recommendation right? The plan's splits, then each one run for real.
 
-``pdserve plan`` splits ``--workers`` workers every way (all colocated; P prefill + D decode) on this
-machine's cores and simulates each split's goodput: the highest request rate at which at least 90% of
-requests meet the SLOs. This benchmark then starts each split as a real ``pdserve up`` cluster (warm:
-decode steps compiled, one unmeasured pass of the workload first) and measures the SLO attainment with
-``pdserve bench serve --goodput`` at fractions of that split's planned goodput (fresh prompts each
-run), simulating the same runs beside them. It prints, per split, the planned goodput, the real and
+``pdserve plan`` splits ``--workers`` workers every way (all colocated; P prefill + D decode; in each
+layout of the profiles given, one per layout) on this machine's cores and simulates each split's
+goodput: the highest request rate at which at least 90% of requests meet the SLOs. This benchmark
+then starts each split as a real ``pdserve up`` cluster (warm: decode steps compiled, one unmeasured
+pass of the workload first) and measures the SLO attainment with ``pdserve bench serve --goodput`` at
+fractions of that split's planned goodput (fresh prompts each run, at least ``--min-duration`` seconds
+of arrivals, as the plan's own runs), simulating the same runs beside them. It prints, per split, the planned goodput, the real and
 simulated attainment at each rate, the real goodput (where the real attainment crosses the target,
 interpolated between the rates run; "<" the lowest rate when even that one misses it), and the router's
 hops to the first token, so one can see whether the split the plan recommends is the one that serves
 most for real, and where the simulation and the cluster part.
 
-    python benchmarks/bench_plan_check.py --profile /tmp/profile.json [--workers 2]
+    python benchmarks/bench_plan_check.py --profile /tmp/profile.json [/tmp/profile-tp2.json] [--workers 2]
         [--slo ttft:200 tpot:25] [--factors 0.25 0.5 0.75 1 1.5 2] [--num-prompts 100] [--out F]
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,15 +33,47 @@ WORKLOAD = ["--dataset", "random", "--random-input-len", "256", "--random-range-
             "--prefix-len", "64", "--random-output-len", "48", "--vocab-size", "4096"]
 
 
-def split_flags(num_prefill: int, num_decode: int) -> list[str]:
-    if num_prefill == 0:
-        return ["--colocated", "--num-decode", str(num_decode)]
-    return ["--num-prefill", str(num_prefill), "--num-decode", str(num_decode)]
+def parse_layout(name: str) -> tuple[int, int]:
+    """(TP, PP) of a layout named ``tp{T}pp{P}`` (``planner.layout_name``)."""
+    tp, pp = name[2:].split("pp")
+    return int(tp), int(pp)
+
+
+def split_flags(entry: dict) -> list[str]:
+    """``pdserve up``'s flags for a plan entry: the pools' sizes and each pool's layout (a colocated
+    pool is ``pdserve up``'s decode pool)."""
+    p, d, layout = entry["num_prefill"], entry["num_decode"], entry.get("layout", {})
+    flags = ["--colocated", "--num-decode", str(d)] if p == 0 else ["--num-prefill", str(p), "--num-decode", str(d)]
+    for kind, name in layout.items():
+        tp, pp = parse_layout(name)
+        role = "prefill" if kind == "prefill" else "decode"
+        flags += [f"--{role}-tensor-parallel-size", str(tp), f"--{role}-pipeline-parallel-size", str(pp)]
+    return flags
 
 
 def split_name(entry: dict) -> str:
-    p, d = entry["num_prefill"], entry["num_decode"]
-    return f"{d} colocated" if p == 0 else f"{p}P+{d}D"
+    p, d, layout = entry["num_prefill"], entry["num_decode"], entry.get("layout", {})
+
+    def suffix(kind: str) -> str:
+        return "" if layout.get(kind, "tp1pp1") == "tp1pp1" else f" {layout[kind]}"
+
+    return f"{d} colocated{suffix('colocated')}" if p == 0 else f"{p}P{suffix('prefill')}+{d}D{suffix('decode')}"
+
+
+def entry_profiles(profiles: list[str], entries: list[dict], workers: int, directory: str) -> dict[str, str]:
+    """The profile file the simulator reads for each plan entry (by ``split_name``): the planner's own
+    candidate profile (two layouts' profiles joined where the pools come from different files)."""
+    from pdserve.sizing.planner import candidates
+    from pdserve.sizing.profile import load_profile
+
+    found = {}
+    for c in candidates([load_profile(path) for path in profiles], workers):
+        name = split_name({"num_prefill": c.num_prefill, "num_decode": c.num_decode, "layout": c.layout})
+        if any(split_name(e) == name for e in entries):
+            path = os.path.join(directory, f"profile-{name.replace(' ', '_').replace('+', '_')}.json")
+            c.profile.save(path)
+            found[name] = path
+    return found
 
 
 def crossing(rates: list[float], attainments: list[float], target: float) -> float:
@@ -71,7 +105,7 @@ def interval(rates: list[float], attainments: list[float], target: float) -> tup
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", required=True)
+    ap.add_argument("--profile", required=True, nargs="+", help="profile files, one per layout (pdserve plan's)")
     ap.add_argument("--model", default=None)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--slo", nargs="+", default=["ttft:200", "tpot:25"])
@@ -79,6 +113,8 @@ def main() -> int:
     ap.add_argument("--factors", type=float, nargs="+", default=[0.25, 0.5, 0.75, 1.0, 1.5, 2.0],
                     help="rates run, as fractions of each split's planned goodput")
     ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--min-duration", type=float, default=10.0,
+                    help="seconds of arrivals each run (real, simulated, planned) spans at least (plan's flag)")
     ap.add_argument("--port", type=int, default=8331)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -87,20 +123,27 @@ def main() -> int:
                                          text=True).stdout.strip().splitlines()[-1]
     cores = str(len(os.sched_getaffinity(0)))
     line = [*WORKLOAD, "--num-prompts", str(args.num_prompts)]
-    planned = run_json(PDSERVE + ["plan", "--profile", args.profile, "--workers", str(args.workers),
+
+    def line_at(rate: float) -> list[str]:  # as plan sizes its runs: at least --min-duration s of arrivals
+        return [*WORKLOAD, "--num-prompts", str(max(args.num_prompts, math.ceil(rate * args.min_duration)))]
+
+    planned = run_json(PDSERVE + ["plan", "--profile", *args.profile, "--workers", str(args.workers),
                                   "--machine-cores", cores, "--slo", *args.slo, "--attainment", str(args.attainment),
-                                  "--disable-tqdm", *line], os.path.join(tmp, "plan.json"))
+                                  "--min-duration", str(args.min_duration), "--disable-tqdm", *line],
+                       os.path.join(tmp, "plan.json"))
     best = planned["recommended"]
     print(f"plan: recommended {split_name(best)} at {best['goodput_rps']:.2f} req/s "
           f"(searched in {planned['seconds']:.1f} s)", flush=True)
+    sim_profiles = entry_profiles(args.profile, planned["tried"], args.workers, tmp)
     goodput = ["--goodput", *args.slo]
     url = f"http://127.0.0.1:{args.port}"
     rows = []
     for entry in planned["tried"]:
         p, d = entry["num_prefill"], entry["num_decode"]
-        log = open(os.path.join(tmp, f"{p}p{d}d.log"), "w")
+        tag = split_name(entry).replace(" ", "_").replace("+", "_")
+        log = open(os.path.join(tmp, f"{tag}.log"), "w")
         proc = subprocess.Popen(PDSERVE + ["--log-level", "warning", "up", "--model", model, "--port", str(args.port),
-                                           *split_flags(p, d)], stdout=log, stderr=subprocess.STDOUT,
+                                           *split_flags(entry)], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         rates = [round(f * entry["goodput_rps"], 3) for f in sorted(args.factors)]
         if not rates[0]:
@@ -115,12 +158,14 @@ def main() -> int:
             for i, rate in enumerate(rates):
                 seed = str(100 + i)
                 real = run_json(PDSERVE + ["bench", "serve", "--url", url, "--num-warmups", "4", "--seed", seed,
-                                           "--disable-tqdm", *line, *goodput, "--request-rate", str(rate)],
-                                os.path.join(tmp, f"{p}p{d}d-{rate}-real.json"))
-                sim = run_json(PDSERVE + ["simulate", "--profile", args.profile, "--prefill", str(p), "--decode",
-                                          str(d), "--machine-cores", cores, "--seed", seed, "--disable-tqdm", *line,
+                                           "--disable-tqdm", *line_at(rate), *goodput, "--request-rate", str(rate)],
+                                os.path.join(tmp, f"{tag}-{rate}-real.json"))
+                sim = run_json(PDSERVE + ["simulate", "--profile", sim_profiles[row["split"]], "--prefill", str(p),
+                                          "--decode",
+                                          str(d), "--machine-cores", cores, "--seed", seed, "--disable-tqdm",
+                                          *line_at(rate),
                                           *goodput, "--request-rate", str(rate)],
-                               os.path.join(tmp, f"{p}p{d}d-{rate}-sim.json"))
+                               os.path.join(tmp, f"{tag}-{rate}-sim.json"))
                 row["real"].append(real["slo_attainment"])
                 row["sim"].append(sim["slo_attainment"])
                 hops = (real.get("ttft_phases") or {}).get("phases", {})

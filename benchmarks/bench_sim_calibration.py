@@ -38,7 +38,7 @@ PDSERVE = [sys.executable, "-m", "pdserve"]
 
 
 def wait_up(url: str, num_workers: int, proc: subprocess.Popen, timeout_s: float = 600) -> None:
-    """Until every worker is live and every decode worker's decode step compiled."""
+    """Until every worker is live and every decode worker's decode step compiled (or eager: several ranks)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -46,7 +46,7 @@ def wait_up(url: str, num_workers: int, proc: subprocess.Popen, timeout_s: float
         try:
             with urllib.request.urlopen(f"{url}/workers", timeout=5) as resp:
                 workers = json.load(resp)
-            if len(workers) >= num_workers and all(w.get("decode_step") == "compiled" for w in workers
+            if len(workers) >= num_workers and all(w.get("decode_step") in ("compiled", "eager") for w in workers
                                                    if w.get("role") == "decode"):
                 return
         except (OSError, ValueError):
