@@ -128,7 +128,8 @@ def main() -> int:
         return [*WORKLOAD, "--num-prompts", str(max(args.num_prompts, math.ceil(rate * args.min_duration)))]
 
     planned = run_json(PDSERVE + ["plan", "--profile", *args.profile, "--workers", str(args.workers),
-                                  "--machine-cores", cores, "--slo", *args.slo, "--attainment", str(args.attainment),
+                                  "--machine-cores", cores, "--host-load", "router+client", "--slo", *args.slo,
+                                  "--attainment", str(args.attainment),
                                   "--min-duration", str(args.min_duration), "--disable-tqdm", *line],
                        os.path.join(tmp, "plan.json"))
     best = planned["recommended"]
@@ -162,7 +163,8 @@ def main() -> int:
                                 os.path.join(tmp, f"{tag}-{rate}-real.json"))
                 sim = run_json(PDSERVE + ["simulate", "--profile", sim_profiles[row["split"]], "--prefill", str(p),
                                           "--decode",
-                                          str(d), "--machine-cores", cores, "--seed", seed, "--disable-tqdm",
+                                          str(d), "--machine-cores", cores, "--host-load", "router+client",
+                                          "--seed", seed, "--disable-tqdm",
                                           *line_at(rate),
                                           *goodput, "--request-rate", str(rate)],
                                os.path.join(tmp, f"{tag}-{rate}-sim.json"))

@@ -124,6 +124,7 @@ def main() -> int:
                                          os.path.join(tmp, f"{layout}-{rate}-real{run}.json")))
                     sims.append(run_json(PDSERVE + ["simulate", "--profile", profile, "--prefill", str(num_prefill),
                                                     "--decode", str(num_decode), "--machine-cores", str(cores),
+                                                    "--host-load", "router+client",
                                                     "--vocab-size", "4096", "--seed", seed, "--disable-tqdm", *line],
                                          os.path.join(tmp, f"{layout}-{rate}-sim{run}.json")))
                 row = {"layout": layout, "rate": rate}

@@ -32,6 +32,8 @@ def test_simulated_ttft_and_tpot_track_a_real_colocated_cluster(model_dir, tmp_p
                           transfer=False, disable_tqdm=True)
     colocated = profile.workers["colocated"]
     assert colocated.serving_decode_seconds and colocated.request_overhead_s > 0
+    # the router's and the client's CPU per request and per token, read from their processes
+    assert set(colocated.host_cpu_seconds) == {"router", "client"} and colocated.host_cpu_seconds["router"][1] > 0
     dataset = DatasetConfig(num_prompts=60, input_len=96, range_ratio=0.5, output_len=24, prefix_len=32,
                             vocab_size=2048, seed=5)
     rate = 6.0

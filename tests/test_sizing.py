@@ -380,6 +380,61 @@ def test_the_profiler_gives_each_rank_its_share_of_the_cores_as_pdserve_up_does(
     assert threads(["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"], 2) == 1
 
 
+def test_host_cpu_fit_splits_the_routers_and_clients_cpu_into_per_request_and_per_token():
+    from pdserve.sizing.profiler import host_cpu_fit
+
+    def passes(router, client, call):  # idle prompts (one token each, a client call each), then grid points
+        rows = [(8, 8, 8)] * 4 + [(2 * b, 96 * b, 2) for b in (1, 2, 4, 8, 16, 32, 64)]
+        return [(r, t, c, router[0] * r + router[1] * t, client[0] * r + client[1] * t + call * c)
+                for r, t, c in rows]
+
+    fit = host_cpu_fit(passes((0.002, 7e-5), (0.001, 5e-5), 0.004))
+    assert fit["router"] == pytest.approx([0.002, 7e-5]) and fit["client"] == pytest.approx([0.001, 5e-5])
+    assert host_cpu_fit(passes((0.002, 7e-5), (0.001, 5e-5), 0.004)[:1]) == {}
+    tokens_only = host_cpu_fit(passes((-0.0005, 1e-4), (0.0, 1e-4), 0.0))  # a request's CPU below zero: noise
+    assert tokens_only["router"][0] == 0.0 and tokens_only["router"][1] > 0
+
+
+def test_the_host_processes_take_cores_from_the_steps_on_a_shared_machine():
+    """With ``machine_cores`` the router (and with ``router+client`` the client) runs on the workers' cores:
+    its CPU per request and per token (the profile's ``host_cpu_seconds``) is a share of each core that
+    stretches a step by ``1 / (1 - share)``, net of the share the serving grid was measured with. Without
+    the figures, or with ``host_load=none``, nothing changes."""
+    from pdserve.sizing.simulator import HOST_WINDOW_S
+
+    profile = make_profile(decode_base_s=0.004, decode_per_seq_s=0.001, prefill_per_token_s=2e-5)
+    profile.machine = {"cores": 2}
+    for w in profile.workers.values():
+        w.serving_decode_seconds = [list(row) for row in w.decode_seconds]
+        w.host_cpu_seconds = {"router": [0.002, 2e-4], "client": [0.001, 1e-4]}
+        w.__post_init__()
+    cfg = DatasetConfig(num_prompts=200, input_len=64, output_len=32)
+
+    def run(**kw):
+        config = SimConfig(num_prefill=0, num_decode=2, machine_cores=2, step_jitter=False, **kw)
+        return Simulator(profile, config).run(synthetic(cfg, 40.0)).metrics["median_tpot_ms"]
+
+    none, router, both = run(host_load="none"), run(host_load="router"), run(host_load="router+client")
+    assert none < router < both
+    sim = Simulator(profile, SimConfig(num_prefill=0, num_decode=2, machine_cores=2, host_load="router"))
+    for i in range(5000):  # 1,000 tokens a second for 5 s: 0.2 cores of router CPU, 0.1 of each core
+        sim._host_work(i / 1000, 2e-4)
+    assert sim.host_share(5.0) == pytest.approx(0.1, rel=0.02)
+    assert sim.host_share(5.0 + 3 * HOST_WINDOW_S) == pytest.approx(0.1 * math.exp(-3), rel=0.05)
+    worker = sim.decode_workers[0]
+    # a decode step at the grid's own stream rate with the host as busy as when the grid was measured: as profiled
+    step, batch = 0.012, 8
+    embedded = (0.003 / 48 + 3e-4) * batch / step / 2  # router and client, as the grid was measured: 0.12
+    sim._host_recent, sim._host_at = embedded * HOST_WINDOW_S * 2, 0.0  # the router alone as busy now
+    assert sim.host_share(0.0) == pytest.approx(embedded)
+    base = worker.core_shortfall[1]
+    assert sim.core_contention(worker, False, 0.0, batch, step) == pytest.approx(base)
+    sim._host_recent = 0.3 * HOST_WINDOW_S * 2
+    assert sim.core_contention(worker, False, 0.0, batch, step) == pytest.approx(base * (1 - embedded) / 0.7)
+    assert sim.core_contention(worker, True, 0.0) == pytest.approx(worker.core_shortfall[0] / 0.7)
+    assert Simulator(make_profile(), SimConfig(num_prefill=0, num_decode=2, machine_cores=2))._host_cost is None
+
+
 def test_sizer_grows_each_pool_with_the_load_it_carries():
     profile = make_profile(decode_base_s=0.01, decode_per_seq_s=0.01)
     sizer = ProfileSizer(profile, {"ttft": 200, "tpot": 100})

@@ -52,6 +52,10 @@ def add_cluster_args(p: argparse.ArgumentParser, several_profiles: bool = False)
     p.add_argument("--machine-cores", type=int, default=None,
                    help="the workers share this many cores, placed as pdserve up places them (default: each "
                         "worker has the cores it was profiled with to itself)")
+    p.add_argument("--host-load", choices=["none", "router", "router+client"], default="router",
+                   help="with --machine-cores: the processes besides the workers on those cores, whose CPU per "
+                        "request and per token (measured by pdserve profile) slows the steps: the router (default), "
+                        "the router and a benchmark client on the same machine, or none")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache per worker, e.g. 1GiB (default: as profiled)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="per worker (default: as profiled)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="per worker (default: as profiled)")
@@ -184,7 +188,7 @@ def sim_config_from_args(args, num_prefill: int, num_decode: int):
                      machine_cores=args.machine_cores,
                      kv_cache_memory=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     step_jitter=args.step_jitter, seed=args.seed)
+                     step_jitter=args.step_jitter, seed=args.seed, host_load=args.host_load)
 
 
 def _check_load_flags(args) -> None:

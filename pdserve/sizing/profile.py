@@ -131,6 +131,12 @@ class WorkerProfile:
             of its cores over its seconds on all ``cores`` (medians over a few points; how a worker placed
             on fewer cores than profiled slows: a small model's steps barely use a second thread); 0 when
             not measured (profiled on one core, or an older profile).
+        host_cpu_seconds: CPU seconds the cluster's other processes spent while the serving grid and the
+            idle prompts ran, per request and per streamed token: ``{"router": [per request, per token],
+            "client": [...]}`` (the router process; the streaming client on the same machine), fitted to
+            the two passes (``profiler.host_cpu_fit``); empty when not measured. On a machine they share
+            with the workers they take cores from the steps (``Simulator.host_share``).
+        serving_stream_tokens: tokens each stream of the serving grid decoded (its requests' length).
 
     The tables are read made monotone (``isotonic``): a measured dip in a noisy machine's step times is
     averaged with its neighbours.
@@ -171,6 +177,8 @@ class WorkerProfile:
     serving_prefill_seconds: list[float] = field(default_factory=list)
     serving_prefill_idle_seconds: list[float] = field(default_factory=list)
     serving_prefill_utilization: float = 0.0
+    host_cpu_seconds: dict = field(default_factory=dict)
+    serving_stream_tokens: int = 48
 
     def __post_init__(self):
         # measured tables, made monotone (more tokens or sequences never take less time): noise averaged

@@ -571,6 +571,67 @@ def _scrape_phases(url: str):
     return asyncio.run(once())
 
 
+class _HostMeter:
+    """CPU seconds (user + system) of a cluster's router processes and of this process (the streaming
+    client), read before and after a pass."""
+
+    def __init__(self, launcher_pid: int):
+        import psutil
+
+        children = psutil.Process(launcher_pid).children(recursive=True)
+        self.routers = [c for c in children if "router" in c.cmdline()]  # python -m pdserve router ... (workers: --router)
+
+    def read(self) -> tuple[float, float]:
+        router = 0.0
+        for proc in self.routers:
+            times = proc.cpu_times()
+            router += times.user + times.system
+        return router, time.process_time()
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Coefficients ``x`` minimising ``|rows x - ys|`` (normal equations, Gaussian elimination with
+    pivoting); None when the columns do not determine them."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))]
+         for i in range(n)]
+    scale = max(abs(a[i][i]) for i in range(n)) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def host_cpu_fit(passes: list[tuple[int, int, int, float, float]]) -> dict[str, list[float]]:
+    """CPU seconds per request and per streamed token of the router and of the client, from passes of
+    ``(requests, tokens, client calls, router CPU s, client CPU s)``: the least-squares fit of ``cpu = a x
+    requests + b x tokens`` over them (``benchmarks/bench_router.py``'s split), the client's with a third
+    term per call (each ``asyncio.run`` of the profiler's client opens a connection pool: its own cost,
+    not a request's). Passes with one token per request and passes of long streams at several batch
+    sizes determine it. Coefficients below zero (noise) are refitted without that term. ``{}`` when the
+    passes cannot separate the terms."""
+    fit = {}
+    for name, i, columns in (("router", 3, 2), ("client", 4, 3)):
+        terms = list(range(columns))
+        while terms:
+            x = _least_squares([[p[t] for t in terms] for p in passes], [p[i] for p in passes]) \
+                if len(passes) >= len(terms) else None
+            if x is None:
+                return {}
+            if min(x) >= 0:
+                break
+            terms.pop(min(range(len(terms)), key=lambda k: x[k]))  # drop the term fitted below zero
+        coef = dict(zip(terms, x)) if terms else {}
+        fit[name] = [coef.get(0, 0.0), coef.get(1, 0.0)]
+    return fit
+
+
 def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefill: dict | None,
                     on_point=None, num_idle: int = 8, max_tokens: int = 48) -> dict:
     """Measure a worker kind inside a real cluster (``colocated``: ``pdserve up --colocated``; ``decode``:
@@ -610,6 +671,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
 
     try:
         model_id = cluster.wait_ready()
+        meter = _HostMeter(cluster.proc.pid)
+        host_passes = []  # (requests, tokens, client calls, router CPU s, client CPU s): idle prompts, grid points
         engine = WorkerProfile(**(prefill or worker))
         hop = "local_prefill_compute" if kind == "colocated" else "prefill_compute"
         overhead_tokens, overhead_seconds, prefill_seconds, idle_seconds = [], [], [], []
@@ -620,9 +683,13 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                 asyncio.run(_stream_batch(cluster.url, model_id, [prompt(n + num_idle + k)], 1))
             before = _scrape_phases(cluster.url)
             ttfts = []
+            cpu_before = meter.read()
             for k in range(num_idle):  # lengths n, n + 1, ...: each new to the cluster, as in serving
                 sent, first = asyncio.run(_stream_batch(cluster.url, model_id, [prompt(n + k)], 1))[0][:2]
                 ttfts.append(first - sent)
+            cpu_after = meter.read()
+            host_passes.append((num_idle, num_idle, num_idle, cpu_after[0] - cpu_before[0],
+                                cpu_after[1] - cpu_before[1]))
             phases = summarize(before, _scrape_phases(cluster.url))
             compute = phases["phases"][hop]["mean_s"] if phases and hop in phases["phases"] else engine.prefill(n)
             served = compute
@@ -642,8 +709,12 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         for b in worker["decode_batch"]:
             row = []
             for c in worker["decode_context"]:
+                cpu_before = meter.read()
                 rounds = [asyncio.run(_stream_batch(cluster.url, model_id, [prompt(c - 1) for _ in range(b)],
                                                     max_tokens)) for _ in range(2)]
+                cpu_after = meter.read()
+                chunks = sum(len(t) - 1 for streams in rounds for t in streams)  # the tokens, or fewer chunks
+                host_passes.append((2 * b, chunks, 2, cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1]))
                 row.append(statistics.fmean(serving_step_seconds(streams) for streams in rounds))
                 jitters += [j for streams in rounds if (j := step_jitter(streams)) is not None]
                 if on_point:
@@ -656,7 +727,9 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                 "serving_prefill_utilization": min(1.0, LOADED_UTILIZATION * statistics.fmean(
                     s / i for s, i in zip(prefill_seconds, idle_seconds) if i > 0)) if kind == "decode" else 0.0,
                 "serving_decode_seconds": grid,
-                "serving_step_cv": statistics.median(jitters) if jitters else 0.0}
+                "serving_step_cv": statistics.median(jitters) if jitters else 0.0,
+                "host_cpu_seconds": host_cpu_fit(host_passes) if meter.routers else {},
+                "serving_stream_tokens": max_tokens}
     finally:
         cluster.close()
 

@@ -71,6 +71,9 @@ from pdserve.sizing.workload import SimRequest
 SAMPLED_TOKEN = 11  # the token every simulated step samples (never an EOS: outputs run to max_tokens)
 _SALT = 0x5EED  # the simulated workers' block-hash salt (one model)
 UTILIZATION_WINDOW_S = 2.0  # the time constant of a worker's recent busy share (prompt steps slow with load)
+HOST_WINDOW_S = 1.0  # the time constant of the host processes' recent CPU demand (``Simulator.host_share``)
+HOST_SHARE_CAP = 0.5  # the most of a core they take from a busy worker (the scheduler shares a core fairly)
+HOST_LOADS = ("none", "router", "router+client")
 JITTER_LEVELS = 4096  # a step's jitter is one of this many equally likely quantiles of its lognormal
 ITL_BIN_RATIO = 1.0005  # ITL histogram bins: each 0.05% wider than the last (percentiles to that precision)
 KV_SAMPLES = 512  # most KV-usage samples kept (the interval doubles when they fill)
@@ -95,6 +98,10 @@ class SimConfig:
         seed: seeds the jitter.
         decode_runs: advance a worker's identical decode-only steps as one event (``SimWorker._start_run``);
             False: an event per step (the same schedule: the tests compare the two).
+        host_load: with ``machine_cores``, which of the cluster's other processes run on those cores
+            too and take CPU from the steps by the profile's ``host_cpu_seconds``: ``router`` (the
+            router: ``pdserve up`` on one machine), ``router+client`` (and the benchmark's client, as on
+            a machine that runs the benchmark too), ``none``.
     """
 
     num_prefill: int
@@ -112,8 +119,11 @@ class SimConfig:
     step_jitter: bool = True
     seed: int = 0
     decode_runs: bool = True
+    host_load: str = "router"
 
     def __post_init__(self):
+        if self.host_load not in HOST_LOADS:
+            raise ValueError(f"host_load is one of {', '.join(HOST_LOADS)}, got {self.host_load!r}")
         if self.num_decode < 1:
             raise ValueError(f"a cluster needs at least one decode worker, got {self.num_decode}")
         if self.num_prefill < 0:
@@ -253,7 +263,7 @@ class SimWorker:
         seconds = self.profile.step_seconds(prompt_tokens, pairs, num_decode,
                                             context / num_decode if num_decode else 0.0,
                                             self.utilization(now) if prompt_tokens and self.load_aware else None)
-        seconds *= self.sim.core_contention(self, prompt_tokens > 0)
+        seconds *= self.sim.core_contention(self, prompt_tokens > 0, now, num_decode, seconds)
         if self.jitter_levels:  # a shared machine's step times scatter around the model's (mean kept)
             seconds *= self.jitter_levels[int(self.sim.rng.random() * JITTER_LEVELS)]
         if self.load_aware:
@@ -309,10 +319,11 @@ class SimWorker:
         needed = sum(max(0, -(-(r.num_computed_tokens + steps) // bs) - len(r.block_table)) for r, _ in out.scheduled)
         if not self.block_manager.can_allocate(needed):  # the run's blocks must be there without preempting
             return False
-        factor = self.sim.core_contention(self, False)
         mean_context = context / num_decode
         # the step grows linearly with the context within a grid cell: its first and last length give the rest
-        first = self.profile.step_seconds(0, 0.0, num_decode, mean_context) * factor
+        first = self.profile.step_seconds(0, 0.0, num_decode, mean_context)
+        factor = self.sim.core_contention(self, False, now, num_decode, first)
+        first *= factor
         last = self.profile.step_seconds(0, 0.0, num_decode, mean_context + steps - 1) * factor
         slope = (last - first) / (steps - 1)
         ends, t = [], now
@@ -420,6 +431,17 @@ class Simulator:
         self._by_id = {w.worker_id: w for w in (*self.prefill_workers, *self.decode_workers)}
         self.tracked: dict[str, _Tracked] = {}
         self._overhead_profile = profile.worker(decode_kind)
+        # the host processes sharing the workers' cores: their CPU seconds per request and per token, as a
+        # run of this config adds them and as the serving grid's measurement had them (router and client)
+        self._host_cost: tuple[float, float] | None = None
+        self._host_embedded = (0.0, 0.0)
+        self._host_recent = self._host_at = 0.0
+        figures = self._overhead_profile.host_cpu_seconds
+        names = {"router": ("router",), "router+client": ("router", "client")}.get(config.host_load, ())
+        if config.machine_cores and names and all(n in figures for n in names):
+            self._host_cost = (sum(figures[n][0] for n in names), sum(figures[n][1] for n in names))
+            self._host_embedded = (sum(f[0] for f in figures.values()), sum(f[1] for f in figures.values()))
+            self._profiled_cores = profile.machine.get("cores") or self._overhead_profile.cores
 
     # ---- building -----------------------------------------------------------------------
 
@@ -469,13 +491,38 @@ class Simulator:
             levels = self._jitter_levels[cv] = [v / mean for v in levels]
         return levels
 
-    def core_contention(self, worker: SimWorker, prompt: bool) -> float:
-        """How much slower ``worker``'s step (``prompt``: one with prompt rows) runs than profiled: fewer
-        cores than it was profiled with (``WorkerProfile.fewer_cores_slowdown``), and the workers sharing
-        its cores that are busy now (one more share each)."""
+    def core_contention(self, worker: SimWorker, prompt: bool, now: float = 0.0, batch: int = 0,
+                        step: float = 0.0) -> float:
+        """How much slower ``worker``'s step (``prompt``: one with prompt rows; else ``batch`` decode rows in
+        ``step`` seconds as the profile gives them) runs than profiled: fewer cores than it was profiled
+        with (``WorkerProfile.fewer_cores_slowdown``), the workers sharing its cores that are busy now (one
+        more share each), and the host processes' share of the machine (``host_share``: a step takes
+        ``1 / (1 - share)`` as long), net of the share the serving grid's own measurement had (its
+        streams through the router and the client on the profiled machine)."""
         shared = self._shared[worker.worker_id]
         busy = 1.0 + sum(1 for u in shared if u.busy and u is not worker) if shared else 1.0
-        return busy * worker.core_shortfall[0 if prompt else 1]
+        factor = busy * worker.core_shortfall[0 if prompt else 1]
+        if self._host_cost is not None:
+            factor /= 1.0 - self.host_share(now)
+            if not prompt and batch and step > 0 and worker.profile.serving_decode_seconds:
+                per_request, per_token = self._host_embedded
+                tokens_per_s = batch / step
+                embedded = (per_request / worker.profile.serving_stream_tokens + per_token) * tokens_per_s
+                factor *= 1.0 - min(HOST_SHARE_CAP, embedded / self._profiled_cores)
+        return factor
+
+    def host_share(self, now: float) -> float:
+        """The share of each of ``machine_cores`` the host processes (``SimConfig.host_load``) take now: their
+        CPU demand, the requests and tokens of the last ``HOST_WINDOW_S`` (decayed) times the profile's CPU
+        seconds of each, spread over the cores, at most ``HOST_SHARE_CAP``."""
+        recent = self._host_recent * math.exp(min(0.0, self._host_at - now) / HOST_WINDOW_S)
+        return min(HOST_SHARE_CAP, recent / HOST_WINDOW_S / self.config.machine_cores)
+
+    def _host_work(self, now: float, cpu_seconds: float) -> None:
+        """The host processes spent ``cpu_seconds`` at ``now`` (a request in, tokens out)."""
+        now = max(now, self._host_at)
+        self._host_recent = self._host_recent * math.exp((self._host_at - now) / HOST_WINDOW_S) + cpu_seconds
+        self._host_at = now
 
     # ---- events -------------------------------------------------------------------------
 
@@ -519,6 +566,8 @@ class Simulator:
     def _arrive(self, now: float, sim_request: SimRequest, arrivals) -> None:
         self._next_arrival(arrivals)
         self._records.sample_kv(self, now)
+        if self._host_cost is not None:
+            self._host_work(now, self._host_cost[0])
         tracked = _Tracked(sim_request)
         prompt = sim_request.prompt_token_ids
         decode = self._route(WorkerRole.DECODE, self.decode_workers, prompt, now)
@@ -633,6 +682,8 @@ class Simulator:
             self._records.itl.add(seen - tracked.last)
         tracked.last = seen
         tracked.tokens += num_tokens
+        if self._host_cost is not None:
+            self._host_work(now, self._host_cost[1] * num_tokens)
         if finished:
             del self.tracked[request_id]
             self._release_prefill(tracked)
@@ -649,6 +700,8 @@ class Simulator:
         self._records.itl.add(first + half - tracked.last)
         tracked.last = last + half
         tracked.tokens += count
+        if self._host_cost is not None:
+            self._host_work(last, self._host_cost[1] * count)
 
     def _release_prefill(self, tracked: _Tracked) -> None:
         if tracked.site_tokens:
