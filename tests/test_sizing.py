@@ -381,7 +381,7 @@ def test_the_profiler_gives_each_rank_its_share_of_the_cores_as_pdserve_up_does(
 
 
 def test_host_cpu_fit_splits_the_routers_and_clients_cpu_into_per_request_and_per_token():
-    from pdserve.sizing.profiler import host_cpu_fit
+    from pdserve.sizing.serving_profiler import host_cpu_fit
 
     def passes(router, client, call):  # idle prompts (one token each, a client call each), then grid points
         rows = [(8, 8, 8)] * 4 + [(2 * b, 96 * b, 2) for b in (1, 2, 4, 8, 16, 32, 64)]

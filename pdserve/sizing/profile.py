@@ -118,7 +118,7 @@ class WorkerProfile:
         serving_prefill_tokens, serving_prefill_seconds: one prompt's steps of that many tokens as a
             real cluster ran them (its prefill-compute hop): a colocated worker's at idle; a prefill
             worker's among other prompts at half its capacity (sharing its core with their KV sends and
-            the machine with the rest of the cluster: ``profiler.measure_serving``). Prompt steps are
+            the machine with the rest of the cluster: ``serving_profiler.measure_serving``). Prompt steps are
             scaled by their ratio to ``prefill``.
         serving_prefill_idle_seconds, serving_prefill_utilization: the same hop at idle, and how busy
             the worker was when ``serving_prefill_seconds`` was measured (0: at idle, a colocated worker's
@@ -133,9 +133,9 @@ class WorkerProfile:
             not measured (profiled on one core, or an older profile).
         host_cpu_seconds: CPU seconds the cluster's other processes spent while the serving grid and the
             idle prompts ran, per request and per streamed token: ``{"router": [per request, per token],
-            "client": [...]}`` (the router process; the streaming client on the same machine), fitted to
-            the two passes (``profiler.host_cpu_fit``); empty when not measured. On a machine they share
-            with the workers they take cores from the steps (``Simulator.host_share``).
+            "client": [...]}`` (the router process; the streaming client on the same machine), fitted
+            to the serving passes (``serving_profiler.host_cpu_fit``); empty when not measured. On a
+            machine they share with the workers they take cores from the steps (``Simulator.host_share``).
         serving_stream_tokens: tokens each stream of the serving grid decoded (its requests' length).
 
     The tables are read made monotone (``isotonic``): a measured dip in a noisy machine's step times is

@@ -1,0 +1,331 @@
+"""``pdserve profile``'s serving passes: a worker kind measured inside a real ``pdserve up`` cluster.
+
+The engine alone (``profiler.measure_worker``) does not show what serving adds: the serving loop's
+outputs, the router's streaming, a prefill worker's prompts sharing its core with earlier prompts' KV
+sends, and the router's and a client's share of the machine's cores. ``measure_serving`` starts the
+cluster, streams requests through its router with an HTTP client on this machine (as a benchmark
+runs), and reads what the clients see, the router's hops (``pdserve:request_phase_seconds``) and the
+router's and the client's CPU time (``host_cpu_fit``).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from pdserve.sizing.profile import WorkerProfile
+
+OVERHEAD_TOKENS = (16, 128, 512, 1500)
+LOADED_UTILIZATION = 0.5  # a prefill worker's prompts are also timed arriving at this share of its capacity
+LOADED_PROMPTS = 24
+
+
+class _Cluster:
+    """``pdserve up`` of one layout (``--colocated``, or one prefill and one decode worker), started and
+    stopped by pid, its decode steps compiled before it is used."""
+
+    def __init__(self, model: str, flags: list[str], colocated: bool):
+        from pdserve.common.utils import free_port
+
+        self.url = f"http://127.0.0.1:{free_port()}"
+        layout = ["--colocated"] if colocated else ["--num-prefill", "1", "--num-decode", "1"]
+        cmd = [sys.executable, "-m", "pdserve", "--log-level", "warning", "up", *layout, "--model", model,
+               "--port", self.url.rsplit(":", 1)[1], *flags]
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.num_workers = 1 if colocated else 2
+
+    def wait_ready(self, timeout_s: float = 900) -> str:
+        """Until every worker serves with its decode step compiled (or eager by flag); the model id."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=30) as client:
+            while True:
+                if self.proc.poll() is not None:
+                    self.log.seek(0)
+                    raise RuntimeError(f"pdserve up exited: {self.log.read()[-2000:].decode(errors='replace')}")
+                try:
+                    workers = client.get(f"{self.url}/workers").json()
+                    if len(workers) >= self.num_workers and all(w.get("decode_step") in ("compiled", "eager")
+                                                                for w in workers):
+                        return client.get(f"{self.url}/v1/models").json()["data"][0]["id"]
+                except (httpx.HTTPError, ValueError, KeyError, IndexError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the cluster did not come up in {timeout_s:.0f} s")
+                time.sleep(0.5)
+
+    def close(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            self.proc.wait(60)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.log.close()
+
+
+async def _stream_poisson(url: str, model_id: str, prompts: list[list[int]], max_tokens: int, rate: float,
+                          seed: int = 0) -> None:
+    """Stream ``prompts`` arriving as a Poisson process of ``rate`` per second (seeded), each to its end."""
+    import asyncio
+    import random
+
+    import httpx
+
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in prompts:
+        offsets.append(t)
+        t += rng.expovariate(rate)
+
+    async def one(client, prompt, offset) -> None:
+        await asyncio.sleep(offset)
+        body = {"model": model_id, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            async for _ in resp.aiter_lines():
+                pass
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        await client.get(f"{url}/health")
+        await asyncio.gather(*(one(client, p, o) for p, o in zip(prompts, offsets)))
+
+
+async def _stream_batch(url: str, model_id: str, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
+    """Stream every prompt at once; each one's send time then its chunks' arrival times (perf_counter s)."""
+    import asyncio
+
+    import httpx
+
+    async def one(client, prompt) -> list[float]:
+        body = {"model": model_id, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        times = [time.perf_counter()]
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data:") and '"text"' in line:
+                    times.append(time.perf_counter())
+        if len(times) < 2:
+            raise RuntimeError(f"no token came back through the router (HTTP {resp.status_code})")
+        return times
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+        await client.get(f"{url}/health")  # the connection is open before the clock starts
+        return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+
+def serving_step_seconds(streams: list[list[float]]) -> float:
+    """The decode step the clients saw, from ``_stream_batch``'s streams (``_step_seconds``)."""
+    return _step_seconds([t[1:] for t in streams])  # each stream's send time left out
+
+
+def step_jitter(streams: list[list[float]]) -> float | None:
+    """The coefficient of variation of the gaps between a stream's chunks while every stream decoded
+    (``_stream_batch``'s streams); None with too few gaps."""
+    streams = [t[1:] for t in streams]
+    start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
+    gaps = [b - a for t in streams for a, b in zip(t, t[1:]) if start <= a and b <= end]
+    if len(gaps) < 8:
+        return None
+    mean = statistics.fmean(gaps)
+    return statistics.pstdev(gaps) / mean if mean > 0 else None
+
+
+def _step_seconds(streams: list[list[float]]) -> float:
+    """The decode step as the clients saw it while every stream was decoding: the window from the last
+    stream's first token to the first stream's last token, times the streams, over the tokens (chunks)
+    that arrived in it. The median per-stream time per token when the window holds too few."""
+    start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
+    chunks = sum(sum(1 for x in t if start < x <= end) for t in streams)
+    if end - start > 0 and chunks >= 4 * len(streams):
+        return (end - start) * len(streams) / chunks
+    per_stream = [(t[-1] - t[0]) / (len(t) - 1) for t in streams if len(t) > 1]
+    return statistics.median(per_stream)
+
+
+def _scrape_phases(url: str):
+    """The router's TTFT hops so far (``pdserve.bench.phases``)."""
+    import asyncio
+
+    import httpx
+
+    from pdserve.bench.phases import scrape
+
+    async def once():
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await scrape(client, url)
+
+    return asyncio.run(once())
+
+
+class _HostMeter:
+    """CPU seconds (user + system) of a cluster's router processes and of this process (the streaming
+    client), read before and after a pass."""
+
+    def __init__(self, launcher_pid: int):
+        import psutil
+
+        children = psutil.Process(launcher_pid).children(recursive=True)
+        self.routers = [c for c in children if "router" in c.cmdline()]  # python -m pdserve router ... (workers: --router)
+
+    def read(self) -> tuple[float, float]:
+        router = 0.0
+        for proc in self.routers:
+            times = proc.cpu_times()
+            router += times.user + times.system
+        return router, time.process_time()
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Coefficients ``x`` minimising ``|rows x - ys|`` (normal equations, Gaussian elimination with
+    pivoting); None when the columns do not determine them."""
+    n = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(n)] + [sum(r[i] * y for r, y in zip(rows, ys))]
+         for i in range(n)]
+    scale = max(abs(a[i][i]) for i in range(n)) or 1.0
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) <= 1e-12 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+def host_cpu_fit(passes: list[tuple[int, int, int, float, float]]) -> dict[str, list[float]]:
+    """CPU seconds per request and per streamed token of the router and of the client, from passes of
+    ``(requests, tokens, client calls, router CPU s, client CPU s)``: the least-squares fit of ``cpu = a x
+    requests + b x tokens`` over them (``benchmarks/bench_router.py``'s split), the client's with a third
+    term per call (each ``asyncio.run`` of the profiler's client opens a connection pool: its own cost,
+    not a request's). Passes with one token per request and passes of long streams at several batch
+    sizes determine it. Coefficients below zero (noise) are refitted without that term. ``{}`` when the
+    passes cannot separate the terms."""
+    fit = {}
+    for name, i, columns in (("router", 3, 2), ("client", 4, 3)):
+        terms = list(range(columns))
+        while terms:
+            x = _least_squares([[p[t] for t in terms] for p in passes], [p[i] for p in passes]) \
+                if len(passes) >= len(terms) else None
+            if x is None:
+                return {}
+            if min(x) >= 0:
+                break
+            terms.pop(min(range(len(terms)), key=lambda k: x[k]))  # drop the term fitted below zero
+        coef = dict(zip(terms, x)) if terms else {}
+        fit[name] = [coef.get(0, 0.0), coef.get(1, 0.0)]
+    return fit
+
+
+def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefill: dict | None,
+                    on_point=None, num_idle: int = 8, max_tokens: int = 48) -> dict:
+    """Measure a worker kind inside a real cluster (``colocated``: ``pdserve up --colocated``; ``decode``:
+    one prefill and one decode worker) with a streaming client on this machine, as a benchmark runs:
+
+    * ``serving_decode_seconds``: the decode step grid (the profiled batches and contexts) as the clients
+      see it: every overhead of the serving loop (outputs to the router, its streaming, the client's and
+      router's share of the cores) on top of the engine's step;
+    * ``serving_prefill_seconds``: for prompts of ``OVERHEAD_TOKENS`` tokens, the router's
+      prefill-compute hop (``pdserve:request_phase_seconds``: the prefill worker's, or the colocated
+      worker's local one), mean: the prompt's steps as the cluster runs them. A colocated worker's at
+      idle (its steps among decodes are the cost model's mixed steps); a prefill worker's with
+      ``LOADED_PROMPTS`` such prompts arriving (Poisson) at ``LOADED_UTILIZATION`` of what the idle hop
+      allows, each decoding ``max_tokens`` tokens: its prompts then share its core with the previous
+      ones' KV sends and the machine with the decode worker, the router and the client, which an idle
+      prompt never does (on a 2-core machine the hop under load is 1.5-3x the idle one);
+      ``serving_prefill_idle_seconds`` the idle hop, ``serving_prefill_utilization`` how busy the loaded
+      pass kept the prefill worker (its arrivals paced by the idle hop: ``LOADED_UTILIZATION`` times
+      the loaded hop over the idle one, at most 1; 0 for a colocated worker);
+    * ``overhead_seconds``: those prompts' time to first token minus that hop: the router, the hops,
+      HTTP, the transfer's tail, and the per-request work that grows with the prompt
+      (``request_overhead_s``: the shortest's);
+    * ``serving_step_cv``: the steps' jitter the clients saw (``step_jitter``, the median over the grid).
+    """
+    import asyncio
+
+    from pdserve.bench.commands import quiet_http_logs
+    from pdserve.bench.phases import summarize
+
+    quiet_http_logs()
+    cluster = _Cluster(model, flags, colocated=kind == "colocated")
+    counter = iter(range(10**9))
+
+    def prompt(n: int) -> list[int]:
+        i = next(counter)
+        return [10 + (i * 7919 + j * 104729 + 17) % 900 for j in range(n)]
+
+    try:
+        model_id = cluster.wait_ready()
+        meter = _HostMeter(cluster.proc.pid)
+        host_passes = []  # (requests, tokens, client calls, router CPU s, client CPU s): idle prompts, grid points
+        engine = WorkerProfile(**(prefill or worker))
+        hop = "local_prefill_compute" if kind == "colocated" else "prefill_compute"
+        overhead_tokens, overhead_seconds, prefill_seconds, idle_seconds = [], [], [], []
+        for n in OVERHEAD_TOKENS:
+            if n + num_idle + 2 >= engine.max_model_len - 1:
+                continue
+            for k in range(2):  # the first lengths of this size: unmeasured
+                asyncio.run(_stream_batch(cluster.url, model_id, [prompt(n + num_idle + k)], 1))
+            before = _scrape_phases(cluster.url)
+            ttfts = []
+            cpu_before = meter.read()
+            for k in range(num_idle):  # lengths n, n + 1, ...: each new to the cluster, as in serving
+                sent, first = asyncio.run(_stream_batch(cluster.url, model_id, [prompt(n + k)], 1))[0][:2]
+                ttfts.append(first - sent)
+            cpu_after = meter.read()
+            host_passes.append((num_idle, num_idle, num_idle, cpu_after[0] - cpu_before[0],
+                                cpu_after[1] - cpu_before[1]))
+            phases = summarize(before, _scrape_phases(cluster.url))
+            compute = phases["phases"][hop]["mean_s"] if phases and hop in phases["phases"] else engine.prefill(n)
+            served = compute
+            if kind == "decode":  # the prefill worker's prompts among others (the docstring says why)
+                before = _scrape_phases(cluster.url)
+                prompts = [prompt(n + num_idle + 2 + k) for k in range(LOADED_PROMPTS)]
+                asyncio.run(_stream_poisson(cluster.url, model_id, prompts, max_tokens,
+                                            LOADED_UTILIZATION / max(compute, 1e-3)))
+                phases = summarize(before, _scrape_phases(cluster.url))
+                if phases and hop in phases["phases"]:
+                    served = phases["phases"][hop]["mean_s"]
+            overhead_tokens.append(n)
+            prefill_seconds.append(served)
+            idle_seconds.append(compute)
+            overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute))
+        grid, jitters = [], []
+        for b in worker["decode_batch"]:
+            row = []
+            for c in worker["decode_context"]:
+                cpu_before = meter.read()
+                rounds = [asyncio.run(_stream_batch(cluster.url, model_id, [prompt(c - 1) for _ in range(b)],
+                                                    max_tokens)) for _ in range(2)]
+                cpu_after = meter.read()
+                chunks = sum(len(t) - 1 for streams in rounds for t in streams)  # the tokens, or fewer chunks
+                host_passes.append((2 * b, chunks, 2, cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1]))
+                row.append(statistics.fmean(serving_step_seconds(streams) for streams in rounds))
+                jitters += [j for streams in rounds if (j := step_jitter(streams)) is not None]
+                if on_point:
+                    on_point()
+            grid.append(row)
+        return {"request_overhead_s": overhead_seconds[0], "overhead_tokens": overhead_tokens,
+                "overhead_seconds": overhead_seconds, "serving_prefill_seconds": prefill_seconds,
+                "serving_prefill_idle_seconds": idle_seconds,
+                # how busy the loaded pass kept the prefill worker: its arrivals were paced by the idle hop
+                "serving_prefill_utilization": min(1.0, LOADED_UTILIZATION * statistics.fmean(
+                    s / i for s, i in zip(prefill_seconds, idle_seconds) if i > 0)) if kind == "decode" else 0.0,
+                "serving_decode_seconds": grid,
+                "serving_step_cv": statistics.median(jitters) if jitters else 0.0,
+                "host_cpu_seconds": host_cpu_fit(host_passes) if meter.routers else {},
+                "serving_stream_tokens": max_tokens}
+    finally:
+        cluster.close()
