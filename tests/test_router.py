@@ -811,7 +811,8 @@ def test_drain_waits_until_the_worker_holds_nothing(router, tok):
 
 
 def test_scale_request_is_validated(router):
-    for body in ({"decode": 0}, {"prefill": -1}, {"decode": 2, "replicas": 3}, {"decode": "many"}):
+    for body in ({"decode": 0}, {"prefill": -1}, {"decode": 2, "replicas": 3}, {"decode": "many"},
+                 {"decode": "1"}, {"prefill": True}):  # a string or a boolean is not a pool size (the schema's integer)
         error_of(router.post("/admin/scale", json=body), 400)
     assert router.post("/admin/scale", json={}).json()["draining"] == []
 

@@ -36,7 +36,8 @@ from pdserve.cluster.scale import admin_request
 
 
 class ScaleRequest(BaseModel):
-    """Target pool sizes; a pool left out keeps its target (``true`` is not a pool size; ``3.0`` is 3)."""
+    """Target pool sizes; a pool left out keeps its target (``true`` and ``"3"`` are not pool sizes, as the
+    schema's integer says; ``3.0`` is 3)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -46,9 +47,9 @@ class ScaleRequest(BaseModel):
 
     @field_validator("prefill", "decode", mode="before")
     @classmethod
-    def _no_booleans(cls, value):
-        if isinstance(value, bool):
-            raise ValueError("must be a number of workers, not a boolean")
+    def _numbers_only(cls, value):
+        if isinstance(value, (bool, str)):
+            raise ValueError(f"must be a number of workers, not a {type(value).__name__}")
         return value
 
 
