@@ -246,7 +246,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 "goodput_slos_ms": slos or None, "percentiles": args.percentiles,
                 "dataset": {"trace": args.trace} if args.trace else dataclasses.asdict(dataset_config_from_args(args)),
                 "profile": args.profile, "num_prefill": args.prefill, "num_decode": args.decode,
-                "routing_policy": args.routing_policy}
+                "routing_policy": args.routing_policy, "machine_cores": args.machine_cores,
+                "host_load": args.host_load if args.machine_cores else None}
     header = {"Profile:": args.profile, "Pools (P+D):": f"{args.prefill}+{args.decode}",
               "Request rate (req/s):": settings["request_rate"]}
     print(format_table(result.metrics, args.percentiles, title="Simulated Serving Result", header=header))
@@ -279,6 +280,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (ValueError, OSError, RuntimeError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 1
+    result.update(min_duration_s=args.min_duration, machine_cores=args.machine_cores,
+                  host_load=args.host_load if args.machine_cores else None)
     print(format_plan(result))
     if args.result_file:
         with open(args.result_file, "w") as f:
