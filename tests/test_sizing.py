@@ -435,6 +435,22 @@ def test_the_host_processes_take_cores_from_the_steps_on_a_shared_machine():
     assert Simulator(make_profile(), SimConfig(num_prefill=0, num_decode=2, machine_cores=2))._host_cost is None
 
 
+def test_the_kv_arrives_the_measured_tail_after_the_prompts_last_step():
+    """A decode worker's ``serving_kv_transfer_seconds`` (the router's kv_transfer hop at idle: the last
+    layers' sends and the decode worker taking the KV) follows the prompt's last step; without it the
+    transfer hides behind the step, as the sends overlap it layer by layer."""
+    def mean_ttft(tail_s: float) -> float:
+        profile = make_profile(transfer_s=0.001)
+        decode = profile.workers["decode"]
+        decode.overhead_tokens, decode.overhead_seconds = [16, 1024], [0.0, 0.0]
+        decode.serving_kv_transfer_seconds = [tail_s, tail_s]
+        config = SimConfig(num_prefill=1, num_decode=1, step_jitter=False)
+        cfg = DatasetConfig(num_prompts=20, input_len=128, output_len=4)
+        return Simulator(profile, config).run(synthetic(cfg, 1.0)).metrics["mean_ttft_ms"]
+
+    assert mean_ttft(0.010) - mean_ttft(0.0) == pytest.approx(10.0, abs=0.5)
+
+
 def test_sizer_grows_each_pool_with_the_load_it_carries():
     profile = make_profile(decode_base_s=0.01, decode_per_seq_s=0.01)
     sizer = ProfileSizer(profile, {"ttft": 200, "tpot": 100})

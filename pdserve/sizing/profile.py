@@ -137,6 +137,10 @@ class WorkerProfile:
             to the serving passes (``serving_profiler.host_cpu_fit``); empty when not measured. On a
             machine they share with the workers they take cores from the steps (``Simulator.host_share``).
         serving_stream_tokens: tokens each stream of the serving grid decoded (its requests' length).
+        serving_kv_transfer_seconds: a decode worker's: for prompts of ``overhead_tokens`` tokens at idle,
+            the KV's arrival after the prompt's last step on the prefill worker (the router's
+            ``kv_transfer`` hop: the last layers' sends and the decode worker taking the KV), left out of
+            ``overhead_seconds``; empty when not measured (``kv_transfer_tail``).
 
     The tables are read made monotone (``isotonic``): a measured dip in a noisy machine's step times is
     averaged with its neighbours.
@@ -179,6 +183,7 @@ class WorkerProfile:
     serving_prefill_utilization: float = 0.0
     host_cpu_seconds: dict = field(default_factory=dict)
     serving_stream_tokens: int = 48
+    serving_kv_transfer_seconds: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         # measured tables, made monotone (more tokens or sequences never take less time): noise averaged
@@ -195,6 +200,13 @@ class WorkerProfile:
     def prefill(self, num_tokens: float, num_cached: float = 0.0) -> float:
         """Seconds of a step computing one prompt's ``num_tokens`` tokens after ``num_cached`` cached ones."""
         return self.linear(num_tokens) + self.attention_pair_seconds * num_tokens * (num_cached + num_tokens / 2)
+
+    def kv_transfer_tail(self, num_prompt_tokens: float) -> float:
+        """Seconds from a prompt's last step on the prefill worker until this decode worker holds its KV,
+        at idle (``serving_kv_transfer_seconds`` interpolated; 0 when not measured)."""
+        if not self.serving_kv_transfer_seconds:
+            return 0.0
+        return max(0.0, interp(self.overhead_tokens, self.serving_kv_transfer_seconds, num_prompt_tokens))
 
     def request_overhead(self, num_prompt_tokens: float) -> float:
         """Seconds a request of ``num_prompt_tokens`` spends outside the steps before its first token."""

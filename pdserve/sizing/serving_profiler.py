@@ -248,9 +248,12 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
       ``serving_prefill_idle_seconds`` the idle hop, ``serving_prefill_utilization`` how busy the loaded
       pass kept the prefill worker (its arrivals paced by the idle hop: ``LOADED_UTILIZATION`` times
       the loaded hop over the idle one, at most 1; 0 for a colocated worker);
-    * ``overhead_seconds``: those prompts' time to first token minus that hop: the router, the hops,
-      HTTP, the transfer's tail, and the per-request work that grows with the prompt
-      (``request_overhead_s``: the shortest's);
+    * ``serving_kv_transfer_seconds`` (disaggregated): those idle prompts' ``kv_transfer`` hop, the KV's
+      arrival at the decode worker after the prompt's last step (the simulator adds it after the step,
+      stretched as the cores are shared);
+    * ``overhead_seconds``: those prompts' time to first token minus those hops: the router, the other
+      hops, HTTP, and the per-request work that grows with the prompt (``request_overhead_s``: the
+      shortest's);
     * ``serving_step_cv``: the steps' jitter the clients saw (``step_jitter``, the median over the grid).
     """
     import asyncio
@@ -272,7 +275,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         host_passes = []  # (requests, tokens, client calls, router CPU s, client CPU s): idle prompts, grid points
         engine = WorkerProfile(**(prefill or worker))
         hop = "local_prefill_compute" if kind == "colocated" else "prefill_compute"
-        overhead_tokens, overhead_seconds, prefill_seconds, idle_seconds = [], [], [], []
+        overhead_tokens, overhead_seconds, prefill_seconds, idle_seconds, kv_seconds = [], [], [], [], []
         for n in OVERHEAD_TOKENS:
             if n + num_idle + 2 >= engine.max_model_len - 1:
                 continue
@@ -289,6 +292,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                                 cpu_after[1] - cpu_before[1]))
             phases = summarize(before, _scrape_phases(cluster.url))
             compute = phases["phases"][hop]["mean_s"] if phases and hop in phases["phases"] else engine.prefill(n)
+            # the KV's arrival after the prompt's last step (the last layers' sends, the decode worker taking it)
+            kv_tail = phases["phases"].get("kv_transfer", {}).get("mean_s", 0.0) if phases else 0.0
             served = compute
             if kind == "decode":  # the prefill worker's prompts among others (the docstring says why)
                 before = _scrape_phases(cluster.url)
@@ -301,7 +306,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             overhead_tokens.append(n)
             prefill_seconds.append(served)
             idle_seconds.append(compute)
-            overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute))
+            kv_seconds.append(kv_tail)
+            overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute - kv_tail))
         grid, jitters = [], []
         for b in worker["decode_batch"]:
             row = []
@@ -324,6 +330,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                 "serving_prefill_utilization": min(1.0, LOADED_UTILIZATION * statistics.fmean(
                     s / i for s, i in zip(prefill_seconds, idle_seconds) if i > 0)) if kind == "decode" else 0.0,
                 "serving_decode_seconds": grid,
+                "serving_kv_transfer_seconds": kv_seconds if kind == "decode" else [],
                 "serving_step_cv": statistics.median(jitters) if jitters else 0.0,
                 "host_cpu_seconds": host_cpu_fit(host_passes) if meter.routers else {},
                 "serving_stream_tokens": max_tokens}

@@ -642,7 +642,12 @@ class Simulator:
         bs = worker.profile.block_size
         num_blocks = -(-request.num_prompt_tokens // bs) - tracked.decode_cached // bs
         seconds = self.profile.transfer.transfer_seconds(num_blocks * worker.profile.block_bytes)
-        self.at(max(now, started + seconds), self._kv_arrived, worker, tracked.decode, request.request_id)
+        # the sends overlap the step layer by layer; what the cluster measured after the last step (the last
+        # layers' sends, the decode worker taking the KV) follows it, on cores shared as the step's are
+        tail = tracked.decode.profile.kv_transfer_tail(request.num_prompt_tokens)
+        if tail:
+            tail *= self.core_contention(worker, True, now)
+        self.at(max(now + tail, started + seconds), self._kv_arrived, worker, tracked.decode, request.request_id)
 
     def _kv_arrived(self, now: float, prefill: SimWorker, decode: SimWorker, request_id: str) -> None:
         """The prompt's KV is in ``decode``'s cache: the prefill worker frees its blocks; the decode worker
