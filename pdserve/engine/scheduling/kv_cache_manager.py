@@ -178,8 +178,13 @@ class KVCacheManager:
         every sliding group holds over the window of the first token after it."""
         bm, bs = self.block_manager, self.block_size
         tokens = request.all_token_ids
-        hashes = block_hashes(tokens, request.num_tokens - 1, bs, bm.salt, request.cache_root) \
-            if bm.enable_prefix_caching else []
+        hashes = []
+        if bm.enable_prefix_caching:  # the prompt's kept hashes, then the outputs' blocks (after a preemption)
+            num_full = (request.num_tokens - 1) // bs
+            hashes = self.prompt_hashes(request)[:num_full]
+            done = len(hashes) * bs
+            hashes += block_hashes(tokens[done:], (num_full * bs) - done, bs, bm.salt,
+                                   hashes[-1] if hashes else request.cache_root)
         blocks = [tuple(tokens[i * bs:(i + 1) * bs]) for i in range(len(hashes))]
 
         def cached(i: int, g: int) -> int | None:
