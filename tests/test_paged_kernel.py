@@ -276,6 +276,37 @@ def test_prefill_attention_falls_back_to_sdpa():
         assert masks[0] is not None and masks[0].shape == (9, 20)
 
 
+@pytest.mark.parametrize("num_q,num_k,heads", [(32, 96, (4, 4)), (40, 200, (12, 4)), (64, 1000, (6, 1)),
+                                                (256, 768, (12, 4))])
+def test_a_chunk_after_many_cached_rows_splits_its_sdpa_without_a_mask(num_q, num_k, heads):
+    """A chunk after at least twice its rows of cached ones, on torch's path (the native kernel off), is two
+    flash-attention calls merged by log-sum-exp (``chunk_sdpa``): the same values as float64 attention
+    (GQA, a strided query) and no [Q, L] mask built; a chunk after fewer cached rows keeps the masked call."""
+    from pdserve.engine.layers.native_switch import native, set_native
+    from pdserve.engine.layers.prefill_attention import SPLIT_MIN_CACHED_PER_ROW, chunk_sdpa
+
+    torch.manual_seed(num_q + num_k)
+    num_heads, num_kv_heads = heads
+    qkv = torch.randn(num_q, num_heads * 64 + 8)
+    q = 4 * qkv[:, :num_heads * 64].view(num_q, num_heads, 64)  # a strided view, scores over tens of units
+    key, value = torch.randn(num_k, num_kv_heads, 64), torch.randn(num_k, num_kv_heads, 64)
+    was = native("prefill_attention")
+    set_native("prefill_attention", False)
+    try:
+        masks: list[torch.Tensor | None] = [None]
+        out = torch.full((num_q, num_heads, 64), float("nan"))
+        causal_attention(out, q, key, value, num_heads // num_kv_heads, 0.125, masks)
+        assert masks[0] is None  # split: no mask
+        torch.testing.assert_close(out, _dense_causal(q, key, value, 0.125), atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(chunk_sdpa(q, key, value, num_heads // num_kv_heads, 0.125), out, atol=0, rtol=0)
+        few = num_q + SPLIT_MIN_CACHED_PER_ROW * num_q - 1  # one cached row short of the split
+        causal_attention(out, q, key[:few], value[:few], num_heads // num_kv_heads, 0.125, masks)
+        assert masks[0] is not None and masks[0].shape == (num_q, few)
+        torch.testing.assert_close(out, _dense_causal(q, key[:few], value[:few], 0.125), atol=2e-5, rtol=2e-5)
+    finally:
+        set_native("prefill_attention", was)
+
+
 def test_make_install_builds_every_kernel_for_this_cpu():
     """``python -m pdserve.kernels`` (run by ``make install``) builds each library into the cache, so a first
     ``pdserve up`` does not: a kernel that cannot build is named, and the command still exits 0."""
