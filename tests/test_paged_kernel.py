@@ -277,13 +277,14 @@ def test_prefill_attention_falls_back_to_sdpa():
 
 
 @pytest.mark.parametrize("num_q,num_k,heads", [(32, 96, (4, 4)), (40, 200, (12, 4)), (64, 1000, (6, 1)),
-                                                (256, 768, (12, 4))])
+                                                (256, 768, (12, 4)), (512, 768, (4, 2))])
 def test_a_chunk_after_many_cached_rows_splits_its_sdpa_without_a_mask(num_q, num_k, heads):
-    """A chunk after at least twice its rows of cached ones, on torch's path (the native kernel off), is two
-    flash-attention calls merged by log-sum-exp (``chunk_sdpa``): the same values as float64 attention
-    (GQA, a strided query) and no [Q, L] mask built; a chunk after fewer cached rows keeps the masked call."""
+    """A chunk after enough cached rows (twice its own, or half of its own for a long chunk), on torch's path
+    (the native kernel off), is two flash-attention calls merged by log-sum-exp (``chunk_sdpa``): the same
+    values as float64 attention (GQA, a strided query) and no [Q, L] mask built; a chunk after one cached
+    row fewer keeps the masked call."""
     from pdserve.engine.layers.native_switch import native, set_native
-    from pdserve.engine.layers.prefill_attention import SPLIT_MIN_CACHED_PER_ROW, chunk_sdpa
+    from pdserve.engine.layers.prefill_attention import chunk_sdpa, splits
 
     torch.manual_seed(num_q + num_k)
     num_heads, num_kv_heads = heads
@@ -299,7 +300,7 @@ def test_a_chunk_after_many_cached_rows_splits_its_sdpa_without_a_mask(num_q, nu
         assert masks[0] is None  # split: no mask
         torch.testing.assert_close(out, _dense_causal(q, key, value, 0.125), atol=2e-5, rtol=2e-5)
         torch.testing.assert_close(chunk_sdpa(q, key, value, num_heads // num_kv_heads, 0.125), out, atol=0, rtol=0)
-        few = num_q + SPLIT_MIN_CACHED_PER_ROW * num_q - 1  # one cached row short of the split
+        few = num_q + next(c for c in range(num_k) if splits(num_q, c)) - 1  # one cached row short of the split
         causal_attention(out, q, key[:few], value[:few], num_heads // num_kv_heads, 0.125, masks)
         assert masks[0] is not None and masks[0].shape == (num_q, few)
         torch.testing.assert_close(out, _dense_causal(q, key[:few], value[:few], 0.125), atol=2e-5, rtol=2e-5)

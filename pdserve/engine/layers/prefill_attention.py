@@ -19,9 +19,8 @@ def causal_attention(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, 
     Float32 rows whose head dims are multiples of 16 go through ``prefill_attention.cpp`` (tiled,
     online softmax: FlashAttention's scheme) where it measured faster than SDPA on this CPU, at this
     many keys, when the engine loaded (``pdserve.engine.layers.kernel_choice``); anything else, or no C++
-    compiler, through SDPA. For SDPA a float32 chunk of at least ``SPLIT_MIN_ROWS`` rows after at least
-    twice as many cached ones, on CPU, is split in two (``chunk_sdpa``: no mask; values as wide as keys);
-    other chunks need an explicit [Q, L] mask, kept in ``masks[index]`` and reused by later layers."""
+    compiler, through SDPA. For SDPA a float32 chunk after enough cached rows (``splits``), on CPU, is
+    split in two (``chunk_sdpa``: no mask; values as wide as keys); other chunks need an explicit [Q, L] mask, kept in ``masks[index]`` and reused by later layers."""
     num_q, num_heads, head_dim = query.shape
     num_k, num_kv_heads, v_dim = value.shape
     lib = load_prefill_attention() if query.dtype == key.dtype == value.dtype == torch.float32 and \
@@ -36,8 +35,8 @@ def causal_attention(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, 
         if rc == 0:
             return
     mask = None
-    if num_k - num_q >= SPLIT_MIN_CACHED_PER_ROW * num_q and num_q >= SPLIT_MIN_ROWS and _FLASH_CPU is not None \
-            and query.device.type == "cpu" and v_dim == head_dim and query.dtype == torch.float32:
+    if splits(num_q, num_k - num_q) and _FLASH_CPU is not None and query.device.type == "cpu" \
+            and v_dim == head_dim and query.dtype == torch.float32:
         out.copy_(chunk_sdpa(query, key, value, num_rep, scale))
         return
     if num_k > num_q:
@@ -61,10 +60,20 @@ def causal_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num
 
 
 # Where ``chunk_sdpa`` beats one masked SDPA call (measured on one Xeon core, AVX-512 and ATen capped at
-# AVX2 alike): from twice the chunk's rows cached (256 rows after 512: 8-12% faster, after 1,792: 20-23%);
-# at as many cached rows as new ones it is 4-20% slower, and below 32 rows its second call is overhead.
+# AVX2 alike): from twice the chunk's rows cached (256 rows after 512: 8-12% faster, after 1,792: 20-23%),
+# and for chunks of 512 rows or more from half their rows cached (512 after 256: 5%, after 512: 12-16%,
+# 1,024 after 1,024: 32%); 256 rows after 256 and 384 after 384 are level or up to 20% slower split, and
+# below 32 rows the second call is overhead.
 SPLIT_MIN_CACHED_PER_ROW = 2
 SPLIT_MIN_ROWS = 32
+SPLIT_LONG_ROWS = 512  # a chunk this long splits from half its rows cached
+
+
+def splits(num_rows: int, num_cached: int) -> bool:
+    """Whether a chunk of ``num_rows`` new rows after ``num_cached`` cached ones takes ``chunk_sdpa``."""
+    return num_rows >= SPLIT_MIN_ROWS and (num_cached >= SPLIT_MIN_CACHED_PER_ROW * num_rows
+                                           or (num_rows >= SPLIT_LONG_ROWS and 2 * num_cached >= num_rows))
+
 
 # torch's CPU flash-attention operator, which SDPA dispatches to on CPU and which also returns each row's
 # log-sum-exp (what ``chunk_sdpa`` merges by); None in a torch without it (the masked SDPA path then).
