@@ -451,6 +451,30 @@ def test_the_kv_arrives_the_measured_tail_after_the_prompts_last_step():
     assert mean_ttft(0.010) - mean_ttft(0.0) == pytest.approx(10.0, abs=0.5)
 
 
+def test_the_prompt_reaches_the_prefill_worker_after_the_measured_admission_stretched_by_a_shared_core():
+    """A decode worker's ``serving_admission_seconds`` (the router's decode_admission hop at idle: its engine
+    loop taking the request in, the prompt sent on) delays the prompt's arrival at the prefill worker, and
+    the hop reads it; on a core the decode worker shares with a busy worker it takes as long again."""
+    def run(admission_s: float, shared: bool = False) -> dict:
+        profile = make_profile(transfer_s=0.001)
+        decode = profile.workers["decode"]
+        decode.overhead_tokens, decode.overhead_seconds = [16, 1024], [0.0, 0.0]
+        decode.serving_admission_seconds = [admission_s, admission_s]
+        config = SimConfig(num_prefill=1, num_decode=2 if shared else 1, step_jitter=False,
+                           machine_cores=2 if shared else None)
+        cfg = DatasetConfig(num_prompts=20, input_len=128, output_len=4)
+        return Simulator(profile, config).run(synthetic(cfg, 1.0))
+
+    base, slow = run(0.0), run(0.010)
+    assert slow.metrics["mean_ttft_ms"] - base.metrics["mean_ttft_ms"] == pytest.approx(10.0, abs=0.5)
+    assert slow.sim["ttft_hops_mean_ms"]["decode_admission"] == pytest.approx(
+        base.sim["ttft_hops_mean_ms"]["decode_admission"] + 10.0, abs=0.5)
+    # 1P + 2D on 2 cores: the second decode worker shares the prefill worker's core; its admission is never
+    # shorter than the idle one, and longer while the prefill worker is busy
+    shared = run(0.010, shared=True)
+    assert shared.sim["ttft_hops_mean_ms"]["decode_admission"] >= 10.0 - 0.5
+
+
 def test_sizer_grows_each_pool_with_the_load_it_carries():
     profile = make_profile(decode_base_s=0.01, decode_per_seq_s=0.01)
     sizer = ProfileSizer(profile, {"ttft": 200, "tpot": 100})

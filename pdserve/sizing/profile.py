@@ -141,6 +141,10 @@ class WorkerProfile:
             the KV's arrival after the prompt's last step on the prefill worker (the router's
             ``kv_transfer`` hop: the last layers' sends and the decode worker taking the KV), left out of
             ``overhead_seconds``; empty when not measured (``kv_transfer_tail``).
+        serving_admission_seconds: a decode worker's: for the same idle prompts, the router's
+            ``decode_admission`` hop (the request's way to the decode worker, its engine loop taking it
+            in, reserving its blocks and sending the prompt to the prefill worker), left out of
+            ``overhead_seconds``; empty when not measured (``admission_seconds``).
 
     The tables are read made monotone (``isotonic``): a measured dip in a noisy machine's step times is
     averaged with its neighbours.
@@ -184,6 +188,7 @@ class WorkerProfile:
     host_cpu_seconds: dict = field(default_factory=dict)
     serving_stream_tokens: int = 48
     serving_kv_transfer_seconds: list[float] = field(default_factory=list)
+    serving_admission_seconds: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         # measured tables, made monotone (more tokens or sequences never take less time): noise averaged
@@ -207,6 +212,13 @@ class WorkerProfile:
         if not self.serving_kv_transfer_seconds:
             return 0.0
         return max(0.0, interp(self.overhead_tokens, self.serving_kv_transfer_seconds, num_prompt_tokens))
+
+    def admission_seconds(self, num_prompt_tokens: float) -> float:
+        """Seconds this decode worker takes, at idle, from a request's arrival to the prompt sent on to its
+        prefill worker (``serving_admission_seconds`` interpolated; 0 when not measured)."""
+        if not self.serving_admission_seconds:
+            return 0.0
+        return max(0.0, interp(self.overhead_tokens, self.serving_admission_seconds, num_prompt_tokens))
 
     def request_overhead(self, num_prompt_tokens: float) -> float:
         """Seconds a request of ``num_prompt_tokens`` spends outside the steps before its first token."""

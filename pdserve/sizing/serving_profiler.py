@@ -251,6 +251,9 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
     * ``serving_kv_transfer_seconds`` (disaggregated): those idle prompts' ``kv_transfer`` hop, the KV's
       arrival at the decode worker after the prompt's last step (the simulator adds it after the step,
       stretched as the cores are shared);
+    * ``serving_admission_seconds`` (disaggregated): those idle prompts' ``decode_admission`` hop, the
+      decode worker taking the request in and sending the prompt on (the simulator adds it before the
+      prefill worker gets the prompt, stretched as the decode worker's core is shared);
     * ``overhead_seconds``: those prompts' time to first token minus those hops: the router, the other
       hops, HTTP, and the per-request work that grows with the prompt (``request_overhead_s``: the
       shortest's);
@@ -275,7 +278,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         host_passes = []  # (requests, tokens, client calls, router CPU s, client CPU s): idle prompts, grid points
         engine = WorkerProfile(**(prefill or worker))
         hop = "local_prefill_compute" if kind == "colocated" else "prefill_compute"
-        overhead_tokens, overhead_seconds, prefill_seconds, idle_seconds, kv_seconds = [], [], [], [], []
+        overhead_tokens, overhead_seconds, prefill_seconds, idle_seconds, kv_seconds, admission_seconds = \
+            [], [], [], [], [], []
         for n in OVERHEAD_TOKENS:
             if n + num_idle + 2 >= engine.max_model_len - 1:
                 continue
@@ -294,6 +298,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             compute = phases["phases"][hop]["mean_s"] if phases and hop in phases["phases"] else engine.prefill(n)
             # the KV's arrival after the prompt's last step (the last layers' sends, the decode worker taking it)
             kv_tail = phases["phases"].get("kv_transfer", {}).get("mean_s", 0.0) if phases else 0.0
+            # the decode worker taking the request in and sending the prompt on, before the prefill worker has it
+            admission = phases["phases"].get("decode_admission", {}).get("mean_s", 0.0) if phases else 0.0
             served = compute
             if kind == "decode":  # the prefill worker's prompts among others (the docstring says why)
                 before = _scrape_phases(cluster.url)
@@ -307,7 +313,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             prefill_seconds.append(served)
             idle_seconds.append(compute)
             kv_seconds.append(kv_tail)
-            overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute - kv_tail))
+            admission_seconds.append(admission)
+            overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute - kv_tail - admission))
         grid, jitters = [], []
         for b in worker["decode_batch"]:
             row = []
@@ -331,6 +338,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                     s / i for s, i in zip(prefill_seconds, idle_seconds) if i > 0)) if kind == "decode" else 0.0,
                 "serving_decode_seconds": grid,
                 "serving_kv_transfer_seconds": kv_seconds if kind == "decode" else [],
+                "serving_admission_seconds": admission_seconds if kind == "decode" else [],
                 "serving_step_cv": statistics.median(jitters) if jitters else 0.0,
                 "host_cpu_seconds": host_cpu_fit(host_passes) if meter.routers else {},
                 "serving_stream_tokens": max_tokens}

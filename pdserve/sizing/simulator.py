@@ -622,6 +622,18 @@ class Simulator:
         if prefill is None:  # the decode worker prefills itself after all (never the case: it was routed)
             raise AssertionError(f"{request.request_id} waits for KV without a prefill worker")
         tracked.decode_cached = request.num_cached_tokens
+        # the decode worker's own work on the request (its engine loop taking it in, the message on to the
+        # prefill worker), as the profile measured it at idle, on the decode worker's core as shared now
+        admission = decode.profile.admission_seconds(request.num_prompt_tokens)
+        if admission:
+            self.at(now + admission * self.core_contention(decode, False, now), self._send_prompt, request)
+        else:
+            self._send_prompt(now, request)
+
+    def _send_prompt(self, now: float, request: Request) -> None:
+        """The prefill worker gets ``request``'s prompt (``send_remote_prefill``)."""
+        tracked = self.tracked[request.request_id]
+        prefill = tracked.prefill
         tracked.sent = now
         self._records.hop("decode_admission", now - tracked.reached)
         remote = Request(request.request_id, request.prompt_token_ids, SamplingParams(max_tokens=1, ignore_eos=True),
