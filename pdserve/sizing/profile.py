@@ -42,6 +42,9 @@ import json
 from dataclasses import dataclass, field
 
 PROFILE_VERSION = 1
+# The loaded prefill pass (``serving_profiler.measure_serving``) sends its prompts at this share of what the
+# idle hop allows: its hop holds the router's and the client's CPU at that arrival rate.
+LOADED_UTILIZATION = 0.5
 PROFILE_KIND = "pdserve-profile"
 WORKER_KINDS = ("prefill", "decode", "colocated")
 
@@ -237,6 +240,16 @@ class WorkerProfile:
             return interp2(self.decode_batch, self.decode_context, self._serving, batch, context)
         return self.engine_decode(batch, context)
 
+    def decode_cpu_share(self, batch: float, context: float) -> float:
+        """The share of a served decode step of ``batch`` sequences of ``context`` tokens the worker spends
+        computing (the engine's step over the serving grid's, 0..1; the rest of a served step it waits on
+        the router, the client and the sockets, leaving its core to others): how much of a core it takes
+        from a worker it shares one with. 1 where the serving grid was not measured."""
+        if self._serving is None:
+            return 1.0
+        served = self.decode(batch, context)
+        return min(1.0, self.engine_decode(batch, context) / served) if served > 0 else 1.0
+
     def step_seconds(self, prompt_tokens: int, attention_pairs: float, num_decode: int, mean_context: float,
                      utilization: float | None = None) -> float:
         """Seconds of one step: ``prompt_tokens`` prompt tokens (chunks of any number of prompts) whose
@@ -271,6 +284,17 @@ class WorkerProfile:
             idle = interp(self.serving_prefill_tokens, self.serving_prefill_idle_seconds, num_tokens)
             served = idle + (served - idle) * min(1.0, utilization / self.serving_prefill_utilization)
         return max(1.0, served / engine)
+
+    def loaded_share(self, num_tokens: float, utilization: float) -> tuple[float, float]:
+        """What of the loaded prefill pass ``prefill_slowdown(num_tokens, utilization)`` carries: (the requests
+        per second that pass sent prompts of ``num_tokens`` tokens at, ``LOADED_UTILIZATION`` of what the
+        idle hop allows; the fraction of the loaded hop's excess over the idle one taken, 0..1). (0, 0)
+        where the hop was not measured loaded."""
+        if not (self.serving_prefill_tokens and self.serving_prefill_idle_seconds and self.serving_prefill_utilization):
+            return 0.0, 0.0
+        idle = interp(self.serving_prefill_tokens, self.serving_prefill_idle_seconds, num_tokens)
+        taken = min(1.0, utilization / self.serving_prefill_utilization)
+        return (LOADED_UTILIZATION / idle if idle > 0 else 0.0), taken
 
     def fewer_cores_slowdown(self, num_cores: int, prompt: bool) -> float:
         """How much slower a step (``prompt``: one with prompt rows; else decode-only) runs on ``num_cores``

@@ -17,10 +17,9 @@ import sys
 import tempfile
 import time
 
-from pdserve.sizing.profile import WorkerProfile
+from pdserve.sizing.profile import LOADED_UTILIZATION, WorkerProfile
 
 OVERHEAD_TOKENS = (16, 128, 512, 1500)
-LOADED_UTILIZATION = 0.5  # a prefill worker's prompts are also timed arriving at this share of its capacity
 LOADED_PROMPTS = 24
 
 

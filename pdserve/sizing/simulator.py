@@ -198,6 +198,7 @@ class SimWorker:
         # coefficient of variation cv (None: no jitter)
         self.jitter_levels = sim.jitter_levels(cv) if cv > 0 and sim.config.step_jitter else None
         self.busy = False
+        self.core_share = 1.0  # of its core the step in progress computes (a decode step waits part of its time)
         self.run: _Run | None = None  # the decode run in progress
         self.arrived_kv: list[str] = []  # requests whose KV arrived during the step in progress
         self.num_runs = 0
@@ -258,12 +259,14 @@ class SimWorker:
             else:
                 prompt_tokens += num_new
                 pairs += num_new * (computed + num_new / 2)
+        self.core_share = 1.0 if prompt_tokens else self.profile.decode_cpu_share(num_decode, context / num_decode)
         if not prompt_tokens and self.sim.config.decode_runs and self._start_run(now, out, num_decode, context):
             return
+        utilization = self.utilization(now) if prompt_tokens and self.load_aware else None
         seconds = self.profile.step_seconds(prompt_tokens, pairs, num_decode,
-                                            context / num_decode if num_decode else 0.0,
-                                            self.utilization(now) if prompt_tokens and self.load_aware else None)
-        seconds *= self.sim.core_contention(self, prompt_tokens > 0, now, num_decode, seconds)
+                                            context / num_decode if num_decode else 0.0, utilization)
+        seconds *= self.sim.core_contention(self, prompt_tokens > 0, now, num_decode, seconds,
+                                            (prompt_tokens, utilization) if utilization is not None else None)
         if self.jitter_levels:  # a shared machine's step times scatter around the model's (mean kept)
             seconds *= self.jitter_levels[int(self.sim.rng.random() * JITTER_LEVELS)]
         if self.load_aware:
@@ -492,15 +495,18 @@ class Simulator:
         return levels
 
     def core_contention(self, worker: SimWorker, prompt: bool, now: float = 0.0, batch: int = 0,
-                        step: float = 0.0) -> float:
+                        step: float = 0.0, loaded: tuple[int, float] | None = None) -> float:
         """How much slower ``worker``'s step (``prompt``: one with prompt rows; else ``batch`` decode rows in
         ``step`` seconds as the profile gives them) runs than profiled: fewer cores than it was profiled
         with (``WorkerProfile.fewer_cores_slowdown``), the workers sharing its cores that are busy now (one
-        more share each), and the host processes' share of the machine (``host_share``: a step takes
-        ``1 / (1 - share)`` as long), net of the share the serving grid's own measurement had (its
-        streams through the router and the client on the profiled machine)."""
+        more share each: all of a core for a prompt step, a decode step's computing part,
+        ``WorkerProfile.decode_cpu_share``), and the host processes' share of the machine (``host_share``: a step takes
+        ``1 / (1 - share)`` as long), net of the share the profile's own measurement had: the serving
+        grid's streams through the router and the client, and for a prompt step priced from the loaded
+        prefill hop (``loaded``: its prompt tokens and the worker's utilisation, as ``prefill_slowdown``
+        took them) that pass's arrivals, in the part of its slowdown the step takes."""
         shared = self._shared[worker.worker_id]
-        busy = 1.0 + sum(1 for u in shared if u.busy and u is not worker) if shared else 1.0
+        busy = 1.0 + sum(u.core_share for u in shared if u.busy and u is not worker) if shared else 1.0
         factor = busy * worker.core_shortfall[0 if prompt else 1]
         if self._host_cost is not None:
             factor /= 1.0 - self.host_share(now)
@@ -509,6 +515,11 @@ class Simulator:
                 tokens_per_s = batch / step
                 embedded = (per_request / worker.profile.serving_stream_tokens + per_token) * tokens_per_s
                 factor *= 1.0 - min(HOST_SHARE_CAP, embedded / self._profiled_cores)
+            elif loaded is not None:
+                per_request, per_token = self._host_embedded
+                rate, taken = worker.profile.loaded_share(*loaded)
+                embedded = rate * (per_request + per_token * worker.profile.serving_stream_tokens)
+                factor *= 1.0 - min(HOST_SHARE_CAP, embedded / self._profiled_cores) * taken
         return factor
 
     def host_share(self, now: float) -> float:
