@@ -503,6 +503,48 @@ def test_a_prompt_step_priced_from_the_loaded_hop_is_not_stretched_again_by_the_
     assert with_host == pytest.approx(alone, rel=0.08)
 
 
+def test_a_busy_decode_worker_takes_its_computing_share_of_a_core_it_shares():
+    """1P + 2D on 2 cores puts the second decode worker on the prefill worker's core. While that decode
+    worker steps, a prompt step is stretched by the share of a core its decode step computes (the engine's
+    step over the served one: here half), not by a whole core; a busy prompt step takes a whole one."""
+    profile = make_profile(transfer_s=0.001)
+    decode = profile.workers["decode"]
+    decode.serving_decode_seconds = [[2 * s for s in row] for row in decode.decode_seconds]
+    decode.__post_init__()
+    assert decode.decode_cpu_share(4, 100) == pytest.approx(0.5)
+    assert profile.workers["prefill"].decode_cpu_share(4, 100) == 1.0  # no serving grid: all of its step
+    sim = Simulator(profile, SimConfig(num_prefill=1, num_decode=2, step_jitter=False, machine_cores=2,
+                                       routing_policy="round_robin"))
+    sim.run(synthetic(DatasetConfig(num_prompts=6, input_len=64, output_len=32), 50.0))
+    assert [w.core_share for w in sim.decode_workers] == [pytest.approx(0.5)] * 2  # their last steps: decode
+    prefill = sim.prefill_workers[0]
+    neighbour = next(w for w in sim.decode_workers if set(w.cores) & set(prefill.cores))
+    assert sim.core_contention(prefill, True) == pytest.approx(1.0)  # the neighbour idle
+    neighbour.busy = True
+    assert sim.core_contention(prefill, True) == pytest.approx(1.5)
+    prefill.busy, prefill.core_share = True, 1.0  # a prompt step in progress takes the whole core from it
+    assert sim.core_contention(neighbour, False) == pytest.approx(2.0)
+
+
+def test_a_decode_workers_work_on_each_request_it_takes_in_delays_its_next_step():
+    """A decode worker's ``serving_request_cpu_seconds`` (its process's CPU per disaggregated request outside
+    the steps: taking it in, receiving and installing the KV) runs between its steps: with requests one at a
+    time, each adds that much to the worker's busy time and to its request's first gap between tokens."""
+    def run(cpu_s: float) -> tuple[float, float]:
+        profile = make_profile(transfer_s=0.001)
+        decode = profile.workers["decode"]
+        decode.overhead_tokens, decode.overhead_seconds = [16, 1024], [0.0, 0.0]
+        decode.serving_request_cpu_seconds = [cpu_s, cpu_s]
+        sim = Simulator(profile, SimConfig(num_prefill=1, num_decode=1, step_jitter=False))
+        result = sim.run(synthetic(DatasetConfig(num_prompts=20, input_len=128, output_len=16, seed=1), 0.1))
+        assert result.sim["pools"]["decode"]["num_local_prefills"] == 0
+        return sim.decode_workers[0].busy_seconds, result.metrics["mean_tpot_ms"]
+
+    (busy, tpot), (busy_cpu, tpot_cpu) = run(0.0), run(0.005)
+    assert busy_cpu - busy == pytest.approx(20 * 0.005, rel=0.06)  # (a run's steps interpolate the context)
+    assert tpot_cpu - tpot == pytest.approx(5.0 / 15, rel=0.1)  # 5 ms more over a request's 15 gaps
+
+
 def test_sizer_grows_each_pool_with_the_load_it_carries():
     profile = make_profile(decode_base_s=0.01, decode_per_seq_s=0.01)
     sizer = ProfileSizer(profile, {"ttft": 200, "tpot": 100})

@@ -148,6 +148,10 @@ class WorkerProfile:
             ``decode_admission`` hop (the request's way to the decode worker, its engine loop taking it
             in, reserving its blocks and sending the prompt to the prefill worker), left out of
             ``overhead_seconds``; empty when not measured (``admission_seconds``).
+        serving_request_cpu_seconds: a decode worker's: for the same idle prompts, the CPU seconds its
+            process spent on each outside decode steps (taking the request in, receiving, checking and
+            installing its KV, emitting its first token), over its idle loop's; empty when not measured
+            (``request_cpu_seconds``). Under load that work sits between its steps.
 
     The tables are read made monotone (``isotonic``): a measured dip in a noisy machine's step times is
     averaged with its neighbours.
@@ -192,6 +196,7 @@ class WorkerProfile:
     serving_stream_tokens: int = 48
     serving_kv_transfer_seconds: list[float] = field(default_factory=list)
     serving_admission_seconds: list[float] = field(default_factory=list)
+    serving_request_cpu_seconds: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         # measured tables, made monotone (more tokens or sequences never take less time): noise averaged
@@ -222,6 +227,13 @@ class WorkerProfile:
         if not self.serving_admission_seconds:
             return 0.0
         return max(0.0, interp(self.overhead_tokens, self.serving_admission_seconds, num_prompt_tokens))
+
+    def request_cpu_seconds(self, num_prompt_tokens: float) -> float:
+        """CPU seconds this decode worker spends on a disaggregated request of ``num_prompt_tokens`` prompt
+        tokens outside its decode steps (``serving_request_cpu_seconds`` interpolated; 0 when not measured)."""
+        if not self.serving_request_cpu_seconds:
+            return 0.0
+        return max(0.0, interp(self.overhead_tokens, self.serving_request_cpu_seconds, num_prompt_tokens))
 
     def request_overhead(self, num_prompt_tokens: float) -> float:
         """Seconds a request of ``num_prompt_tokens`` spends outside the steps before its first token."""

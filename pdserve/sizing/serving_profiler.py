@@ -21,6 +21,7 @@ from pdserve.sizing.profile import LOADED_UTILIZATION, WorkerProfile
 
 OVERHEAD_TOKENS = (16, 128, 512, 1500)
 LOADED_PROMPTS = 24
+IDLE_LOOP_S = 0.5  # how long the idle cluster's decode worker is timed before its requests are
 
 
 class _Cluster:
@@ -169,13 +170,22 @@ def _scrape_phases(url: str):
 
 class _HostMeter:
     """CPU seconds (user + system) of a cluster's router processes and of this process (the streaming
-    client), read before and after a pass."""
+    client), read before and after a pass; ``decoders``: of its decode worker processes."""
 
     def __init__(self, launcher_pid: int):
         import psutil
 
         children = psutil.Process(launcher_pid).children(recursive=True)
         self.routers = [c for c in children if "router" in c.cmdline()]  # python -m pdserve router ... (workers: --router)
+        self.decode_workers = [c for c in children if "decode" in c.cmdline()[:4]]  # python -m pdserve decode ...
+
+    def decoders(self) -> float:
+        """CPU seconds of the decode worker processes so far."""
+        total = 0.0
+        for proc in self.decode_workers:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        return total
 
     def read(self) -> tuple[float, float]:
         router = 0.0
@@ -253,6 +263,9 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
     * ``serving_admission_seconds`` (disaggregated): those idle prompts' ``decode_admission`` hop, the
       decode worker taking the request in and sending the prompt on (the simulator adds it before the
       prefill worker gets the prompt, stretched as the decode worker's core is shared);
+    * ``serving_request_cpu_seconds`` (disaggregated): the decode worker process's CPU seconds per such
+      prompt (its requests carry one token: no decode steps), over what its loop spends idle (timed for
+      ``IDLE_LOOP_S`` first);
     * ``overhead_seconds``: those prompts' time to first token minus those hops: the router, the other
       hops, HTTP, and the per-request work that grows with the prompt (``request_overhead_s``: the
       shortest's);
@@ -279,6 +292,10 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         hop = "local_prefill_compute" if kind == "colocated" else "prefill_compute"
         overhead_tokens, overhead_seconds, prefill_seconds, idle_seconds, kv_seconds, admission_seconds = \
             [], [], [], [], [], []
+        request_cpu = []  # a decode worker's CPU seconds per request outside its steps (disaggregated)
+        idle_at, idle_cpu = time.monotonic(), meter.decoders()
+        time.sleep(IDLE_LOOP_S)  # the decode worker's loop with nothing to do: its CPU is not a request's
+        idle_rate = (meter.decoders() - idle_cpu) / (time.monotonic() - idle_at)
         for n in OVERHEAD_TOKENS:
             if n + num_idle + 2 >= engine.max_model_len - 1:
                 continue
@@ -287,10 +304,12 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             before = _scrape_phases(cluster.url)
             ttfts = []
             cpu_before = meter.read()
+            decode_before, pass_at = meter.decoders(), time.monotonic()
             for k in range(num_idle):  # lengths n, n + 1, ...: each new to the cluster, as in serving
                 sent, first = asyncio.run(_stream_batch(cluster.url, model_id, [prompt(n + k)], 1))[0][:2]
                 ttfts.append(first - sent)
             cpu_after = meter.read()
+            decode_cpu = meter.decoders() - decode_before - idle_rate * (time.monotonic() - pass_at)
             host_passes.append((num_idle, num_idle, num_idle, cpu_after[0] - cpu_before[0],
                                 cpu_after[1] - cpu_before[1]))
             phases = summarize(before, _scrape_phases(cluster.url))
@@ -313,6 +332,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             idle_seconds.append(compute)
             kv_seconds.append(kv_tail)
             admission_seconds.append(admission)
+            request_cpu.append(max(0.0, decode_cpu / num_idle))
             overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute - kv_tail - admission))
         grid, jitters = [], []
         for b in worker["decode_batch"]:
@@ -338,6 +358,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                 "serving_decode_seconds": grid,
                 "serving_kv_transfer_seconds": kv_seconds if kind == "decode" else [],
                 "serving_admission_seconds": admission_seconds if kind == "decode" else [],
+                "serving_request_cpu_seconds": request_cpu if kind == "decode" else [],
                 "serving_step_cv": statistics.median(jitters) if jitters else 0.0,
                 "host_cpu_seconds": host_cpu_fit(host_passes) if meter.routers else {},
                 "serving_stream_tokens": max_tokens}

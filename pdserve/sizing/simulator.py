@@ -201,6 +201,7 @@ class SimWorker:
         self.core_share = 1.0  # of its core the step in progress computes (a decode step waits part of its time)
         self.run: _Run | None = None  # the decode run in progress
         self.arrived_kv: list[str] = []  # requests whose KV arrived during the step in progress
+        self.request_cpu = 0.0  # seconds of work on requests taken in since the last step (its next one waits)
         self.num_runs = 0
         self.heartbeat_at = -math.inf
         self.busy_seconds = 0.0
@@ -269,6 +270,9 @@ class SimWorker:
                                             (prompt_tokens, utilization) if utilization is not None else None)
         if self.jitter_levels:  # a shared machine's step times scatter around the model's (mean kept)
             seconds *= self.jitter_levels[int(self.sim.rng.random() * JITTER_LEVELS)]
+        if self.request_cpu:  # the engine loop's work on the requests it took in runs before this step
+            seconds += self.request_cpu * self.sim.core_contention(self, False, now)
+            self.request_cpu = 0.0
         if self.load_aware:
             self._busy_recent = self._busy_recent * math.exp((self._busy_at - now - seconds) / UTILIZATION_WINDOW_S) \
                 + seconds
@@ -312,7 +316,7 @@ class SimWorker:
         an event per step. True if a run started. ``_cut_run`` ends it early, ``_run_end`` applies it."""
         sched = self.scheduler
         if out.block_copies or out.remote_prefills or out.preempted or sched.waiting \
-                or len(out.scheduled) != len(sched.running):
+                or len(out.scheduled) != len(sched.running) or self.request_cpu:  # that work: one step first
             return False
         steps = min(min(r.sampling_params.max_tokens - r.num_output_tokens, sched.config.max_model_len - r.num_tokens)
                     for r, _ in out.scheduled)
@@ -689,7 +693,11 @@ class Simulator:
 
     def take_kv(self, decode: SimWorker, request_id: str, now: float) -> None:
         """``decode``'s scheduler takes in ``request_id``, whose KV has arrived: its first token."""
-        self._records.hop("kv_transfer", now - self.tracked[request_id].computed)
+        tracked = self.tracked[request_id]
+        self._records.hop("kv_transfer", now - tracked.computed)
+        # its work outside the steps (taking it in, its KV received, checked, installed) delays the next step
+        decode.request_cpu += decode.profile.request_cpu_seconds(tracked.prompt_len) \
+            if tracked.prefill is not None else 0.0
         output = decode.scheduler.remote_kv_arrived(request_id, SAMPLED_TOKEN)
         if output is not None:
             self._tokens(request_id, 1, output.finished is not None, now)
