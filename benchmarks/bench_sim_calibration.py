@@ -14,7 +14,11 @@ leaves out.
     python benchmarks/bench_sim_calibration.py --profile /tmp/profile.json [--layouts colocated 1p1d 1p2d]
         [--rates colocated=2,6 1p1d=3,9 1p2d=3,9] [--num-prompts 150] [--out /tmp/calibration.json]
 
-Without ``--profile`` it profiles first (``pdserve profile``, a few minutes).
+Without ``--profile`` each layout is profiled right before its real runs, the kinds it needs only
+(``pdserve profile --kinds colocated``, or ``prefill,decode`` with the transfer; about a minute or two
+each), so a shared machine's drift between a profile and the runs it prices spans minutes, not the
+whole benchmark (this project's Xeon drifted 20-40% over a session); ``--profile P`` prices every
+layout from P.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import urllib.request
 LAYOUTS = {"colocated": ["--colocated"], "1p1d": ["--num-prefill", "1", "--num-decode", "1"],
            "1p2d": ["--num-prefill", "1", "--num-decode", "2"]}
 DEFAULT_RATES = {"colocated": [2.0, 6.0], "1p1d": [3.0, 9.0], "1p2d": [3.0, 9.0]}
+KINDS = {"colocated": "colocated", "1p1d": "prefill,decode", "1p2d": "prefill,decode"}  # what each layout's simulation reads
 WORKLOAD = ["--dataset", "random", "--random-input-len", "256", "--random-range-ratio", "0.5",
             "--prefix-len", "64", "--random-output-len", "48", "--goodput", "ttft:200", "tpot:25"]
 PDSERVE = [sys.executable, "-m", "pdserve"]
@@ -90,17 +95,20 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="pdserve-calibration-")
     model = args.model or subprocess.run(PDSERVE + ["default-model"], check=True, capture_output=True,
                                          text=True).stdout.strip().splitlines()[-1]
-    profile = args.profile
-    if profile is None:
-        profile = os.path.join(tmp, "profile.json")
-        subprocess.run(PDSERVE + ["profile", "--model", model, "--out", profile], check=True)
     cores = len(os.sched_getaffinity(0))
-    with open(profile) as f:
-        machine = json.load(f)["machine"]
-    print(f"CPU: {machine.get('cpu')} ({machine.get('isa')}), {cores} cores; profile {profile}", flush=True)
+    machine = None
     rows = []
     url = f"http://127.0.0.1:{args.port}"
     for layout in args.layouts:
+        profile = args.profile
+        if profile is None:  # this layout's kinds, measured now: the runs below follow within minutes
+            profile = os.path.join(tmp, f"profile-{layout}.json")
+            subprocess.run(PDSERVE + ["profile", "--model", model, "--kinds", KINDS[layout], "--out", profile,
+                                      "--disable-tqdm"], check=True)
+        with open(profile) as f:
+            machine = json.load(f)["machine"]
+        print(f"CPU: {machine.get('cpu')} ({machine.get('isa')}), {cores} cores; {layout}: profile {profile}",
+              flush=True)
         flags = LAYOUTS[layout]
         num_workers = 1 if layout == "colocated" else 1 + int(flags[-1])
         log = open(os.path.join(tmp, f"{layout}.log"), "w")
@@ -127,7 +135,7 @@ def main() -> int:
                                                     "--host-load", "router+client",
                                                     "--vocab-size", "4096", "--seed", seed, "--disable-tqdm", *line],
                                          os.path.join(tmp, f"{layout}-{rate}-sim{run}.json")))
-                row = {"layout": layout, "rate": rate}
+                row = {"layout": layout, "rate": rate, "profile": profile}
                 for key in KEYS:
                     a, b = real[0][key], real[1][key]
                     mean = (a + b) / 2
