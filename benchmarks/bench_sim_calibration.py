@@ -36,7 +36,8 @@ import urllib.request
 LAYOUTS = {"colocated": ["--colocated"], "1p1d": ["--num-prefill", "1", "--num-decode", "1"],
            "1p2d": ["--num-prefill", "1", "--num-decode", "2"]}
 DEFAULT_RATES = {"colocated": [2.0, 6.0], "1p1d": [3.0, 9.0], "1p2d": [3.0, 9.0]}
-KINDS = {"colocated": "colocated", "1p1d": "prefill,decode", "1p2d": "prefill,decode"}  # what each layout's simulation reads
+# the worker kinds each layout's simulation reads from the profile
+KINDS = {"colocated": "colocated", "1p1d": "prefill,decode", "1p2d": "prefill,decode"}
 WORKLOAD = ["--dataset", "random", "--random-input-len", "256", "--random-range-ratio", "0.5",
             "--prefix-len", "64", "--random-output-len", "48", "--goodput", "ttft:200", "tpot:25"]
 PDSERVE = [sys.executable, "-m", "pdserve"]

@@ -177,7 +177,8 @@ class _HostMeter:
 
         children = psutil.Process(launcher_pid).children(recursive=True)
         self.routers = [c for c in children if "router" in c.cmdline()]  # python -m pdserve router ... (workers: --router)
-        self.decode_workers = [c for c in children if "decode" in c.cmdline()[:4]]  # python -m pdserve decode ...
+        # python -m pdserve decode ...
+        self.decode_workers = [c for c in children if "decode" in c.cmdline()[:4]]
 
     def decoders(self) -> float:
         """CPU seconds of the decode worker processes so far."""

@@ -504,11 +504,12 @@ class Simulator:
         ``step`` seconds as the profile gives them) runs than profiled: fewer cores than it was profiled
         with (``WorkerProfile.fewer_cores_slowdown``), the workers sharing its cores that are busy now (one
         more share each: all of a core for a prompt step, a decode step's computing part,
-        ``WorkerProfile.decode_cpu_share``), and the host processes' share of the machine (``host_share``: a step takes
-        ``1 / (1 - share)`` as long), net of the share the profile's own measurement had: the serving
-        grid's streams through the router and the client, and for a prompt step priced from the loaded
-        prefill hop (``loaded``: its prompt tokens and the worker's utilisation, as ``prefill_slowdown``
-        took them) that pass's arrivals, in the part of its slowdown the step takes."""
+        ``WorkerProfile.decode_cpu_share``), and the host processes' share of the machine
+        (``host_share``: a step takes ``1 / (1 - share)`` as long), net of the share the profile's own
+        measurement had: the serving grid's streams through the router and the client, and for a prompt
+        step priced from the loaded prefill hop (``loaded``: its prompt tokens and the worker's
+        utilisation, as ``prefill_slowdown`` took them) that pass's arrivals, in the part of its slowdown
+        the step takes."""
         shared = self._shared[worker.worker_id]
         busy = 1.0 + sum(u.core_share for u in shared if u.busy and u is not worker) if shared else 1.0
         factor = busy * worker.core_shortfall[0 if prompt else 1]
@@ -696,8 +697,7 @@ class Simulator:
         tracked = self.tracked[request_id]
         self._records.hop("kv_transfer", now - tracked.computed)
         # its work outside the steps (taking it in, its KV received, checked, installed) delays the next step
-        decode.request_cpu += decode.profile.request_cpu_seconds(tracked.prompt_len) \
-            if tracked.prefill is not None else 0.0
+        decode.request_cpu += decode.profile.request_cpu_seconds(tracked.prompt_len)
         output = decode.scheduler.remote_kv_arrived(request_id, SAMPLED_TOKEN)
         if output is not None:
             self._tokens(request_id, 1, output.finished is not None, now)

@@ -20,7 +20,8 @@ def causal_attention(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, 
     online softmax: FlashAttention's scheme) where it measured faster than SDPA on this CPU, at this
     many keys, when the engine loaded (``pdserve.engine.layers.kernel_choice``); anything else, or no C++
     compiler, through SDPA. For SDPA a float32 chunk after enough cached rows (``splits``), on CPU, is
-    split in two (``chunk_sdpa``: no mask; values as wide as keys); other chunks need an explicit [Q, L] mask, kept in ``masks[index]`` and reused by later layers."""
+    split in two (``chunk_sdpa``: no mask; values as wide as keys); other chunks need an explicit [Q, L]
+    mask, kept in ``masks[index]`` and reused by later layers."""
     num_q, num_heads, head_dim = query.shape
     num_k, num_kv_heads, v_dim = value.shape
     lib = load_prefill_attention() if query.dtype == key.dtype == value.dtype == torch.float32 and \
@@ -83,7 +84,8 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 def chunk_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_rep: int,
                scale: float) -> torch.Tensor:
     """Attention of a prefill chunk's rows query [Q, H, D] over key [L, H_kv, D] / value [L, H_kv, D]
-    (torch's CPU flash kernel wants values as wide as keys), L > Q, the first L - Q rows cached (row j sees keys 0 .. L - Q + j) -> [Q, H, D] float32, on CPU.
+    (torch's CPU flash kernel wants values as wide as keys), L > Q, the first L - Q rows cached (row j
+    sees keys 0 .. L - Q + j) -> [Q, H, D] float32, on CPU.
 
     Two flash-attention calls instead of one under a [Q, L] mask: the rows over the cached keys, which
     every row sees whole (no mask; each KV head's ``num_rep`` query heads folded into its rows, so K/V are
