@@ -515,14 +515,15 @@ class Simulator:
         factor = busy * worker.core_shortfall[0 if prompt else 1]
         if self._host_cost is not None:
             factor /= 1.0 - self.host_share(now)
+            # the measurement the step is priced from ran its streams (of serving_stream_tokens tokens each)
+            # at ``rate`` requests a second through the router and the client; ``taken``: of its slowdown
+            rate, taken = 0.0, 1.0
             if not prompt and batch and step > 0 and worker.profile.serving_decode_seconds:
-                per_request, per_token = self._host_embedded
-                tokens_per_s = batch / step
-                embedded = (per_request / worker.profile.serving_stream_tokens + per_token) * tokens_per_s
-                factor *= 1.0 - min(HOST_SHARE_CAP, embedded / self._profiled_cores)
+                rate = batch / step / worker.profile.serving_stream_tokens
             elif loaded is not None:
-                per_request, per_token = self._host_embedded
                 rate, taken = worker.profile.loaded_share(*loaded)
+            if rate:
+                per_request, per_token = self._host_embedded
                 embedded = rate * (per_request + per_token * worker.profile.serving_stream_tokens)
                 factor *= 1.0 - min(HOST_SHARE_CAP, embedded / self._profiled_cores) * taken
         return factor
