@@ -245,6 +245,24 @@ def test_step_jitter_has_mean_one_and_the_profiled_spread():
     assert sim.jitter_levels(0.25) is levels  # built once per cv
 
 
+def test_a_prefill_workers_prompt_steps_scatter_by_the_lone_prompts_measured_spread():
+    """A prompt step with no decode rows is drawn with the profile's ``serving_prefill_cv`` (the scatter of
+    lone prompts' TTFT): lone prompts, far apart, of one length get that spread around the same mean; a
+    prefill worker profiled without it runs each such step exactly as the model says (its decode cv is 0)."""
+    def ttft(cv: float) -> dict:
+        profile = make_profile()
+        profile.workers["prefill"].serving_prefill_cv = cv
+        requests = [one(200, 4, at=1.0 * i, index=i) for i in range(400)]
+        return Simulator(profile, SimConfig(num_prefill=1, num_decode=1)).run(requests).metrics
+
+    exact, scattered = ttft(0.0), ttft(0.3)
+    step_ms = 1000 * make_profile().workers["prefill"].prefill(200)  # one step: the whole prompt
+    assert exact["std_ttft_ms"] == pytest.approx(0.0, abs=1e-6)
+    assert scattered["std_ttft_ms"] == pytest.approx(0.3 * step_ms, rel=0.15)
+    assert scattered["mean_ttft_ms"] == pytest.approx(exact["mean_ttft_ms"], rel=0.05)
+    assert scattered["p90_ttft_ms"] > exact["p90_ttft_ms"] + 0.25 * step_ms
+
+
 def test_a_runs_gaps_enter_the_itl_histogram_as_one_by_one():
     bulk, single = LatencyHistogram(), LatencyHistogram()
     times = [0.0, 0.004, 0.009, 0.0151, 0.0152, 0.03]

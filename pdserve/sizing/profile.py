@@ -130,6 +130,11 @@ class WorkerProfile:
         serving_step_cv: the coefficient of variation of the decode steps the clients saw (their
             jitter on a shared machine; the simulator draws each step's length around the model's with
             it); 0 when not measured.
+        serving_prefill_cv: the worker that prefills: the scatter of a lone prompt's time to first token
+            between prompts of one length at idle (their standard deviation over the prompt's steps' mean,
+            the median over ``serving_prefill_tokens``); the simulator draws a step of prompt tokens
+            alone (no decode rows) around the model's with it; 0 when not measured (such a step then
+            takes the worker's ``serving_step_cv``).
         one_core_prefill_ratio, one_core_decode_ratio: a prompt step's and a decode step's seconds on one
             of its cores over its seconds on all ``cores`` (medians over a few points; how a worker placed
             on fewer cores than profiled slows: a small model's steps barely use a second thread); 0 when
@@ -192,6 +197,7 @@ class WorkerProfile:
     serving_prefill_seconds: list[float] = field(default_factory=list)
     serving_prefill_idle_seconds: list[float] = field(default_factory=list)
     serving_prefill_utilization: float = 0.0
+    serving_prefill_cv: float = 0.0
     host_cpu_seconds: dict = field(default_factory=dict)
     serving_stream_tokens: int = 48
     serving_kv_transfer_seconds: list[float] = field(default_factory=list)

@@ -473,6 +473,7 @@ def run_profile(model: str, out: str, kinds: list[str], flags: list[str], repeat
             prefiller["serving_prefill_seconds"] = figures.pop("serving_prefill_seconds")
             prefiller["serving_prefill_idle_seconds"] = figures.pop("serving_prefill_idle_seconds")
             prefiller["serving_prefill_utilization"] = figures.pop("serving_prefill_utilization")
+            prefiller["serving_prefill_cv"] = figures.pop("serving_prefill_cv")
             w.update(figures)
     profile = Profile.from_dict({
         "kind": "pdserve-profile", "version": PROFILE_VERSION,

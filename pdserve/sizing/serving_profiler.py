@@ -270,7 +270,10 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
     * ``overhead_seconds``: those prompts' time to first token minus those hops: the router, the other
       hops, HTTP, and the per-request work that grows with the prompt (``request_overhead_s``: the
       shortest's);
-    * ``serving_step_cv``: the steps' jitter the clients saw (``step_jitter``, the median over the grid).
+    * ``serving_step_cv``: the steps' jitter the clients saw (``step_jitter``, the median over the grid);
+    * ``serving_prefill_cv``: the idle prompts' scatter: their TTFTs' standard deviation over the
+      prompt hop's mean, per length, the median (a step of prompt tokens alone is drawn around the model's
+      with it; the TTFT's other hops scatter too and are counted in it, as the simulator keeps them fixed).
     """
     import asyncio
 
@@ -294,6 +297,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         overhead_tokens, overhead_seconds, prefill_seconds, idle_seconds, kv_seconds, admission_seconds = \
             [], [], [], [], [], []
         request_cpu = []  # a decode worker's CPU seconds per request outside its steps (disaggregated)
+        scatter = []  # per length: the idle prompts' TTFT standard deviation over the prompt's steps
         idle_at, idle_cpu = time.monotonic(), meter.decoders()
         time.sleep(IDLE_LOOP_S)  # the decode worker's loop with nothing to do: its CPU is not a request's
         idle_rate = (meter.decoders() - idle_cpu) / (time.monotonic() - idle_at)
@@ -335,6 +339,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             admission_seconds.append(admission)
             request_cpu.append(max(0.0, decode_cpu / num_idle))
             overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute - kv_tail - admission))
+            if len(ttfts) > 1 and compute > 0:
+                scatter.append(statistics.stdev(ttfts) / compute)
         grid, jitters = [], []
         for b in worker["decode_batch"]:
             row = []
@@ -361,6 +367,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                 "serving_admission_seconds": admission_seconds if kind == "decode" else [],
                 "serving_request_cpu_seconds": request_cpu if kind == "decode" else [],
                 "serving_step_cv": statistics.median(jitters) if jitters else 0.0,
+                "serving_prefill_cv": statistics.median(scatter) if scatter else 0.0,
                 "host_cpu_seconds": host_cpu_fit(host_passes) if meter.routers else {},
                 "serving_stream_tokens": max_tokens}
     finally:

@@ -30,7 +30,8 @@ measured (in proportion to the cores where it did not), and cores shared by
 workers stretch a step by the number of busy workers on its cores when it starts (processor sharing,
 fixed at the step's start). Each step's length is drawn around the model's with the jitter the profile
 measured in the real cluster (a lognormal factor of mean 1 and the measured coefficient of variation;
-seeded), which spreads the tail.
+seeded), which spreads the tail: a step of prompt tokens alone by lone prompts' scatter, the others by the
+decode streams'.
 
 Not modelled: the router's HTTP and tokenizer work under load (a fixed overhead per request by prompt
 length, measured at idle), contention that grows with load,
@@ -197,6 +198,9 @@ class SimWorker:
         # a step's length over the model's: levels[int(random() * JITTER_LEVELS)], lognormal of mean 1 and
         # coefficient of variation cv (None: no jitter)
         self.jitter_levels = sim.jitter_levels(cv) if cv > 0 and sim.config.step_jitter else None
+        # a step of prompt tokens alone: the scatter lone prompts showed, where measured
+        cv = profile.serving_prefill_cv
+        self.prompt_jitter_levels = sim.jitter_levels(cv) if cv > 0 and sim.config.step_jitter else self.jitter_levels
         self.busy = False
         self.core_share = 1.0  # of its core the step in progress computes (a decode step waits part of its time)
         self.run: _Run | None = None  # the decode run in progress
@@ -268,8 +272,9 @@ class SimWorker:
                                             context / num_decode if num_decode else 0.0, utilization)
         seconds *= self.sim.core_contention(self, prompt_tokens > 0, now, num_decode, seconds,
                                             (prompt_tokens, utilization) if utilization is not None else None)
-        if self.jitter_levels:  # a shared machine's step times scatter around the model's (mean kept)
-            seconds *= self.jitter_levels[int(self.sim.rng.random() * JITTER_LEVELS)]
+        levels = self.prompt_jitter_levels if prompt_tokens and not num_decode else self.jitter_levels
+        if levels:  # a shared machine's step times scatter around the model's (mean kept)
+            seconds *= levels[int(self.sim.rng.random() * JITTER_LEVELS)]
         if self.request_cpu:  # the engine loop's work on the requests it took in runs before this step
             seconds += self.request_cpu * self.sim.core_contention(self, False, now)
             self.request_cpu = 0.0
