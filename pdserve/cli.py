@@ -158,16 +158,18 @@ def _cmd_router(args: argparse.Namespace) -> int:
         print(f"pdserve router: error: {e}", file=sys.stderr)
         return 2
     run_router(config)
-    return 0
+    _exit_now(0)
+    return 0  # not reached
 
 
 def _exit_now(code: int) -> None:
-    """Leave a worker or rank process once it has shut down cleanly, skipping interpreter teardown.
+    """Leave a router, worker or rank process once it has shut down cleanly, skipping interpreter teardown.
 
     Its sockets are closed and its messages sent by now; what teardown would add is C++ static
     destruction, which aborts the process ("terminate called without an active exception", exit -6)
     while a gloo thread is still connecting a KV pair or a group, and a launcher would then see a
-    failure where there was a clean exit.
+    failure where there was a clean exit; and for a router, ~0.9 s of CPU freeing what the tokenizer,
+    torch and uvicorn hold (two thirds of a stopped router's exit on a 2-core Xeon).
     """
     sys.stdout.flush()
     sys.stderr.flush()

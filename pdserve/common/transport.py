@@ -104,7 +104,8 @@ class Mailbox:
     """
 
     _POLL_MS = 100
-    _LINGER_MS = 500  # at close, how long queued messages may take to leave (a dead peer: dropped)
+    _LINGER_MS = 500  # at close, how long queued messages may take to leave (a dead peer: dropped; a watched
+    # peer whose connection is down, e.g. a router stopped first: dropped at once)
 
     def __init__(self, host: str, port: int | None = None, watch: str | Sequence[str] | None = None,
                  keys: CurveKeys | None = None):
@@ -219,8 +220,8 @@ class Mailbox:
             sock.send_multipart(frames, copy=False)
         for monitor in monitors.values():
             monitor.close(linger=0)
-        for sock in sockets.values():
-            sock.close(linger=self._LINGER_MS)
+        for addr, sock in sockets.items():  # a watched peer known to be down takes nothing more: no linger
+            sock.close(linger=0 if self._down_since.get(addr) is not None else self._LINGER_MS)
 
     def _read_monitor(self, addr: str, monitor: zmq.Socket) -> None:
         """Track a watched peer's TCP connection from its socket monitor's events."""
