@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 
 import pytest
 
@@ -261,6 +262,19 @@ def test_a_prefill_workers_prompt_steps_scatter_by_the_lone_prompts_measured_spr
     assert scattered["std_ttft_ms"] == pytest.approx(0.3 * step_ms, rel=0.15)
     assert scattered["mean_ttft_ms"] == pytest.approx(exact["mean_ttft_ms"], rel=0.05)
     assert scattered["p90_ttft_ms"] > exact["p90_ttft_ms"] + 0.25 * step_ms
+
+
+def test_lone_prompts_scatter_is_measured_robustly_so_one_stalled_request_does_not_triple_it():
+    """``robust_std`` on eight idle TTFTs (ms) of one length measured on the Xeon, one of them a stalled
+    request: the plain standard deviation more than triples with it, the robust one grows by half."""
+    from pdserve.sizing.serving_profiler import robust_std
+
+    calm = [10.85, 12.46, 9.53, 10.8, 10.89, 10.02, 11.81, 11.2]
+    stalled = calm[:-1] + [20.07]
+    assert robust_std([5.0] * 8) == 0.0
+    assert robust_std(calm) == pytest.approx(1.4826 * 0.6, rel=0.2)
+    assert statistics.stdev(stalled) > 3 * statistics.stdev(calm)
+    assert robust_std(stalled) < 1.6 * robust_std(calm)
 
 
 def test_a_runs_gaps_enter_the_itl_histogram_as_one_by_one():

@@ -141,6 +141,14 @@ def step_jitter(streams: list[list[float]]) -> float | None:
     return statistics.pstdev(gaps) / mean if mean > 0 else None
 
 
+def robust_std(values: list[float]) -> float:
+    """The standard deviation of ``values`` (at least one) estimated from their median absolute deviation
+    (times 1.4826, its ratio to the standard deviation of a normal distribution): a few outliers, such as a
+    request that met a stalled core, do not move it."""
+    middle = statistics.median(values)
+    return 1.4826 * statistics.median(abs(v - middle) for v in values)
+
+
 def _step_seconds(streams: list[list[float]]) -> float:
     """The decode step as the clients saw it while every stream was decoding: the window from the last
     stream's first token to the first stream's last token, times the streams, over the tokens (chunks)
@@ -271,9 +279,10 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
       hops, HTTP, and the per-request work that grows with the prompt (``request_overhead_s``: the
       shortest's);
     * ``serving_step_cv``: the steps' jitter the clients saw (``step_jitter``, the median over the grid);
-    * ``serving_prefill_cv``: the idle prompts' scatter: their TTFTs' standard deviation over the
-      prompt hop's mean, per length, the median (a step of prompt tokens alone is drawn around the model's
-      with it; the TTFT's other hops scatter too and are counted in it, as the simulator keeps them fixed).
+    * ``serving_prefill_cv``: the idle prompts' scatter: their TTFTs' standard deviation (``robust_std``: one
+      stalled request of eight triples a plain one) over the prompt hop's mean, per length, the median (a
+      step of prompt tokens alone is drawn around the model's with it; the TTFT's other hops scatter too
+      and are counted in it, as the simulator keeps them fixed).
     """
     import asyncio
 
@@ -339,8 +348,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             admission_seconds.append(admission)
             request_cpu.append(max(0.0, decode_cpu / num_idle))
             overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute - kv_tail - admission))
-            if len(ttfts) > 1 and compute > 0:
-                scatter.append(statistics.stdev(ttfts) / compute)
+            if len(ttfts) > 2 and compute > 0:
+                scatter.append(robust_std(ttfts) / compute)
         grid, jitters = [], []
         for b in worker["decode_batch"]:
             row = []
