@@ -8,6 +8,7 @@ poll and stop one router or worker; ``ClusterLauncher`` decides when.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import signal
@@ -385,15 +386,13 @@ def serve_until_stopped(cluster, on_up: Callable[[], Callable[[], None]] | None 
               f"{spec.num_prefill} prefill, {spec.num_decode} decode). Ctrl-C stops it.", flush=True)
         if on_up is not None:
             stop_controller = on_up()
-        next_round = 0.0
-        while not stopping:  # a signal is seen within 0.1 s (a sleep resumes after its handler); rounds 0.5 s apart
-            if time.monotonic() >= next_round:
-                if fatal := cluster.supervise_once():
-                    print(f"pdserve: process exited: {', '.join(fatal)}; stopping", file=sys.stderr)
-                    return 1
-                next_round = time.monotonic() + 0.5
+        for tick in itertools.count():  # a signal seen within 0.1 s (a sleep resumes after it), rounds 0.5 s apart
+            if stopping:
+                return 0
+            if tick % 5 == 0 and (fatal := cluster.supervise_once()):
+                print(f"pdserve: process exited: {', '.join(fatal)}; stopping", file=sys.stderr)
+                return 1
             time.sleep(0.1)
-        return 0
     except RuntimeError as e:
         print(f"pdserve: {e}", file=sys.stderr)
         return 1
