@@ -14,6 +14,14 @@ leaves out.
     python benchmarks/bench_sim_calibration.py --profile /tmp/profile.json [--layouts colocated 1p1d 1p2d]
         [--rates colocated=2,6 1p1d=3,9 1p2d=3,9] [--num-prompts 150] [--out /tmp/calibration.json]
 
+``--resimulate DIR [DIR ...]`` runs nothing real: it simulates again, with the code as it is now, every
+cell a calibration run left in DIR (its ``profile-LAYOUT.json`` or ``profile.json``, and each real run's
+result with its seed), and scores them, so a change to the cost model is judged on many real runs at once
+(the runs of a noisy machine differ more between themselves than one change moves them).
+
+A cell passes when the simulated figure is within issue 40's bound of the two real runs' mean (TTFT p50 and
+TPOT p50 5%, TTFT p90 10%) or within the two runs' spread where that is wider; the count is printed last.
+
 Without ``--profile`` each layout is profiled right before its real runs, the kinds it needs only
 (``pdserve profile --kinds colocated``, or ``prefill,decode`` with the transfer; about a minute or two
 each), so a shared machine's drift between a profile and the runs it prices spans minutes, not the
@@ -77,6 +85,58 @@ def run_json(cmd: list[str], path: str) -> dict:
 
 
 KEYS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")
+BOUNDS = {"median_ttft_ms": 0.05, "p90_ttft_ms": 0.10, "median_tpot_ms": 0.05}  # issue 40 item 3
+
+
+def simulate(profile: str, layout: str, rate: float, seed: int, cores: int, num_prompts: int, path: str) -> dict:
+    """``pdserve simulate`` of one real run's workload (same line, same seed) on ``layout`` placed on ``cores``."""
+    num_prefill, num_decode = (0, 1) if layout == "colocated" else (1, int(LAYOUTS[layout][-1]))
+    line = [*WORKLOAD, "--num-prompts", str(num_prompts), "--request-rate", str(rate)]
+    return run_json(PDSERVE + ["simulate", "--profile", profile, "--prefill", str(num_prefill),
+                               "--decode", str(num_decode), "--machine-cores", str(cores),
+                               "--host-load", "router+client",
+                               "--vocab-size", "4096", "--seed", str(seed), "--disable-tqdm", *line], path)
+
+
+def score(layout: str, rate: float, profile: str, real: list[dict], sims: list[dict]) -> dict:
+    """A table row: per figure the two real runs, the simulations' mean, its error against the real mean, the
+    real spread, and whether it passes (within ``BOUNDS`` or the spread)."""
+    row = {"layout": layout, "rate": rate, "profile": profile}
+    for key in KEYS:
+        a, b = real[0][key], real[1][key]
+        mean = (a + b) / 2
+        s = (sims[0][key] + sims[1][key]) / 2
+        error, spread = (s - mean) / mean, abs(a - b) / mean
+        row[key] = {"real": [a, b], "sim": s, "sims": [sims[0][key], sims[1][key]], "error": error,
+                    "spread": spread, "passes": abs(error) <= max(BOUNDS[key], spread)}
+    row["sim_wall_s"] = sims[0]["sim"]["wall_seconds"]
+    return row
+
+
+def resimulate(dirs: list[str]) -> list[dict]:
+    """Every cell the calibration runs in ``dirs`` left, simulated again with this code (see the docstring)."""
+    rows = []
+    for d in dirs:
+        for layout in LAYOUTS:
+            profile = os.path.join(d, f"profile-{layout}.json")
+            if not os.path.exists(profile):
+                profile = os.path.join(d, "profile.json")
+            rates = sorted({float(f.split("-")[1]) for f in os.listdir(d) if f.startswith(f"{layout}-")
+                            and f.endswith("-real0.json")})
+            for rate in rates:
+                real = []
+                for run in range(2):
+                    with open(os.path.join(d, f"{layout}-{rate}-real{run}.json")) as f:
+                        real.append(json.load(f))
+                cores = len(os.sched_getaffinity(0))
+                if os.path.exists(saved := os.path.join(d, f"{layout}-{rate}-sim0.json")):
+                    with open(saved) as f:
+                        cores = json.load(f).get("machine_cores") or cores  # as that run placed its workers
+                sims = [simulate(profile, layout, rate, r["seed"], cores, r["num_prompts"],
+                                 os.path.join(d, f"{layout}-{rate}-resim{run}.json")) for run, r in enumerate(real)]
+                rows.append(score(layout, rate, profile, real, sims))
+                print(f"{d}: " + format_row(rows[-1]), flush=True)
+    return rows
 
 
 def main() -> int:
@@ -88,7 +148,14 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=100)
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--resimulate", nargs="+", default=None, metavar="DIR",
+                    help="simulate again the cells of earlier runs' directories (nothing real runs)")
     args = ap.parse_args()
+    if args.resimulate:
+        rows = resimulate(args.resimulate)
+        print(table(rows))
+        print(passing(rows))
+        return 0
     rates = dict(DEFAULT_RATES)
     for item in args.rates:
         name, _, values = item.partition("=")
@@ -124,37 +191,32 @@ def main() -> int:
                            check=True, stdout=subprocess.DEVNULL)
             for r, rate in enumerate(rates[layout]):
                 line = [*WORKLOAD, "--num-prompts", str(args.num_prompts), "--request-rate", str(rate)]
-                num_prefill, num_decode = (0, 1) if layout == "colocated" else (1, int(flags[-1]))
                 real, sims = [], []
                 for run in range(2):  # each run its own prompts and arrivals (a seed), never cached before
-                    seed = str(10 * r + run)
+                    seed = 10 * r + run
                     real.append(run_json(PDSERVE + ["bench", "serve", "--url", url, "--num-warmups", "4",
-                                                    "--seed", seed, "--disable-tqdm", "--vocab-size", "4096", *line],
-                                         os.path.join(tmp, f"{layout}-{rate}-real{run}.json")))
-                    sims.append(run_json(PDSERVE + ["simulate", "--profile", profile, "--prefill", str(num_prefill),
-                                                    "--decode", str(num_decode), "--machine-cores", str(cores),
-                                                    "--host-load", "router+client",
-                                                    "--vocab-size", "4096", "--seed", seed, "--disable-tqdm", *line],
+                                                    "--seed", str(seed), "--disable-tqdm", "--vocab-size", "4096",
+                                                    *line], os.path.join(tmp, f"{layout}-{rate}-real{run}.json")))
+                    sims.append(simulate(profile, layout, rate, seed, cores, args.num_prompts,
                                          os.path.join(tmp, f"{layout}-{rate}-sim{run}.json")))
-                row = {"layout": layout, "rate": rate, "profile": profile}
-                for key in KEYS:
-                    a, b = real[0][key], real[1][key]
-                    mean = (a + b) / 2
-                    s = (sims[0][key] + sims[1][key]) / 2
-                    row[key] = {"real": [a, b], "sim": s, "sims": [sims[0][key], sims[1][key]],
-                                "error": (s - mean) / mean, "spread": abs(a - b) / mean}
-                row["sim_wall_s"] = sims[0]["sim"]["wall_seconds"]
-                rows.append(row)
-                print(format_row(row), flush=True)
+                rows.append(score(layout, rate, profile, real, sims))
+                print(format_row(rows[-1]), flush=True)
         finally:
             stop(proc)
             log.close()
     print(table(rows))
+    print(passing(rows))
+    print(f"the runs' directory (for --resimulate): {tmp}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"machine": machine, "cores": cores, "workload": WORKLOAD, "num_prompts": args.num_prompts,
                        "rows": rows}, f, indent=2)
     return 0
+
+
+def passing(rows: list[dict]) -> str:
+    cells = [row[key].get("passes") for row in rows for key in KEYS]
+    return f"{sum(1 for c in cells if c)} of {len(cells)} cells within the bound or the real spread"
 
 
 def format_row(row: dict) -> str:
