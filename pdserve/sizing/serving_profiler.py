@@ -74,6 +74,16 @@ class _Cluster:
         self.log.close()
 
 
+def request_body(url: str, model_id: str, prompt: list[int], max_tokens: int) -> dict:
+    """A profiling request's JSON body: ``pdserve bench serve``'s own (``bench.serve.request_body``: greedy,
+    EOS ignored, usage streamed), so what the profile times is what a benchmark's requests cost (a request
+    sampled at the API's default temperature 1 took ~15% longer a decode step on the default model here)."""
+    from pdserve.bench.datasets import BenchRequest
+    from pdserve.bench.serve import ServeConfig, request_body as bench_body
+
+    return bench_body(ServeConfig(url=url), model_id, BenchRequest(prompt=prompt, output_len=max_tokens))
+
+
 async def _stream_poisson(url: str, model_id: str, prompts: list[list[int]], max_tokens: int, rate: float,
                           seed: int = 0) -> None:
     """Stream ``prompts`` arriving as a Poisson process of ``rate`` per second (seeded), each to its end."""
@@ -90,7 +100,7 @@ async def _stream_poisson(url: str, model_id: str, prompts: list[list[int]], max
 
     async def one(client, prompt, offset) -> None:
         await asyncio.sleep(offset)
-        body = {"model": model_id, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        body = request_body(url, model_id, prompt, max_tokens)
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             async for _ in resp.aiter_lines():
                 pass
@@ -108,7 +118,7 @@ async def _stream_batch(url: str, model_id: str, prompts: list[list[int]], max_t
     import httpx
 
     async def one(client, prompt) -> list[float]:
-        body = {"model": model_id, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+        body = request_body(url, model_id, prompt, max_tokens)
         times = [time.perf_counter()]
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
             async for line in resp.aiter_lines():
