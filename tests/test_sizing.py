@@ -279,7 +279,7 @@ def test_lone_prompts_scatter_is_measured_robustly_so_one_stalled_request_does_n
 
 def test_the_profiler_times_the_requests_a_benchmark_sends():
     """The serving passes' requests are ``pdserve bench serve``'s own: greedy, EOS ignored (each stream decodes
-    exactly its tokens), usage streamed. Sampled at the API's default temperature 1, a decode step on the
+    exactly its tokens), usage streamed; the engine passes' are greedy too. Sampled at the API's default temperature 1, a decode step on the
     default model took ~15% longer than a benchmark's greedy one on the same cluster."""
     from pdserve.bench.datasets import BenchRequest
     from pdserve.bench.serve import ServeConfig, request_body as bench_body
@@ -288,6 +288,9 @@ def test_the_profiler_times_the_requests_a_benchmark_sends():
     body = request_body("http://127.0.0.1:1", "m", [5, 6, 7], 48)
     assert body == bench_body(ServeConfig(url="http://127.0.0.1:1"), "m", BenchRequest([5, 6, 7], 48))
     assert body["temperature"] == 0.0 and body["ignore_eos"] is True and body["max_tokens"] == 48
+    from pdserve.sizing.profiler import _greedy  # the engine passes sample the same way
+
+    assert (_greedy(48).temperature, _greedy(48).ignore_eos, _greedy(48).max_tokens) == (0.0, True, 48)
 
 
 def test_a_runs_gaps_enter_the_itl_histogram_as_one_by_one():

@@ -51,6 +51,14 @@ SCALING_BATCHES = (1, 8, 32)  # timed on one of them (``one_core_ratios``)
 _CTX = mp.get_context("spawn")
 
 
+def _greedy(max_tokens: int):
+    """A profiled request's sampling: ``pdserve bench serve``'s (greedy, EOS ignored), as the serving passes
+    send it (``serving_profiler.request_body``)."""
+    from pdserve.common.protocol import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
 def machine_facts() -> dict:
     """The CPU (model name, AVX2 / AVX-512 / AMX), cores, Python and torch versions."""
     facts = {"cores": len(os.sched_getaffinity(0)), "python": platform.python_version(), "machine": platform.machine()}
@@ -115,7 +123,6 @@ def measure_worker(kind: str, model: str, flags: list[str], cores: list[int], re
     ``scaling_only``: only ``SCALING_PROMPTS`` and ``SCALING_BATCHES`` at one decode context (the second
     of ``DECODE_CONTEXTS`` the model allows), no cached-prefix points (the few points that compare
     ``cores`` with the full profile's)."""
-    from pdserve.common.protocol import SamplingParams
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.core import EngineCore
 
@@ -168,7 +175,7 @@ def measure_worker(kind: str, model: str, flags: list[str], cores: list[int], re
             samples = []
             for r in range(repeats):
                 rid = f"p{next(counter)}"
-                core.add_request(rid, prefix + prompt(fresh_length(n)), SamplingParams(max_tokens=1, ignore_eos=True))
+                core.add_request(rid, prefix + prompt(fresh_length(n)), _greedy(1))
                 samples.append(sum(timed_steps({rid})))
             if on_point:
                 on_point()
@@ -182,7 +189,7 @@ def measure_worker(kind: str, model: str, flags: list[str], cores: list[int], re
         cached_points = []
         for k in PREFILL_CACHED if not scaling_only else ():
             prefix = prompt(k)
-            core.add_request(f"prefix{k}", prefix + [5], SamplingParams(max_tokens=1, ignore_eos=True))
+            core.add_request(f"prefix{k}", prefix + [5], _greedy(1))
             timed_steps({f"prefix{k}"})
             for n in CACHED_NEW_TOKENS:
                 if k + n < max_len - 1 and n <= budget:
@@ -203,7 +210,7 @@ def measure_worker(kind: str, model: str, flags: list[str], cores: list[int], re
         for c in contexts:
             ids = [f"d{c}-{i}" for i in range(batches[-1])]
             for rid in ids:
-                core.add_request(rid, prompt(c - 1), SamplingParams(max_tokens=max_len - c, ignore_eos=True))
+                core.add_request(rid, prompt(c - 1), _greedy(max_len - c))
             timed_steps(set(ids))  # every prompt computed and its first token sampled
             column = {}
             live = list(ids)
