@@ -358,6 +358,17 @@ def test_plan_tries_every_split_and_recommends_the_best(tmp_path):
     assert "recommended:" in format_plan(result)
 
 
+def test_plan_runs_as_the_readme_gives_it_with_the_workloads_default_size(tmp_path, capsys):
+    """README's ``pdserve plan`` line names no ``--num-prompts``: bench serve's default size (at least
+    ``--min-duration`` seconds of arrivals) is planned for (it raised a TypeError before)."""
+    profile_path = tmp_path / "p.json"
+    make_profile().save(str(profile_path))
+    assert main(["plan", "--profile", str(profile_path), "--workers", "3", "--slo", "ttft:200", "tpot:25",
+                 "--random-input-len", "64", "--random-output-len", "8", "--min-duration", "1", "--seeds", "1",
+                 "--disable-tqdm"]) == 0
+    assert "recommended:" in capsys.readouterr().out
+
+
 def test_plan_pools_the_attainment_of_several_draws_at_each_rate():
     """``attainment_at`` with seeds=3: the share of all three runs' requests that met the SLOs, run k
     replaying draw k of the workload with its jitter seeded k (each run alone gives the same figures)."""

@@ -294,10 +294,11 @@ def _workload_at(args, rate: float, k: int = 0):
     """The workload of the flags, arriving at ``rate`` per second (a trace: its times scaled to that rate);
     ``k``: the ``k``-th draw of a synthetic workload (seed ``--seed + k``; a trace is the same every time),
     of at least ``--min-duration`` seconds of arrivals."""
+    from pdserve.bench.datasets import DEFAULT_NUM_PROMPTS
     from pdserve.sizing.workload import synthetic, trace
 
     if args.trace:
         return trace(args.trace, args.num_prompts, args.trace_block_tokens, args.trace_time_scale * rate)
     cfg = dataset_config_from_args(args)
-    num_prompts = max(cfg.num_prompts, math.ceil(rate * args.min_duration))
+    num_prompts = max(cfg.num_prompts or DEFAULT_NUM_PROMPTS, math.ceil(rate * args.min_duration))
     return synthetic(dataclasses.replace(cfg, seed=cfg.seed + k, num_prompts=num_prompts), rate, args.burstiness)
