@@ -423,6 +423,62 @@ def test_plan_tries_each_pools_layout_from_several_profiles_within_the_devices()
     assert "devices" in format_plan(result)
 
 
+def test_a_transfer_measured_between_two_layouts_prices_that_pair_and_an_unmeasured_pair_is_marked(tmp_path):
+    """``pdserve profile --transfer-layouts`` keeps further layout pairs' transfers (round trip); the planner
+    joins a TP-1 prefill profile with a TP-2 decode one using the pair either measured, and where neither
+    did, the prefill side's own figures under the pair's name, marked as estimated in the plan."""
+    from pdserve.sizing.planner import join_profiles
+    from pdserve.sizing.profile import TransferProfile
+
+    def with_tp(profile, tp):
+        workers = {k: dataclasses.replace(w, tensor_parallel_size=tp) for k, w in profile.workers.items()}
+        return dataclasses.replace(profile, workers=workers,
+                                   transfer=dataclasses.replace(profile.transfer, prefill_layout=f"tp{tp}pp1",
+                                                                decode_layout=f"tp{tp}pp1"))
+
+    tp1, tp2 = with_tp(make_profile(transfer_s=0.01), 1), with_tp(make_profile(transfer_s=0.02), 2)
+    measured = TransferProfile("tp1pp1", "tp2pp1", "gloo", [0, 1 << 30], [0.003, 0.003])
+    tp1_more = dataclasses.replace(tp1, transfers=[measured])
+    tp1_more.save(str(tmp_path / "p.json"))
+    again = load_profile(str(tmp_path / "p.json"))
+    assert again.transfer_for("tp1pp1", "tp2pp1") == measured and again.transfer_for("tp2pp1", "tp1pp1") is None
+    assert again.transfer_for("tp1pp1", "tp1pp1") == tp1.transfer
+
+    joined = join_profiles(tp1_more, tp2)
+    assert joined.transfer == measured and "transfer_estimated_from" not in joined.extra
+    estimated = join_profiles(tp1, tp2)
+    assert estimated.transfer.seconds == tp1.transfer.seconds
+    assert (estimated.transfer.prefill_layout, estimated.transfer.decode_layout) == ("tp1pp1", "tp2pp1")
+    assert estimated.extra["transfer_estimated_from"] == "tp1pp1->tp1pp1"
+    result = plan([tp1, tp2], lambda p, d: SimConfig(num_prefill=p, num_decode=d),
+                  lambda rate, k: synthetic(DatasetConfig(num_prompts=20, input_len=64, output_len=8, seed=k), rate),
+                  3, {"ttft": 500, "tpot": 100}, colocated="no")
+    marked = [e for e in result["tried"] if e["transfer_estimated_from"]]
+    assert marked and all(e["layout"]["prefill"] != e["layout"]["decode"] for e in marked)
+    assert "not measured for this pair" in format_plan(result)
+
+
+def test_the_transfer_profiler_ships_each_piece_from_its_own_rank_through_real_pairs():
+    """A TP-2 prefill worker to a PP-2 decode worker: four pieces (each prefill rank's KV head to each decode
+    rank's layers), every rank a process of its own with real pairs and checksums (a piece cut wrong fails
+    its header's check on the decode rank); the bytes are the whole request's, as a TP-1 pair ships them."""
+    from pdserve.default_model.train import shipped_model_dir
+    from pdserve.sizing.transfer_profiler import TRANSFER_TOKENS, measure_transfer, parse_layout_pair
+
+    model = str(shipped_model_dir())
+    cfg = json.loads((shipped_model_dir() / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    whole = [cfg["num_hidden_layers"] * 2 * t * cfg["num_key_value_heads"] * head_dim * 4 for t in TRANSFER_TOKENS]
+    cut = measure_transfer(model, 1, [0], "tp2pp1", "tp1pp2")
+    assert (cut["prefill_layout"], cut["decode_layout"]) == ("tp2pp1", "tp1pp2") and cut["bytes"] == whole
+    assert all(s > 0 for s in cut["seconds"])
+    assert measure_transfer(model, 1, [0], "tp1pp1", "tp1pp1")["bytes"] == whole
+    with pytest.raises(ValueError, match="tp<T>pp<P>"):
+        parse_layout_pair("tp2:tp1pp1")
+    with pytest.raises(ValueError, match="TP size 3"):  # its 2 KV heads do not spread over 3 ranks
+        measure_transfer(model, 1, [0], "tp3pp1", "tp1pp1")
+
+
 def test_the_profiler_gives_each_rank_its_share_of_the_cores_as_pdserve_up_does():
     import argparse
 

@@ -28,6 +28,10 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                         "cores, as pdserve up places them), colocated (all cores) (default: all three)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per measured point (median; default 5)")
     p.add_argument("--no-transfer", dest="transfer", action="store_false", help="skip the KV transfer measure")
+    p.add_argument("--transfer-layouts", nargs="+", default=[], metavar="PREFILL:DECODE",
+                   help="measure the KV transfer between these worker layouts too, e.g. tp2pp1:tp1pp1 tp1pp2:tp2pp1 "
+                        "(each rank a process; the profiled workers' own pair is always measured), so that pdserve "
+                        "plan prices a transfer between layouts profiled apart from a measurement")
     p.add_argument("--no-serving", dest="serving", action="store_false",
                    help="skip measuring the colocated and decode kinds inside a real cluster (router, streaming "
                         "client): the simulator then knows only the engines' own step times")
@@ -199,18 +203,24 @@ def _check_load_flags(args) -> None:
 def cmd_profile(args: argparse.Namespace, worker_flags: list[str]) -> int:
     from pdserve.default_model.train import shipped_model_dir
     from pdserve.sizing.profiler import run_profile
+    from pdserve.sizing.transfer_profiler import parse_layout_pair
 
     model = args.model or str(shipped_model_dir())
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     try:
+        layouts = [parse_layout_pair(text) for text in args.transfer_layouts]
         profile = run_profile(model, args.out, kinds, worker_flags, repeats=args.repeats, transfer=args.transfer,
-                              serving=args.serving, disable_tqdm=args.disable_tqdm)
+                              serving=args.serving, disable_tqdm=args.disable_tqdm, transfer_layouts=layouts)
     except (ValueError, RuntimeError) as e:
         print(f"pdserve profile: {e}", file=sys.stderr)
         return 1
     machine = profile.machine
     print(f"wrote {args.out}: {', '.join(profile.workers)} on {machine.get('cpu', '?')} ({machine.get('isa', '?')}, "
           f"{machine.get('cores')} cores) in {profile.profile_seconds:.0f} s")
+    for t in (profile.transfer, *profile.transfers):
+        if t is not None:
+            print(f"KV transfer {t.prefill_layout} -> {t.decode_layout}: " + ", ".join(
+                f"{b / 2**20:.1f} MiB {1000 * s:.1f} ms" for b, s in zip(t.bytes, t.seconds)))
     return 0
 
 

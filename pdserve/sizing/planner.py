@@ -111,17 +111,24 @@ class Candidate:
 
 def join_profiles(prefill_from: Profile, decode_from: Profile) -> Profile:
     """A profile whose prefill workers are ``prefill_from``'s and decode workers ``decode_from``'s (two
-    layouts measured apart, e.g. ``pdserve profile -tp 1`` and ``-tp 2``). The KV transfer between them
-    was measured in neither: the prefill side's figures stand for it, by bytes (``TransferProfile``),
-    with its layout pair renamed; the fixed latencies are the decode side's (it streams the tokens)."""
+    layouts measured apart, e.g. ``pdserve profile -tp 1`` and ``-tp 2``). The KV transfer between the two
+    layouts is the one either profile measured for that pair (``pdserve profile --transfer-layouts``);
+    where neither did, the prefill side's own figures stand for it, by bytes, under the pair's name, and
+    the joined profile's ``extra["transfer_estimated_from"]`` names the pair they were measured on. The
+    fixed latencies are the decode side's (it streams the tokens)."""
     if prefill_from is decode_from:
         return prefill_from
-    transfer = prefill_from.transfer or decode_from.transfer
-    if transfer is not None:
-        transfer = dataclasses.replace(transfer, prefill_layout=layout_name(prefill_from.worker("prefill")),
-                                       decode_layout=layout_name(decode_from.worker("decode")))
+    pair = (layout_name(prefill_from.worker("prefill")), layout_name(decode_from.worker("decode")))
+    transfer = prefill_from.transfer_for(*pair) or decode_from.transfer_for(*pair)
+    extra = dict(decode_from.extra)
+    measured = [t for p in (prefill_from, decode_from) for t in (p.transfer, *p.transfers) if t is not None]
+    if transfer is None and measured:
+        borrowed = measured[0]
+        transfer = dataclasses.replace(borrowed, prefill_layout=pair[0], decode_layout=pair[1])
+        extra["transfer_estimated_from"] = f"{borrowed.prefill_layout}->{borrowed.decode_layout}"
     return dataclasses.replace(decode_from, workers={"prefill": prefill_from.worker("prefill"),
-                                                     "decode": decode_from.worker("decode")}, transfer=transfer)
+                                                     "decode": decode_from.worker("decode")}, transfer=transfer,
+                               transfers=[], extra=extra)
 
 
 def candidates(profiles: Sequence[Profile], workers: int, colocated: str = "yes") -> list[Candidate]:
@@ -146,7 +153,7 @@ def candidates(profiles: Sequence[Profile], workers: int, colocated: str = "yes"
     if colocated != "only":
         for pre in (p for p in profiles if "prefill" in p.workers):
             for dec in (p for p in profiles if "decode" in p.workers):
-                if pre is not dec and (pre.transfer or dec.transfer) is None:
+                if pre is not dec and not any(p.transfer or p.transfers for p in (pre, dec)):
                     continue
                 joined = join_profiles(pre, dec)
                 sp, sd = ranks(pre.workers["prefill"]), ranks(dec.workers["decode"])
@@ -196,6 +203,7 @@ def plan(profile: Profile | Sequence[Profile], config_for: Callable[[int, int], 
         config = config_for(c.num_prefill, c.num_decode)
         rate, metrics, runs = max_rate(c.profile, config, workload_at, slos, attainment, seeds)
         entry = {"num_prefill": c.num_prefill, "num_decode": c.num_decode, "layout": c.layout, "ranks": c.ranks,
+                 "transfer_estimated_from": c.profile.extra.get("transfer_estimated_from") if c.num_prefill else None,
                  "goodput_rps": rate, "goodput_per_worker_rps": rate / c.ranks, "simulations": runs,
                  "median_ttft_ms": metrics["median_ttft_ms"] if metrics else None,
                  "median_tpot_ms": metrics["median_tpot_ms"] if metrics else None}
@@ -231,6 +239,8 @@ def format_plan(result: dict) -> str:
                 f"{e['goodput_per_worker_rps']:>12.2f}{ttft:>13}{tpot:>13}")
         if result["request_rate"] is not None:
             line += f"{100 * e['attainment_at_rate']:>12.1f}%"
+        if e.get("transfer_estimated_from"):
+            line += f"  (KV transfer not measured for this pair: {e['transfer_estimated_from']}'s figures)"
         lines.append(line)
     best, unit = result["recommended"], result.get("rate_unit", "req/s")
     lines.append(f"recommended: {_name(best)} ({best['goodput_rps']:.2f} {unit} within the SLOs; searched in "

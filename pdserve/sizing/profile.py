@@ -11,7 +11,8 @@ A profile holds what real workers measured, per kind of worker (``prefill``, ``d
   again, the steps' jitter, and for prompts of a few lengths at idle the prefill-compute hop and the
   rest of their time to first token (the request's fixed latency);
 
-and, for the cluster, KV transfer seconds against bytes for one layout pair. The model interpolates
+and, for the cluster, KV transfer seconds against bytes between the profiled workers' layouts (and
+any other layout pairs asked for). The model interpolates
 the measured tables piecewise linearly and extends them linearly past their ends, as Vidur and
 DistServe's simulator interpolate operator and step profiles; one coefficient is fitted, the prompt
 attention's.
@@ -328,6 +329,13 @@ class WorkerProfile:
             return profiled / num_cores
         return max(1.0, 1.0 + (ratio - 1.0) * (profiled / num_cores - 1.0) / (profiled - 1.0))
 
+    def transfer_for(self, prefill_layout: str, decode_layout: str) -> TransferProfile | None:
+        """The transfer measured between these layouts (``tpTppP``), or None where no pair of them was."""
+        for t in (self.transfer, *self.transfers):
+            if t is not None and (t.prefill_layout, t.decode_layout) == (prefill_layout, decode_layout):
+                return t
+        return None
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -364,7 +372,9 @@ class TransferProfile:
 class Profile:
     """A profile file: the machine, the model, each worker kind, the transfer, the fixed latencies.
 
-    ``request_overhead_s``: seconds a request spends outside every step between the client sending it
+    ``transfer``: the KV transfer between the profiled prefill and decode workers' own layouts;
+    ``transfers``: between other layout pairs (``pdserve profile --transfer-layouts``; ``transfer_for``
+    finds a pair's). ``request_overhead_s``: seconds a request spends outside every step between the client sending it
     and reading its first token (HTTP, the router's work, the ZeroMQ hops), measured on a real cluster
     at idle; ``token_overhead_s``: the same for each later token (0: not measured).
     """
@@ -373,6 +383,7 @@ class Profile:
     machine: dict
     workers: dict[str, WorkerProfile]
     transfer: TransferProfile | None = None
+    transfers: list[TransferProfile] = field(default_factory=list)  # more layout pairs measured
     request_overhead_s: float = 0.0
     token_overhead_s: float = 0.0
     created: str = ""
@@ -388,12 +399,20 @@ class Profile:
             raise ValueError(f"the profile has no {kind!r} workers (it has {', '.join(self.workers) or 'none'}); "
                              f"run pdserve profile with --kinds {kind}") from None
 
+    def transfer_for(self, prefill_layout: str, decode_layout: str) -> TransferProfile | None:
+        """The transfer measured between these layouts (``tpTppP``), or None where no pair of them was."""
+        for t in (self.transfer, *self.transfers):
+            if t is not None and (t.prefill_layout, t.decode_layout) == (prefill_layout, decode_layout):
+                return t
+        return None
+
     def to_dict(self) -> dict:
         return {"kind": PROFILE_KIND, "version": self.version, "created": self.created, "model": self.model,
                 "machine": self.machine, "profile_seconds": self.profile_seconds,
                 "request_overhead_s": self.request_overhead_s, "token_overhead_s": self.token_overhead_s,
                 "workers": {k: w.to_dict() for k, w in self.workers.items()},
-                "transfer": dataclasses.asdict(self.transfer) if self.transfer else None, "extra": self.extra}
+                "transfer": dataclasses.asdict(self.transfer) if self.transfer else None,
+                "transfers": [dataclasses.asdict(t) for t in self.transfers], "extra": self.extra}
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -411,6 +430,7 @@ class Profile:
         workers = {k: WorkerProfile(**{n: v for n, v in w.items() if n in names}) for k, w in d["workers"].items()}
         transfer = TransferProfile(**d["transfer"]) if d.get("transfer") else None
         return cls(model=d["model"], machine=d.get("machine", {}), workers=workers, transfer=transfer,
+                   transfers=[TransferProfile(**t) for t in d.get("transfers", [])],
                    request_overhead_s=d.get("request_overhead_s", 0.0), token_overhead_s=d.get("token_overhead_s", 0.0),
                    created=d.get("created", ""), profile_seconds=d.get("profile_seconds", 0.0),
                    version=d["version"], extra=d.get("extra", {}))

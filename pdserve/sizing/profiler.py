@@ -17,8 +17,10 @@ all), its decode step compiled first (as a warm worker runs it):
   places it on fewer cores (a small model's steps barely use a second thread, so "in proportion to
   the cores" would be far off);
 * **transfer**: one request's KV through pdserve's own pairs (``PrefillPairs`` / ``DecodePairs``:
-  headers, per-layer checksums, layer runs), between two processes on two cores, for a range of
-  prompt lengths, timed from the first layer sent until both sides hold the bytes and checksum;
+  headers, per-layer checksums, layer runs), from every rank of a prefill worker to every rank of a
+  decode worker, each rank a process of its own, for a range of prompt lengths, timed from the first
+  layer sent until every rank holds its bytes and checksum (``transfer_profiler``): for the profiled
+  workers' own layouts, and for each further layout pair asked for (``--transfer-layouts``);
 * **serving**: the colocated and decode kinds again inside a real cluster (``pdserve up``: router,
   workers, a streaming client on the same machine, as a benchmark runs): the decode grid as the
   clients see it (``serving_decode_seconds``), the fixed latency of a request outside the steps
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -41,11 +42,11 @@ import time
 
 from pdserve.sizing.profile import PROFILE_VERSION, Profile, WorkerProfile, fit_attention_pair_seconds
 from pdserve.sizing.serving_profiler import measure_serving
+from pdserve.sizing.transfer_profiler import TRANSFER_TOKENS, transfer_main
 
 PREFILL_CACHED = (256, 512)
 CACHED_NEW_TOKENS = (64, 256)
 DECODE_CONTEXTS = (32, 256, 768, 2048)
-TRANSFER_TOKENS = (64, 256, 1024, 2048)
 SCALING_PROMPTS = (64, 256, 512)  # the prompt lengths and decode batches a worker of several cores is also
 SCALING_BATCHES = (1, 8, 32)  # timed on one of them (``one_core_ratios``)
 _CTX = mp.get_context("spawn")
@@ -292,116 +293,6 @@ def _measure_child(kind, model, flags, cores, repeats, scaling_only, queue) -> N
         queue.put(("error", f"{type(e).__name__}: {e}"))
 
 
-# ---- the transfer -------------------------------------------------------------------------------
-
-def _decode_side(ctrl, out, core: int) -> None:
-    os.sched_setaffinity(0, {core})
-    import msgspec
-    import torch
-
-    torch.set_num_threads(1)
-    from pdserve.common.protocol import KVTransferHeader
-    from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV
-
-    def on_received(r) -> None:
-        out.put(("received", time.monotonic()))
-        if isinstance(r, ReceivedKV):
-            pairs.release(r.kv)
-
-    pairs = DecodePairs("D", "127.0.0.1", "cpu", 60.0, on_received)
-    out.put(("ready", pairs.store_port))
-    while True:
-        cmd, arg = ctrl.get(timeout=600)
-        if cmd == "generation":
-            out.put(("generation", pairs.generation_for(arg)))
-        elif cmd == "header":
-            pairs.submit(msgspec.msgpack.decode(arg, type=KVTransferHeader))
-        else:
-            break
-    pairs.close()
-
-
-def measure_transfer(model: str, repeats: int, cores: list[int], on_point=None) -> dict:
-    """KV transfer seconds for ``TRANSFER_TOKENS`` prompts of ``model``'s KV shape (float32, one rank
-    each side), through pdserve's pairs between this process and a spawned decode side."""
-    import msgspec
-    import torch
-
-    from pdserve.common.protocol import KVTransferHeader
-    from pdserve.engine.execution.kv_cache import allocate_kv_cache
-    from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs
-
-    os.sched_setaffinity(0, {cores[0]})
-    torch.set_num_threads(1)
-    with open(os.path.join(model, "config.json")) as f:
-        cfg = json.load(f)
-    heads = cfg["num_attention_heads"]
-    num_layers, num_kv_heads = cfg["num_hidden_layers"], cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    block_size = 16
-    max_blocks = max(TRANSFER_TOKENS) // block_size
-    kv_cache = allocate_kv_cache(num_layers, max_blocks + 1, block_size, num_kv_heads, head_dim, torch.float32, "cpu")
-    kv_cache.normal_()
-    ctrl, out = _CTX.Queue(), _CTX.Queue()
-    d = _CTX.Process(target=_decode_side, args=(ctrl, out, cores[-1]), daemon=True)
-    d.start()
-    sizes, seconds = [], []
-    try:
-        _, store_port = out.get(timeout=60)
-        ctrl.put(("generation", "P"))
-        _, generation = out.get(timeout=30)
-        pairs = PrefillPairs("P", "cpu", 60.0)
-        pairs.request_pair("D", "127.0.0.1", store_port, generation)
-        deadline = time.monotonic() + 60
-        while (pair := pairs.get("D", generation)) is None:
-            if pairs.failure("D", generation) or time.monotonic() > deadline:
-                raise RuntimeError(f"no transfer pair: {pairs.failure('D', generation)}")
-            time.sleep(0.01)
-        seq = 0
-        for tokens in TRANSFER_TOKENS:
-            num_blocks = tokens // block_size
-            block_ids = list(range(1, num_blocks + 1))
-            samples = []
-            for r in range(repeats + 1):
-                seq += 1
-                rid = f"t{seq}"
-                header = KVTransferHeader(request_id=rid, prefill_worker_id="P", pair_generation=generation,
-                                          num_layers=num_layers, num_blocks=num_blocks, block_size=block_size,
-                                          num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="float32",
-                                          num_tokens=tokens)
-                ctrl.put(("header", msgspec.msgpack.encode(header)))
-                outgoing = OutgoingKV(pair, rid, num_layers, send_from_cache=True)
-                outgoing.start(kv_cache[0], block_ids)
-                time.sleep(0.02)  # the header reaches the decode side first, as in serving
-                t0 = time.monotonic()
-                for layer in range(num_layers):
-                    outgoing.send_layer(layer, kv_cache[layer], block_ids)
-                outgoing.wait(60)
-                t_sent = time.monotonic()
-                _, t_recv = out.get(timeout=60)
-                if r:
-                    samples.append(max(t_sent, t_recv) - t0)
-            sizes.append(num_layers * 2 * num_blocks * block_size * num_kv_heads * head_dim * 4)
-            seconds.append(statistics.median(samples))
-            if on_point:
-                on_point()
-        pairs.close()
-    finally:
-        ctrl.put(("stop", None))
-        d.join(10)
-        if d.is_alive():
-            d.kill()
-    return {"prefill_layout": "tp1pp1", "decode_layout": "tp1pp1", "backend": "gloo", "bytes": sizes,
-            "seconds": seconds}
-
-
-def _transfer_main(model, repeats, cores, queue) -> None:
-    try:
-        queue.put(("done", measure_transfer(model, repeats, cores, on_point=lambda: queue.put(("point", None)))))
-    except BaseException as e:
-        queue.put(("error", f"{type(e).__name__}: {e}"))
-
-
 def _run_child(target, args, bar) -> dict:
     """Run ``target(*args, queue)`` in a spawned process; its progress ticks the bar; its result back."""
     queue = _CTX.Queue()
@@ -427,10 +318,40 @@ def _run_child(target, args, bar) -> dict:
             proc.kill()
 
 
+def _layout(model: str, flags: list[str]) -> str:
+    """The parallel layout (``tpTppP``) the worker flags ``flags`` give a worker."""
+    from pdserve.engine.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--model", model, *flags])
+    return f"tp{args.tensor_parallel_size}pp{args.pipeline_parallel_size}"
+
+
+def _transfer_pairs(model: str, flags: list[str], kinds: list[str],
+                    extra: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The (prefill, decode) layouts whose transfer to measure: the prefill and decode kinds' own first (when
+    both are measured), then ``extra``'s, each once."""
+    from pdserve.sizing.transfer_profiler import parse_layout
+
+    pairs = []
+    if "prefill" in kinds and "decode" in kinds:
+        pairs.append((_layout(model, flags),) * 2)  # the flags are both kinds'
+    for pair in extra:
+        for name in pair:
+            parse_layout(name)
+        if tuple(pair) not in pairs:
+            pairs.append(tuple(pair))
+    return pairs
+
+
 def run_profile(model: str, out: str, kinds: list[str], flags: list[str], repeats: int = 3,
-                transfer: bool = True, serving: bool = True, disable_tqdm: bool = False) -> Profile:
+                transfer: bool = True, serving: bool = True, disable_tqdm: bool = False,
+                transfer_layouts: list[tuple[str, str]] = ()) -> Profile:
     """Measure every worker kind of ``kinds`` (and the transfer, and with ``serving`` the colocated and
-    decode kinds inside real clusters: ``measure_serving``) and write ``out``.
+    decode kinds inside real clusters: ``measure_serving``) and write ``out``. With ``transfer``, the KV
+    transfer between the prefill and decode kinds' own layouts (when both are measured), and between each
+    (prefill layout, decode layout) of ``transfer_layouts`` (``"tp2pp1"``, ...) besides.
 
     Raises:
         ValueError: an unknown kind; RuntimeError: a measurement failed (its reason named).
@@ -445,7 +366,9 @@ def run_profile(model: str, out: str, kinds: list[str], flags: list[str], repeat
     start = time.monotonic()
     facts = machine_facts()
     num_cores = facts["cores"]
-    total = sum(num_points(model, flags, k) for k in kinds) + (len(TRANSFER_TOKENS) if transfer else 0)
+    pairs = _transfer_pairs(model, flags, kinds, transfer_layouts) if transfer else []
+    transfer_points = len(TRANSFER_TOKENS) * len(pairs)
+    total = sum(num_points(model, flags, k) for k in kinds) + transfer_points
     workers = {}
     with tqdm(total=total, desc="profiling", disable=disable_tqdm, unit="point") as bar:
         for i, kind in enumerate(kinds):
@@ -457,14 +380,16 @@ def run_profile(model: str, out: str, kinds: list[str], flags: list[str], repeat
                 one = _run_child(_one_core_main, (kind, model, flags, cores[:1], repeats), bar)
                 workers[kind].update(one_core_ratios(WorkerProfile(**workers[kind]), one))
             # the grid fits the model's limits: the estimate of the points left is now this kind's count
-            left = sum(num_points(model, flags, k) for k in kinds[i + 1:]) + (len(TRANSFER_TOKENS) if transfer else 0)
+            left = sum(num_points(model, flags, k) for k in kinds[i + 1:]) + transfer_points
             bar.total = bar.n + left
             bar.refresh()
-        transfer_figures = None
-        if transfer and "prefill" in kinds and "decode" in kinds:
-            bar.set_postfix_str("transfer")
-            cores = kind_cores("prefill", num_cores)[:1] + kind_cores("decode", num_cores)[:1]
-            transfer_figures = _run_child(_transfer_main, (model, repeats * 3, cores), bar)
+        transfers = []
+        cores = sorted(set(kind_cores("prefill", num_cores) + kind_cores("decode", num_cores)))
+        for prefill_layout, decode_layout in pairs:
+            bar.set_postfix_str(f"transfer {prefill_layout}->{decode_layout}")
+            transfers.append(_run_child(transfer_main, (model, repeats * 3, cores, prefill_layout, decode_layout), bar))
+        own = "prefill" in kinds and "decode" in kinds  # the first pair is the workers' own
+        transfer_figures = transfers[0] if own and transfers else None
     if serving:
         for kind in ("colocated", "decode"):
             if kind not in workers or (kind == "decode" and "prefill" not in workers):
@@ -486,6 +411,7 @@ def run_profile(model: str, out: str, kinds: list[str], flags: list[str], repeat
         "kind": "pdserve-profile", "version": PROFILE_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": os.path.abspath(model), "machine": facts, "workers": workers, "transfer": transfer_figures,
+        "transfers": transfers[1:] if own else transfers,
         "profile_seconds": time.monotonic() - start})
     profile.profile_seconds = time.monotonic() - start
     profile.save(out)
