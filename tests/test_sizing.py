@@ -369,6 +369,21 @@ def test_plan_runs_as_the_readme_gives_it_with_the_workloads_default_size(tmp_pa
     assert "recommended:" in capsys.readouterr().out
 
 
+def test_plan_simulates_candidates_in_parallel_processes_with_the_same_result():
+    """``jobs=2`` forks two workers that take the candidates between them: every figure of every candidate,
+    and so the recommendation, is the serial search's."""
+    profile = make_profile(decode_base_s=0.01, decode_per_seq_s=0.004, prefill_per_token_s=2e-5)
+    cfg = DatasetConfig(num_prompts=60, input_len=64, output_len=16)
+    results = [plan(profile, lambda p, d: SimConfig(num_prefill=p, num_decode=d),
+                    lambda rate, k: synthetic(dataclasses.replace(cfg, seed=k), rate), 3, {"ttft": 100, "tpot": 30},
+                    request_rate=20.0, jobs=jobs, seeds=2) for jobs in (1, 2)]
+    assert results[0]["tried"] == results[1]["tried"] and len(results[0]["tried"]) == 3
+    assert results[0]["recommended"] == results[1]["recommended"]
+    with pytest.raises(ValueError, match="--jobs"):
+        plan(profile, lambda p, d: SimConfig(num_prefill=p, num_decode=d),
+             lambda rate, k: synthetic(cfg, rate), 3, {"ttft": 100}, jobs=0)
+
+
 def test_plan_pools_the_attainment_of_several_draws_at_each_rate():
     """``attainment_at`` with seeds=3: the share of all three runs' requests that met the SLOs, run k
     replaying draw k of the workload with its jitter seeded k (each run alone gives the same figures)."""

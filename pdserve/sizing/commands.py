@@ -97,6 +97,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                    help="seconds of arrivals each simulated run spans at least: at a rate r a synthetic workload has "
                         "max(--num-prompts, r x this) requests, so a high rate is a steady load, not a burst of "
                         "--num-prompts that ends before queues build (default 10; 0: --num-prompts always)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="candidates simulated at once, a process each (default: one per core this process may use; "
+                        "the plan is the same for any count)")
     p.add_argument("--result-file", default=None, help="write every alternative tried as JSON here")
     add_dataset_args(p)
     add_load_args(p)
@@ -286,7 +289,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       colocated=args.colocated,
                       request_rate=None if math.isinf(args.request_rate) else args.request_rate,
                       on_try=None if args.disable_tqdm else lambda line: print(line, flush=True),
-                      rate_unit="x the trace's speed" if args.trace else "req/s", seeds=args.seeds)
+                      rate_unit="x the trace's speed" if args.trace else "req/s", seeds=args.seeds, jobs=args.jobs)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 1

@@ -17,8 +17,11 @@ the rate searched is the trace's speed-up over its own arrival times (``rate_uni
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 
 from pdserve.sizing.profile import Profile, WorkerProfile
@@ -166,7 +169,8 @@ def candidates(profiles: Sequence[Profile], workers: int, colocated: str = "yes"
 def plan(profile: Profile | Sequence[Profile], config_for: Callable[[int, int], SimConfig],
          workload_at: Callable[[float, int], Iterable[SimRequest]], workers: int, slos: dict[str, float],
          attainment: float = 0.9, colocated: str = "yes", request_rate: float | None = None,
-         on_try: Callable[[str], None] | None = None, rate_unit: str = "req/s", seeds: int = 1) -> dict:
+         on_try: Callable[[str], None] | None = None, rate_unit: str = "req/s", seeds: int = 1,
+         jobs: int | None = 1) -> dict:
     """Every cluster tried (``candidates``) with its goodput (and, given ``request_rate``, its attainment
     at that rate), best first, and the recommendation: the most goodput per device held, then the most
     goodput.
@@ -181,6 +185,8 @@ def plan(profile: Profile | Sequence[Profile], config_for: Callable[[int, int], 
         seeds: runs pooled at each rate (``attainment_at``).
         colocated: ``yes`` (try all-colocated too), ``no``, ``only``.
         rate_unit: what ``workload_at``'s rate is (``req/s``; a trace's is its speed-up over real time).
+        jobs: candidates simulated at once, each in a forked process (None: one per core this process may
+            use); every candidate's simulations are the same whatever the count, so is the result.
 
     Raises:
         ValueError: fewer than 1 worker, no SLO, or nothing to try (profiles without the kinds, or whose
@@ -193,29 +199,60 @@ def plan(profile: Profile | Sequence[Profile], config_for: Callable[[int, int], 
         raise ValueError("plan needs at least one SLO (--slo ttft:MS tpot:MS)")
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
     tries = candidates(profiles, workers, colocated)
     if not tries:
         raise ValueError(f"nothing to try: the profiles lack the worker kinds (colocated, or prefill and decode) "
                          f"or their workers need more than {workers} devices")
     start = time.monotonic()
-    tried = []
-    for c in tries:
-        config = config_for(c.num_prefill, c.num_decode)
-        rate, metrics, runs = max_rate(c.profile, config, workload_at, slos, attainment, seeds)
-        entry = {"num_prefill": c.num_prefill, "num_decode": c.num_decode, "layout": c.layout, "ranks": c.ranks,
-                 "transfer_estimated_from": c.profile.extra.get("transfer_estimated_from") if c.num_prefill else None,
-                 "goodput_rps": rate, "goodput_per_worker_rps": rate / c.ranks, "simulations": runs,
-                 "median_ttft_ms": metrics["median_ttft_ms"] if metrics else None,
-                 "median_tpot_ms": metrics["median_tpot_ms"] if metrics else None}
-        if request_rate is not None:
-            entry["attainment_at_rate"], _ = attainment_at(c.profile, config, workload_at, request_rate, slos, seeds)
-        tried.append(entry)
+    global _JOB
+    _JOB = (tries, config_for, workload_at, slos, attainment, seeds, request_rate)
+    tried: list[dict | None] = [None] * len(tries)
+
+    def done(i: int, entry: dict) -> None:
+        tried[i] = entry
         if on_try is not None:
-            on_try(f"tried {_name(entry)}: goodput {rate:.2f} {rate_unit} ({runs} simulations)")
+            on_try(f"tried {_name(entry)}: goodput {entry['goodput_rps']:.2f} {rate_unit} "
+                   f"({entry['simulations']} simulations)")
+
+    try:
+        if jobs is None:
+            jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        jobs = min(jobs, len(tries))
+        if jobs > 1 and "fork" in mp.get_all_start_methods():  # forked: the callables need no pickling
+            with ProcessPoolExecutor(jobs, mp_context=mp.get_context("fork")) as pool:
+                futures = {pool.submit(_try, i): i for i in range(len(tries))}
+                for future in as_completed(futures):
+                    done(futures[future], future.result())
+        else:
+            for i in range(len(tries)):
+                done(i, _try(i))
+    finally:
+        _JOB = None
     tried.sort(key=lambda e: (-e["goodput_per_worker_rps"], -e["goodput_rps"], e["num_prefill"]))
     return {"workers": workers, "slos_ms": slos, "attainment": attainment, "request_rate": request_rate,
             "rate_unit": rate_unit, "seeds": seeds,
             "recommended": tried[0], "tried": tried, "seconds": time.monotonic() - start}
+
+
+_JOB: tuple | None = None  # plan()'s search, read by _try in this process or in the pool's forked workers
+
+
+def _try(i: int) -> dict:
+    """Candidate ``i`` of the search in ``_JOB``: its goodput (and attainment at the asked rate)."""
+    tries, config_for, workload_at, slos, attainment, seeds, request_rate = _JOB
+    c = tries[i]
+    config = config_for(c.num_prefill, c.num_decode)
+    rate, metrics, runs = max_rate(c.profile, config, workload_at, slos, attainment, seeds)
+    entry = {"num_prefill": c.num_prefill, "num_decode": c.num_decode, "layout": c.layout, "ranks": c.ranks,
+             "transfer_estimated_from": c.profile.extra.get("transfer_estimated_from") if c.num_prefill else None,
+             "goodput_rps": rate, "goodput_per_worker_rps": rate / c.ranks, "simulations": runs,
+             "median_ttft_ms": metrics["median_ttft_ms"] if metrics else None,
+             "median_tpot_ms": metrics["median_tpot_ms"] if metrics else None}
+    if request_rate is not None:
+        entry["attainment_at_rate"], _ = attainment_at(c.profile, config, workload_at, request_rate, slos, seeds)
+    return entry
 
 
 def _name(entry: dict) -> str:
