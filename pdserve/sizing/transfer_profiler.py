@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import statistics
 import time
 
@@ -32,8 +33,6 @@ _WAIT_S = 60.0
 
 def parse_layout(name: str) -> tuple[int, int]:
     """``"tp2pp1"`` -> (2, 1). Raises ValueError for anything else."""
-    import re
-
     m = re.fullmatch(r"tp(\d+)pp(\d+)", name.strip())
     if not m or int(m[1]) < 1 or int(m[2]) < 1:
         raise ValueError(f"a layout is tp<T>pp<P> with T, P >= 1 (e.g. tp2pp1), got {name!r}")
@@ -196,7 +195,7 @@ def measure_transfer(model: str, repeats: int, cores: list[int], prefill_layout:
         proc.start()
 
     def expect(kind: str, count: int) -> list[tuple]:
-        return expect_any(out, procs, {kind: count})
+        return _expect(out, procs, {kind: count})
 
     sizes, seconds = [], []
     try:
@@ -231,7 +230,7 @@ def measure_transfer(model: str, repeats: int, cores: list[int], prefill_layout:
                 t0 = time.monotonic() + 0.02  # every rank has its "go" by then
                 for p in senders:
                     prefill_ctrl[p].put(("go", (rid, num_blocks, t0)))
-                got = expect_any(out, procs, {"sent": len(senders), "received": len(pieces)})
+                got = _expect(out, procs, {"sent": len(senders), "received": len(pieces)})
                 start = min(m[2][0] for m in got if m[0] == "sent")  # t0, or later where a "go" came late
                 end = max(m[2][1] if m[0] == "sent" else m[2] for m in got)
                 if r:
@@ -252,7 +251,7 @@ def measure_transfer(model: str, repeats: int, cores: list[int], prefill_layout:
             "seconds": seconds}
 
 
-def expect_any(out, procs, counts: dict[str, int]) -> list[tuple]:
+def _expect(out, procs, counts: dict[str, int]) -> list[tuple]:
     """The next messages on ``out`` until ``counts`` of each kind have come (in any order). Raises
     RuntimeError on an error report, a failed piece, or a minute of silence."""
     left, got = dict(counts), []
