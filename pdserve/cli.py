@@ -101,7 +101,7 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
                        port=args.port, zmq_port=args.zmq_port, worker_args=worker_args, router_args=router_args,
                        api_key=from_env(args.api_key, API_KEY_ENV), max_restarts=args.max_restarts,
                        threads_per_worker=args.threads_per_worker, num_routers=args.num_routers,
-                       **pool_parallel_sizes(args))
+                       core_lending=args.core_lending, **pool_parallel_sizes(args))
     on_up = None
     if args.autoscale:
         from pdserve.sizing.commands import make_autoscaler
@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "each has its own ZMQ port, every worker registers with all of them, and a router's "
                          "death loses only its own requests (it is restarted)")
     up.add_argument("--threads-per-worker", type=int, default=None, help="torch CPU threads per worker rank")
+    up.add_argument("--core-lending", action="store_true",
+                    help="a decode worker runs its steps on a prefill worker's cores too while that worker is idle "
+                         "(local clusters, single-rank workers on cores of their own; docs/architecture.md)")
     up.add_argument("--ray", action="store_true",
                     help="run every process as a Ray actor, each worker's ranks in one placement group")
     up.add_argument("--address", default=None, help="with --ray: the Ray cluster to join (auto, HOST:PORT); "

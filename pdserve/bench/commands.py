@@ -170,7 +170,10 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pdserve-args", default="", help='more worker flags, e.g. "--dtype float32" '
                                                       "(one flag alone: --pdserve-args=--enforce-eager)")
     g.add_argument("--pdserve-router-args", default="",
-                   help='more router flags for the pdserve systems, e.g. "--local-prefill-margin-s 0.5"'),
+                   help='more router flags for the pdserve systems, e.g. "--local-prefill-margin-s 0.5"')
+    g.add_argument("--core-lending", action="store_true",
+                   help="pdserve-disagg as pdserve up --core-lending: decode workers borrow idle prefill "
+                        "workers' cores")
     g = p.add_argument_group("vLLM")
     g.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                    help=f"interpreter with vLLM's CPU build (default {DEFAULT_VLLM_PYTHON}; "
@@ -216,7 +219,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             percentiles=args.percentiles, num_warmups=args.num_warmups, disable_tqdm=args.disable_tqdm,
             num_prefill=args.num_prefill, num_decode=args.num_decode, colocated_num_decode=args.colocated_num_decode,
             kv_cache_memory=args.kv_cache_memory, pdserve_args=shlex.split(args.pdserve_args),
-            pdserve_router_args=shlex.split(args.pdserve_router_args),
+            pdserve_router_args=shlex.split(args.pdserve_router_args), core_lending=args.core_lending,
             vllm_python=args.vllm_python, vllm_kv_gib=args.vllm_kv_gib, vllm_args=shlex.split(args.vllm_args),
             vllm_env=env, transformers_args=shlex.split(args.transformers_args), hf_batch_size=args.hf_batch_size,
             server_timeout_s=args.server_timeout, dtype=args.dtype, request_rates=args.request_rates,

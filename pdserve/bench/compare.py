@@ -44,7 +44,8 @@ class CompareConfig:
         colocated_num_decode, colocated_cores: pdserve-colocated's workers and cores (default: as
             many cores as the decode pool, from the first).
         kv_cache_memory: pdserve's KV budget per worker; ``pdserve_args``: more worker flags;
-            ``pdserve_router_args``: more router flags.
+            ``pdserve_router_args``: more router flags; ``core_lending``: pdserve-disagg's decode workers
+            borrow idle prefill workers' cores (``pdserve up --core-lending``).
         vllm_python: the interpreter with vLLM (default /work/vllm-venv/bin/python);
             ``vllm_kv_gib``: ``VLLM_CPU_KVCACHE_SPACE``; ``vllm_args`` / ``vllm_env``: more.
         transformers_args: more ``transformers serve`` flags.
@@ -80,6 +81,7 @@ class CompareConfig:
     kv_cache_memory: str = "1GiB"
     pdserve_args: list[str] = field(default_factory=list)
     pdserve_router_args: list[str] = field(default_factory=list)
+    core_lending: bool = False  # pdserve-disagg as pdserve up --core-lending
     vllm_python: str | None = DEFAULT_VLLM_PYTHON
     vllm_kv_gib: int = 1
     vllm_args: list[str] = field(default_factory=list)

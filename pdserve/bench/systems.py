@@ -171,7 +171,8 @@ class ServerProcess:
 # --- pdserve --------------------------------------------------------------------------------------
 
 def pdserve_cluster_spec(model: str, num_prefill: int, num_decode: int, prefill_cores: list[int],
-                         decode_cores: list[int], worker_args: list[str], router_args: list[str] = ()):
+                         decode_cores: list[int], worker_args: list[str], router_args: list[str] = (),
+                         core_lending: bool = False):
     """A ``ClusterSpec`` for a local cluster whose pools run on the given cores (one torch thread each)."""
     from pdserve.common.utils import format_cpu_list, free_port
     from pdserve.cluster.launcher import ClusterSpec
@@ -180,7 +181,7 @@ def pdserve_cluster_spec(model: str, num_prefill: int, num_decode: int, prefill_
     decode_args = ["--cpu-cores", format_cpu_list(decode_cores), "--num-threads", str(len(decode_cores))]
     return ClusterSpec(model=model, num_prefill=num_prefill, num_decode=num_decode, port=free_port(),
                        worker_args=list(worker_args), prefill_args=prefill_args, decode_args=decode_args,
-                       router_args=list(router_args))
+                       router_args=list(router_args), core_lending=core_lending)
 
 
 def pin_cluster(cluster, prefill_cores: list[int], decode_cores: list[int]) -> str:
@@ -219,7 +220,7 @@ def run_pdserve(cfg, requests, bench, colocated: bool) -> SystemResult:
     worker_args = ["--kv-cache-memory", cfg.kv_cache_memory, "--max-num-seqs", str(max(64, len(requests))),
                    "--dtype", cfg.dtype, *cfg.pdserve_args]
     spec = pdserve_cluster_spec(cfg.model, num_prefill, num_decode, prefill_cores, decode_cores, worker_args,
-                                cfg.pdserve_router_args)
+                                cfg.pdserve_router_args, core_lending=cfg.core_lending and not colocated)
     log_dir = os.path.join(cfg.out_dir, "logs", name)
     cluster = LocalCluster(spec, log_dir=log_dir)
     try:
@@ -238,6 +239,8 @@ def run_pdserve(cfg, requests, bench, colocated: bool) -> SystemResult:
     extra = f"; worker args: {shlex.join(cfg.pdserve_args)}" if cfg.pdserve_args else ""
     if cfg.pdserve_router_args:
         extra += f"; router args: {shlex.join(cfg.pdserve_router_args)}"
+    if spec.core_lending:
+        extra += "; core lending"
     return _row(name, f"{setup}, {router_place}{extra}",
                 result)
 

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
-from pdserve.common.utils import format_cpu_list, free_port, reachable_host
+from pdserve.common.utils import format_cpu_list, free_port, parse_cpu_list, reachable_host
+from pdserve.cluster.core_lending import gomp_cpu_affinity
 from pdserve.cluster.spec import ClusterSpec
 from pdserve.cluster.supervisor import ClusterLauncher, serve_until_stopped
 
@@ -41,6 +44,8 @@ class LocalCluster(ClusterLauncher):
         self.direct_ports = [free_port(spec.host) for _ in range(spec.num_routers)] if spec.num_routers > 1 else []
         self.log_dir = log_dir
         self.worker_cores: dict[str, list[int]] = {}  # worker name -> the cores it was pinned to
+        self.lent: dict[str, str] = {}  # prefill worker -> the decode worker borrowing its cores
+        self._flag_dir: str | None = None  # core lending's flags (made when a worker first lends)
 
     @property
     def url(self) -> str:
@@ -67,13 +72,14 @@ class LocalCluster(ClusterLauncher):
         """Every process started and not forgotten, routers first."""
         return [(w.name, w.handle) for w in [*self.routers.values(), *self.workers.values()]]
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "pdserve", *args]
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
             out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                env={**os.environ, **env} if env else None)
 
     def _start_router(self, index: int = 0) -> subprocess.Popen:
         s = self.spec
@@ -116,12 +122,46 @@ class LocalCluster(ClusterLauncher):
         if user_placed or not hasattr(os, "sched_getaffinity"):  # the user placed it, or no pinning on this OS
             threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // s.num_ranks)
             placement = ["--num-threads", str(threads)]
+            given = [*s.worker_args, *pool_args]
+            if user_placed:  # where it runs, for core lending (the last --cpu-cores given wins, as argparse reads)
+                last = max(i for i, a in enumerate(given) if a == "--cpu-cores")
+                self.worker_cores[name] = parse_cpu_list(given[last + 1]) if last + 1 < len(given) else []
         else:
             cores, threads = self._cores_for(role, name)
             placement = ["--num-threads", str(threads), "--cpu-cores", format_cpu_list(cores)]
+        lending, env = self._lending(role, name) if s.core_lending else ([], None)
         return self._spawn(name, [role, "--worker-id", name, "--model", s.model, "--router",
-                                  self.router_addrs, "--host", s.host, *placement,
-                                  *s.worker_args, *s.parallel_args(role), *pool_args])
+                                  self.router_addrs, "--host", s.host, *placement, *lending,
+                                  *s.worker_args, *s.parallel_args(role), *pool_args], env)
+
+    def _lending(self, role: str, name: str) -> tuple[list[str], dict[str, str] | None]:
+        """Core lending's flags (and environment) for a worker about to start, when every rank of the spec has
+        cores of its own: a single-rank prefill worker publishes when it is idle; a single-rank decode worker
+        borrows the cores of a prefill worker that no other worker uses and that lends to no one yet (prefill
+        workers start first), its OpenMP threads bound own cores first (``core_lending.gomp_cpu_affinity``).
+        Workers added later onto a lender's cores (scaling past the machine's cores) are not seen by its
+        borrower: turn lending off to scale that far."""
+        s = self.spec
+        if s.ranks_per_worker(role) != 1 or not hasattr(os, "sched_getaffinity") \
+                or s.num_ranks > len(os.sched_getaffinity(0)):
+            return [], None  # several ranks, or workers that will share cores: nothing is idle to lend
+        if self._flag_dir is None:
+            self._flag_dir = tempfile.mkdtemp(prefix="pdserve-lending-")
+        if role == "prefill":  # a restarted one takes up its flag again, and its borrower with it
+            return ["--lend-flag", os.path.join(self._flag_dir, f"{name}.idle")], None
+        own = self.worker_cores.get(name, [])
+        self.lent = {p: d for p, d in self.lent.items() if d != name}
+        for lender, cores in self.worker_cores.items():
+            if not lender.startswith("prefill-") or lender in self.lent or lender not in self.workers \
+                    or s.ranks_per_worker("prefill") != 1:
+                continue
+            others = [w for w, c in self.worker_cores.items() if w not in (lender, name) and set(c) & set(cores)]
+            if others or set(cores) & set(own):
+                continue
+            self.lent[lender] = name
+            return (["--borrow-flag", os.path.join(self._flag_dir, f"{lender}.idle"), "--borrow-threads",
+                     str(len(cores))], {"GOMP_CPU_AFFINITY": gomp_cpu_affinity(own, cores)})
+        return [], None
 
     def log_tail(self, name: str, num_lines: int = 5) -> str:
         if not self.log_dir:
@@ -156,6 +196,8 @@ class LocalCluster(ClusterLauncher):
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        if self._flag_dir:
+            shutil.rmtree(self._flag_dir, ignore_errors=True)
 
 
 def run_cluster(spec: ClusterSpec, on_up=None) -> int:

@@ -24,6 +24,8 @@ class ClusterSpec:
         prefill_tensor_parallel_size, prefill_pipeline_parallel_size, decode_tensor_parallel_size,
             decode_pipeline_parallel_size: ranks of each worker of that pool (each rank is a process;
             the worker's driver starts its other ranks).
+        core_lending: a local cluster's decode worker runs its steps on a prefill worker's cores too while
+            that worker is idle (``pdserve.cluster.core_lending``; single-rank workers on cores of their own).
     """
 
     model: str
@@ -44,6 +46,7 @@ class ClusterSpec:
     decode_tensor_parallel_size: int = 1
     decode_pipeline_parallel_size: int = 1
     num_routers: int = 1
+    core_lending: bool = False
 
     def __post_init__(self):
         if self.num_routers < 1:

@@ -33,10 +33,13 @@ their decode workers.
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 import signal
 import threading
 import time
+
+import torch
 
 from pdserve.common.auth import registration_token
 from pdserve.common.config import WorkerConfig, resolve_router_addrs
@@ -47,6 +50,7 @@ from pdserve.common.protocol import (DrainWorker, ErrorKind, FinishReason, Heart
 from pdserve.common.sharding import KVLayoutSpec
 from pdserve.common.transport import Mailbox
 from pdserve.common.validation import ValidationError
+from pdserve.cluster.core_lending import CoreBorrower, LenderFlag
 from pdserve.cluster.kv_events import KVEventPublisher
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.core import EngineCore
@@ -104,6 +108,15 @@ class WorkerBase:
         self._drain_deadline: float | None = None  # draining since the loop saw the request
         self._drain_acks: set[str | None] = set()  # routers that sent DrainWorker (None: one that did not say)
         self._exit_sent = False
+        # core lending (pdserve.cluster.core_lending): a prefill worker publishes when it is idle, a decode
+        # worker computes on its cores meanwhile
+        self.lender = LenderFlag(worker_config.lend_flag) if worker_config.lend_flag else None
+        self.borrower = CoreBorrower(worker_config.borrow_flag, torch.get_num_threads(), worker_config.borrow_threads) \
+            if worker_config.borrow_flag else None
+        if self.borrower is not None:
+            logger.info("core lending: %d more thread(s) a step while the prefill worker publishing %s is idle "
+                        "(GOMP_CPU_AFFINITY=%s)", worker_config.borrow_threads, worker_config.borrow_flag,
+                        os.environ.get("GOMP_CPU_AFFINITY", "unset"))
 
     def attach_kv_agent(self) -> None:
         """Give every rank its KV transfer agent; ranks report back through this worker's mailbox."""
@@ -177,6 +190,9 @@ class WorkerBase:
             self._liveness.join(timeout=2)
         self._send_exiting("the worker stopped")
         self.mailbox.close()
+        for shared in (self.lender, self.borrower):
+            if shared is not None:
+                shared.close()
         self.core.close()
 
     def _send_exiting(self, reason: str) -> None:
@@ -341,7 +357,11 @@ class WorkerBase:
         if self._stop.is_set():
             return
         busy = self.core.has_unfinished()
+        if self.lender is not None:
+            self.lender.set_idle(not busy)  # before waiting for work: a borrower may use the cores meanwhile
         self.drain_inbox(wait=0 if busy else _IDLE_WAIT_S)
+        if self.lender is not None and not busy and self.core.has_unfinished():
+            self.lender.set_idle(False)  # work came in: the cores are ours for the step below
         stepped = self.step()
         self.publish_kv_events()
         if stepped:

@@ -70,6 +70,11 @@ class WorkerConfig:
             clients are gone with the routers), freeing their KV blocks; it keeps registering, so a
             router that comes back finds it. One router of several that is down while another is
             up is dead, not cut off: its requests are dropped at once (``ROUTER_LOST_S``).
+        lend_flag: prefill worker: publish in this file whether it is idle, for a decode worker that
+            borrows its cores meanwhile (``pdserve.cluster.core_lending``); None: lends nothing.
+        borrow_flag, borrow_threads: decode worker: run each step with ``borrow_threads`` more torch
+            threads while the prefill worker publishing ``borrow_flag`` is idle (its threads' cores:
+            ``GOMP_CPU_AFFINITY``, which the launcher sets); None: borrows nothing.
     """
 
     role: str
@@ -86,6 +91,9 @@ class WorkerConfig:
     health_stall_s: float = 300.0
     drain_timeout_s: float = 30.0
     router_timeout_s: float = 10.0
+    lend_flag: str | None = None
+    borrow_flag: str | None = None
+    borrow_threads: int = 1
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -98,6 +106,11 @@ class WorkerConfig:
                              f"got {self.router_addr!r}")
         if not self.worker_id:
             self.worker_id = _default_worker_id(self.role)
+        if self.lend_flag and self.role != "prefill" or self.borrow_flag and self.role != "decode":
+            raise ValueError("a prefill worker lends its cores (--lend-flag), a decode worker borrows them "
+                             "(--borrow-flag)")
+        if self.borrow_threads < 1:
+            raise ValueError(f"--borrow-threads must be >= 1, got {self.borrow_threads}")
 
     @property
     def router_addrs(self) -> list[str]:
@@ -133,6 +146,14 @@ class WorkerConfig:
                        help="drop every request held once every router's connection has been down this long "
                             "(their clients went with the routers); keep registering for the next router. A "
                             "router down while another is up loses its own requests at once")
+        g.add_argument("--lend-flag", default=None,
+                       help="prefill worker: publish in this file (one byte, shared) whether the worker is idle, so "
+                            "that a decode worker on the same machine computes on its cores meanwhile (pdserve up "
+                            "sets it with --core-lending)")
+        g.add_argument("--borrow-flag", default=None,
+                       help="decode worker: while the prefill worker publishing this file is idle, run each step "
+                            "with --borrow-threads more threads, bound to its cores by GOMP_CPU_AFFINITY")
+        g.add_argument("--borrow-threads", type=int, default=1, help="threads a step adds while borrowing (default 1)")
         g.add_argument("--drain-timeout", type=float, default=30.0, dest="drain_timeout_s",
                        help="SIGTERM drains: the router stops routing here and the worker finishes what it holds "
                             "for up to this many seconds, then exits (SIGINT exits at once)")
@@ -145,4 +166,5 @@ class WorkerConfig:
                    prefill_failure_policy=args.prefill_failure_policy,
                    cluster_secret=from_env(args.cluster_secret, CLUSTER_SECRET_ENV), health_file=args.health_file,
                    health_stall_s=args.health_stall_s, drain_timeout_s=args.drain_timeout_s,
-                   router_timeout_s=args.router_timeout_s)
+                   router_timeout_s=args.router_timeout_s, lend_flag=args.lend_flag, borrow_flag=args.borrow_flag,
+                   borrow_threads=args.borrow_threads)

@@ -191,6 +191,7 @@ class WorkerStats(_Msg):
     kv_disk_recomputed_hits: int = 0  # ... in the disk tier
     kv_host_saved_seconds: float = 0.0  # recompute time the host tier's hits saved (measured speeds)
     kv_disk_saved_seconds: float = 0.0  # ... the disk tier's
+    num_borrowed_steps: int = 0  # decode worker: steps run on an idle prefill worker's cores too (core lending)
 
 
 class KVLayout(_Msg):

@@ -411,6 +411,11 @@ class DecodeWorker(WorkerBase):
         for request in scheduler_output.remote_prefills:
             self._send_remote_prefill(request)
         if scheduler_output.scheduled:
+            # on the prefill worker's cores too while it is idle (not while the decode step compiles: inductor
+            # writes the thread count of the moment into its kernels)
+            if self.borrower is not None and self.runner.decode_step_state != "compiling" \
+                    and self.borrower.before_step() > self.borrower.own:
+                self.stats.num_borrowed_steps += 1
             started = time.time()
             served = {r.request_id for r, _ in scheduler_output.scheduled if self.source.serves(r.request_id)}
             sends = self.source.start_transfers(scheduler_output.scheduled) if served else []

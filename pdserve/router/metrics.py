@@ -98,6 +98,8 @@ _WORKER_COUNTERS = (
     ("pdserve:decode_steps", "num_decode_steps", "Decode-only steps (every row past its prompt)."),
     ("pdserve:decode_step_seconds", "decode_step_seconds",
      "Seconds of forward + sampling in decode-only steps (divide by pdserve:decode_steps for the mean)."),
+    ("pdserve:borrowed_steps", "num_borrowed_steps",
+     "Steps a decode worker ran on an idle prefill worker's cores too (pdserve up --core-lending)."),
 )
 _STAT_FIELDS = WorkerStats.__struct_fields__
 
