@@ -83,6 +83,10 @@ def _cmd_up(args: argparse.Namespace, extra: list[str]) -> int:
             print("pdserve: --colocated runs no prefill workers; drop --num-prefill", file=sys.stderr)
             return 2
         num_prefill = 0
+    if args.core_lending and (args.ray or not num_prefill):
+        print("pdserve: --core-lending lends a local prefill worker's idle cores to a decode worker on the same "
+              "machine: it needs prefill workers and no --ray", file=sys.stderr)
+        return 2
     if args.otlp_traces_endpoint:  # the router would refuse to start: say why here
         from pdserve.router.tracing import check_otel_installed
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -73,6 +75,13 @@ def test_a_decode_worker_borrows_only_a_prefill_worker_whose_cores_no_one_else_u
     tp = LocalCluster(ClusterSpec(model="m", num_prefill=1, num_decode=1, decode_tensor_parallel_size=2,
                                   core_lending=True))
     assert _placed(tp, "decode", "decode-0") == ([], None)  # a multi-rank worker neither lends nor borrows
+
+
+@pytest.mark.parametrize("flags", [["--ray"], ["--colocated"], ["--num-prefill", "0"]])
+def test_core_lending_is_refused_where_no_local_prefill_worker_could_lend(flags):
+    done = subprocess.run([sys.executable, "-m", "pdserve", "up", "--core-lending", *flags], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "--core-lending" in done.stderr
 
 
 def _thread_cores(pid: int) -> list[str]:

@@ -130,9 +130,9 @@ class LocalCluster(ClusterLauncher):
             cores, threads = self._cores_for(role, name)
             placement = ["--num-threads", str(threads), "--cpu-cores", format_cpu_list(cores)]
         lending, env = self._lending(role, name) if s.core_lending else ([], None)
-        return self._spawn(name, [role, "--worker-id", name, "--model", s.model, "--router",
-                                  self.router_addrs, "--host", s.host, *placement, *lending,
-                                  *s.worker_args, *s.parallel_args(role), *pool_args], env)
+        argv = [role, "--worker-id", name, "--model", s.model, "--router", self.router_addrs, "--host", s.host,
+                *placement, *lending, *s.worker_args, *s.parallel_args(role), *pool_args]
+        return self._spawn(name, argv, env=env) if env else self._spawn(name, argv)
 
     def _lending(self, role: str, name: str) -> tuple[list[str], dict[str, str] | None]:
         """Core lending's flags (and environment) for a worker about to start, when every rank of the spec has
