@@ -142,8 +142,8 @@ class LocalCluster(ClusterLauncher):
         Workers added later onto a lender's cores (scaling past the machine's cores) are not seen by its
         borrower: turn lending off to scale that far."""
         s = self.spec
-        if s.ranks_per_worker(role) != 1 or not hasattr(os, "sched_getaffinity") \
-                or s.num_ranks > len(os.sched_getaffinity(0)):
+        if s.ranks_per_worker("prefill") != 1 or s.ranks_per_worker("decode") != 1 \
+                or not hasattr(os, "sched_getaffinity") or s.num_ranks > len(os.sched_getaffinity(0)):
             return [], None  # several ranks, or workers that will share cores: nothing is idle to lend
         if self._flag_dir is None:
             self._flag_dir = tempfile.mkdtemp(prefix="pdserve-lending-")
@@ -152,8 +152,7 @@ class LocalCluster(ClusterLauncher):
         own = self.worker_cores.get(name, [])
         self.lent = {p: d for p, d in self.lent.items() if d != name}
         for lender, cores in self.worker_cores.items():
-            if not lender.startswith("prefill-") or lender in self.lent or lender not in self.workers \
-                    or s.ranks_per_worker("prefill") != 1:
+            if not lender.startswith("prefill-") or lender in self.lent or lender not in self.workers:
                 continue
             others = [w for w, c in self.worker_cores.items() if w not in (lender, name) and set(c) & set(cores)]
             if others or set(cores) & set(own):

@@ -194,21 +194,18 @@ def measure_transfer(model: str, repeats: int, cores: list[int], prefill_layout:
     for proc in procs:
         proc.start()
 
-    def expect(kind: str, count: int) -> list[tuple]:
-        return _expect(out, procs, {kind: count})
-
     sizes, seconds = [], []
     try:
-        ports = {rank: port for _, rank, port, _ in expect("ready", n_dec)}
+        ports = {rank: port for _, rank, port, _ in _expect(out, procs, {"ready": n_dec})}
         generations = {}
         for piece in pieces:
             decode_ctrl[piece.decode_rank].put(("generation", _endpoint(_PREFILL, piece.prefill_rank)))
-            (_, d, (peer, generation), _), = expect("generation", 1)
+            (_, d, (peer, generation), _), = _expect(out, procs, {"generation": 1})
             generations[(piece.prefill_rank, d)] = generation
         for p in range(n_pre):
             prefill_ctrl[p].put(("pairs", {x.decode_rank: (ports[x.decode_rank], generations[(p, x.decode_rank)])
                                            for x in pieces if x.prefill_rank == p}))
-        expect("paired", n_pre)
+        _expect(out, procs, {"paired": n_pre})
         senders = sorted({x.prefill_rank for x in pieces})
         seq = 0
         for tokens in TRANSFER_TOKENS:
