@@ -565,6 +565,33 @@ def test_the_host_processes_take_cores_from_the_steps_on_a_shared_machine():
     assert Simulator(make_profile(), SimConfig(num_prefill=0, num_decode=2, machine_cores=2))._host_cost is None
 
 
+def test_a_request_reaching_an_idle_cluster_pays_the_measured_wake_up_and_one_behind_another_does_not():
+    """A profile's ``wake_overhead_seconds`` (a lone prompt's extra time to first token after the cluster sat
+    idle, over one sent right behind another, by prompt length) is added to a request that finds nothing in
+    flight, by how long the cluster idled (a ramp to the plateau at ``wake_idle_seconds``), and never to one
+    that arrives while another is in flight, nor to the first of a run."""
+    wake = 0.02
+    profile = make_profile(request_overhead_s=0.01)
+    colocated = profile.workers["colocated"]
+    assert colocated.wake_overhead(1.0, 64) == 0.0  # not measured
+    colocated.wake_idle_seconds, colocated.wake_tokens, colocated.wake_overhead_seconds = [0.05], [16, 512], \
+        [wake, 2 * wake]
+    ramp = [colocated.wake_overhead(s, 16) for s in (0.0, 0.025, 0.05, 3.0)]
+    assert ramp == pytest.approx([0, wake / 2, wake, wake])
+    assert [colocated.wake_overhead(1.0, n) for n in (8, 264, 2048)] == pytest.approx([wake, 1.5 * wake, 2 * wake])
+    colocated.wake_tokens, colocated.wake_overhead_seconds = [16], [wake]  # one length measured: every length's
+    requests = [one(64, 4, at=0.0, index=0), one(64, 40, at=1.0, index=1), one(64, 4, at=1.1, index=2),
+                one(64, 4, at=3.0, index=3)]
+    config = SimConfig(num_prefill=0, num_decode=1, step_jitter=False)
+    records = Simulator(profile, config).run(requests).records
+    ttft = dict(zip(records.arrival, records.ttft))
+    alone = 0.01 + 0.002 + 1e-4 * 64
+    assert ttft[0.0] == pytest.approx(alone)  # nothing ran before it
+    assert ttft[1.0] == pytest.approx(alone + wake)  # after ~1 s idle
+    assert ttft[1.1] < alone + wake / 2  # request 1 still decoding: a mixed step and a wait, no wake-up
+    assert ttft[3.0] == pytest.approx(alone + wake)
+
+
 def test_the_kv_arrives_the_measured_tail_after_the_prompts_last_step():
     """A decode worker's ``serving_kv_transfer_seconds`` (the router's kv_transfer hop at idle: the last
     layers' sends and the decode worker taking the KV) follows the prompt's last step; without it the

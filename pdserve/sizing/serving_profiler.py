@@ -22,6 +22,15 @@ from pdserve.sizing.profile import LOADED_UTILIZATION, WorkerProfile
 OVERHEAD_TOKENS = (16, 128, 512, 1500)
 LOADED_PROMPTS = 24
 IDLE_LOOP_S = 0.5  # how long the idle cluster's decode worker is timed before its requests are
+# A request arriving at an idle cluster pays more than one right behind another, from ~50 ms of idling on (the
+# 2-core VM of 2026-11-29, a 16-token prompt: median TTFT 9.1-9.5 ms back to back, 11-16 ms after 50-400 ms
+# idle, flat past 50 ms within the noise; the bench preset's 256-token prompts lost more than its 16-token ones:
+# every hop and the prompt's own steps run slower): lone prompts of WAKE_TOKENS after these gaps, taking turns
+# with back-to-back ones (a shared machine's speed drifts between passes), WAKE_ROUNDS of each, pooled into one
+# plateau per length from the first gap
+WAKE_IDLE_S = (0.05, 0.25)
+WAKE_TOKENS = (16, 512)
+WAKE_ROUNDS = 12
 
 
 class _Cluster:
@@ -132,6 +141,35 @@ async def _stream_batch(url: str, model_id: str, prompts: list[list[int]], max_t
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         await client.get(f"{url}/health")  # the connection is open before the clock starts
         return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+
+
+def _lone_ttfts(url: str, model_id: str, prompts: list[list[int]], idle_s: list[float] | None = None) -> list[float]:
+    """Each prompt streamed alone (one output token) by one client on one kept-alive connection, as a
+    benchmark's client sends them, one after the other, the i-th after ``idle_s[i]`` seconds with nothing in
+    flight (default: none): their times to first token (s)."""
+    import asyncio
+
+    import httpx
+
+    async def run() -> list[float]:
+        ttfts = []
+        async with httpx.AsyncClient(timeout=300) as client:
+            await client.get(f"{url}/health")  # the connection is open before the first prompt
+            for i, prompt in enumerate(prompts):
+                if idle_s and idle_s[i]:
+                    await asyncio.sleep(idle_s[i])
+                body = request_body(url, model_id, prompt, 1)
+                sent, first = time.perf_counter(), None
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                    async for line in resp.aiter_lines():
+                        if first is None and line.startswith("data:") and '"text"' in line:
+                            first = time.perf_counter()
+                if first is None:
+                    raise RuntimeError(f"no token came back through the router (HTTP {resp.status_code})")
+                ttfts.append(first - sent)
+        return ttfts
+
+    return asyncio.run(run())
 
 
 def serving_step_seconds(streams: list[list[float]]) -> float:
@@ -288,6 +326,10 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
     * ``overhead_seconds``: those prompts' time to first token minus those hops: the router, the other
       hops, HTTP, and the per-request work that grows with the prompt (``request_overhead_s``: the
       shortest's);
+    * ``wake_overhead_seconds``: for prompts of ``WAKE_TOKENS`` tokens (``wake_tokens``) sent alone, back to
+      back or after the cluster sat idle one of ``WAKE_IDLE_S`` (taking turns), the median time to first
+      token after the gaps over the median back to back: a plateau per length, reached at the shortest
+      gap (``wake_idle_seconds``);
     * ``serving_step_cv``: the steps' jitter the clients saw (``step_jitter``, the median over the grid);
     * ``serving_prefill_cv``: the idle prompts' scatter: their TTFTs' standard deviation (``robust_std``: one
       stalled request of eight triples a plain one) over the prompt hop's mean, per length, the median (a
@@ -317,6 +359,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             [], [], [], [], [], []
         request_cpu = []  # a decode worker's CPU seconds per request outside its steps (disaggregated)
         scatter = []  # per length: the idle prompts' TTFT standard deviation over the prompt's steps
+        wake_tokens, wake = [], []  # a lone prompt's extra time to first token after the cluster idled, by length
         idle_at, idle_cpu = time.monotonic(), meter.decoders()
         time.sleep(IDLE_LOOP_S)  # the decode worker's loop with nothing to do: its CPU is not a request's
         idle_rate = (meter.decoders() - idle_cpu) / (time.monotonic() - idle_at)
@@ -326,12 +369,10 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             for k in range(2):  # the first lengths of this size: unmeasured
                 asyncio.run(_stream_batch(cluster.url, model_id, [prompt(n + num_idle + k)], 1))
             before = _scrape_phases(cluster.url)
-            ttfts = []
             cpu_before = meter.read()
             decode_before, pass_at = meter.decoders(), time.monotonic()
-            for k in range(num_idle):  # lengths n, n + 1, ...: each new to the cluster, as in serving
-                sent, first = asyncio.run(_stream_batch(cluster.url, model_id, [prompt(n + k)], 1))[0][:2]
-                ttfts.append(first - sent)
+            # lengths n, n + 1, ...: each new to the cluster, as in serving
+            ttfts = _lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(num_idle)])
             cpu_after = meter.read()
             decode_cpu = meter.decoders() - decode_before - idle_rate * (time.monotonic() - pass_at)
             host_passes.append((num_idle, num_idle, num_idle, cpu_after[0] - cpu_before[0],
@@ -360,6 +401,12 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute - kv_tail - admission))
             if len(ttfts) > 2 and compute > 0:
                 scatter.append(robust_std(ttfts) / compute)
+            if n in WAKE_TOKENS:  # these prompts again, taking turns: back to back and after each idle gap
+                gaps = [0.0, *WAKE_IDLE_S] * WAKE_ROUNDS
+                ttfts_by = _lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(len(gaps))], gaps)
+                woken = statistics.median(t for gap, t in zip(gaps, ttfts_by) if gap)
+                wake_tokens.append(n)
+                wake.append(woken - statistics.median(t for gap, t in zip(gaps, ttfts_by) if not gap))
         grid, jitters = [], []
         for b in worker["decode_batch"]:
             row = []
@@ -376,7 +423,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                     on_point()
             grid.append(row)
         return {"request_overhead_s": overhead_seconds[0], "overhead_tokens": overhead_tokens,
-                "overhead_seconds": overhead_seconds, "serving_prefill_seconds": prefill_seconds,
+                "overhead_seconds": overhead_seconds, "wake_idle_seconds": [WAKE_IDLE_S[0]] if wake else [],
+                "wake_tokens": wake_tokens, "wake_overhead_seconds": wake, "serving_prefill_seconds": prefill_seconds,
                 "serving_prefill_idle_seconds": idle_seconds,
                 # how busy the loaded pass kept the prefill worker: its arrivals were paced by the idle hop
                 "serving_prefill_utilization": min(1.0, LOADED_UTILIZATION * statistics.fmean(

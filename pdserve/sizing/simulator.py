@@ -10,7 +10,8 @@ placement (``prefers_local_prefill``) and the router's own request counts (``Wor
 lasts what the profile's cost model says (``WorkerProfile.step_seconds``) and samples a fixed token;
 a KV transfer lasts ``TransferProfile.transfer_seconds`` of its bytes, overlapped with the prefill
 step that produced it (the real sender ships each layer as the forward finishes it); a request pays
-the profile's fixed ``request_overhead_s`` outside the steps.
+the profile's fixed ``request_overhead_s`` outside the steps, and one that finds nothing in flight the
+wake-up of a cluster that sat idle as long (``WorkerProfile.wake_overhead``).
 
 Life of a simulated request (disaggregated)::
 
@@ -442,6 +443,7 @@ class Simulator:
                        WorkerRole.DECODE: [w.info for w in self.decode_workers]}
         self._by_id = {w.worker_id: w for w in (*self.prefill_workers, *self.decode_workers)}
         self.tracked: dict[str, _Tracked] = {}
+        self._idle_since: float | None = None  # when the client last saw the cluster go idle (None: not yet)
         self._overhead_profile = profile.worker(decode_kind)
         # the host processes sharing the workers' cores: their CPU seconds per request and per token, as a
         # run of this config adds them and as the serving grid's measurement had them (router and client)
@@ -621,6 +623,8 @@ class Simulator:
                           max_model_len=decode.profile.max_model_len)
         request.arrival_time = now
         overhead = self._overhead_profile.request_overhead(len(prompt)) or self.profile.request_overhead_s
+        if len(self.tracked) == 1 and self._idle_since is not None:  # the first in flight wakes the cluster
+            overhead += self._overhead_profile.wake_overhead(now - self._idle_since, len(prompt))
         tracked.half_overhead = overhead / 2  # half on the way in, half on the way out
         self.at(now + tracked.half_overhead, self._reach_decode, decode, request, prefill is not None)
 
@@ -728,6 +732,8 @@ class Simulator:
             self._host_work(now, self._host_cost[1] * num_tokens)
         if finished:
             del self.tracked[request_id]
+            if not self.tracked:
+                self._idle_since = seen
             self._release_prefill(tracked)
             tracked.decode.info.num_inflight = max(0, tracked.decode.info.num_inflight - 1)
             self._records.finish(tracked)
