@@ -11,6 +11,7 @@ disaggregated prefill ships each layer only the blocks its group keeps.
 from __future__ import annotations
 
 import pytest
+import torch._dynamo.utils
 from transformers import Gemma3TextConfig, GptOssConfig
 
 from pdserve import LLM, SamplingParams
@@ -99,7 +100,11 @@ def test_each_group_holds_its_blocks_and_tokens_stay_exact(family, enforce_eager
         core = llm.core
         assert core.scheduler.kv.windows == ((None, WINDOW, WINDOW) if family == "gemma3" else (None, WINDOW))
         assert (core.runner._compiled_decode is None) == enforce_eager
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         tokens = step_to_the_end(core, prompts, 30, check)
+        # no step recompiled (the warm-up's tables once had a width equal to the number of groups, which
+        # dynamo tied into one size: every wider real step compiled a graph of its own, seconds each)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     finally:
         llm.close()
     assert tokens == want

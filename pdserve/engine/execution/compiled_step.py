@@ -176,31 +176,36 @@ class CompiledDecodeStep:
 
         The inputs look like real ones to dynamo's guards: distinct tensors (one tensor passed as
         input_ids, positions and slot_mapping is an aliasing guard every real step fails), block
-        tables three wide (two would equal the cache's K/V dimension, a size equality guard that a
-        real step fails as soon as a sequence spans three blocks), and a cache shaped as the runner's
-        but for its number of blocks (``_scratch_cache``), so requests' blocks are never written."""
+        tables at least three wide and of a width no other input size has (dynamo's duck sizing ties
+        two dimensions of one size into one symbol, and a real step whose tables are wider fails that
+        guard: two wide equals the cache's K/V dimension; three equalled a Gemma 3 checkpoint's three KV
+        cache groups, and every real step recompiled, ~5-10 s each, until the recompile limit), and a
+        cache shaped as the runner's but for its number of blocks (``_scratch_cache``), so requests'
+        blocks are never written."""
         device = self.runner.device
         kv_cache = _scratch_cache(self.runner.kv_cache)
         batches = [1, 2]
         if decode_linear.build_kernel():  # the kernel takes 1..KERNEL_MAX_ROWS rows; larger batches: torch's GEMM
             batches.append(decode_linear.KERNEL_MAX_ROWS + 1)
+        groups = self.runner.model.kv_cache_groups
+        lead = () if groups is None else (groups.num_groups,)
+        taken = {*kv_cache.shape, *batches, *(b + 1 for b in batches), *lead}  # b + 1: query_start_loc
+        width = next(n for n in range(3, 128) if n not in taken)
         for batch in batches:
             logger.info("compiling the decode step (batch %d)...", batch)
             with torch.inference_mode(False), torch.no_grad():
                 def zeros(*shape):
                     return torch.zeros(*shape, dtype=torch.int64, device=device)
 
-                groups = self.runner.model.kv_cache_groups
-                lead = () if groups is None else (groups.num_groups,)
-                compiled(zeros(batch), zeros(batch), kv_cache, zeros(*lead, batch), zeros(*lead, batch, 3),
+                compiled(zeros(batch), zeros(batch), kv_cache, zeros(*lead, batch), zeros(*lead, batch, width),
                          zeros(batch) + 1, torch.arange(batch + 1, device=device))
 
 
 def _scratch_cache(kv_cache: torch.Tensor) -> torch.Tensor:
     """A zeroed cache shaped as ``kv_cache`` [layers, kv_slots, num_blocks, block_size, heads, row] but with
-    a few blocks: a number no other size of the warm-up's inputs has (batches 1, 2, 33, tables three wide),
-    so dynamo's size-equality guards are the same as a real step's and the graphs it compiles serve the
-    real cache (``num_blocks`` is a symbolic size of the graph)."""
+    a few blocks: a number no other size of the warm-up's inputs has (batches 1, 2, 33; the tables' width is
+    picked after it), so dynamo's size-equality guards are the same as a real step's and the graphs it
+    compiles serve the real cache (``num_blocks`` is a symbolic size of the graph)."""
     taken = set(kv_cache.shape) | {0, 1, 2, 3, 4, decode_linear.KERNEL_MAX_ROWS + 1, decode_linear.KERNEL_MAX_ROWS + 2}
     num_blocks = next(n for n in range(5, 64) if n not in taken)
     shape = list(kv_cache.shape)
