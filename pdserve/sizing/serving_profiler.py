@@ -120,27 +120,32 @@ async def _stream_poisson(url: str, model_id: str, prompts: list[list[int]], max
         await asyncio.gather(*(one(client, p, o) for p, o in zip(prompts, offsets)))
 
 
+async def _stream_one(client, url: str, model_id: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """One streamed request on ``client``: its send time then its chunks' arrival times (perf_counter s).
+
+    Raises:
+        RuntimeError: no token came back."""
+    body = request_body(url, model_id, prompt, max_tokens)
+    times = [time.perf_counter()]
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        async for line in resp.aiter_lines():
+            if line.startswith("data:") and '"text"' in line:
+                times.append(time.perf_counter())
+    if len(times) < 2:
+        raise RuntimeError(f"no token came back through the router (HTTP {resp.status_code})")
+    return times
+
+
 async def _stream_batch(url: str, model_id: str, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
     """Stream every prompt at once; each one's send time then its chunks' arrival times (perf_counter s)."""
     import asyncio
 
     import httpx
 
-    async def one(client, prompt) -> list[float]:
-        body = request_body(url, model_id, prompt, max_tokens)
-        times = [time.perf_counter()]
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            async for line in resp.aiter_lines():
-                if line.startswith("data:") and '"text"' in line:
-                    times.append(time.perf_counter())
-        if len(times) < 2:
-            raise RuntimeError(f"no token came back through the router (HTTP {resp.status_code})")
-        return times
-
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         await client.get(f"{url}/health")  # the connection is open before the clock starts
-        return list(await asyncio.gather(*(one(client, p) for p in prompts)))
+        return list(await asyncio.gather(*(_stream_one(client, url, model_id, p, max_tokens) for p in prompts)))
 
 
 def _lone_ttfts(url: str, model_id: str, prompts: list[list[int]], idle_s: list[float] | None = None) -> list[float]:
@@ -158,15 +163,8 @@ def _lone_ttfts(url: str, model_id: str, prompts: list[list[int]], idle_s: list[
             for i, prompt in enumerate(prompts):
                 if idle_s and idle_s[i]:
                     await asyncio.sleep(idle_s[i])
-                body = request_body(url, model_id, prompt, 1)
-                sent, first = time.perf_counter(), None
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-                    async for line in resp.aiter_lines():
-                        if first is None and line.startswith("data:") and '"text"' in line:
-                            first = time.perf_counter()
-                if first is None:
-                    raise RuntimeError(f"no token came back through the router (HTTP {resp.status_code})")
-                ttfts.append(first - sent)
+                times = await _stream_one(client, url, model_id, prompt, 1)
+                ttfts.append(times[1] - times[0])
         return ttfts
 
     return asyncio.run(run())
