@@ -15,7 +15,14 @@
 //     value at that k (an FMA with an embedded broadcast on AVX-512). x's rows are first copied to
 //     [K][rows] per block, so those broadcasts read one sequential line, not rows a stride apart.
 //   * Every weight line is prefetched PREFETCH_FLOATS ahead, far enough for DRAM's latency at the
-//     rate the FMAs consume lines.
+//     rate the FMAs consume lines. Where x's block is small (at most an eighth of the core's L1D, read
+//     once: a row or two) the lines go into L1, half of L1D ahead; otherwise into L2, PREFETCH_FLOATS
+//     ahead, whence L1's own prefetcher takes them, so that they do not evict x's block, which every
+//     FMA's broadcast reads. On a 2-core Zen 4 EPYC (32 KiB L1D) the first rule (all into L1, 32 KiB
+//     ahead) ran the bench preset's 48 linears at 8 rows in 20.5-24.7 ms, into L2 in 13.3-15.7 (16 rows
+//     26-35 -> 23-27 ms, 32 rows 51-60 -> 48-55, 2 rows 14.1-16.9 -> 13.7-15.5); at one row into L1 16
+//     KiB ahead was the fastest (13.4-15.7 ms, 32 KiB ahead 13.4-16.7, L2 14.6-16.1) (runs of `python
+//     benchmarks/bench_linear_formats.py --rows 1 2 4 8 16 32 --core 1`, each variant in turn).
 //
 // Measured on that core (bench preset's 48 linears, weights cold, one thread): 20 rows in 13.6-14.3 ms
 // against oneDNN's 20.9-21.7 ms; 8 rows 10.7 against 13.5; 32 rows 25.0 against 30.2; at 512 rows
@@ -38,6 +45,7 @@
 #include <cstring>
 #include <utility>
 #include <vector>
+#include <unistd.h>
 #if defined(__AVX512F__) || defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -82,15 +90,18 @@ inline v16 fma16(v16 acc, v16 w, float s) {
 // out[m0 .. m0 + R, panel p's 16 features] = x block (xt [K][R]) times panel p. One panel at a time:
 // the weights stay one sequential stream (two or four panels side by side, for more independent
 // accumulators at few rows, measured slower at every row count: 1-12 rows, 8-14 ms against 7.5-9).
-template <int R>
-void block(float* out, const float* xt, const float* panels, int64_t p, int64_t m0, int64_t N, int64_t K) {
+// into_l1: prefetch the weight lines into L1 (prefetcht0), else into L2 (prefetcht1).
+// `ahead`: floats between a weight line and the one prefetched.
+template <int R, bool into_l1>
+void block(float* out, const float* xt, const float* panels, int64_t p, int64_t m0, int64_t N, int64_t K,
+           int64_t ahead) {
   v16 acc[R];
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r) acc[r] = v16{};
   const float* w = panels + p * K * LANES;
   for (int64_t k = 0; k < K; ++k) {
     const v16 wv = load16(w + k * LANES);
-    __builtin_prefetch(w + k * LANES + PREFETCH_FLOATS, 0, 3);
+    __builtin_prefetch(w + k * LANES + ahead, 0, into_l1 ? 3 : 2);
     const float* xk = xt + k * R;
 #pragma GCC unroll 32
     for (int r = 0; r < R; ++r) acc[r] = fma16(acc[r], wv, xk[r]);
@@ -100,15 +111,25 @@ void block(float* out, const float* xt, const float* panels, int64_t p, int64_t 
   for (int r = 0; r < R; ++r) std::memcpy(out + (m0 + r) * N + n, &acc[r], cols * sizeof(float));
 }
 
-using BlockFn = void (*)(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t);
+using BlockFn = void (*)(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
-// kBlocks[R] = block<R> for R = 1 .. MAX_ROWS (kBlocks[0] unused).
-template <int... Rs>
+// kBlocks<into_l1>[R] = block<R, into_l1> for R = 1 .. MAX_ROWS (index 0 unused).
+template <bool into_l1, int... Rs>
 constexpr std::array<BlockFn, sizeof...(Rs) + 1> block_table(std::integer_sequence<int, Rs...>) {
-  return {nullptr, &block<Rs + 1>...};
+  return {nullptr, &block<Rs + 1, into_l1>...};
 }
 
-constexpr auto kBlocks = block_table(std::make_integer_sequence<int, MAX_ROWS>{});
+template <bool into_l1>
+constexpr auto kBlocks = block_table<into_l1>(std::make_integer_sequence<int, MAX_ROWS>{});
+
+// This core's L1 data cache in bytes (48 KiB where the system does not say).
+int64_t l1d_bytes() {
+  static const int64_t bytes = [] {
+    const long b = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    return b > 0 ? static_cast<int64_t>(b) : int64_t{48} << 10;
+  }();
+  return bytes;
+}
 
 }  // namespace
 
@@ -143,12 +164,17 @@ extern "C" int pdserve_f32_panel_linear(float* out, const float* x, const float*
     }
   }
   const int64_t num_panels = (N + LANES - 1) / LANES;
+  // The weight lines are prefetched into L1 only where x's block (K * block_rows floats) is small (above).
+  const int64_t l1d_floats = l1d_bytes() / static_cast<int64_t>(sizeof(float));
+  const bool into_l1 = K * block_rows <= l1d_floats / 8;
+  const int64_t ahead = into_l1 ? l1d_floats / 2 : PREFETCH_FLOATS;
+  const auto& blocks = into_l1 ? kBlocks<true> : kBlocks<false>;
   // Threads split the panels; each panel is read from memory by the first row block, from L2 by the rest.
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t p = 0; p < num_panels; ++p)
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
       const int rows = static_cast<int>(M - m0 < block_rows ? M - m0 : block_rows);
-      kBlocks[rows](out, xt + m0 * K, panels, p, m0, N, K);
+      blocks[rows](out, xt + m0 * K, panels, p, m0, N, K, ahead);
     }
   return 0;
 }
