@@ -19,7 +19,7 @@
 //     once: a row or two) the lines go into L1, half of L1D ahead; otherwise into L2, PREFETCH_FLOATS
 //     ahead, whence L1's own prefetcher takes them, so that they do not evict x's block, which every
 //     FMA's broadcast reads. On a 2-core Zen 4 EPYC (32 KiB L1D) the first rule (all into L1, 32 KiB
-//     ahead) ran the bench preset's 48 linears at 8 rows in 20.5-24.7 ms, into L2 in 13.3-15.7 (16 rows
+//     ahead) ran the bench preset's 48 linears at 8 rows in 20.5-25.7 ms, into L2 in 13.3-15.7 (16 rows
 //     26-35 -> 23-27 ms, 32 rows 51-60 -> 48-55, 2 rows 14.1-16.9 -> 13.7-15.5); at one row into L1 16
 //     KiB ahead was the fastest (13.4-15.7 ms, 32 KiB ahead 13.4-16.7, L2 14.6-16.1) (runs of `python
 //     benchmarks/bench_linear_formats.py --rows 1 2 4 8 16 32 --core 1`, each variant in turn).
