@@ -7,6 +7,7 @@ kernel's socket tables for that pid).
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -91,3 +92,19 @@ def test_kv_pair_store_listens_only_on_the_worker_host():
         assert listening == ["127.0.0.1"]
     finally:
         server.close()
+
+
+def test_free_ports_lie_outside_the_range_outgoing_connections_take_theirs_from():
+    """A port the launcher picks for a router is bound by it seconds later: meanwhile no outgoing connection
+    may take it, so it comes from below the kernel's ephemeral range (a router once failed to bind its ZMQ
+    port in the suite), is free, and is never handed out twice by one process."""
+    from pdserve.common.utils import ephemeral_port_range
+
+    first, last = ephemeral_port_range()
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    if first - 20000 >= 1024:
+        assert all(20000 <= p < first for p in ports), (first, last, sorted(ports)[:5])
+    for port in ports[:20]:  # each still free
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

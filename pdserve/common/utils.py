@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import re
 import socket
 from typing import TYPE_CHECKING
@@ -194,11 +195,52 @@ def reachable_host(bind_host: str, node_address: str = "127.0.0.1") -> str:
     return node_address if bind_host in WILDCARD_HOSTS else bind_host
 
 
+# Ports free_port hands out lie below the kernel's ephemeral range (outgoing connections and bind(0) take
+# theirs from it) and above Ray's worker ports (10002-19999 by default).
+_PICK_FLOOR = 20000
+_DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default net.ipv4.ip_local_port_range
+_handed_out: set[int] = set()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range ``(first, last)``, inclusive: where ``connect()`` and ``bind(port 0)``
+    take their ports (Linux's ``net.ipv4.ip_local_port_range``; its default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            first, last = (int(x) for x in f.read().split())
+        return first, last
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for tests and the local launcher)."""
+    """A TCP port on ``host`` that is free now and that this process has not handed out before (for tests
+    and the local launcher, which pass it to a process that binds it seconds later).
+
+    Chosen at random below the kernel's ephemeral range (``ephemeral_port_range``), from 20000 up, so no
+    outgoing connection can take it in the meantime: a port from ``bind(port 0)`` comes from that range,
+    and a cluster starting up opens many connections (a router once failed to bind its ZMQ port because one
+    had). Where the range leaves no room below it, the kernel's ``bind(port 0)`` choice.
+    """
+    first, _ = ephemeral_port_range()
+    if first - _PICK_FLOOR >= 1024:
+        rng = random.Random()
+        for _ in range(64):
+            port = rng.randrange(_PICK_FLOOR, first)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
