@@ -2,7 +2,8 @@
 
 Times ``torch.ops.pdserve.paged_decode_attention`` (the op the compiled decode step calls: write
 the new K/V, then the native kernel) over every layer of a cache shaped like the ``bench``
-preset's (12 layers, 4 KV heads of 64, 12 query heads, blocks of 16, float32 by default), on one
+preset's (12 layers, 4 KV heads of 64, 12 query heads, blocks of 16 or ``--block-size``, float32 by
+default), on one
 pinned core with one torch thread. The cache is allocated as the engine allocates it
 (``allocate_kv_cache``: 2 MiB pages where the kernel grants them) and holds exactly the batch's
 blocks, handed out in a random order as a busy block manager's free queue would, so at batch 8
@@ -12,6 +13,7 @@ step's worth of calls (every layer once), the KV bytes those calls read, and tha
     python benchmarks/bench_paged_attention.py                      # batch 1 / 8 / 32, contexts 156 / 350 / 300
     python benchmarks/bench_paged_attention.py --dtype bfloat16
     python benchmarks/bench_paged_attention.py --cases 16:512 64:256
+    python benchmarks/bench_paged_attention.py --cases 8:389 32:341 --block-size 16 64 128
 
 A figure for the kernel's speed on this machine, never a test: it compares only with runs of
 itself on the same machine (docs/benchmarks.md says which changes it measured).
@@ -25,25 +27,26 @@ import os
 import torch
 from bench_linear_formats import median_ms  # this folder's timing loop (run as a script, it is on sys.path)
 
-NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, NUM_HEADS, BLOCK_SIZE = 12, 4, 64, 12, 16
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, NUM_HEADS = 12, 4, 64, 12
 
 
-def time_case(batch: int, context: int, dtype: torch.dtype, repeats: int) -> dict:
-    """Median seconds of one step's attention (every layer) at ``batch`` sequences of ``context`` tokens."""
+def time_case(batch: int, context: int, dtype: torch.dtype, repeats: int, block_size: int = 16) -> dict:
+    """Median seconds of one step's attention (every layer) at ``batch`` sequences of ``context`` tokens,
+    in blocks of ``block_size`` token slots."""
     from pdserve.engine.layers.paged_backend import paged_decode_attention  # noqa: F401  registers the op
     from pdserve.engine.execution.kv_cache import allocate_kv_cache
 
-    blocks_per_seq = -(-context // BLOCK_SIZE)
+    blocks_per_seq = -(-context // block_size)
     num_blocks = batch * blocks_per_seq + 1
     generator = torch.Generator().manual_seed(batch * 1000 + context)
-    cache = allocate_kv_cache(NUM_LAYERS, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype, "cpu")
+    cache = allocate_kv_cache(NUM_LAYERS, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype, "cpu")
     cache.normal_(generator=generator)
     order = torch.randperm(num_blocks, generator=generator)[: batch * blocks_per_seq]
     block_tables = order.view(batch, blocks_per_seq).contiguous()
     seq_lens = torch.full((batch,), context, dtype=torch.int64)
     query_start_loc = torch.arange(batch + 1, dtype=torch.int64)
-    last = (context - 1) // BLOCK_SIZE
-    slot_mapping = (block_tables[:, last] * BLOCK_SIZE + (context - 1) % BLOCK_SIZE).contiguous()
+    last = (context - 1) // block_size
+    slot_mapping = (block_tables[:, last] * block_size + (context - 1) % block_size).contiguous()
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=generator)
     key = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
     value = torch.randn(batch, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
@@ -67,6 +70,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--core", type=int, default=0)
+    parser.add_argument("--block-size", type=int, nargs="+", default=[16],
+                        help="token slots per KV block (several: each case at each size; the engine's default 16)")
     args = parser.parse_args()
     os.sched_setaffinity(0, {args.core})
     torch.set_num_threads(1)
@@ -75,9 +80,11 @@ def main() -> None:
           f"{args.dtype} cache, one core (cpu capability {torch.backends.cpu.get_cpu_capability()})")
     for case in args.cases:
         batch, context = (int(x) for x in case.split(":"))
-        r = time_case(batch, context, dtype, args.repeats)
-        print(f"  batch {batch:3d}, context {context:5d}: {r['step_s'] * 1e3:7.2f} ms a step, "
-              f"KV {r['kv_bytes'] / 2**20:6.1f} MiB -> {r['kv_bytes'] / r['step_s'] / 1e9:5.1f} GB/s")
+        for block_size in args.block_size:
+            r = time_case(batch, context, dtype, args.repeats, block_size)
+            print(f"  batch {batch:3d}, context {context:5d}, blocks of {block_size:3d}: "
+                  f"{r['step_s'] * 1e3:7.2f} ms a step, "
+                  f"KV {r['kv_bytes'] / 2**20:6.1f} MiB -> {r['kv_bytes'] / r['step_s'] / 1e9:5.1f} GB/s")
 
 
 if __name__ == "__main__":
