@@ -10,7 +10,7 @@ prints the median time of one pass over all of them at each row count through:
 * the decode kernel on plain weights (``pdserve.engine.layers.decode_linear``, up to its row limit);
 * oneDNN on weights reordered once into its blocked layout (``--linear-weight-format onednn``);
 * the panel kernel on weights packed once in 16-feature panels (``--linear-weight-format panel``,
-  ``pdserve.engine.layers.panel_linear``);
+  ``pdserve.engine.layers.panel_linear``), in one arena on 2 MiB pages as the engine keeps them;
 * ``F.linear`` on plain weights (MKL's sgemm on a CPU build of torch).
 
 ``--linear-weight-format auto`` makes the same comparison at load on a model's own weights
@@ -26,6 +26,7 @@ import time
 import torch
 
 from pdserve.engine.layers import decode_linear, panel_linear
+from pdserve.engine.layers.weight_format import panel_arena
 
 HIDDEN, INTERMEDIATE, Q_KV, LAYERS = 768, 2048, 768 + 2 * 256, 12  # the bench preset
 
@@ -52,7 +53,9 @@ def main() -> int:
     shapes = [(Q_KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS
     weights = [torch.randn(n, k) for n, k in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
-    panels = [panel_linear.pack_panels(w) for w in weights] if panel_linear.build_kernel() else None
+    # panels as the engine keeps them: one arena on 2 MiB pages (weight_format.panel_arena)
+    panels = [panel_linear.pack_panels(w, out) for w, out in zip(weights, panel_arena(weights))] \
+        if panel_linear.build_kernel() else None
     print(f"{len(weights)} linears, {sum(w.nbytes for w in weights) / 2**20:.0f} MiB float32, one thread on core "
           f"{args.core}; median ms of one pass over all of them")
     print("| rows | decode kernel (plain) | oneDNN (packed) | panel kernel (panels) | F.linear (plain) |")

@@ -82,6 +82,48 @@ def test_packed_layers_compute_what_the_plain_weights_do_and_keep_no_copy():
             torch.testing.assert_close(row(r), want_row, atol=1e-5, rtol=1e-4)
 
 
+def _huge_page_kib(begin: int, end: int) -> int:
+    """KiB of this process's memory in [begin, end) that Linux backs with transparent huge pages (smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and hi > begin
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1])
+    return total
+
+
+def test_a_models_panels_lie_back_to_back_in_one_arena_on_huge_pages():
+    """A decode step streams every panel once: the layers' panels are one arena that starts on a 2 MiB
+    boundary, in the modules' order, each a contiguous view, and where Linux grants transparent huge pages
+    on request (THP ``madvise`` or ``always``) they back it."""
+    torch.manual_seed(0)
+    layers = [ColumnParallelLinear(256, [1024, 512]), RowParallelLinear(1536, 256), RowParallelLinear(256, 2000)]
+    model = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
+    plain = [layer.weight.detach().clone() for layer in layers]
+    assert pack_panel_weights(model) == 3
+    panels = [layer.panel_weight for layer in layers]
+    base = panels[0].data_ptr()
+    assert base % (2 << 20) == 0
+    offset = 0
+    for p, w in zip(panels, plain):
+        assert p.is_contiguous() and p.shape == panel_linear.panels_shape(*w.shape)
+        assert p.data_ptr() == base + offset
+        assert p.untyped_storage().data_ptr() == panels[0].untyped_storage().data_ptr()
+        offset += p.numel() * 4
+        torch.testing.assert_close(panel_linear.panel_linear(torch.eye(w.shape[1]), p, w.shape[0]), w.t())
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read()
+    except OSError:
+        thp = ""
+    if "[madvise]" in thp or "[always]" in thp:
+        assert _huge_page_kib(base, base + offset) >= 2048 * ((offset >> 21) - 1)
+
+
 def test_only_an_untied_float32_lm_head_is_packed_in_panels():
     """An untied float32 head is packed (its logits equal the plain weight's, no plain copy kept); a tied
     head, a bfloat16 one and one already packed are left alone; an unknown layout is refused."""

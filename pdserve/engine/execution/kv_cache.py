@@ -20,13 +20,12 @@ block is half a K/V cache's of the same row width.
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import time
 
 import torch
 
 from pdserve.common.kv_quant import kv_cache_format
+from pdserve.common.utils import advise_huge_pages
 from pdserve.common.protocol import TierOp, TierOpKind
 
 
@@ -81,30 +80,6 @@ def allocate_kv_cache(
     cache = torch.empty(shape, dtype=fmt.storage_dtype)  # pages not touched yet
     advise_huge_pages(cache)
     return cache.zero_()
-
-
-_MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
-_HUGE_PAGE = 2 * 2**20
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask Linux to back ``tensor``'s memory with 2 MiB transparent huge pages (``madvise``).
-
-    A decode step reads each sequence's KV blocks from all over a cache of gigabytes; with 4 KiB
-    pages most block reads miss the TLB (a 2 GiB cache spans 512k pages, the TLB holds a few
-    thousand). Call it before the pages are first touched. Only the 2 MiB-aligned interior is
-    advised; returns False where it does nothing (not Linux, THP disabled, a small tensor)."""
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    begin = (start + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
-    stop = end // _HUGE_PAGE * _HUGE_PAGE
-    if stop <= begin or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(stop - begin), _MADV_HUGEPAGE) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def allocate_offload_cache(kv_cache: torch.Tensor, num_slots: int) -> torch.Tensor:

@@ -34,12 +34,19 @@ def build_kernel() -> bool:
     return _lib is not None
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] float32 (CPU) -> its panels [ceil(N / 16), K, 16], features past N zero.
+def panels_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The panels of a weight [out_features, in_features]: [ceil(out_features / 16), in_features, 16]."""
+    return (out_features + LANES - 1) // LANES, in_features, LANES
+
+
+def pack_panels(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """weight [N, K] float32 (CPU) -> its panels [ceil(N / 16), K, 16], features past N zero: written into
+    ``out`` (a contiguous float32 CPU tensor of ``panels_shape(N, K)``, e.g. a view of a weight arena on huge
+    pages) where given, else into a new tensor.
 
     Raises:
         RuntimeError: the kernel cannot be built here.
-        ValueError: not a 2-D float32 CPU tensor.
+        ValueError: not a 2-D float32 CPU tensor, or ``out`` not of the panels' shape.
     """
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
         raise ValueError(f"panels take a 2-D float32 CPU weight, got {tuple(weight.shape)} {weight.dtype} "
@@ -48,10 +55,16 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("the panel linear kernel could not be built here")
     weight = weight.detach().contiguous()
     out_features, in_features = weight.shape
-    panels = torch.empty((out_features + LANES - 1) // LANES, in_features, LANES, dtype=torch.float32)
-    if _lib.pdserve_f32_pack_panels(panels.data_ptr(), weight.data_ptr(), out_features, in_features) != 0:
+    shape = panels_shape(out_features, in_features)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float32)
+    elif (tuple(out.shape) != shape or out.dtype != torch.float32 or out.device.type != "cpu"
+          or not out.is_contiguous()):
+        raise ValueError(f"panels of a {tuple(weight.shape)} weight need a contiguous float32 CPU {shape}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if _lib.pdserve_f32_pack_panels(out.data_ptr(), weight.data_ptr(), out_features, in_features) != 0:
         raise ValueError(f"cannot pack a weight of shape {tuple(weight.shape)}")
-    return panels
+    return out
 
 
 # The operator's CPU kernel (its schema: pdserve/kernels/ops.py).

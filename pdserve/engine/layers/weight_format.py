@@ -10,12 +10,14 @@ is kept. ``choose_linear_weight_format`` times the layouts on the model's own we
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Sequence
 
 import torch
 from torch import nn
 
+from pdserve.common.utils import empty_on_huge_pages
 from pdserve.engine.layers import decode_linear, onednn_linear, panel_linear
 from pdserve.kernels import builds_avx512
 from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear, linear
@@ -70,15 +72,33 @@ def pack_panel_weights(model: nn.Module) -> int:
     ``panel_weight`` holds the panels (``panel_handle`` names them to a compiled decode step's op)
     and ``weight`` becomes a zero-stride view of its shape and dtype over no memory. Int8,
     batch-invariant, bfloat16 and already packed layers are left as they are. Returns the number of
-    layers packed: 0 where the kernel cannot be built here."""
+    layers packed: 0 where the kernel cannot be built here.
+
+    All the layers' panels lie back to back in one arena on 2 MiB pages (``panel_arena``): a decode step
+    streams them whole, and on 4 KiB pages the stream paid a page walk every 4 KiB and the hardware
+    prefetchers stopped at each page's end. On a Zen 4 EPYC core the bench preset's 48 linears took
+    13.0 / 12.9 / 48.6 ms at 1 / 8 / 32 rows in the arena against 17.1 / 17.3 / 52.7 on 4 KiB pages."""
     if not panel_linear.build_kernel():
         return 0
-    packed = 0
-    for module in model.modules():
-        if _packable(module, (torch.float32,)):
-            _pack_panels(module)
-            packed += 1
-    return packed
+    modules = [module for module in model.modules() if _packable(module, (torch.float32,))]
+    if modules:
+        for module, out in zip(modules, panel_arena([module.weight for module in modules])):
+            _pack_panels(module, out)
+    return len(modules)
+
+
+def panel_arena(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Room for ``weights``' panels (each [N, K] -> ``panel_linear.panels_shape(N, K)``, float32): views of
+    one arena on transparent huge pages (``empty_on_huge_pages``), back to back in ``weights``' order, each
+    starting on a 64-byte line. Where Linux grants no huge pages the arena is ordinary memory."""
+    shapes = [panel_linear.panels_shape(*w.shape) for w in weights]
+    sizes = [math.prod(shape) for shape in shapes]
+    arena = empty_on_huge_pages(sum(sizes), torch.float32)
+    views, offset = [], 0
+    for shape, size in zip(shapes, sizes):
+        views.append(arena[offset: offset + size].view(shape))
+        offset += size
+    return views
 
 
 def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -103,9 +123,10 @@ def _drop_plain(module: nn.Module) -> None:
     module.weight = nn.Parameter(torch.zeros((), dtype=weight.dtype).expand(weight.shape), requires_grad=False)
 
 
-def _pack_panels(module: nn.Module) -> None:
-    """Move ``module.weight`` [N, K] into panels: ``panel_weight`` [ceil(N / 16), K, 16]."""
-    module.panel_weight = panel_linear.pack_panels(module.weight)
+def _pack_panels(module: nn.Module, out: torch.Tensor) -> None:
+    """Move ``module.weight`` [N, K] into panels: ``panel_weight`` [ceil(N / 16), K, 16], written into ``out``
+    (a view of a ``panel_arena``)."""
+    module.panel_weight = panel_linear.pack_panels(module.weight, out)
     module.panel_handle = panel_linear.register_panels(module.panel_weight)
     _drop_plain(module)
 
@@ -152,7 +173,7 @@ def pack_lm_head(model: nn.Module, layout: str = "onednn") -> bool:
     if layout == "panel":
         if not panel_linear.build_kernel():
             return False
-        _pack_panels(head)
+        _pack_panels(head, panel_arena([weight])[0])
         return True
     return torch.backends.mkldnn.is_available() and _pack(head)
 
@@ -223,7 +244,7 @@ def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 6
     elif not panel_linear.build_kernel():
         skipped.append("the panel kernel cannot be built here")
     else:
-        panels = [panel_linear.pack_panels(w) for w in weights]
+        panels = [panel_linear.pack_panels(w, out) for w, out in zip(weights, panel_arena(weights))]  # as packed
         layouts["panel"] = lambda n: [panel_linear.panel_linear(inputs[n, w.shape[1]], p, w.shape[0])
                                       for w, p in zip(weights, panels)]
     if len(layouts) == 1:
