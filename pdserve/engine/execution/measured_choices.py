@@ -36,7 +36,8 @@ CACHE_ENV = "PDSERVE_MEASURED_CHOICES"
 VERSION = 1  # of the file's layout
 # The probes' rules (what they time, how they decide): a change of rule measures again instead of keeping
 # a choice the old rule made. 2: a packed weight layout must beat plain by weight_format.PROBE_MARGIN.
-PROBE_RULES = 2
+# 3: panels are timed in a huge-page arena, as they are then kept (weight_format.panel_arena).
+PROBE_RULES = 3
 
 
 def cache_dir() -> pathlib.Path | None:
