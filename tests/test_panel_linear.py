@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from pdserve.engine.layers import panel_linear
 from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear
-from pdserve.engine.layers.weight_format import choose_linear_weight_format, pack_lm_head, pack_model, pack_panel_weights
+from pdserve.engine.layers.weight_format import (choose_linear_weight_format, pack_lm_head, pack_model,
+                                                 pack_panel_weights, place_in_arenas)
 from tests.checkpoints import assert_packed_llm_gives_transformers_tokens
 
 pytestmark = pytest.mark.skipif(not panel_linear.build_kernel(), reason="no C++ compiler to build the kernel")
@@ -122,6 +123,36 @@ def test_a_models_panels_lie_back_to_back_in_one_arena_on_huge_pages():
         thp = ""
     if "[madvise]" in thp or "[always]" in thp:
         assert _huge_page_kib(base, base + offset) >= 2048 * ((offset >> 21) - 1)
+
+
+def test_weights_move_into_arenas_before_loading_and_packed_ones_give_their_pages_back():
+    """``place_in_arenas`` (run on a model just built, before its checkpoint is read): the decoder linears'
+    weights one arena, the embedding another, each starting on a 2 MiB boundary, values kept, a tied
+    parameter moved once, small ones left; a weight packed later hands its pages back (they read as zeros
+    now), and the packed layers still compute the plain weights' outputs."""
+    torch.manual_seed(0)
+    lm = torch.nn.Module()
+    lm.column = ColumnParallelLinear(256, [1024, 512])
+    lm.row = RowParallelLinear(2048, 256)
+    lm.small = RowParallelLinear(64, 32)
+    lm.embed = torch.nn.Embedding(4096, 128)
+    lm.head = lm.embed  # tied
+    for p in lm.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    values = {name: p.detach().clone() for name, p in lm.named_parameters()}
+    small = lm.small.weight.data_ptr()
+    assert place_in_arenas(lm) == (1536 * 256 + 256 * 2048 + 4096 * 128) * 4
+    assert lm.column.weight.data_ptr() % (2 << 20) == 0 and lm.embed.weight.data_ptr() % (2 << 20) == 0
+    assert lm.row.weight.data_ptr() == lm.column.weight.data_ptr() + 1536 * 256 * 4
+    assert lm.small.weight.data_ptr() == small and lm.head.weight is lm.embed.weight
+    for name, p in lm.named_parameters():
+        assert torch.equal(p, values[name]), name
+    x = torch.randn(3, 2048)
+    want = torch.nn.functional.linear(x, values["row.weight"])
+    plain = lm.row.weight
+    assert pack_panel_weights(lm) == 3
+    assert torch.count_nonzero(plain) == 0  # its pages went back to the kernel
+    torch.testing.assert_close(lm.row(x), want, atol=1e-5, rtol=1e-4)
 
 
 def test_only_an_untied_float32_lm_head_is_packed_in_panels():

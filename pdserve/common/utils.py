@@ -11,6 +11,7 @@ import random
 import re
 import socket
 import sys
+import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -295,7 +296,8 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 def empty_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor of ``numel`` elements that starts on a 2 MiB boundary and is advised
     onto transparent huge pages (``advise_huge_pages``) before any page is touched: an arena for weights
-    that are streamed whole every step (at most 2 MiB more is allocated, for the alignment)."""
+    that are streamed whole every step (at most 2 MiB more is allocated, for the alignment). Its views'
+    pages can be handed back early (``release_pages``)."""
     import torch
 
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -304,4 +306,30 @@ def empty_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     offset = (-raw.data_ptr() % HUGE_PAGE_BYTES) // itemsize
     arena = raw[offset: offset + numel]
     advise_huge_pages(arena)
+    start = raw.data_ptr()
+    _arenas[start] = start + raw.numel() * itemsize
+    weakref.finalize(raw.untyped_storage(), _arenas.pop, start, None)
     return arena
+
+
+_arenas: dict[int, int] = {}  # start -> end address of each live empty_on_huge_pages allocation
+_MADV_DONTNEED = 4  # <sys/mman.h>, Linux
+
+
+def release_pages(tensor: torch.Tensor) -> bool:
+    """Hand the pages of ``tensor``, a view of an ``empty_on_huge_pages`` arena that nothing will read again,
+    back to the kernel (``madvise(MADV_DONTNEED)`` on its whole 4 KiB pages): a weight dropped from an arena
+    whose other views live on (packed into another layout at load) would otherwise stay resident until they
+    all go. Returns False, doing nothing, for a tensor outside every arena, or where Linux refuses."""
+    begin = tensor.data_ptr()
+    end = begin + tensor.numel() * tensor.element_size()
+    if not any(start <= begin and end <= stop for start, stop in _arenas.items()):
+        return False
+    first, last = (begin + 4095) // 4096 * 4096, end // 4096 * 4096
+    if last <= first or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) == 0
+    except (OSError, AttributeError):
+        return False

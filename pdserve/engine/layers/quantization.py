@@ -42,6 +42,7 @@ import logging
 import torch
 from torch import nn
 
+from pdserve.common.utils import release_pages
 from pdserve.engine.layers.compressed_tensors import CHECKPOINT_SCALE, QUANT_METHOD, CompressedTensorsConfig
 from pdserve.engine.layers.int8_linear import build_kernel
 from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear
@@ -116,6 +117,7 @@ def quantize_model(model: nn.Module, name: str) -> None:
         qdata, scale = quantized.qdata, quantized.scale  # int8 (out, in); (out, groups) or (out, 1)
         module.weight = nn.Parameter(qdata.contiguous(), requires_grad=False)
         module.weight_scale = nn.Parameter(scale.reshape(qdata.shape[0], -1).contiguous(), requires_grad=False)
+        release_pages(weight)  # the float weight's pages in the loader's arena (weight_format.place_in_arenas)
     kept = [n for n, m in model.named_modules() if hasattr(m, "expected_shards")]  # stacked MoE experts
     logger.info("weights quantized (%s, weight-only; embedding and LM head kept%s): %.1f -> %.1f MiB",
                 name, f"; the routed experts of {len(kept)} MoE layers kept in float (no int8 expert GEMM yet)"

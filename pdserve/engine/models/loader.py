@@ -44,6 +44,7 @@ from transformers import AutoConfig
 
 from pdserve.engine.layers.compressed_tensors import CHECKPOINT_SCALE
 from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear
+from pdserve.engine.layers.weight_format import place_in_arenas
 from pdserve.engine.models.formats import Decoded, readers_for
 from pdserve.engine.models.interface import CausalLM
 from pdserve.engine.models.registry import model_class
@@ -157,6 +158,8 @@ def load_model(
 
     model = cls(config, tp_group=tp_group, dtype=dtype, device=device, layer_range=layer_range,
                 has_embedding=has_embedding, has_lm_head=has_lm_head, expert_parallel=expert_parallel)
+    if torch.device(device).type == "cpu":  # before any weight is read: its pages are 2 MiB ones
+        place_in_arenas(model)
     if expert_parallel and not any(hasattr(m, "expected_shards") for m in model.modules()):
         logger.warning("--enable-expert-parallel: %s has no routed experts; the flag changes nothing", model_type)
     params = dict(model.named_parameters())
