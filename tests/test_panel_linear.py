@@ -103,6 +103,8 @@ def test_a_models_panels_lie_back_to_back_in_one_arena_on_huge_pages():
     on request (THP ``madvise`` or ``always``) they back it."""
     torch.manual_seed(0)
     layers = [ColumnParallelLinear(256, [1024, 512]), RowParallelLinear(1536, 256), RowParallelLinear(256, 2000)]
+    for layer in layers:
+        torch.nn.init.normal_(layer.weight, std=0.05)
     model = torch.nn.ModuleDict({str(i): layer for i, layer in enumerate(layers)})
     plain = [layer.weight.detach().clone() for layer in layers]
     assert pack_panel_weights(model) == 3
