@@ -280,15 +280,20 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     cache of gigabytes (a 2 GiB cache spans 512k pages, the TLB holds a few thousand), and every weight
     once. Call it before the pages are first touched. Only the 2 MiB-aligned interior is advised;
     returns False where it does nothing (not Linux, THP disabled, a small tensor)."""
+    return _madvise(tensor, HUGE_PAGE_BYTES, _MADV_HUGEPAGE)
+
+
+def _madvise(tensor: torch.Tensor, page: int, advice: int) -> bool:
+    """``madvise(advice)`` over the whole ``page``-byte pages inside ``tensor``'s memory; False where nothing
+    was advised (none inside, not Linux, or the kernel refused)."""
     start = tensor.data_ptr()
     end = start + tensor.numel() * tensor.element_size()
-    begin = (start + HUGE_PAGE_BYTES - 1) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    stop = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    begin, stop = (start + page - 1) // page * page, end // page * page
     if stop <= begin or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(stop - begin), _MADV_HUGEPAGE) == 0
+        return libc.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(stop - begin), advice) == 0
     except (OSError, AttributeError):
         return False
 
@@ -325,11 +330,4 @@ def release_pages(tensor: torch.Tensor) -> bool:
     end = begin + tensor.numel() * tensor.element_size()
     if not any(start <= begin and end <= stop for start, stop in _arenas.items()):
         return False
-    first, last = (begin + 4095) // 4096 * 4096, end // 4096 * 4096
-    if last <= first or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) == 0
-    except (OSError, AttributeError):
-        return False
+    return _madvise(tensor, 4096, _MADV_DONTNEED)
