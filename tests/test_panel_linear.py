@@ -83,24 +83,9 @@ def test_packed_layers_compute_what_the_plain_weights_do_and_keep_no_copy():
             torch.testing.assert_close(row(r), want_row, atol=1e-5, rtol=1e-4)
 
 
-def _huge_page_kib(begin: int, end: int) -> int:
-    """KiB of this process's memory in [begin, end) that Linux backs with transparent huge pages (smaps)."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < end and hi > begin
-            elif inside and head == "AnonHugePages:":
-                total += int(line.split()[1])
-    return total
-
-
 def test_a_models_panels_lie_back_to_back_in_one_arena_on_huge_pages():
     """A decode step streams every panel once: the layers' panels are one arena that starts on a 2 MiB
-    boundary, in the modules' order, each a contiguous view, and where Linux grants transparent huge pages
-    on request (THP ``madvise`` or ``always``) they back it."""
+    boundary (advised onto transparent huge pages), in the modules' order, each a contiguous view."""
     torch.manual_seed(0)
     layers = [ColumnParallelLinear(256, [1024, 512]), RowParallelLinear(1536, 256), RowParallelLinear(256, 2000)]
     for layer in layers:
@@ -118,13 +103,8 @@ def test_a_models_panels_lie_back_to_back_in_one_arena_on_huge_pages():
         assert p.untyped_storage().data_ptr() == panels[0].untyped_storage().data_ptr()
         offset += p.numel() * 4
         torch.testing.assert_close(panel_linear.panel_linear(torch.eye(w.shape[1]), p, w.shape[0]), w.t())
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read()
-    except OSError:
-        thp = ""
-    if "[madvise]" in thp or "[always]" in thp:
-        assert _huge_page_kib(base, base + offset) >= 2048 * ((offset >> 21) - 1)
+    # Whether Linux then backs the arena with huge pages is its call (after a long run memory may be too
+    # fragmented for one): not asserted here; docs/benchmarks.md shows what it did (smaps, AnonHugePages).
 
 
 def test_weights_move_into_arenas_before_loading_and_packed_ones_give_their_pages_back():

@@ -302,7 +302,8 @@ def empty_on_huge_pages(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor of ``numel`` elements that starts on a 2 MiB boundary and is advised
     onto transparent huge pages (``advise_huge_pages``) before any page is touched: an arena for weights
     that are streamed whole every step (at most 2 MiB more is allocated, for the alignment). Its views'
-    pages can be handed back early (``release_pages``)."""
+    pages can be handed back early (``release_pages``). An arena below glibc's mmap threshold (32 MiB once
+    ``keep_freed_memory`` ran) may reuse heap pages a freed tensor already touched, which stay 4 KiB ones."""
     import torch
 
     itemsize = torch.empty((), dtype=dtype).element_size()
