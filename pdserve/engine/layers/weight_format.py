@@ -113,31 +113,32 @@ def place_in_arenas(model: nn.Module) -> int:
             groups.setdefault((linear_weight, param.dtype), []).append(param)
     moved = 0
     for (_, dtype), params in groups.items():
-        align = max(1, 64 // params[0].element_size())  # each view on a 64-byte line
-        sizes = [-(-p.numel() // align) * align for p in params]
-        arena = empty_on_huge_pages(sum(sizes), dtype)
-        offset = 0
-        for param, size in zip(params, sizes):
-            view = arena[offset: offset + param.numel()].view(param.shape)
+        for param, view in zip(params, arena_views([tuple(p.shape) for p in params], dtype)):
             view.copy_(param.data)
             param.data = view
-            offset += size
             moved += param.numel() * param.element_size()
     return moved
 
 
-def panel_arena(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Room for ``weights``' panels (each [N, K] -> ``panel_linear.panels_shape(N, K)``, float32): views of
-    one arena on transparent huge pages (``empty_on_huge_pages``), back to back in ``weights``' order, each
-    starting on a 64-byte line. Where Linux grants no huge pages the arena is ordinary memory."""
-    shapes = [panel_linear.panels_shape(*w.shape) for w in weights]
-    sizes = [math.prod(shape) for shape in shapes]
-    arena = empty_on_huge_pages(sum(sizes), torch.float32)
+def arena_views(shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Contiguous tensors of ``shapes``, back to back in one arena on transparent huge pages
+    (``empty_on_huge_pages``), each starting on a 64-byte line. Where Linux grants no huge pages the arena
+    is ordinary memory."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    align = max(1, 64 // itemsize)
+    sizes = [-(-math.prod(shape) // align) * align for shape in shapes]
+    arena = empty_on_huge_pages(sum(sizes), dtype)
     views, offset = [], 0
     for shape, size in zip(shapes, sizes):
-        views.append(arena[offset: offset + size].view(shape))
+        views.append(arena[offset: offset + math.prod(shape)].view(shape))
         offset += size
     return views
+
+
+def panel_arena(weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Room for ``weights``' panels (each [N, K] -> ``panel_linear.panels_shape(N, K)``, float32): views of
+    one arena on huge pages (``arena_views``), back to back in ``weights``' order."""
+    return arena_views([panel_linear.panels_shape(*w.shape) for w in weights], torch.float32)
 
 
 def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
