@@ -90,25 +90,63 @@ def test_llm_on_packed_weights_gives_transformers_tokens(model_dir):
     assert_packed_llm_gives_transformers_tokens(model_dir, "onednn")
 
 
-def test_prefill_workers_pack_by_default_and_their_ranks_are_told(monkeypatch):
-    """``auto`` is ``onednn`` for a prefill worker and, for a decode worker or ``LLM``, left to the load-time
-    choice (``$PDSERVE_LINEAR_WEIGHT_FORMAT`` where set, as the tests set ``plain``); a TP engine's other
-    ranks get the resolved format on their command line; a bad name is refused."""
+def test_auto_means_timed_at_load_for_every_role_and_onednn_for_a_prefill_worker_of_several_ranks(monkeypatch):
+    """``auto`` is left to the load-time choice for a prefill worker, a decode worker and ``LLM`` alike
+    (``$PDSERVE_LINEAR_WEIGHT_FORMAT`` where set, as the tests set ``plain``); a prefill worker of several
+    ranks, whose ranks would each time on their own, packs in oneDNN and its other ranks get that on their
+    command line; the role is the config's; a bad name or role is refused."""
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args(["--model", "m"])
-    assert EngineConfig.from_cli_args(args, role="prefill").linear_weight_format == "onednn"
-    assert EngineConfig.from_cli_args(args, role="decode").linear_weight_format == "plain"  # conftest's pin
+    assert EngineConfig.from_cli_args(args, role="prefill").linear_weight_format == "plain"  # conftest's pin
+    assert EngineConfig.from_cli_args(args, role="decode").linear_weight_format == "plain"
     monkeypatch.delenv("PDSERVE_LINEAR_WEIGHT_FORMAT")
+    assert EngineConfig.from_cli_args(args, role="prefill").linear_weight_format == "auto"
     assert EngineConfig.from_cli_args(args, role="decode").linear_weight_format == "auto"
     assert EngineConfig(model="m").linear_weight_format == "auto"
+    assert [EngineConfig.from_cli_args(args, role=r).role for r in ("prefill", "decode", None)] == \
+        ["prefill", "decode", None]
     explicit = parser.parse_args(["--model", "m", "--linear-weight-format", "plain"])
     assert EngineConfig.from_cli_args(explicit, role="prefill").linear_weight_format == "plain"
-    config = EngineConfig.from_cli_args(args, role="prefill")
+    config = EngineConfig.from_cli_args(parser.parse_args(["--model", "m", "--tensor-parallel-size", "2"]),
+                                        role="prefill")
+    assert config.linear_weight_format == "onednn"
     rank_args = config.rank_cli_args(1, "127.0.0.1", 29500)
     assert rank_args[rank_args.index("--linear-weight-format") + 1] == "onednn"
     with pytest.raises(ValueError, match="linear_weight_format"):
         EngineConfig(model="m", linear_weight_format="mkl")
+    with pytest.raises(ValueError, match="role"):
+        EngineConfig(model="m", role="router")
+
+
+def test_a_prefill_worker_times_its_layouts_at_prompt_rows_and_prefills_transformers_tokens(model_dir, monkeypatch):
+    """A prefill worker's ``auto`` times the layouts on its own weights at prompt-chunk rows only
+    (``PREFILL_PROBE_ROWS``, not a decode batch's), packs what it chose, and its prompts' first tokens are
+    transformers' greedy ones."""
+    from pdserve.engine.core import EngineCore
+    from pdserve.engine.layers.weight_format import PREFILL_PROBE_ROWS
+
+    monkeypatch.setenv("PDSERVE_MEASURED_CHOICES", "off")
+    prompts = [[5, 17, 42, 8, 99, 3, 12, 77, 41, 19] * 3, [7, 3, 99, 41] * 20]
+    ref = greedy_reference(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), prompts, 1)
+    core = EngineCore(EngineConfig(model=model_dir, role="prefill", linear_weight_format="auto", enforce_eager=True))
+    try:
+        runner = core.runner
+        why = runner.plan.why["linear_weight_format"]
+        assert why.startswith("timed at prompt rows")
+        assert all(f" {n}: " in why for n in PREFILL_PROBE_ROWS) and " 1: " not in why and " 8: " not in why
+        assert runner.linear_weight_format in ("plain", "onednn", "panel")
+        assert runner.num_packed_linears == (4 * runner.num_layers if runner.linear_weight_format != "plain" else 0)
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            core.add_request(f"p{i}", prompt, params)
+        firsts = {}
+        while core.has_unfinished():
+            for out in core.step()[1]:
+                firsts.setdefault(out.request.group_id, out.new_token_ids[0])
+        assert [firsts[f"p{i}"] for i in range(len(prompts))] == [r[0][0] for r in ref]
+    finally:
+        core.close()
 
 
 def test_auto_times_both_layouts_on_the_models_weights_and_takes_the_faster(model_dir, monkeypatch):

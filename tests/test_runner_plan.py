@@ -51,6 +51,7 @@ def test_the_decode_step_is_compiled_unless_a_reason_says_otherwise(args, compil
     ("auto", CPU, False, False, None, ("plain", "several ranks would each choose")),
     ("auto", CPU, True, True, None, ("plain", "--batch-invariant")),
     ("auto", CPU, True, False, "int8", ("plain", "--quantization int8")),
+    ("panel", CPU, True, False, None, ("panel", "--linear-weight-format")),
 ])
 def test_the_weight_layout_is_timed_only_where_it_can_pay(requested, device, single_rank, batch_invariant,
                                                           quantization, want):

@@ -70,6 +70,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 PREFILL_MAX_NUM_BATCHED_TOKENS = 512
 
 LINEAR_WEIGHT_FORMATS = ("auto", "plain", "onednn", "panel")  # see EngineConfig.linear_weight_format
+ENGINE_ROLES = (None, "prefill", "decode")  # see EngineConfig.role
 
 
 def default_long_prefill_token_threshold(role: str | None, max_num_batched_tokens: int) -> int:
@@ -88,11 +89,17 @@ def default_prefill_admission(role: str | None) -> str:
     return "whole" if role == "prefill" else "fill"
 
 
-def default_linear_weight_format() -> str:
-    """What ``--linear-weight-format auto`` leaves to an engine that decodes: ``auto`` (timed at load),
-    or ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` where set (the tests pin ``plain`` there, so that which path a
-    test takes does not depend on the machine; tests/test_packed_weights.py covers ``onednn``)."""
-    return os.environ.get("PDSERVE_LINEAR_WEIGHT_FORMAT") or "auto"
+def default_linear_weight_format(role: str | None = None, world_size: int = 1) -> str:
+    """What ``--linear-weight-format auto`` leaves to an engine of ``role`` with ``world_size`` ranks:
+    ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` where set (the tests pin ``plain`` there, so that which path a test
+    takes does not depend on the machine; tests/test_packed_weights.py and test_panel_linear.py cover the
+    packed layouts); else ``onednn`` for a prefill worker of several ranks (each rank would time on its own
+    and might choose differently: oneDNN, the faster prompt path on every CPU measured, 15% to 2.3x ahead of
+    MKL); else ``auto`` (timed at load)."""
+    pinned = os.environ.get("PDSERVE_LINEAR_WEIGHT_FORMAT")
+    if pinned:
+        return pinned
+    return "onednn" if role == "prefill" and world_size > 1 else "auto"
 
 
 def default_max_num_batched_tokens(role: str | None) -> int:
@@ -168,10 +175,15 @@ class EngineConfig:
             class cores, 2.3x on Zen 5 class). ``panel``: float32 weights packed once in 16-feature
             panels, every matmul through the panel kernel (``pdserve.engine.layers.panel_linear``: 30% faster
             than oneDNN at decode batches of 8-32 rows on Zen 5 class cores, 5-25% behind on prompt chunks).
-            ``plain``: MKL, and the decode kernel for a decode step's few rows. ``auto``: ``onednn`` on a prefill worker (``from_cli_args`` with role
-            "prefill"); on a single-rank CPU engine that decodes, the layout whose matmuls (decode
-            batches and a prompt chunk) run faster here, timed at load (``weight_format.choose_linear_weight_format``;
-            ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` overrides what ``auto`` means there); ``plain`` elsewhere.
+            ``plain``: MKL, and the decode kernel for a decode step's few rows. ``auto``: on a single-rank
+            CPU engine, the layout whose matmuls run fastest here, timed at load on the rows its steps have
+            (``weight_format.choose_linear_weight_format``: decode batches and a prompt chunk for an engine
+            that decodes, prompt chunks for a prefill worker); ``onednn`` on a prefill worker of several
+            ranks (``from_cli_args``), ``plain`` elsewhere. ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` overrides what
+            ``auto`` means (``default_linear_weight_format``).
+        role: the worker kind this engine serves as: ``prefill`` (prompt steps only: a prefill worker),
+            ``decode``, or None (both: ``LLM``, a colocated worker). ``from_cli_args`` sets it; it picks the
+            row counts the layout probe times.
         native_kernels: ``auto`` | ``all``. ``auto``: at load each native kernel that has a torch path
             (prompt attention, the fused elementwise ops, the few-row decode matmul) is timed against
             it on this CPU and the faster kept (``pdserve.engine.layers.kernel_choice``); ``all``: every kernel
@@ -223,6 +235,7 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     disable_hybrid_kv_cache_manager: bool = False
     linear_weight_format: str = field(default_factory=lambda: default_linear_weight_format())
+    role: str | None = None
     native_kernels: str = field(default_factory=lambda: default_native_kernels())
     quantization: str | None = None
     enable_lora: bool = False
@@ -252,6 +265,8 @@ class EngineConfig:
         if self.linear_weight_format not in LINEAR_WEIGHT_FORMATS:
             raise ValueError(f"linear_weight_format must be one of {', '.join(LINEAR_WEIGHT_FORMATS)}, "
                              f"got {self.linear_weight_format!r}")
+        if self.role not in ENGINE_ROLES:
+            raise ValueError(f"role must be one of {', '.join(map(str, ENGINE_ROLES))}, got {self.role!r}")
         if self.decode_step_compile not in DECODE_STEP_COMPILE:
             raise ValueError(f"decode_step_compile must be one of {', '.join(DECODE_STEP_COMPILE)}, "
                              f"got {self.decode_step_compile!r}")
@@ -384,9 +399,9 @@ class EngineConfig:
                        help="onednn: the decoder's linear weights reordered at load into oneDNN's blocked layout, "
                             "every matmul through oneDNN (faster prefill GEMMs on CPU); panel: float32 weights packed "
                             "in 16-feature panels for the panel kernel (decode batches of 8-64 rows); plain: MKL, "
-                            "and the decode kernel for decode steps; auto: onednn on prefill workers; on a "
-                            "single-rank CPU engine that decodes, the layout whose matmuls run fastest here, "
-                            "timed at load")
+                            "and the decode kernel for decode steps; auto: on a single-rank CPU engine, the "
+                            "layout whose matmuls run fastest here on the rows its steps have, timed at load "
+                            "(onednn on a prefill worker of several ranks)")
         g.add_argument("--native-kernels", choices=NATIVE_KERNEL_MODES, default=None,
                        help="auto: each native kernel that replaces a torch path (prompt attention, fused "
                             "RMSNorm/SwiGLU/RoPE, few-row decode matmuls) is timed against it at load on this "
@@ -410,8 +425,9 @@ class EngineConfig:
     def from_cli_args(cls, args: argparse.Namespace, role: str | None = None) -> "EngineConfig":
         """The config from ``add_cli_args`` flags; rank and rendezvous fall back to RANK / MASTER_ADDR /
         MASTER_PORT from the environment, as torch's launchers set them. ``role`` ("prefill",
-        "decode" or None) picks the default token budget (``PREFILL_MAX_NUM_BATCHED_TOKENS`` for a
-        prefill worker)."""
+        "decode" or None) becomes the config's and picks the defaults that differ by role: the token budget
+        (``PREFILL_MAX_NUM_BATCHED_TOKENS`` for a prefill worker), the prompt admission and chunk cap, and
+        what ``--linear-weight-format auto`` means (``default_linear_weight_format``)."""
         rank = args.rank if args.rank is not None else int(os.environ.get("RANK", "0"))
         master_port = args.master_port or (int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT") else None)
         budget = (default_max_num_batched_tokens(role) if args.max_num_batched_tokens is None
@@ -435,7 +451,8 @@ class EngineConfig:
                    enable_expert_parallel=args.enable_expert_parallel,
                    disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                    linear_weight_format=args.linear_weight_format if args.linear_weight_format != "auto"
-                   else ("onednn" if role == "prefill" else default_linear_weight_format()),
+                   else default_linear_weight_format(role, args.tensor_parallel_size * args.pipeline_parallel_size),
+                   role=role,
                    enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                    max_cpu_loras=args.max_cpu_loras, quantization=args.quantization,
                    native_kernels=args.native_kernels or default_native_kernels(),

@@ -37,7 +37,8 @@ VERSION = 1  # of the file's layout
 # The probes' rules (what they time, how they decide): a change of rule measures again instead of keeping
 # a choice the old rule made. 2: a packed weight layout must beat plain by weight_format.PROBE_MARGIN.
 # 3: panels are timed in a huge-page arena, as they are then kept (weight_format.panel_arena).
-PROBE_RULES = 3
+# 4: a prefill worker times its layouts too, at prompt rows (weight_format.PREFILL_PROBE_ROWS).
+PROBE_RULES = 4
 
 
 def cache_dir() -> pathlib.Path | None:

@@ -141,7 +141,7 @@ class ModelRunner:
             kept_at = measured_choices.choices_path(config.model, {
                 "dtype": str(self.dtype), "quantization": self.quantization, "native_kernels": config.native_kernels,
                 "linear_weight_format": config.linear_weight_format, "batch_invariant": config.batch_invariant,
-                "max_keys": max_keys, "world_size": config.parallel.world_size})
+                "max_keys": max_keys, "world_size": config.parallel.world_size, "role": config.role})
             kept = measured_choices.restore(kept_at)
         self.kernel_choices: dict[str, KernelChoice] = {}  # native kernel or torch, timed here (kernel_choice)
         if self.device.type == "cpu":
@@ -156,7 +156,7 @@ class ModelRunner:
         else:
             self.linear_weight_format, why = decide_linear_weight_format(
                 config.linear_weight_format, self.device, config.parallel.world_size == 1, config.batch_invariant,
-                self.quantization, self.model)
+                self.quantization, self.model, config.role)
         if kept_at is not None and not kept:  # measured here now: keep it for the next start
             timed = (self.linear_weight_format, why) if why.startswith("timed") else None
             measured_choices.save(kept_at, self.kernel_choices, timed)

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.layers.weight_format import choose_linear_weight_format
+from pdserve.engine.layers.weight_format import (PREFILL_PROBE_BYTES, PREFILL_PROBE_ROWS,
+                                                 choose_linear_weight_format)
 
 # The plan's fields in the order they are decided and printed.
 DECISIONS = ("device", "dtype", "kv_cache_dtype", "cpu_cores", "quantization", "layers", "native_kernels",
@@ -62,10 +63,12 @@ class RunnerPlan:
 
 
 def decide_linear_weight_format(requested: str, device: torch.device, single_rank: bool, batch_invariant: bool,
-                                quantization: str | None, model) -> tuple[str, str]:
+                                quantization: str | None, model, role: str | None = None) -> tuple[str, str]:
     """The linear weights' layout for ``--linear-weight-format requested`` and why: ``auto`` times the
     layouts on ``model``'s own weights (``weight_format.choose_linear_weight_format``) where that can
-    pay (one CPU rank, float weights, not batch-invariant), else keeps ``plain``; a named layout is kept."""
+    pay (one CPU rank, float weights, not batch-invariant), on the rows this engine's steps have (``role``
+    "prefill": prompt chunks only, ``PREFILL_PROBE_ROWS``; else decode batches and a prompt chunk), else
+    keeps ``plain``; a named layout is kept."""
     if requested != "auto":
         return requested, "--linear-weight-format"
     if device.type != "cpu":
@@ -76,6 +79,9 @@ def decide_linear_weight_format(requested: str, device: torch.device, single_ran
         return "plain", "--batch-invariant"
     if quantization is not None:
         return "plain", f"--quantization {quantization}"
+    if role == "prefill":
+        fmt, why = choose_linear_weight_format(model, rows=PREFILL_PROBE_ROWS, probe_bytes=PREFILL_PROBE_BYTES)
+        return fmt, f"timed at prompt rows: {why}"
     fmt, why = choose_linear_weight_format(model)
     return fmt, f"timed: {why}"
 

@@ -25,7 +25,7 @@ from pdserve.engine.layers.base import ColumnParallelLinear, RowParallelLinear, 
 
 # The layouts that pack, and what they are, for the load log.
 PACKED_LAYOUTS = {"onednn": "oneDNN's blocked layout (prefill GEMMs)",
-                  "panel": "16-feature panels (the panel kernel: decode batches)"}
+                  "panel": "16-feature panels (the panel kernel)"}
 
 
 def pack_model(model: nn.Module, layout: str) -> tuple[int, bool]:
@@ -49,8 +49,9 @@ def pack_linear_weights(model: nn.Module) -> int:
     Why: MKL's sgemm repacks the weight on every call and, on this project's AMD cores, ran a prefill's
     GEMMs at 88-103 GFLOPS where oneDNN's JIT kernels on packed weights run 107-113 (a 288-token prompt's
     48 linear layers of the bench preset: 467 -> 399 ms on one core, float32; bfloat16 214 -> 199 ms).
-    Prefill workers pack; an engine that decodes packs where ``choose_linear_weight_format`` times
-    oneDNN faster than the decode kernel on its own weights (``EngineConfig.linear_weight_format``).
+    An engine packs where ``choose_linear_weight_format`` times oneDNN fastest on its own weights at the
+    rows its steps have (``EngineConfig.linear_weight_format``), as a prefill worker of several ranks does
+    untimed.
     Int8 and batch-invariant layers are left as they are. Returns the number of layers packed: 0 where
     oneDNN is not available, fewer than all where its reorder fails (the rest keep their plain weights)."""
     if not torch.backends.mkldnn.is_available():
@@ -227,14 +228,21 @@ PROBE_BYTES = 256 * 2**20  # weights the format probe streams per timing: past a
 # core) the probe put panels 2% behind plain and a margin that favoured packed layouts chose them, and the
 # whole decode step then took 36.9 ms at batch 1 against plain's 29.4 (48.5 against 41.3 at batch 8).
 PROBE_MARGIN = 1.05
+# A prefill worker's steps are prompt chunks only: 64 rows (a short prompt) and 256 (one prompt's whole chunk,
+# the prefill worker's default cap a step). Its matmuls are compute-bound, so fewer weights suffice (a
+# timing at 256 rows over 32 MiB is ~40 ms on a Zen 4 core; the probe takes ~1 s in all).
+PREFILL_PROBE_ROWS = (64, 256)
+PREFILL_PROBE_BYTES = 32 * 2**20
 LAYOUT_NAMES = {"plain": "plain", "onednn": "oneDNN", "panel": "panel"}
 
 
-def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 64),
-                                repeats: int = 5) -> tuple[str, str]:
-    """``--linear-weight-format auto`` on an engine that decodes (a decode worker, ``LLM``): measure,
-    at load, which layout computes this engine's matmuls fastest on this CPU, and return (``"plain"``,
-    ``"onednn"`` or ``"panel"``, a line saying why).
+def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 64), repeats: int = 5,
+                                probe_bytes: int = PROBE_BYTES) -> tuple[str, str]:
+    """``--linear-weight-format auto`` on a single-rank CPU engine: measure, at load, which layout computes
+    this engine's matmuls fastest on this CPU, and return (``"plain"``, ``"onednn"`` or ``"panel"``, a line
+    saying why). ``rows``: the row counts its steps have (an engine that decodes: decode batches and a
+    prompt chunk, the default; a prefill worker: ``PREFILL_PROBE_ROWS``); ``probe_bytes``: how much of the
+    model's weights each timing runs through (a prefill worker: ``PREFILL_PROBE_BYTES``).
 
     Only one layout is kept, and which is fastest depends on the CPU. The plain weights go through the
     decode kernel for a decode step's few rows, and MKL's sgemm for a prompt chunk's many. On one
@@ -246,10 +254,12 @@ def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 6
     41 for 43 linears) and lost by 8% at 64, and panels, written for AVX-512's registers, ran 3-8x
     slower than either: they are not timed without AVX-512.
 
-    So this times the layouts on the model's own weights: the first linears up to ``PROBE_BYTES``,
-    streamed from memory as in a step. It runs each of ``rows`` (decode batches and one prompt
-    chunk), interleaving the layouts, best of ``repeats`` (start-up contention from other processes
-    biases none). Each row count weighs alike: the layout with the least mean slowdown against the
+    So this times the layouts on the model's own weights: the first linears up to ``probe_bytes``,
+    streamed from memory as in a step. (A prefill worker kept oneDNN untimed until a Zen 4 EPYC, where
+    panels ran its 64-token prompts 11% faster, 121 against 135 ms on one core for the bench preset, and
+    256-2,048 within 1.5%.) It runs each of ``rows`` (decode batches and one prompt chunk), interleaving
+    the layouts, best of ``repeats`` (start-up contention from other processes biases none).
+    Each row count weighs alike: the layout with the least mean slowdown against the
     fastest at each row count wins, a packed one over plain only when it is ``PROBE_MARGIN`` ahead
     (``pick_layout``). On a fourth machine (an Intel Xeon with AVX-512) panels led at 1 row by 5%, plain
     at 8 rows by 12%, oneDNN at 64 rows by 11%, and panels ran the whole decode step 25% slower than
@@ -261,7 +271,7 @@ def choose_linear_weight_format(model: nn.Module, rows: Sequence[int] = (1, 8, 6
         if _packable(module, (torch.float32, torch.bfloat16)):
             weights.append(module.weight.detach())
             total += module.weight.nbytes
-            if total >= PROBE_BYTES:
+            if total >= probe_bytes:
                 break
     if not weights:
         return "plain", "no float linear layer to pack"
