@@ -198,3 +198,33 @@ def test_auto_weighs_panels_against_the_other_layouts(monkeypatch):
     monkeypatch.setattr("pdserve.engine.layers.weight_format.linear", slowed(F.linear))
     assert choose_linear_weight_format(model)[0] == "panel"
     assert all(layer.panel_weight is None and layer.packed_weight is None for layer in model.values())
+
+
+def test_the_cpp_operators_compute_what_their_python_implementations_do_and_refuse_a_freed_handle():
+    """Where ``kernels.load_torch_ops`` builds, ``panel_linear_by_handle`` and ``decode_linear`` have C++ CPU
+    kernels (torch_ops.cpp) that call the same native kernels as their Python implementations: the same
+    bits, for float32 and bfloat16; a handle whose panels were freed is refused, not read."""
+    from pdserve.engine.layers import decode_linear
+    from pdserve.kernels import load_torch_ops
+
+    if not (panel_linear.build_kernel() and decode_linear.build_kernel()) or load_torch_ops() is None:
+        pytest.skip("the kernels or the C++ operators cannot be built here")
+    for op in ("panel_linear_by_handle", "decode_linear"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"pdserve::{op}", "CPU")
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(70, 256, generator=gen)
+    panels = panel_linear.pack_panels(weight)
+    handle = panel_linear.register_panels(panels)
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 256, generator=gen)
+        got = torch.ops.pdserve.panel_linear_by_handle(x, handle, 70)
+        assert torch.equal(got, panel_linear._panel_linear_by_handle_cpu(x, handle, 70))
+        torch.testing.assert_close(got, x @ weight.t(), rtol=1e-5, atol=1e-4)
+        for dtype in (torch.float32, torch.bfloat16):
+            xd, wd = x.to(dtype), weight[:64].to(dtype)
+            assert torch.equal(torch.ops.pdserve.decode_linear(xd, wd), decode_linear._decode_linear_cpu(xd, wd))
+    with pytest.raises(RuntimeError, match="do not fit"):
+        torch.ops.pdserve.panel_linear_by_handle(torch.randn(2, 128), handle, 70)
+    del panels
+    with pytest.raises(RuntimeError, match="no panels under handle"):
+        torch.ops.pdserve.panel_linear_by_handle(x, handle, 70)

@@ -104,12 +104,14 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("PDSERVE_KERNEL_CACHE", pathlib.Path.home() / ".cache/pdserve/kernels"))
 
 
-def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
-    """Compile ``source`` into the cache (atomically: concurrent builders each write a temp file and rename)."""
+def _build(source: pathlib.Path, compiler: str, flags: list[str] | None = None,
+           libraries: tuple[str, ...] = ()) -> pathlib.Path:
+    """Compile ``source`` into the cache with ``flags`` (default ``compiler_flags()``), linked against
+    ``libraries`` (flags after the source), atomically: concurrent builders each write a temp file and rename."""
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
-    flags = compiler_flags()
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + _cpu_key().encode()
-                         ).hexdigest()[:16]
+    flags = compiler_flags() if flags is None else flags
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join([*flags, *libraries]).encode() +
+                         _cpu_key().encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
@@ -117,9 +119,9 @@ def _build(source: pathlib.Path, compiler: str) -> pathlib.Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        logger.info("compiling %s for %s (once per machine; cached in %s)", source.name, flags[-1], target.parent)
-        subprocess.run([compiler, *flags, str(source), "-o", tmp], check=True, capture_output=True, text=True,
-                       timeout=300)
+        logger.info("compiling %s (once per machine; cached in %s)", source.name, target.parent)
+        subprocess.run([compiler, *flags, str(source), "-o", tmp, *libraries], check=True, capture_output=True,
+                       text=True, timeout=300)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -242,3 +244,63 @@ def load_elementwise() -> ctypes.CDLL | None:
     ``pdserve_rms_norm``, ``pdserve_rope_rotate_half``), or None where it cannot be built here
     (logged once; those layers then run as torch operators)."""
     return _load("elementwise", "elementwise", "RMSNorm, SwiGLU and RoPE run as torch operators")
+
+
+# The C++ operators (torch_ops.cpp) include torch's headers and link against its libraries, so they are built
+# for this torch (its version and library directory are in the flags, hence in the cache key), with no -march:
+# they only check, allocate and call the kernels above.
+def _torch_ops_flags() -> tuple[list[str], tuple[str, ...]]:
+    """(compiler flags, libraries) for ``torch_ops.cpp``."""
+    from torch.utils import cpp_extension
+
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    flags = ["-O2", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+             f"-DPDSERVE_TORCH_VERSION={torch.__version__}", *(f"-I{path}" for path in cpp_extension.include_paths())]
+    return flags, (f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu")
+
+
+_torch_ops_state: dict[str, ctypes.CDLL | None] = {}
+
+
+def load_torch_ops() -> ctypes.CDLL | None:
+    """The C++ CPU kernels of the decode step's frequent operators (``torch_ops.cpp``:
+    ``pdserve::panel_linear_by_handle``, ``pdserve::decode_linear``), built once for this torch and
+    loaded, which registers them with torch's dispatcher, with the native kernels they call bound (the
+    panel and decode linear libraries). Returns the library (its ``pdserve_torch_ops_set_panels`` keeps
+    the panels' table: ``pdserve.engine.layers.panel_linear``), or None where it cannot be built here, with
+    ``$PDSERVE_DISABLE_KERNELS`` or ``$PDSERVE_DISABLE_TORCH_OPS`` (logged once): those operators then run
+    their Python implementations (one more Python call and a ctypes call each, ~10-20 us)."""
+    if "lib" in _torch_ops_state:
+        return _torch_ops_state["lib"]
+    panel, decode = load_panel_linear(), load_decode_linear()  # what it calls (each takes the lock)
+    with _lock:
+        if "lib" in _torch_ops_state:
+            return _torch_ops_state["lib"]
+        lib = None
+        compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+        fallback = "the decode step's linear operators call their Python implementations"
+        if os.environ.get("PDSERVE_DISABLE_KERNELS") or os.environ.get("PDSERVE_DISABLE_TORCH_OPS"):
+            logger.info("C++ operators disabled by the environment: %s", fallback)
+        elif compiler is None:
+            logger.warning("no C++ compiler found: %s", fallback)
+        else:
+            try:
+                path = _build(_KERNEL_DIR / "torch_ops.cpp", compiler, *_torch_ops_flags())
+                lib = ctypes.CDLL(str(path))  # registers the CPU kernels (its TORCH_LIBRARY_IMPL)
+                for function in kernel_functions("torch_ops.cpp").values():
+                    fn = getattr(lib, function.name)
+                    fn.restype = ctypes.c_int
+                    fn.argtypes = function.argtypes
+                for name, kernel in (("panel_linear", panel and panel.pdserve_f32_panel_linear),
+                                     ("f32_linear", decode and decode.pdserve_f32_linear),
+                                     ("bf16_linear", decode and decode.pdserve_bf16_linear)):
+                    if kernel is not None:
+                        lib.pdserve_torch_ops_bind(name.encode(), ctypes.cast(kernel, ctypes.c_void_p))
+            except (OSError, subprocess.SubprocessError, AttributeError) as e:
+                detail = getattr(e, "stderr", "") or ""
+                logger.warning("could not build the C++ operators (%s%s): %s", e,
+                               f": {detail[-2000:]}" if detail else "", fallback)
+                lib = None
+        _torch_ops_state["lib"] = lib
+        return lib

@@ -19,7 +19,7 @@ def main() -> int:
     built = []
     start = time.perf_counter()
     for name in ("paged_attention", "prefill_attention", "elementwise", "decode_linear", "kv_gather",
-                 "int8_linear", "panel_linear"):
+                 "int8_linear", "panel_linear", "torch_ops"):
         t0 = time.perf_counter()
         ok = getattr(kernels, f"load_{name}")() is not None
         built.append(f"{name} {'built' if ok else 'NOT built'} ({time.perf_counter() - t0:.1f} s)")

@@ -34,3 +34,7 @@ class OpHandles(Generic[T]):
 
     def __getitem__(self, handle: int) -> T:
         return self._objects[handle]
+
+    def items(self) -> list[tuple[int, T]]:
+        """(handle, object) for every object still alive."""
+        return list(self._objects.items())

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels import load_decode_linear, ops
+from pdserve.kernels import load_decode_linear, load_torch_ops, ops
 
 # Up to this many rows a CPU linear goes through the kernel (decode); more rows take torch's GEMM.
 KERNEL_MAX_ROWS = 32
@@ -36,10 +36,13 @@ _lib = None
 
 
 def build_kernel() -> bool:
-    """Build (or find in the cache) and load the native kernel; whether it is available here."""
+    """Build (or find in the cache) and load the native kernel, and the C++ operator that calls it
+    (``kernels.load_torch_ops``); whether the kernel is available here."""
     global _kernel_built, _lib
     _lib = load_decode_linear()
     _kernel_built = _lib is not None
+    if _kernel_built:
+        load_torch_ops()
     return _kernel_built
 
 
@@ -82,7 +85,8 @@ def _decode_linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-ops.implement("decode_linear", _decode_linear_cpu)
+# For CPU tensors wherever torch_ops.cpp's CPU kernel is not registered (kernels.load_torch_ops).
+ops.implement("decode_linear", _decode_linear_cpu, ("CompositeExplicitAutograd",))
 
 
 @torch.library.register_fake("pdserve::decode_linear")

@@ -13,24 +13,37 @@ panel``, or ``auto`` where it times fastest). In a compiled decode step each lin
 ``torch.ops.pdserve.panel_linear_by_handle``, which names its panels by an integer handle (as
 ``onednn_linear`` does): the graph never takes the weights as inputs, so dynamo does not guard 96
 tensors (the panels and the plain weights' placeholders) before every step, nor fetch and pass them.
+That operator's CPU kernel is C++ where ``kernels.load_torch_ops`` builds (``kernels/torch_ops.cpp``, which
+reads the panels of a handle from a table ``register_panels`` keeps current), its Python implementation
+below elsewhere.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from pdserve.kernels import load_panel_linear, ops
+from pdserve.kernels import load_panel_linear, load_torch_ops, ops
 from pdserve.kernels.op_handles import OpHandles
 
 LANES = 16  # output features per panel
 
 _lib = None
+_torch_ops = None  # kernels.load_torch_ops(): the C++ operators, where built (its panels' table is kept here)
 
 
 def build_kernel() -> bool:
-    """Build (or find in the cache) and load the native kernel; whether it is available here."""
-    global _lib
+    """Build (or find in the cache) and load the native kernel, and the C++ operator that calls it
+    (``kernels.load_torch_ops``; the panels registered so far are handed to it); whether the kernel is
+    available here."""
+    global _lib, _torch_ops
     _lib = load_panel_linear()
+    if _lib is not None and _torch_ops is None:
+        _torch_ops = load_torch_ops()
+        if _torch_ops is not None:
+            for handle, panels in list(_PANELS.items()):
+                _table_set(handle, panels)
     return _lib is not None
 
 
@@ -100,18 +113,29 @@ _PANELS: OpHandles[torch.Tensor] = OpHandles()  # handle -> panels (the layer ow
 
 def register_panels(panels: torch.Tensor) -> int:
     """A handle for ``panels`` (a ``pack_panels`` result), valid while the caller keeps the tensor alive."""
-    return _PANELS.register(panels)
+    handle = _PANELS.register(panels)
+    if _torch_ops is not None:
+        _table_set(handle, panels)
+    return handle
+
+
+def _table_set(handle: int, panels: torch.Tensor) -> None:
+    """Hand ``panels`` to the C++ operator's table under ``handle``, and take them out when the tensor is freed."""
+    _torch_ops.pdserve_torch_ops_set_panels(handle, panels.data_ptr(), panels.shape[0], panels.shape[1])
+    weakref.finalize(panels, _torch_ops.pdserve_torch_ops_set_panels, handle, None, 0, 0)
 
 
 
 
 def _panel_linear_by_handle_cpu(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     """``panel_linear`` with the panels of ``handle`` (``register_panels``). Raises KeyError for a handle
-    whose panels were freed."""
+    whose panels were freed (the C++ kernel: RuntimeError)."""
     return _panel_linear_cpu(x, _PANELS[handle], out_features)
 
 
-ops.implement("panel_linear_by_handle", _panel_linear_by_handle_cpu)
+# For CPU tensors wherever torch_ops.cpp's CPU kernel is not registered (a composite kernel serves every
+# backend that has none of its own).
+ops.implement("panel_linear_by_handle", _panel_linear_by_handle_cpu, ("CompositeExplicitAutograd",))
 
 
 @torch.library.register_fake("pdserve::panel_linear_by_handle")
