@@ -12,6 +12,10 @@ builds in about a second with ``g++ -O3 -march=native -fopenmp`` (``$PDSERVE_KER
 headers, the compiler flags and this CPU's instruction sets, so a restart or another worker on
 the same machine reuses it. With no compiler (or a failed build) a loader returns None and the engine
 falls back to plain torch (the gathering attention path; dequantized int8 weights), saying so once.
+
+``torch_ops.cpp`` is the exception: the C++ CPU kernels of two ``torch.ops.pdserve`` operators a compiled
+decode step calls ~50 times a step, which include torch's headers and link against it (~10 s to build, once
+per torch version; ``load_torch_ops``), and call the kernels above through pointers bound at load.
 """
 
 from __future__ import annotations
