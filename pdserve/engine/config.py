@@ -89,17 +89,12 @@ def default_prefill_admission(role: str | None) -> str:
     return "whole" if role == "prefill" else "fill"
 
 
-def default_linear_weight_format(role: str | None = None, world_size: int = 1) -> str:
-    """What ``--linear-weight-format auto`` leaves to an engine of ``role`` with ``world_size`` ranks:
-    ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` where set (the tests pin ``plain`` there, so that which path a test
-    takes does not depend on the machine; tests/test_packed_weights.py and test_panel_linear.py cover the
-    packed layouts); else ``onednn`` for a prefill worker of several ranks (each rank would time on its own
-    and might choose differently: oneDNN, the faster prompt path on every CPU measured, 15% to 2.3x ahead of
-    MKL); else ``auto`` (timed at load)."""
-    pinned = os.environ.get("PDSERVE_LINEAR_WEIGHT_FORMAT")
-    if pinned:
-        return pinned
-    return "onednn" if role == "prefill" and world_size > 1 else "auto"
+def default_linear_weight_format() -> str:
+    """What ``--linear-weight-format auto`` leaves to an engine: ``auto`` (timed at load; ``EngineConfig``
+    resolves it to ``onednn`` for a prefill worker of several ranks), or ``$PDSERVE_LINEAR_WEIGHT_FORMAT``
+    where set (the tests pin ``plain`` there, so that which path a test takes does not depend on the
+    machine; tests/test_packed_weights.py and test_panel_linear.py cover the packed layouts)."""
+    return os.environ.get("PDSERVE_LINEAR_WEIGHT_FORMAT") or "auto"
 
 
 def default_max_num_batched_tokens(role: str | None) -> int:
@@ -179,7 +174,7 @@ class EngineConfig:
             CPU engine, the layout whose matmuls run fastest here, timed at load on the rows its steps have
             (``weight_format.choose_linear_weight_format``: decode batches and a prompt chunk for an engine
             that decodes, prompt chunks for a prefill worker); ``onednn`` on a prefill worker of several
-            ranks (``from_cli_args``), ``plain`` elsewhere. ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` overrides what
+            ranks (resolved here, so its ranks get it on their command line), ``plain`` elsewhere. ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` overrides what
             ``auto`` means (``default_linear_weight_format``).
         role: the worker kind this engine serves as: ``prefill`` (prompt steps only: a prefill worker),
             ``decode``, or None (both: ``LLM``, a colocated worker). ``from_cli_args`` sets it; it picks the
@@ -267,6 +262,10 @@ class EngineConfig:
                              f"got {self.linear_weight_format!r}")
         if self.role not in ENGINE_ROLES:
             raise ValueError(f"role must be one of {', '.join(map(str, ENGINE_ROLES))}, got {self.role!r}")
+        if self.linear_weight_format == "auto" and self.role == "prefill" and self.parallel.world_size > 1:
+            # each rank would time on its own and might choose differently; its ranks get this on their command
+            # line. oneDNN was the faster prompt path on every CPU measured (15% to 2.3x ahead of MKL).
+            self.linear_weight_format = "onednn"
         if self.decode_step_compile not in DECODE_STEP_COMPILE:
             raise ValueError(f"decode_step_compile must be one of {', '.join(DECODE_STEP_COMPILE)}, "
                              f"got {self.decode_step_compile!r}")
@@ -451,7 +450,7 @@ class EngineConfig:
                    enable_expert_parallel=args.enable_expert_parallel,
                    disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                    linear_weight_format=args.linear_weight_format if args.linear_weight_format != "auto"
-                   else default_linear_weight_format(role, args.tensor_parallel_size * args.pipeline_parallel_size),
+                   else default_linear_weight_format(),
                    role=role,
                    enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                    max_cpu_loras=args.max_cpu_loras, quantization=args.quantization,

@@ -174,10 +174,11 @@ def kernel_functions(source: str | pathlib.Path) -> dict[str, KernelFunction]:
     return functions
 
 
-def _load(name: str, what: str, fallback: str) -> ctypes.CDLL | None:
+def _load(name: str, what: str, fallback: str, build_flags=None) -> ctypes.CDLL | None:
     """Library ``name``, built from ``name``.cpp, with every ``pdserve_*`` function of it typed from its C
     definition (``kernel_functions``); or None where it cannot be built here (logged once: ``what``
-    could not be built, ``fallback`` runs instead)."""
+    could not be built, ``fallback`` runs instead). ``build_flags``: a function giving (compiler flags,
+    libraries) for a library not built with ``compiler_flags()``, called only to build it."""
     if name in _loaded:  # every layer of every forward asks: no lock once it is known (a dict read is atomic)
         return _loaded[name]
     with _lock:
@@ -191,7 +192,8 @@ def _load(name: str, what: str, fallback: str) -> ctypes.CDLL | None:
             logger.warning("no C++ compiler found: %s", fallback)
         else:
             try:
-                lib = ctypes.CDLL(str(_build(_KERNEL_DIR / f"{name}.cpp", compiler)))
+                flags, libraries = build_flags() if build_flags is not None else (None, ())
+                lib = ctypes.CDLL(str(_build(_KERNEL_DIR / f"{name}.cpp", compiler, flags, libraries)))
                 for function in kernel_functions(f"{name}.cpp").values():
                     fn = getattr(lib, function.name)
                     fn.restype = ctypes.c_int
@@ -264,9 +266,6 @@ def _torch_ops_flags() -> tuple[list[str], tuple[str, ...]]:
     return flags, (f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}", "-lc10", "-ltorch_cpu")
 
 
-_torch_ops_state: dict[str, ctypes.CDLL | None] = {}
-
-
 def load_torch_ops() -> ctypes.CDLL | None:
     """The C++ CPU kernels of the decode step's frequent operators (``torch_ops.cpp``:
     ``pdserve::panel_linear_by_handle``, ``pdserve::decode_linear``), built once for this torch and
@@ -275,36 +274,19 @@ def load_torch_ops() -> ctypes.CDLL | None:
     the panels' table: ``pdserve.engine.layers.panel_linear``), or None where it cannot be built here, with
     ``$PDSERVE_DISABLE_KERNELS`` or ``$PDSERVE_DISABLE_TORCH_OPS`` (logged once): those operators then run
     their Python implementations (one more Python call and a ctypes call each, ~10-20 us)."""
-    if "lib" in _torch_ops_state:
-        return _torch_ops_state["lib"]
-    panel, decode = load_panel_linear(), load_decode_linear()  # what it calls (each takes the lock)
-    with _lock:
-        if "lib" in _torch_ops_state:
-            return _torch_ops_state["lib"]
-        lib = None
-        compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-        fallback = "the decode step's linear operators call their Python implementations"
-        if os.environ.get("PDSERVE_DISABLE_KERNELS") or os.environ.get("PDSERVE_DISABLE_TORCH_OPS"):
-            logger.info("C++ operators disabled by the environment: %s", fallback)
-        elif compiler is None:
-            logger.warning("no C++ compiler found: %s", fallback)
-        else:
-            try:
-                path = _build(_KERNEL_DIR / "torch_ops.cpp", compiler, *_torch_ops_flags())
-                lib = ctypes.CDLL(str(path))  # registers the CPU kernels (its TORCH_LIBRARY_IMPL)
-                for function in kernel_functions("torch_ops.cpp").values():
-                    fn = getattr(lib, function.name)
-                    fn.restype = ctypes.c_int
-                    fn.argtypes = function.argtypes
-                for name, kernel in (("panel_linear", panel and panel.pdserve_f32_panel_linear),
-                                     ("f32_linear", decode and decode.pdserve_f32_linear),
-                                     ("bf16_linear", decode and decode.pdserve_bf16_linear)):
-                    if kernel is not None:
-                        lib.pdserve_torch_ops_bind(name.encode(), ctypes.cast(kernel, ctypes.c_void_p))
-            except (OSError, subprocess.SubprocessError, AttributeError) as e:
-                detail = getattr(e, "stderr", "") or ""
-                logger.warning("could not build the C++ operators (%s%s): %s", e,
-                               f": {detail[-2000:]}" if detail else "", fallback)
-                lib = None
-        _torch_ops_state["lib"] = lib
-        return lib
+    fallback = "the decode step's linear operators call their Python implementations"
+    if os.environ.get("PDSERVE_DISABLE_TORCH_OPS"):
+        if "torch_ops" not in _loaded:
+            logger.info("C++ operators disabled by $PDSERVE_DISABLE_TORCH_OPS: %s", fallback)
+            _loaded["torch_ops"] = None
+        return None
+    first = "torch_ops" not in _loaded
+    panel, decode = load_panel_linear(), load_decode_linear()  # what it calls
+    lib = _load("torch_ops", "C++ operators", fallback, _torch_ops_flags)  # loading registers the kernels
+    if lib is not None and first:  # bound once more by a racing first caller at worst: the same pointers
+        for name, kernel in (("panel_linear", panel and panel.pdserve_f32_panel_linear),
+                             ("f32_linear", decode and decode.pdserve_f32_linear),
+                             ("bf16_linear", decode and decode.pdserve_bf16_linear)):
+            if kernel is not None:
+                lib.pdserve_torch_ops_bind(name.encode(), ctypes.cast(kernel, ctypes.c_void_p))
+    return lib

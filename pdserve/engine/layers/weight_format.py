@@ -230,7 +230,7 @@ PROBE_BYTES = 256 * 2**20  # weights the format probe streams per timing: past a
 PROBE_MARGIN = 1.05
 # A prefill worker's steps are prompt chunks only: 64 rows (a short prompt) and 256 (one prompt's whole chunk,
 # the prefill worker's default cap a step). Its matmuls are compute-bound, so fewer weights suffice (a
-# timing at 256 rows over 32 MiB is ~40 ms on a Zen 4 core; the probe takes ~1 s in all).
+# timing at 256 rows over 32 MiB is ~40 ms on a Zen 4 core; the probe took 1.3 s there).
 PREFILL_PROBE_ROWS = (64, 256)
 PREFILL_PROBE_BYTES = 32 * 2**20
 LAYOUT_NAMES = {"plain": "plain", "onednn": "oneDNN", "panel": "panel"}
