@@ -41,7 +41,7 @@ import statistics
 import time
 
 from pdserve.sizing.profile import PROFILE_VERSION, Profile, WorkerProfile, fit_attention_pair_seconds
-from pdserve.sizing.serving_profiler import measure_serving
+from pdserve.sizing.serving_profiler import GRID_PASSES, measure_serving
 from pdserve.sizing.transfer_profiler import TRANSFER_TOKENS, transfer_main
 
 PREFILL_CACHED = (256, 512)
@@ -395,7 +395,7 @@ def run_profile(model: str, out: str, kinds: list[str], flags: list[str], repeat
             if kind not in workers or (kind == "decode" and "prefill" not in workers):
                 continue
             w = workers[kind]
-            points = len(w["decode_batch"]) * len(w["decode_context"])
+            points = len(w["decode_batch"]) * len(w["decode_context"]) * GRID_PASSES
             with tqdm(total=points, desc=f"serving ({kind})", disable=disable_tqdm, unit="point") as bar:
                 figures = measure_serving(model, flags, kind, w, workers.get("prefill") if kind == "decode" else None,
                                           on_point=lambda: bar.update(1))

@@ -31,6 +31,12 @@ IDLE_LOOP_S = 0.5  # how long the idle cluster's decode worker is timed before i
 WAKE_IDLE_S = (0.05, 0.25)
 WAKE_TOKENS = (16, 512)
 WAKE_ROUNDS = 12
+# The serving decode grid is measured in this many passes over all its points, a round of each point a pass. A
+# shared VM's speed moves in phases: on the 2-core Zen 4 of 2026-12-02 a 1 ms Python loop ran at its fastest in
+# ~30% of 3,000 back-to-back calls and ~1.7x slower in the rest, in runs of a few to 650 calls, so a point's two
+# rounds taken back to back (0.1-0.5 s) mostly fell in one phase, and the grid's points scattered by up to that
+# factor (a colocated profile's batch-1 step: 1.95 ms at 32 tokens, 4.03 at 768, where a batch of 4 took 3.32)
+GRID_PASSES = 2
 
 
 class _Cluster:
@@ -300,7 +306,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
 
     * ``serving_decode_seconds``: the decode step grid (the profiled batches and contexts) as the clients
       see it: every overhead of the serving loop (outputs to the router, its streaming, the client's and
-      router's share of the cores) on top of the engine's step;
+      router's share of the cores) on top of the engine's step; each point a mean over ``GRID_PASSES``
+      rounds taken in passes over the whole grid;
     * ``serving_prefill_seconds``: for prompts of ``OVERHEAD_TOKENS`` tokens, the router's
       prefill-compute hop (``pdserve:request_phase_seconds``: the prefill worker's, or the colocated
       worker's local one), mean: the prompt's steps as the cluster runs them. A colocated worker's at
@@ -405,21 +412,25 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                 woken = statistics.median(t for gap, t in zip(gaps, ttfts_by) if gap)
                 wake_tokens.append(n)
                 wake.append(woken - statistics.median(t for gap, t in zip(gaps, ttfts_by) if not gap))
-        grid, jitters = [], []
-        for b in worker["decode_batch"]:
-            row = []
-            for c in worker["decode_context"]:
+        # the grid in GRID_PASSES passes, each over every point: a point's rounds fall minutes apart, in whatever
+        # phases of speed the machine is in then, not in one phase (GRID_PASSES's comment says why)
+        points = [(b, c) for b in worker["decode_batch"] for c in worker["decode_context"]]
+        steps: dict[tuple[int, int], list[float]] = {point: [] for point in points}
+        jitters = []
+        for _ in range(GRID_PASSES):
+            for b, c in points:
                 cpu_before = meter.read()
-                rounds = [asyncio.run(_stream_batch(cluster.url, model_id, [prompt(c - 1) for _ in range(b)],
-                                                    max_tokens)) for _ in range(2)]
+                streams = asyncio.run(_stream_batch(cluster.url, model_id, [prompt(c - 1) for _ in range(b)],
+                                                    max_tokens))
                 cpu_after = meter.read()
-                chunks = sum(len(t) - 1 for streams in rounds for t in streams)  # the tokens, or fewer chunks
-                host_passes.append((2 * b, chunks, 2, cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1]))
-                row.append(statistics.fmean(serving_step_seconds(streams) for streams in rounds))
-                jitters += [j for streams in rounds if (j := step_jitter(streams)) is not None]
+                chunks = sum(len(t) - 1 for t in streams)  # the tokens, or fewer chunks
+                host_passes.append((b, chunks, 1, cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1]))
+                steps[b, c].append(serving_step_seconds(streams))
+                if (j := step_jitter(streams)) is not None:
+                    jitters.append(j)
                 if on_point:
                     on_point()
-            grid.append(row)
+        grid = [[statistics.fmean(steps[b, c]) for c in worker["decode_context"]] for b in worker["decode_batch"]]
         return {"request_overhead_s": overhead_seconds[0], "overhead_tokens": overhead_tokens,
                 "overhead_seconds": overhead_seconds, "wake_idle_seconds": [WAKE_IDLE_S[0]] if wake else [],
                 "wake_tokens": wake_tokens, "wake_overhead_seconds": wake, "serving_prefill_seconds": prefill_seconds,
