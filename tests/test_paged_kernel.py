@@ -215,6 +215,44 @@ def test_decode_op_writes_and_attends_in_one_call(window):
     assert torch.equal(cache, expected_cache)
 
 
+def test_the_float32_decode_op_runs_in_cpp_with_its_python_implementations_bits():
+    """Where ``kernels.load_torch_ops`` builds, ``paged_decode_attention_f32`` has a C++ CPU kernel
+    (torch_ops.cpp) calling the same native kernel as its Python implementation: the same output bits and
+    the same cache after the write, for strided K/V and a sliding window; what the kernel rejects (a slot
+    outside the cache, int32 metadata, a cache that is not float32) raises ValueError and writes nothing."""
+    from pdserve.engine.layers.paged_backend import _decode_float32
+    from pdserve.kernels import load_torch_ops
+
+    if load_torch_ops() is None:
+        pytest.skip("the C++ operators cannot be built here")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("pdserve::paged_decode_attention_f32", "CPU")
+    num_layers, num_blocks, block_size, num_heads, num_kv_heads, head_dim = 2, 16, 4, 8, 2, 32
+    tables, computed, new = _batch(random.Random(5), [(1, 3), (1, 9), (1, 20), (1, 1)], block_size, num_blocks)
+    md = AttentionMetadata.build(tables, computed, new, block_size, backend="paged")
+    torch.manual_seed(5)
+    cache = torch.randn(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    q = torch.randn(4, num_heads, head_dim)
+    kv = torch.randn(4, 2, num_kv_heads, head_dim + 8)[..., :head_dim]  # strided rows
+    k, v = kv[:, 0], kv[:, 1]
+    args = (md.slot_mapping, md.block_tables, md.seq_lens, md.query_start_loc, 0.2)
+    for window in (0, 6):
+        py_cache, cpp_cache = cache.clone(), cache.clone()
+        want = _decode_float32(q, k, v, py_cache, 1, *args, window)
+        got = torch.ops.pdserve.paged_decode_attention_f32(q, k, v, cpp_cache, 1, *args, window)
+        assert torch.equal(got, want) and torch.equal(cpp_cache, py_cache)
+        assert not torch.equal(cpp_cache[1], cache[1]) and torch.equal(cpp_cache[0], cache[0])
+    bad_slots = md.slot_mapping.clone()
+    bad_slots[1] = num_blocks * block_size
+    rejected = [(cache, bad_slots, md.seq_lens, "code 6"), (cache, md.slot_mapping, md.seq_lens.int(), "int64"),
+                (cache.double(), md.slot_mapping, md.seq_lens, "float32")]
+    for c, slots, seq_lens, message in rejected:
+        before = c.clone()
+        with pytest.raises(ValueError, match=message):
+            torch.ops.pdserve.paged_decode_attention_f32(q, k, v, c, 1, slots, md.block_tables, seq_lens,
+                                                         md.query_start_loc, 0.2, 0)
+        assert torch.equal(c, before)
+
+
 def test_latent_decode_op_writes_one_row_and_reads_values_from_it():
     """The compiled decode op (``paged_decode_attention``) over a latent cache: one new row per token is
     written into the single slot, and a decode over one cached token returns that row's head."""

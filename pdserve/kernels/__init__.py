@@ -268,25 +268,27 @@ def _torch_ops_flags() -> tuple[list[str], tuple[str, ...]]:
 
 def load_torch_ops() -> ctypes.CDLL | None:
     """The C++ CPU kernels of the decode step's frequent operators (``torch_ops.cpp``:
-    ``pdserve::panel_linear_by_handle``, ``pdserve::decode_linear``), built once for this torch and
-    loaded, which registers them with torch's dispatcher, with the native kernels they call bound (the
-    panel and decode linear libraries). Returns the library (its ``pdserve_torch_ops_set_panels`` keeps
-    the panels' table: ``pdserve.engine.layers.panel_linear``), or None where it cannot be built here, with
+    ``pdserve::panel_linear_by_handle``, ``pdserve::decode_linear``, ``pdserve::paged_decode_attention_f32``),
+    built once for this torch and loaded, which registers them with torch's dispatcher, with the native
+    kernels they call bound (the panel and decode linear and the paged attention libraries). Returns the
+    library (its ``pdserve_torch_ops_set_panels`` keeps the panels' table:
+    ``pdserve.engine.layers.panel_linear``), or None where it cannot be built here, with
     ``$PDSERVE_DISABLE_KERNELS`` or ``$PDSERVE_DISABLE_TORCH_OPS`` (logged once): those operators then run
     their Python implementations (one more Python call and a ctypes call each, ~10-20 us)."""
-    fallback = "the decode step's linear operators call their Python implementations"
+    fallback = "the decode step's linear and attention operators call their Python implementations"
     if os.environ.get("PDSERVE_DISABLE_TORCH_OPS"):
         if "torch_ops" not in _loaded:
             logger.info("C++ operators disabled by $PDSERVE_DISABLE_TORCH_OPS: %s", fallback)
             _loaded["torch_ops"] = None
         return None
     first = "torch_ops" not in _loaded
-    panel, decode = load_panel_linear(), load_decode_linear()  # what it calls
+    panel, decode, paged = load_panel_linear(), load_decode_linear(), load_paged_attention()  # what it calls
     lib = _load("torch_ops", "C++ operators", fallback, _torch_ops_flags)  # loading registers the kernels
     if lib is not None and first:  # bound once more by a racing first caller at worst: the same pointers
         for name, kernel in (("panel_linear", panel and panel.pdserve_f32_panel_linear),
                              ("f32_linear", decode and decode.pdserve_f32_linear),
-                             ("bf16_linear", decode and decode.pdserve_bf16_linear)):
+                             ("bf16_linear", decode and decode.pdserve_bf16_linear),
+                             ("paged_decode_attention", paged and paged.pdserve_paged_decode_attention)):
             if kernel is not None:
                 lib.pdserve_torch_ops_bind(name.encode(), ctypes.cast(kernel, ctypes.c_void_p))
     return lib

@@ -31,6 +31,11 @@ SCHEMAS = {
         "paged_decode_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
         "int sliding_window, str kv_cache_dtype='', Tensor? sinks=None) -> Tensor"),
+    # the same on a float32 cache of K and V (no quantized rows, no sinks): a C++ kernel (kernels/torch_ops.cpp)
+    "paged_decode_attention_f32": (
+        "paged_decode_attention_f32(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+        "int sliding_window) -> Tensor"),
     # the grouped experts of the MoE module named by ``op_key`` (engine/models/moe.py)
     "moe_experts": "moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, int op_key) -> Tensor",
 }

@@ -20,6 +20,10 @@
 //   panel_linear_by_handle(x [M, K] float32, handle, N) -> [M, N]: panel_linear.cpp's kernel on the panels
 //     [ceil(N / 16), K, 16] registered under handle.
 //   decode_linear(x [M, K], weight [N, K]) -> [M, N]: decode_linear.cpp's kernel, float32 or bfloat16.
+//   paged_decode_attention_f32(query [N, H, D], key, value [N, H_kv, D], kv_cache [L, 2, blocks, block_size,
+//     H_kv, D], layer, slot_mapping [N], block_tables [N, W], seq_lens [N], query_start_loc [N + 1], scale,
+//     sliding_window) -> [N, H, D]: paged_attention.cpp's decode kernel on a float32 cache (the new rows'
+//     write and the attention in one call), every tensor float32 or int64 as the engine passes them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,6 +41,15 @@ namespace {
 using LinearFn = int (*)(void* out, const void* x, const void* weight, int64_t M, int64_t N, int64_t K,
                          int num_threads);
 
+// pdserve_paged_decode_attention (paged_attention.cpp)
+using PagedDecodeFn = int (*)(float* out, const float* query, const float* key, const float* value, float* kv_cache,
+                              int64_t layer, const int64_t* slot_mapping, const int64_t* block_tables,
+                              int64_t max_blocks_per_seq, const int64_t* seq_lens, const int64_t* query_start_loc,
+                              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                              int64_t block_size, int64_t num_blocks, float scale, int64_t sliding_window,
+                              int num_threads);
+
+PagedDecodeFn g_paged_decode = nullptr;
 LinearFn g_panel_linear = nullptr;
 LinearFn g_f32_linear = nullptr;
 LinearFn g_bf16_linear = nullptr;
@@ -93,14 +106,59 @@ at::Tensor decode_linear(const at::Tensor& x_in, const at::Tensor& weight_in) {
   return out;
 }
 
+bool is_index(const at::Tensor& t, int64_t dim) {
+  return t.dim() == dim && t.scalar_type() == at::kLong && t.is_contiguous();
+}
+
+at::Tensor paged_decode_attention_f32(const at::Tensor& query_in, const at::Tensor& key_in,
+                                      const at::Tensor& value_in, const at::Tensor& kv_cache, int64_t layer,
+                                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                                      int64_t sliding_window) {
+  TORCH_CHECK(g_paged_decode != nullptr, "the paged decode attention kernel is not bound (pdserve_torch_ops_bind)");
+  TORCH_CHECK_VALUE(query_in.dim() == 3 && key_in.dim() == 3 && value_in.dim() == 3 && kv_cache.dim() == 6 &&
+                        query_in.scalar_type() == at::kFloat && key_in.scalar_type() == at::kFloat &&
+                        value_in.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
+                        kv_cache.size(1) == 2 && kv_cache.is_contiguous() && query_in.device().is_cpu(),
+                    "paged_decode_attention_f32 takes float32 query [N, H, D], key and value [N, H_kv, D] and a "
+                    "contiguous float32 cache [L, 2, blocks, block_size, H_kv, D]; got ", query_in.sizes(), ", ",
+                    key_in.sizes(), ", ", kv_cache.sizes(), " ", kv_cache.scalar_type());
+  const int64_t num_seqs = query_in.size(0), num_heads = query_in.size(1), head_dim = query_in.size(2);
+  const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3), num_kv_heads = kv_cache.size(4);
+  TORCH_CHECK_VALUE(kv_cache.size(5) == head_dim && value_in.size(2) == head_dim && key_in.size(2) == head_dim &&
+                        key_in.size(1) == num_kv_heads && value_in.size(1) == num_kv_heads &&
+                        key_in.size(0) == num_seqs && value_in.size(0) == num_seqs && layer >= 0 &&
+                        layer < kv_cache.size(0),
+                    "K and V rows of ", kv_cache.size(5), " values over ", num_kv_heads, " heads do not fit a query ",
+                    query_in.sizes(), " (key ", key_in.sizes(), ", value ", value_in.sizes(), ", layer ", layer, ")");
+  TORCH_CHECK_VALUE(is_index(slot_mapping, 1) && slot_mapping.size(0) == num_seqs && is_index(block_tables, 2) &&
+                        block_tables.size(0) == num_seqs && is_index(seq_lens, 1) && seq_lens.size(0) == num_seqs &&
+                        is_index(query_start_loc, 1) && query_start_loc.size(0) == num_seqs + 1,
+                    "the paged kernel reads the metadata as contiguous int64 tensors, one row per sequence");
+  const at::Tensor query = query_in.contiguous(), key = key_in.contiguous(), value = value_in.contiguous();
+  at::Tensor out = at::empty({num_seqs, num_heads, head_dim}, query.options());
+  if (num_seqs == 0) return out;
+  const int rc = g_paged_decode(
+      out.data_ptr<float>(), query.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(),
+      kv_cache.data_ptr<float>(), layer, slot_mapping.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(),
+      block_tables.size(1), seq_lens.data_ptr<int64_t>(), query_start_loc.data_ptr<int64_t>(), num_seqs, num_heads,
+      num_kv_heads, head_dim, block_size, num_blocks, static_cast<float>(scale), sliding_window,
+      at::get_num_threads());
+  TORCH_CHECK_VALUE(rc == 0, "paged decode attention kernel rejected its inputs (code ", rc, "): ", num_heads,
+                    " heads, ", num_kv_heads, " KV heads, head_dim ", head_dim, ", slots ", slot_mapping);
+  return out;
+}
+
 }  // namespace
 
 extern "C" {
 
-// Bind the kernels by name ("panel_linear", "f32_linear", "bf16_linear"); returns 0, or 1 for another name.
+// Bind the kernels by name ("panel_linear", "f32_linear", "bf16_linear", "paged_decode_attention"); returns 0, or
+// 1 for another name.
 int pdserve_torch_ops_bind(const char* name, void* fn) {
   const LinearFn f = reinterpret_cast<LinearFn>(fn);
-  if (std::strcmp(name, "panel_linear") == 0) g_panel_linear = f;
+  if (std::strcmp(name, "paged_decode_attention") == 0) g_paged_decode = reinterpret_cast<PagedDecodeFn>(fn);
+  else if (std::strcmp(name, "panel_linear") == 0) g_panel_linear = f;
   else if (std::strcmp(name, "f32_linear") == 0) g_f32_linear = f;
   else if (std::strcmp(name, "bf16_linear") == 0) g_bf16_linear = f;
   else return 1;
@@ -120,4 +178,5 @@ int pdserve_torch_ops_set_panels(int64_t handle, const float* data, int64_t num_
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) {
   m.impl("panel_linear_by_handle", &panel_linear_by_handle);
   m.impl("decode_linear", &decode_linear);
+  m.impl("paged_decode_attention_f32", &paged_decode_attention_f32);
 }

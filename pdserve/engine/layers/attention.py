@@ -33,7 +33,7 @@ Two backends compute the same thing:
   tokens) instead attends over its own new K/V, and a long prefill chunk over its gathered
   cache, with a tiled causal kernel (``pdserve.engine.layers.prefill_attention``), which reads no
   block table at all. It lives in ``pdserve.engine.layers.paged_backend``, with the compiled decode
-  step's operator ``torch.ops.pdserve.paged_decode_attention``.
+  step's operators ``torch.ops.pdserve.paged_decode_attention`` (``..._f32`` on a float32 cache: C++).
 * ``reference``: gathers each sequence's context through its block table and runs one
   padded, masked ``scaled_dot_product_attention``, in plain torch ops on any device. The
   tests check the paged backend against it.
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import KV_DTYPE_CODES, load_paged_attention
+from pdserve.kernels import KV_DTYPE_CODES, load_paged_attention, load_torch_ops
 from pdserve.common.kv_quant import dequantize_rows, kv_cache_format
 from pdserve.engine.layers import paged_backend  # importing it registers the compiled decode step's op
 from pdserve.engine.layers.attention_metadata import AttentionMetadata, write_kv_cache  # noqa: F401  (re-exported)
@@ -131,6 +131,11 @@ def paged_attention(
     """
     if metadata.backend == "paged" and metadata.max_query_len <= 1:  # decode only: one opaque op (torch.compile)
         kv_cache, index = (kv_cache_layer, layer) if layer is not None else (kv_cache_layer[None], 0)
+        if paged_backend.takes_float32_kernel(query, kv_cache, metadata.kv_cache_dtype, sinks):
+            return torch.ops.pdserve.paged_decode_attention_f32(query, key, value, kv_cache, index,
+                                                                metadata.slot_mapping, metadata.block_tables,
+                                                                metadata.seq_lens, metadata.query_start_loc, scale,
+                                                                sliding_window or 0)
         return torch.ops.pdserve.paged_decode_attention(query, key, value, kv_cache, index, metadata.slot_mapping,
                                                         metadata.block_tables, metadata.seq_lens,
                                                         metadata.query_start_loc, scale, sliding_window or 0,
@@ -176,6 +181,8 @@ def select_backend(name: str, device: torch.device, kv_cache_dtype: torch.dtype 
     usable = device.type == "cpu" and kv_name in KV_DTYPE_CODES and head_dim % 8 == 0 and (v_dim or head_dim) % 8 == 0
     if usable and load_paged_attention() is None:
         usable = False
+    if usable:
+        load_torch_ops()  # the decode step's float32 attention as a C++ operator, where it builds
     if name == "paged" and not usable:
         raise ValueError(f"the paged attention kernel cannot run here ({device.type}, KV {kv_cache_dtype}, "
                          f"head_dim {head_dim}, or no C++ compiler); use --attention-backend reference")

@@ -95,10 +95,10 @@ def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     the cache in place, never a copy of it. It takes the whole cache and an index because
     inductor (torch 2.13) loses the storage offset of a view passed to a mutating operator.
     """
-    if (not kv_cache_dtype and sinks is None and query.dtype == kv_cache.dtype == torch.float32
-            and kv_cache.shape[1] == 2 and kv_cache.is_contiguous()):
-        return _decode_float32(query, key, value, kv_cache, layer, slot_mapping, block_tables, seq_lens,
-                               query_start_loc, scale, sliding_window or 0)
+    if takes_float32_kernel(query, kv_cache, kv_cache_dtype, sinks):
+        return torch.ops.pdserve.paged_decode_attention_f32(query, key, value, kv_cache, layer, slot_mapping,
+                                                            block_tables, seq_lens, query_start_loc, scale,
+                                                            sliding_window or 0)
     kv_cache_layer = kv_cache[layer]
     kv_dtype = kv_cache_dtype or None
     write_kv_cache(key, value, kv_cache_layer, slot_mapping, kv_dtype)
@@ -114,12 +114,22 @@ def paged_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     return attend_native(query, key, value, kv_cache_layer, metadata, scale, sliding_window or None, sinks)
 
 
+def takes_float32_kernel(query: torch.Tensor, kv_cache: torch.Tensor, kv_cache_dtype: str | None,
+                         sinks: torch.Tensor | None) -> bool:
+    """Whether a decode step's attention goes to ``torch.ops.pdserve.paged_decode_attention_f32``: a plain
+    float32 cache of K and V (``kv_cache`` [L, 2, ...], contiguous), float32 queries, no sinks."""
+    return (not kv_cache_dtype and sinks is None and query.dtype == kv_cache.dtype == torch.float32
+            and kv_cache.shape[1] == 2 and kv_cache.is_contiguous())
+
+
 def _decode_float32(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                     slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, sliding_window: int) -> torch.Tensor:
-    """``paged_decode_attention`` on a float32 cache of K and V: the new rows' write and the attention in one
-    native call (``pdserve_paged_decode_attention``), with no torch op between them. Shapes as there;
-    returns (N, H, D). Raises ValueError for what the kernel rejects (a slot out of range: nothing written)."""
+    """``torch.ops.pdserve.paged_decode_attention_f32``'s Python implementation (the C++ one,
+    ``kernels/torch_ops.cpp``, serves CPU tensors where it builds): ``paged_decode_attention`` on a float32
+    cache of K and V, the new rows' write and the attention in one native call
+    (``pdserve_paged_decode_attention``), with no torch op between them. Shapes as there; returns (N, H, D).
+    Raises ValueError for what the kernel rejects (a slot out of range: nothing written)."""
     num_seqs, num_heads, head_dim = query.shape
     _, _, num_blocks, block_size, num_kv_heads, row_len = kv_cache.shape
     if row_len != head_dim or value.shape[-1] != head_dim:
@@ -141,6 +151,12 @@ def _decode_float32(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 ops.implement("paged_decode_attention", paged_decode_attention)
+ops.implement("paged_decode_attention_f32", _decode_float32, ("CompositeExplicitAutograd",))
+
+
+@torch.library.register_fake("pdserve::paged_decode_attention_f32")
+def _(query, key, value, kv_cache, layer, slot_mapping, block_tables, seq_lens, query_start_loc, scale, sliding_window):
+    return query.new_empty(*query.shape[:2], value.shape[-1])  # (N, H, D)
 
 
 @torch.library.register_fake("pdserve::paged_decode_attention")
