@@ -26,11 +26,14 @@ A step's seconds (``WorkerProfile.step_seconds``):
   is one more token through every linear layer) and ``linear(N) = prefill(N) -
   attention_pair_seconds * N**2 / 2`` is the measured prompt step without its attention; plus what
   the decode rows' context adds over a short one, ``engine_decode(B, C) - engine_decode(B, smallest
-  C)``; all of it times the larger of two slowdowns the cluster measured: a prompt step's against
-  the engine's (``prefill_slowdown``: on a prefill worker the steps also send the KV, and it grows
-  with the worker's load from the idle hop's to the loaded hop's) and the decode
-  step's at that batch (``decode(B, C) / engine_decode(B, C)``: the router's and the client's share
-  of the machine slows the whole step, not only its decode rows).
+  C)``; all of it times the slowdown the cluster measured for a prompt step against the engine's
+  (``prefill_slowdown``: on a prefill worker the steps also send the KV, and it grows with the
+  worker's load from the idle hop's to the loaded hop's); plus what serving adds to a decode step
+  of that batch over the engine's, ``decode(B, C) - engine_decode(B, C)`` (the decode rows' tokens
+  on their way out through the router to the client, who share the cores). That is added, not a
+  ratio: a colocated profile's serving grid ran 2-3.7x the engine's steps at batches of 1-16 on a
+  2-core Zen 4, and that ratio laid over a step's prompt rows made the simulated colocated TPOT and
+  TTFT p50 40-180% longer than the real ones (the thirty-first session's calibration runs).
 
 Pure Python (no torch, no numpy): the simulator calls it once per simulated step.
 """
@@ -298,13 +301,13 @@ class WorkerProfile:
         if not prompt_tokens:
             return self.decode(num_decode, mean_context) if num_decode else 0.0
         seconds = self.linear(prompt_tokens + num_decode) + self.attention_pair_seconds * attention_pairs
-        slowdown = self.prefill_slowdown(prompt_tokens, utilization)
-        if num_decode:  # the decode rows' context; then the serving loop's slowdown at that batch
+        serving = 0.0  # what serving adds to the decode rows' step: their tokens' way out, the cores shared
+        if num_decode:  # the decode rows' context
             engine = self.engine_decode(num_decode, mean_context)
             seconds += max(0.0, engine - self.engine_decode(num_decode, self.decode_context[0]))
-            if self._serving is not None and engine > 0:
-                slowdown = max(slowdown, self.decode(num_decode, mean_context) / engine)
-        return seconds * slowdown
+            if self._serving is not None:
+                serving = max(0.0, self.decode(num_decode, mean_context) - engine)
+        return seconds * self.prefill_slowdown(prompt_tokens, utilization) + serving
 
     def prefill_slowdown(self, num_tokens: float, utilization: float | None = None) -> float:
         """How much slower a prompt step of ``num_tokens`` runs in a serving cluster than in the engine alone
