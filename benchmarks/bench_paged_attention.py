@@ -1,12 +1,12 @@
 """Paged-attention kernel microbenchmark: a decode step's attention alone, and the KV bandwidth it reaches.
 
-Times ``torch.ops.pdserve.paged_decode_attention`` (the op the compiled decode step calls: write
-the new K/V, then the native kernel; ``paged_decode_attention_f32`` for a float32 cache) over every
-layer of a cache shaped like the ``bench`` preset's (12 layers, 4 KV heads of 64, 12 query heads,
-blocks of 16 or ``--block-size``, float32 by default), on one pinned core with one torch thread.
-The cache is allocated as the engine allocates it (``allocate_kv_cache``: 2 MiB pages where the
-kernel grants them) and holds exactly the batch's blocks, handed out in a random order as a busy
-block manager's free queue would, so at batch 8 and 32 the KV comes from memory, not from the caches. Prints per batch: the median time of one
+Times ``torch.ops.pdserve.paged_decode_attention`` (the op the compiled decode step calls: write the new
+K/V, then the native kernel; ``paged_decode_attention_f32`` for a float32 cache) over every layer of a
+cache shaped like the ``bench`` preset's (12 layers, 4 KV heads of 64, 12 query heads, blocks of 16 or
+``--block-size``, float32 by default), on one pinned core with one torch thread. The cache is allocated
+as the engine allocates it (``allocate_kv_cache``: 2 MiB pages where the kernel grants them) and holds
+exactly the batch's blocks, handed out in a random order as a busy block manager's free queue would, so
+at batch 8 and 32 the KV comes from memory, not from the caches. Prints per batch: the median time of one
 step's worth of calls (every layer once), the KV bytes those calls read, and that rate in GB/s.
 
     python benchmarks/bench_paged_attention.py                      # batch 1 / 8 / 32, contexts 156 / 350 / 300
