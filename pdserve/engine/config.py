@@ -174,8 +174,8 @@ class EngineConfig:
             CPU engine, the layout whose matmuls run fastest here, timed at load on the rows its steps have
             (``weight_format.choose_linear_weight_format``: decode batches and a prompt chunk for an engine
             that decodes, prompt chunks for a prefill worker); ``onednn`` on a prefill worker of several
-            ranks (resolved here, so its ranks get it on their command line), ``plain`` elsewhere. ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` overrides what
-            ``auto`` means (``default_linear_weight_format``).
+            ranks (resolved here, so its ranks get it on their command line), ``plain`` elsewhere.
+            ``$PDSERVE_LINEAR_WEIGHT_FORMAT`` overrides what ``auto`` means (``default_linear_weight_format``).
         role: the worker kind this engine serves as: ``prefill`` (prompt steps only: a prefill worker),
             ``decode``, or None (both: ``LLM``, a colocated worker). ``from_cli_args`` sets it; it picks the
             row counts the layout probe times.

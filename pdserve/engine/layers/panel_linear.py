@@ -42,7 +42,7 @@ def build_kernel() -> bool:
     if _lib is not None and _torch_ops is None:
         _torch_ops = load_torch_ops()
         if _torch_ops is not None:
-            for handle, panels in list(_PANELS.items()):
+            for handle, panels in _PANELS.items():  # a list: finalizers may run meanwhile
                 _table_set(handle, panels)
     return _lib is not None
 
