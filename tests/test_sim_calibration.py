@@ -19,6 +19,7 @@ from pdserve.bench.serve import ServeConfig, run_benchmark_sync
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from pdserve.common.utils import free_port
 from pdserve.sizing.profiler import run_profile
+from pdserve.sizing.serving_profiler import WAKE_IDLE_S
 from pdserve.sizing.simulator import SimConfig, Simulator
 from pdserve.sizing.workload import synthetic
 
@@ -36,8 +37,9 @@ def _profile_and_serve(model_dir, tmp_path, attempt: int):
     colocated = profile.workers["colocated"]
     assert colocated.serving_decode_seconds and colocated.request_overhead_s > 0
     # what a prompt pays after the cluster idled, by length (measured: noisy, either sign near 0)
-    assert colocated.wake_tokens == [16, 512] and len(colocated.wake_overhead_seconds) == 2
-    print(f"attempt {attempt}: wake-up {[round(1000 * s, 1) for s in colocated.wake_overhead_seconds]} ms")
+    assert colocated.wake_tokens == [16, 512] and colocated.wake_idle_seconds == list(WAKE_IDLE_S)
+    assert [len(row) for row in colocated.wake_overhead_seconds] == [2] * len(WAKE_IDLE_S)  # [gap][length]
+    print(f"attempt {attempt}: wake-up {[[round(1000 * s, 1) for s in r] for r in colocated.wake_overhead_seconds]} ms")
     # the router's and the client's CPU per request and per token, read from their processes
     assert set(colocated.host_cpu_seconds) == {"router", "client"} and colocated.host_cpu_seconds["router"][1] > 0
     dataset = DatasetConfig(num_prompts=60, input_len=96, range_ratio=0.5, output_len=24, prefix_len=32,

@@ -593,6 +593,21 @@ def test_a_request_reaching_an_idle_cluster_pays_the_measured_wake_up_and_one_be
     assert ttft[3.0] == pytest.approx(alone + wake)
 
 
+def test_the_wake_up_grows_with_the_idle_time_measured_between_gaps_and_stays_flat_past_the_last():
+    """A profile measured after several idle gaps (``wake_overhead_seconds[gap][length]``): a request pays
+    the wake-up interpolated between the gaps it idled between (a ramp from nothing up to the first), by
+    prompt length, and the last gap's past it; a longer idle never costs less where the rows grow."""
+    colocated = make_profile().workers["colocated"]
+    colocated.wake_idle_seconds, colocated.wake_tokens = [0.05, 0.2, 0.8], [16, 512]
+    colocated.wake_overhead_seconds = [[0.002, 0.004], [0.006, 0.010], [0.012, 0.016]]
+    at_16 = [colocated.wake_overhead(s, 16) for s in (0.0, 0.025, 0.05, 0.125, 0.2, 0.5, 0.8, 5.0)]
+    assert at_16 == pytest.approx([0.0, 0.001, 0.002, 0.004, 0.006, 0.009, 0.012, 0.012])
+    assert at_16 == sorted(at_16)
+    assert [colocated.wake_overhead(0.2, n) for n in (8, 264, 4096)] == pytest.approx([0.006, 0.008, 0.010])
+    colocated.wake_overhead_seconds = [[0.002, -0.001], [0.006, 0.010], [0.012, 0.016]]  # a noisy row: never < 0
+    assert colocated.wake_overhead(0.05, 512) == 0.0
+
+
 def test_the_kv_arrives_the_measured_tail_after_the_prompts_last_step():
     """A decode worker's ``serving_kv_transfer_seconds`` (the router's kv_transfer hop at idle: the last
     layers' sends and the decode worker taking the KV) follows the prompt's last step; without it the

@@ -123,10 +123,12 @@ class WorkerProfile:
         overhead_tokens, overhead_seconds: the same fixed latency for prompts of these lengths (the
             router's and the workers' per-request work grows with the prompt: JSON, validation, hashing).
         wake_tokens, wake_overhead_seconds, wake_idle_seconds: how much longer a lone prompt of that many
-            tokens takes to its first token when the cluster has sat idle before it than when it follows
-            the previous request at once (every hop and the prompt's steps run slower on a woken machine: a
-            2-core VM here took 9 ms back to back and 11-16 ms after 50-400 ms idle for 16 tokens), reached
-            once the idle time is ``wake_idle_seconds[0]``; empty when not measured (``wake_overhead``).
+            tokens takes to its first token when the cluster has sat idle before it for that long than when
+            it follows the previous request at once (every hop and the prompt's steps run slower on a woken
+            machine: on a 2-core Xeon VM a 256-token prompt took 6.2 ms back to back and 11-19 ms after 200
+            ms idle), ``wake_overhead_seconds[i][j]`` after ``wake_idle_seconds[i]`` for ``wake_tokens[j]``
+            tokens (profiles before 2026-12-02: one flat list for one gap, a plateau reached there); empty
+            when not measured (``wake_overhead``).
         serving_prefill_tokens, serving_prefill_seconds: one prompt's steps of that many tokens as a
             real cluster ran them (its prefill-compute hop): a colocated worker's at idle; a prefill
             worker's among other prompts at half its capacity (sharing its core with their KV sends and
@@ -204,7 +206,7 @@ class WorkerProfile:
     overhead_seconds: list[float] = field(default_factory=list)
     wake_idle_seconds: list[float] = field(default_factory=list)
     wake_tokens: list[int] = field(default_factory=list)
-    wake_overhead_seconds: list[float] = field(default_factory=list)
+    wake_overhead_seconds: list[list[float]] = field(default_factory=list)
     serving_prefill_tokens: list[int] = field(default_factory=list)
     serving_prefill_seconds: list[float] = field(default_factory=list)
     serving_prefill_idle_seconds: list[float] = field(default_factory=list)
@@ -262,13 +264,20 @@ class WorkerProfile:
     def wake_overhead(self, idle_seconds: float, num_prompt_tokens: float) -> float:
         """Seconds a request of ``num_prompt_tokens`` arriving after the cluster sat idle ``idle_seconds``
         (nothing in flight) waits beyond ``request_overhead``: ``wake_overhead_seconds`` interpolated by
-        length (clamped to the lengths measured), reached linearly from no idle time to
-        ``wake_idle_seconds[0]`` and flat after; 0 when not measured."""
-        if not self.wake_overhead_seconds or idle_seconds <= 0:
+        length (clamped to the lengths measured) and by idle time (linearly from nothing at no idle time to
+        the first gap measured, between gaps, flat past the last); 0 when not measured. A flat list (an
+        older profile) is one gap's row."""
+        rows = self.wake_overhead_seconds
+        if not rows or idle_seconds <= 0:
             return 0.0
+        if not isinstance(rows[0], list):
+            rows = [rows]
         tokens = min(max(num_prompt_tokens, self.wake_tokens[0]), self.wake_tokens[-1])
-        plateau = interp(self.wake_tokens, [max(0.0, s) for s in self.wake_overhead_seconds], tokens)
-        return plateau * min(1.0, idle_seconds / self.wake_idle_seconds[0])
+        by_gap = [interp(self.wake_tokens, [max(0.0, s) for s in row], tokens) for row in rows]
+        gaps = self.wake_idle_seconds[:len(by_gap)]
+        if idle_seconds < gaps[0]:
+            return by_gap[0] * idle_seconds / gaps[0]
+        return interp(gaps, by_gap, min(idle_seconds, gaps[-1]))
 
     def engine_decode(self, batch: float, context: float) -> float:
         """Seconds of the engine's decode step of ``batch`` sequences of ``context`` tokens each."""

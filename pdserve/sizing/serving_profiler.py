@@ -22,15 +22,15 @@ from pdserve.sizing.profile import LOADED_UTILIZATION, WorkerProfile
 OVERHEAD_TOKENS = (16, 128, 512, 1500)
 LOADED_PROMPTS = 24
 IDLE_LOOP_S = 0.5  # how long the idle cluster's decode worker is timed before its requests are
-# A request arriving at an idle cluster pays more than one right behind another, from ~50 ms of idling on (the
-# 2-core VM of 2026-11-29, a 16-token prompt: median TTFT 9.1-9.5 ms back to back, 11-16 ms after 50-400 ms
-# idle, flat past 50 ms within the noise; the bench preset's 256-token prompts lost more than its 16-token ones:
-# every hop and the prompt's own steps run slower): lone prompts of WAKE_TOKENS after these gaps, taking turns
-# with back-to-back ones (a shared machine's speed drifts between passes), WAKE_ROUNDS of each, pooled into one
-# plateau per length from the first gap
-WAKE_IDLE_S = (0.05, 0.25)
+# A request arriving at an idle cluster pays more than one right behind another, and the more the longer the
+# cluster idled (the 2-core Xeon of 2026-12-02, the default model's colocated worker, 256-token prompts: TTFT median
+# 6.1-6.4 ms back to back, 11.3-19.3 ms after 200 ms idle; the 2-core VM of 2026-11-29, 96 tokens: 8.3-12.3 ms,
+# 10.7-12.5 after 50 ms, 13.1-20.3 after 400 ms: every hop and the prompt's own steps run slower on a machine
+# woken from idle): lone prompts of WAKE_TOKENS after each of these gaps, taking turns with back-to-back ones (a
+# shared machine's speed drifts between passes), WAKE_ROUNDS of each, a median per gap and length
+WAKE_IDLE_S = (0.05, 0.2, 0.8)
 WAKE_TOKENS = (16, 512)
-WAKE_ROUNDS = 12
+WAKE_ROUNDS = 10
 # The serving decode grid is measured in this many passes over all its points, a round of each point a pass. A
 # shared VM's speed moves in phases: on the 2-core Zen 4 of 2026-12-02 a 1 ms Python loop ran at its fastest in
 # ~30% of 3,000 back-to-back calls and ~1.7x slower in the rest, in runs of a few to 650 calls, so a point's two
@@ -332,9 +332,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
       hops, HTTP, and the per-request work that grows with the prompt (``request_overhead_s``: the
       shortest's);
     * ``wake_overhead_seconds``: for prompts of ``WAKE_TOKENS`` tokens (``wake_tokens``) sent alone, back to
-      back or after the cluster sat idle one of ``WAKE_IDLE_S`` (taking turns), the median time to first
-      token after the gaps over the median back to back: a plateau per length, reached at the shortest
-      gap (``wake_idle_seconds``);
+      back or after the cluster sat idle for each of ``WAKE_IDLE_S`` (``wake_idle_seconds``; taking turns),
+      the median time to first token after that gap over the median back to back, ``[gap][length]``;
     * ``serving_step_cv``: the steps' jitter the clients saw (``step_jitter``, the median over the grid);
     * ``serving_prefill_cv``: the idle prompts' scatter: their TTFTs' standard deviation (``robust_std``: one
       stalled request of eight triples a plain one) over the prompt hop's mean, per length, the median (a
@@ -409,9 +408,10 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             if n in WAKE_TOKENS:  # these prompts again, taking turns: back to back and after each idle gap
                 gaps = [0.0, *WAKE_IDLE_S] * WAKE_ROUNDS
                 ttfts_by = _lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(len(gaps))], gaps)
-                woken = statistics.median(t for gap, t in zip(gaps, ttfts_by) if gap)
+                back_to_back = statistics.median(t for gap, t in zip(gaps, ttfts_by) if not gap)
                 wake_tokens.append(n)
-                wake.append(woken - statistics.median(t for gap, t in zip(gaps, ttfts_by) if not gap))
+                wake.append([statistics.median(t for gap, t in zip(gaps, ttfts_by) if gap == idle) - back_to_back
+                             for idle in WAKE_IDLE_S])
         # the grid in GRID_PASSES passes, each over every point: a point's rounds fall minutes apart, in whatever
         # phases of speed the machine is in then, not in one phase (GRID_PASSES's comment says why)
         points = [(b, c) for b in worker["decode_batch"] for c in worker["decode_context"]]
@@ -432,8 +432,10 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                     on_point()
         grid = [[statistics.fmean(steps[b, c]) for c in worker["decode_context"]] for b in worker["decode_batch"]]
         return {"request_overhead_s": overhead_seconds[0], "overhead_tokens": overhead_tokens,
-                "overhead_seconds": overhead_seconds, "wake_idle_seconds": [WAKE_IDLE_S[0]] if wake else [],
-                "wake_tokens": wake_tokens, "wake_overhead_seconds": wake, "serving_prefill_seconds": prefill_seconds,
+                "overhead_seconds": overhead_seconds, "wake_idle_seconds": list(WAKE_IDLE_S) if wake else [],
+                # [gap][length], as WorkerProfile.wake_overhead reads it
+                "wake_tokens": wake_tokens, "wake_overhead_seconds": [list(row) for row in zip(*wake)],
+                "serving_prefill_seconds": prefill_seconds,
                 "serving_prefill_idle_seconds": idle_seconds,
                 # how busy the loaded pass kept the prefill worker: its arrivals were paced by the idle hop
                 "serving_prefill_utilization": min(1.0, LOADED_UTILIZATION * statistics.fmean(
