@@ -275,9 +275,7 @@ class WorkerProfile:
         tokens = min(max(num_prompt_tokens, self.wake_tokens[0]), self.wake_tokens[-1])
         by_gap = [interp(self.wake_tokens, [max(0.0, s) for s in row], tokens) for row in rows]
         gaps = self.wake_idle_seconds[:len(by_gap)]
-        if idle_seconds < gaps[0]:
-            return by_gap[0] * idle_seconds / gaps[0]
-        return interp(gaps, by_gap, min(idle_seconds, gaps[-1]))
+        return interp([0.0, *gaps], [0.0, *by_gap], min(idle_seconds, gaps[-1]))  # nothing at no idle time
 
     def engine_decode(self, batch: float, context: float) -> float:
         """Seconds of the engine's decode step of ``batch`` sequences of ``context`` tokens each."""
