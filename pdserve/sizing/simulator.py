@@ -29,7 +29,8 @@ With ``machine_cores`` the workers are placed on the cores as ``pdserve up`` pla
 given fewer cores than it was profiled with runs its steps slower by the one-core ratios the profile
 measured (in proportion to the cores where it did not), and cores shared by
 workers stretch a step by the number of busy workers on its cores when it starts (processor sharing,
-fixed at the step's start). Each step's length is drawn around the model's with the jitter the profile
+fixed at the step's start; a decode run is cut at the step in progress when a worker on its cores starts or
+stops a prompt step or its decode steps, so the run's later steps take the new load). Each step's length is drawn around the model's with the jitter the profile
 measured in the real cluster (a lognormal factor of mean 1 and the measured coefficient of variation;
 seeded), which spreads the tail: a step of prompt tokens alone by lone prompts' scatter, the others by the
 decode streams'.
@@ -204,6 +205,7 @@ class SimWorker:
         self.prompt_jitter_levels = sim.jitter_levels(cv) if cv > 0 and sim.config.step_jitter else self.jitter_levels
         self.busy = False
         self.core_share = 1.0  # of its core the step in progress computes (a decode step waits part of its time)
+        self.load_kind = 0  # what it runs on its cores: 0 nothing, 1 decode steps, 2 a step with prompt rows
         self.run: _Run | None = None  # the decode run in progress
         self.arrived_kv: list[str] = []  # requests whose KV arrived during the step in progress
         self.request_cpu = 0.0  # seconds of work on requests taken in since the last step (its next one waits)
@@ -255,6 +257,7 @@ class SimWorker:
             self.sim.send_remote_prefill(self, request, now)
         if not out.scheduled:
             self.busy = False  # waiting for KV, blocks or arrivals: an event kicks it again
+            self._load_changed(now, 0)
             return
         prompt_tokens = pairs = num_decode = context = 0
         for request, num_new in out.scheduled:
@@ -266,6 +269,7 @@ class SimWorker:
                 prompt_tokens += num_new
                 pairs += num_new * (computed + num_new / 2)
         self.core_share = 1.0 if prompt_tokens else self.profile.decode_cpu_share(num_decode, context / num_decode)
+        self._load_changed(now, 2 if prompt_tokens else 1)
         if not prompt_tokens and self.sim.config.decode_runs and self._start_run(now, out, num_decode, context):
             return
         utilization = self.utilization(now) if prompt_tokens and self.load_aware else None
@@ -312,6 +316,18 @@ class SimWorker:
             self._step(now)  # the next step starts as this one ends
         else:
             self.busy = False
+            self._load_changed(now, 0)
+
+    def _load_changed(self, now: float, kind: int) -> None:
+        """This worker now runs ``kind`` on its cores (``load_kind``). Where that changed, a worker sharing
+        its cores cuts its decode run at the step in progress, so the steps after it are priced with the
+        cores' new load (``Simulator.core_contention``), not the load when the run began."""
+        if kind == self.load_kind:
+            return
+        self.load_kind = kind
+        for other in self.sim._shared[self.worker_id]:
+            if other.run is not None:
+                other._cut_run(now)
 
     # ---- decode runs: identical decode-only steps advanced in bulk -----------------------------------
 
