@@ -55,6 +55,31 @@ def test_measured_tables_are_read_monotone_and_serving_slowdowns_scale_steps():
     assert w.step_seconds(16, 16 * 8, 8, 32) == pytest.approx(mixed * 3.0 + 0.008)
 
 
+def test_a_batch_that_never_formed_is_priced_from_the_engine_and_a_served_step_never_below_the_engines():
+    """The serving grid's batch of B streams counts only while all B decode at once. Streams that started one by
+    one, the first ending before the last began (a disaggregated cluster's long prompts through one prefill
+    worker, before the grid's prompts were cached first), measure nothing there: the point is the engine's step
+    times what serving added at the nearest smaller batch. An older profile's grid is read as at least the
+    engine's step (its batch of 64 was the few streams that did decode together)."""
+    from pdserve.sizing.serving_profiler import fill_unformed, serving_step_seconds
+
+    together = [[0.0, *(0.01 * k + 1e-4 * i for k in range(1, 49))] for i in range(4)]
+    assert serving_step_seconds(together) == pytest.approx(0.01, rel=0.03)
+    one_by_one = [[0.0, *(1.0 * i + 0.01 * k for k in range(1, 49))] for i in range(4)]
+    assert serving_step_seconds(one_by_one) is None
+    engine = [[1.0, 2.0], [2.0, 4.0], [8.0, 16.0]]  # [batch 1, 8, 64][context short, long]
+    assert fill_unformed([[1.5, 3.0], [2.5, None], [None, None]], engine) == [[1.5, 3.0], [2.5, 6.0], [10.0, 24.0]]
+    assert fill_unformed([[None, 3.0], [None, None], [None, None]], engine) == [[1.5, 3.0], [3.0, 6.0], [12.0, 24.0]]
+    assert fill_unformed([[None]], [[2.0]]) == [[2.0]]  # nothing measured: the engine's
+    w = make_profile().worker("decode")  # engine step 0.004 + 0.0005 B (batches 1, 8, 64; contexts 32, 1024)
+    w.serving_decode_seconds = [[1.5 * e for e in row] for row in w.decode_seconds[:2]] \
+        + [[0.25 * e for e in w.decode_seconds[2]]]  # the batch of 64 priced below the engine's step
+    w.__post_init__()
+    assert w.decode(1, 32) == pytest.approx(1.5 * 0.0045)
+    assert w.decode(64, 32) == pytest.approx(0.004 + 0.0005 * 64)  # the engine's, never less
+    assert w.decode_cpu_share(64, 32) == pytest.approx(1.0)
+
+
 def test_a_prompt_steps_served_slowdown_moves_from_the_idle_hop_to_the_loaded_one_with_utilization():
     w = make_profile().worker("prefill")
     w.serving_prefill_tokens = [16, 1024]
@@ -234,6 +259,23 @@ def test_workers_sharing_cores_slow_each_other():
     alone = Simulator(profile, SimConfig(num_prefill=1, num_decode=2)).run(list(requests)).metrics
     shared = Simulator(profile, SimConfig(num_prefill=1, num_decode=2, machine_cores=1)).run(list(requests)).metrics
     assert shared["median_tpot_ms"] > 1.3 * alone["median_tpot_ms"]
+
+
+def test_a_decode_run_slows_from_the_step_where_a_worker_sharing_its_core_starts_a_prompt():
+    """A run of decode steps is priced as the core's load stands when it begins; a worker sharing the core that
+    starts a prompt step mid-run cuts it there, so the steps after are stretched (processor sharing), not only
+    those of runs begun later. A's 400 tokens decode on decode-0; B's long prompt (0.1 s of prefill) arrives
+    mid-run, through decode-1, and is computed on the prefill worker, all three on one core."""
+    config = SimConfig(num_prefill=1, num_decode=2, machine_cores=1, step_jitter=False)
+    a = one(64, 400, at=0.0, index=0)
+    alone = Simulator(make_profile(), config).run([a]).records
+    sim = Simulator(make_profile(), config)
+    both = sim.run([a, one(1000, 2, at=0.5, index=1)]).records
+    assert [w.num_steps > 0 for w in sim.decode_workers] == [True, True]  # B went through the other decode worker
+    e2el = dict(zip(both.arrival, both.e2el))
+    # decode-0's steps take twice as long while B's prompt step (0.002 + 0.1 s) holds the core, and while
+    # decode-1 takes B in and decodes its one step (a few ms more); 0 where the run kept its first price
+    assert e2el[0.0] - alone.e2el[0] == pytest.approx(0.102, abs=0.01)
 
 
 def test_step_jitter_has_mean_one_and_the_profiled_spread():

@@ -117,7 +117,7 @@ class WorkerProfile:
             of decode_batch[i] sequences of decode_context[j] tokens each).
         serving_decode_seconds: the same grid measured inside a real cluster, as streaming clients see
             the steps (every cost of the serving loop and of sharing the machine with the router and the
-            client included); empty when not measured.
+            client included; read as at least the engine's step at each point); empty when not measured.
         request_overhead_s: seconds a request spends outside the steps before its first token in a
             cluster of this kind (router, hops, HTTP), measured at idle; 0 when not measured.
         overhead_tokens, overhead_seconds: the same fixed latency for prompts of these lengths (the
@@ -224,7 +224,13 @@ class WorkerProfile:
         prefill = isotonic(self.prefill_seconds)
         self._linear = isotonic([max(s - q * n * n / 2, 0.0) for n, s in zip(self.prefill_tokens, prefill)])
         self._engine = isotonic_grid(self.decode_seconds)
-        self._serving = isotonic_grid(self.serving_decode_seconds) if self.serving_decode_seconds else None
+        served = self.serving_decode_seconds
+        if served and len(served) == len(self.decode_seconds) \
+                and all(len(row) == len(erow) for row, erow in zip(served, self.decode_seconds)):
+            # a served step is never faster than the engine's own step at that batch and context (a profile
+            # from before the grid waited for its batch to form priced a batch of 64 as the few that did)
+            served = [[max(s, e) for s, e in zip(row, erow)] for row, erow in zip(served, self.decode_seconds)]
+        self._serving = isotonic_grid(served) if served else None
 
     def linear(self, num_tokens: float) -> float:
         """Seconds of a step's ``num_tokens`` rows through everything but the prompt attention."""

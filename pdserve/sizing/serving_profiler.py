@@ -176,9 +176,28 @@ def _lone_ttfts(url: str, model_id: str, prompts: list[list[int]], idle_s: list[
     return asyncio.run(run())
 
 
-def serving_step_seconds(streams: list[list[float]]) -> float:
-    """The decode step the clients saw, from ``_stream_batch``'s streams (``_step_seconds``)."""
-    return _step_seconds([t[1:] for t in streams])  # each stream's send time left out
+def serving_step_seconds(streams: list[list[float]]) -> float | None:
+    """The decode step the clients saw while every stream of ``_stream_batch`` decoded (``_step_seconds``);
+    None where they never all decoded at once for long enough (the batch never formed)."""
+    return _step_seconds([t[1:] for t in streams], whole_batch=True)  # each stream's send time left out
+
+
+def fill_unformed(grid: list[list[float | None]], engine: list[list[float]]) -> list[list[float]]:
+    """The serving grid ``grid[batch][context]`` with each point whose batch never formed (None) priced as the
+    engine's step there (``engine``, same shape) times what serving added at the nearest smaller batch measured
+    at that context (its served step over its engine step; the nearest larger one where no smaller was, the
+    median of every measured point's where the context has none, 1 where nothing was measured)."""
+    known = [[(i, s / erow[j]) for i, (row, erow) in enumerate(zip(grid, engine))
+              if (s := row[j]) is not None and erow[j] > 0] for j in range(len(engine[0]) if engine else 0)]
+    measured = [r for column in known for _, r in column]
+    overall = statistics.median(measured) if measured else 1.0
+    out = [list(row) for row in grid]
+    for j, column in enumerate(known):
+        for i, row in enumerate(out):
+            if row[j] is None:
+                below = [r for k, r in column if k < i]
+                row[j] = engine[i][j] * (below[-1] if below else column[0][1] if column else overall)
+    return out
 
 
 def step_jitter(streams: list[list[float]]) -> float | None:
@@ -201,14 +220,17 @@ def robust_std(values: list[float]) -> float:
     return 1.4826 * statistics.median(abs(v - middle) for v in values)
 
 
-def _step_seconds(streams: list[list[float]]) -> float:
+def _step_seconds(streams: list[list[float]], whole_batch: bool = False) -> float | None:
     """The decode step as the clients saw it while every stream was decoding: the window from the last
     stream's first token to the first stream's last token, times the streams, over the tokens (chunks)
-    that arrived in it. The median per-stream time per token when the window holds too few."""
+    that arrived in it. When the window holds too few: None with ``whole_batch``, else the median
+    per-stream time per token."""
     start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
     chunks = sum(sum(1 for x in t if start < x <= end) for t in streams)
     if end - start > 0 and chunks >= 4 * len(streams):
         return (end - start) * len(streams) / chunks
+    if whole_batch:
+        return None
     per_stream = [(t[-1] - t[0]) / (len(t) - 1) for t in streams if len(t) > 1]
     return statistics.median(per_stream)
 
@@ -419,18 +441,26 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         jitters = []
         for _ in range(GRID_PASSES):
             for b, c in points:
+                prompts = [prompt(c - 1) for _ in range(b)]
+                # their prompts computed once first (one token out each), so the measured batch's prompts are
+                # prefix-cache hits and its streams start decoding together: in a disaggregated cluster a batch
+                # of long prompts through one prefill worker otherwise starts its streams one by one, the first
+                # ending before the last begin (on the 2-core Xeon of 2026-12-02 a batch of 16-64 never formed,
+                # and the grid priced it as the few streams that did decode together)
+                asyncio.run(_stream_batch(cluster.url, model_id, prompts, 1))
                 cpu_before = meter.read()
-                streams = asyncio.run(_stream_batch(cluster.url, model_id, [prompt(c - 1) for _ in range(b)],
-                                                    max_tokens))
+                streams = asyncio.run(_stream_batch(cluster.url, model_id, prompts, max_tokens))
                 cpu_after = meter.read()
                 chunks = sum(len(t) - 1 for t in streams)  # the tokens, or fewer chunks
                 host_passes.append((b, chunks, 1, cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1]))
-                steps[b, c].append(serving_step_seconds(streams))
+                if (step := serving_step_seconds(streams)) is not None:
+                    steps[b, c].append(step)
                 if (j := step_jitter(streams)) is not None:
                     jitters.append(j)
                 if on_point:
                     on_point()
-        grid = [[statistics.fmean(steps[b, c]) for c in worker["decode_context"]] for b in worker["decode_batch"]]
+        grid = fill_unformed([[statistics.fmean(steps[b, c]) if steps[b, c] else None for c in worker["decode_context"]]
+                              for b in worker["decode_batch"]], worker["decode_seconds"])
         return {"request_overhead_s": overhead_seconds[0], "overhead_tokens": overhead_tokens,
                 "overhead_seconds": overhead_seconds, "wake_idle_seconds": list(WAKE_IDLE_S) if wake else [],
                 # [gap][length], as WorkerProfile.wake_overhead reads it
