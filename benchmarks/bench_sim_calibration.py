@@ -12,7 +12,7 @@ The workload has varying lengths and prefix-cache hits (a shared prefix), which 
 leaves out.
 
     python benchmarks/bench_sim_calibration.py --profile /tmp/profile.json [--layouts colocated 1p1d 1p2d]
-        [--rates colocated=2,6 1p1d=3,9 1p2d=3,9] [--num-prompts 150] [--out /tmp/calibration.json]
+        [--rates colocated=2,6 1p1d=3,9 1p2d=3,9] [--num-prompts 150] [--output-len 48] [--out /tmp/calibration.json]
 
 ``--resimulate DIR [DIR ...]`` runs nothing real: it simulates again, with the code as it is now, every
 cell a calibration run left in DIR (its ``profile-LAYOUT.json`` or ``profile.json``, and each real run's
@@ -48,6 +48,13 @@ DEFAULT_RATES = {"colocated": [2.0, 6.0], "1p1d": [3.0, 9.0], "1p2d": [3.0, 9.0]
 KINDS = {"colocated": "colocated", "1p1d": "prefill,decode", "1p2d": "prefill,decode"}
 WORKLOAD = ["--dataset", "random", "--random-input-len", "256", "--random-range-ratio", "0.5",
             "--prefix-len", "64", "--random-output-len", "48", "--goodput", "ttft:200", "tpot:25"]
+
+
+def workload(output_len: int) -> list[str]:
+    """``WORKLOAD`` with ``output_len`` tokens out per request (longer outputs: larger decode batches)."""
+    line = list(WORKLOAD)
+    line[line.index("--random-output-len") + 1] = str(output_len)
+    return line
 PDSERVE = [sys.executable, "-m", "pdserve"]
 
 
@@ -88,10 +95,11 @@ KEYS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")
 BOUNDS = {"median_ttft_ms": 0.05, "p90_ttft_ms": 0.10, "median_tpot_ms": 0.05}  # issue 40 item 3
 
 
-def simulate(profile: str, layout: str, rate: float, seed: int, cores: int, num_prompts: int, path: str) -> dict:
-    """``pdserve simulate`` of one real run's workload (same line, same seed) on ``layout`` placed on ``cores``."""
+def simulate(profile: str, layout: str, rate: float, seed: int, cores: int, num_prompts: int, path: str,
+             line: list[str] = WORKLOAD) -> dict:
+    """``pdserve simulate`` of one real run's workload (``line``, same seed) on ``layout`` placed on ``cores``."""
     num_prefill, num_decode = (0, 1) if layout == "colocated" else (1, int(LAYOUTS[layout][-1]))
-    line = [*WORKLOAD, "--num-prompts", str(num_prompts), "--request-rate", str(rate)]
+    line = [*line, "--num-prompts", str(num_prompts), "--request-rate", str(rate)]
     return run_json(PDSERVE + ["simulate", "--profile", profile, "--prefill", str(num_prefill),
                                "--decode", str(num_decode), "--machine-cores", str(cores),
                                "--host-load", "router+client",
@@ -117,6 +125,10 @@ def resimulate(dirs: list[str]) -> list[dict]:
     """Every cell the calibration runs in ``dirs`` left, simulated again with this code (see the docstring)."""
     rows = []
     for d in dirs:
+        line = WORKLOAD
+        if os.path.exists(saved := os.path.join(d, "workload.json")):  # the runs' own workload line
+            with open(saved) as f:
+                line = json.load(f)
         for layout in LAYOUTS:
             profile = os.path.join(d, f"profile-{layout}.json")
             if not os.path.exists(profile):
@@ -133,7 +145,8 @@ def resimulate(dirs: list[str]) -> list[dict]:
                     with open(saved) as f:
                         cores = json.load(f).get("machine_cores") or cores  # as that run placed its workers
                 sims = [simulate(profile, layout, rate, r["seed"], cores, r["num_prompts"],
-                                 os.path.join(d, f"{layout}-{rate}-resim{run}.json")) for run, r in enumerate(real)]
+                                 os.path.join(d, f"{layout}-{rate}-resim{run}.json"), line)
+                        for run, r in enumerate(real)]
                 rows.append(score(layout, rate, profile, real, sims))
                 print(f"{d}: " + format_row(rows[-1]), flush=True)
     return rows
@@ -146,6 +159,8 @@ def main() -> int:
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--rates", nargs="*", default=[], metavar="LAYOUT=R1,R2")
     ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--output-len", type=int, default=48,
+                    help="tokens out per request (the default model's 1,024-token context allows up to ~570)")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--out", default=None)
     ap.add_argument("--resimulate", nargs="+", default=None, metavar="DIR",
@@ -161,6 +176,9 @@ def main() -> int:
         name, _, values = item.partition("=")
         rates[name] = [float(v) for v in values.split(",")]
     tmp = tempfile.mkdtemp(prefix="pdserve-calibration-")
+    line_base = workload(args.output_len)
+    with open(os.path.join(tmp, "workload.json"), "w") as f:
+        json.dump(line_base, f)
     model = args.model or subprocess.run(PDSERVE + ["default-model"], check=True, capture_output=True,
                                          text=True).stdout.strip().splitlines()[-1]
     cores = len(os.sched_getaffinity(0))
@@ -186,11 +204,11 @@ def main() -> int:
             wait_up(url, num_workers, proc)
             # warm: one unmeasured pass of the workload (its own prompts) at the highest rate, so every
             # shape the measured runs meet has its kernels built (oneDNN primitives are made per shape)
-            warm = [*WORKLOAD, "--num-prompts", str(args.num_prompts), "--request-rate", str(max(rates[layout]))]
+            warm = [*line_base, "--num-prompts", str(args.num_prompts), "--request-rate", str(max(rates[layout]))]
             subprocess.run(PDSERVE + ["bench", "serve", "--url", url, "--seed", "99", "--disable-tqdm", *warm],
                            check=True, stdout=subprocess.DEVNULL)
             for r, rate in enumerate(rates[layout]):
-                line = [*WORKLOAD, "--num-prompts", str(args.num_prompts), "--request-rate", str(rate)]
+                line = [*line_base, "--num-prompts", str(args.num_prompts), "--request-rate", str(rate)]
                 real, sims = [], []
                 for run in range(2):  # each run its own prompts and arrivals (a seed), never cached before
                     seed = 10 * r + run
@@ -198,7 +216,7 @@ def main() -> int:
                                                     "--seed", str(seed), "--disable-tqdm", "--vocab-size", "4096",
                                                     *line], os.path.join(tmp, f"{layout}-{rate}-real{run}.json")))
                     sims.append(simulate(profile, layout, rate, seed, cores, args.num_prompts,
-                                         os.path.join(tmp, f"{layout}-{rate}-sim{run}.json")))
+                                         os.path.join(tmp, f"{layout}-{rate}-sim{run}.json"), line_base))
                 rows.append(score(layout, rate, profile, real, sims))
                 print(format_row(rows[-1]), flush=True)
         finally:
@@ -209,7 +227,7 @@ def main() -> int:
     print(f"the runs' directory (for --resimulate): {tmp}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"machine": machine, "cores": cores, "workload": WORKLOAD, "num_prompts": args.num_prompts,
+            json.dump({"machine": machine, "cores": cores, "workload": line_base, "num_prompts": args.num_prompts,
                        "rows": rows}, f, indent=2)
     return 0
 
