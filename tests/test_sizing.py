@@ -554,10 +554,12 @@ def test_the_profiler_gives_each_rank_its_share_of_the_cores_as_pdserve_up_does(
 
 
 def test_host_cpu_fit_splits_the_routers_and_clients_cpu_into_per_request_and_per_token():
-    from pdserve.sizing.serving_profiler import host_cpu_fit
+    from pdserve.sizing.serving_profiler import HOST_FIT_STREAMS, HOST_FIT_TOKENS, host_cpu_fit
 
-    def passes(router, client, call):  # idle prompts (one token each, a client call each), then grid points
-        rows = [(8, 8, 8)] * 4 + [(2 * b, 96 * b, 2) for b in (1, 2, 4, 8, 16, 32, 64)]
+    def passes(router, client, call):  # as the profiler takes them: idle prompts (one token each, one client for
+        # the pass), grid points (48 tokens a stream, one client a point), streams of other lengths
+        rows = [(8, 8, 1)] * 4 + [(b, 48 * b, 1) for b in (1, 2, 4, 8, 16, 32, 64)] \
+            + [(HOST_FIT_STREAMS, HOST_FIT_STREAMS * t, 1) for t in HOST_FIT_TOKENS]
         return [(r, t, c, router[0] * r + router[1] * t, client[0] * r + client[1] * t + call * c)
                 for r, t, c in rows]
 

@@ -37,6 +37,11 @@ WAKE_ROUNDS = 10
 # rounds taken back to back (0.1-0.5 s) mostly fell in one phase, and the grid's points scattered by up to that
 # factor (a colocated profile's batch-1 step: 1.95 ms at 32 tokens, 4.03 at 768, where a batch of 4 took 3.32)
 GRID_PASSES = 2
+# Passes for the host's CPU fit (``host_cpu_fit``) besides the idle prompts and the grid: HOST_FIT_STREAMS streams of
+# a HOST_FIT_PROMPT-token prompt decoding each of these many tokens
+HOST_FIT_TOKENS = (8, 192)
+HOST_FIT_STREAMS = 8
+HOST_FIT_PROMPT = 63
 
 
 class _Cluster:
@@ -302,8 +307,8 @@ def host_cpu_fit(passes: list[tuple[int, int, int, float, float]]) -> dict[str, 
     ``(requests, tokens, client calls, router CPU s, client CPU s)``: the least-squares fit of ``cpu = a x
     requests + b x tokens`` over them (``benchmarks/bench_router.py``'s split), the client's with a third
     term per call (each ``asyncio.run`` of the profiler's client opens a connection pool: its own cost,
-    not a request's). Passes with one token per request and passes of long streams at several batch
-    sizes determine it. Coefficients below zero (noise) are refitted without that term. ``{}`` when the
+    not a request's). Passes with one token per request, the grid's streams (``max_tokens`` each) at several
+    batch sizes and streams of other lengths (``HOST_FIT_TOKENS``) determine it. Coefficients below zero (noise) are refitted without that term. ``{}`` when the
     passes cannot separate the terms."""
     fit = {}
     for name, i, columns in (("router", 3, 2), ("client", 4, 3)):
@@ -401,7 +406,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             ttfts = _lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(num_idle)])
             cpu_after = meter.read()
             decode_cpu = meter.decoders() - decode_before - idle_rate * (time.monotonic() - pass_at)
-            host_passes.append((num_idle, num_idle, num_idle, cpu_after[0] - cpu_before[0],
+            host_passes.append((num_idle, num_idle, 1, cpu_after[0] - cpu_before[0],  # one client for the pass
                                 cpu_after[1] - cpu_before[1]))
             phases = summarize(before, _scrape_phases(cluster.url))
             compute = phases["phases"][hop]["mean_s"] if phases and hop in phases["phases"] else engine.prefill(n)
@@ -459,6 +464,18 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                     jitters.append(j)
                 if on_point:
                     on_point()
+        # every grid point streams max_tokens tokens a request, so its passes alone cannot tell the host's CPU per
+        # request from its CPU per token (tokens = max_tokens x requests; profiles flipped between ~5 ms a request
+        # and ~100 us a token for the client): streams of other lengths, a pass each
+        for tokens in HOST_FIT_TOKENS:
+            if HOST_FIT_PROMPT + tokens >= engine.max_model_len:
+                continue
+            cpu_before = meter.read()
+            streams = asyncio.run(_stream_batch(cluster.url, model_id,
+                                                [prompt(HOST_FIT_PROMPT) for _ in range(HOST_FIT_STREAMS)], tokens))
+            cpu_after = meter.read()
+            host_passes.append((HOST_FIT_STREAMS, sum(len(t) - 1 for t in streams), 1, cpu_after[0] - cpu_before[0],
+                                cpu_after[1] - cpu_before[1]))
         grid = fill_unformed([[statistics.fmean(steps[b, c]) if steps[b, c] else None for c in worker["decode_context"]]
                               for b in worker["decode_batch"]], worker["decode_seconds"])
         return {"request_overhead_s": overhead_seconds[0], "overhead_tokens": overhead_tokens,
