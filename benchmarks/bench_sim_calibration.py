@@ -55,6 +55,8 @@ def workload(output_len: int) -> list[str]:
     line = list(WORKLOAD)
     line[line.index("--random-output-len") + 1] = str(output_len)
     return line
+
+
 PDSERVE = [sys.executable, "-m", "pdserve"]
 
 

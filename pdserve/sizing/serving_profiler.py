@@ -308,8 +308,8 @@ def host_cpu_fit(passes: list[tuple[int, int, int, float, float]]) -> dict[str, 
     requests + b x tokens`` over them (``benchmarks/bench_router.py``'s split), the client's with a third
     term per call (each ``asyncio.run`` of the profiler's client opens a connection pool: its own cost,
     not a request's). Passes with one token per request, the grid's streams (``max_tokens`` each) at several
-    batch sizes and streams of other lengths (``HOST_FIT_TOKENS``) determine it. Coefficients below zero (noise) are refitted without that term. ``{}`` when the
-    passes cannot separate the terms."""
+    batch sizes and streams of other lengths (``HOST_FIT_TOKENS``) determine it. Coefficients below zero
+    (noise) are refitted without that term. ``{}`` when the passes cannot separate the terms."""
     fit = {}
     for name, i, columns in (("router", 3, 2), ("client", 4, 3)):
         terms = list(range(columns))

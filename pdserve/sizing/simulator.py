@@ -30,10 +30,10 @@ given fewer cores than it was profiled with runs its steps slower by the one-cor
 measured (in proportion to the cores where it did not), and cores shared by
 workers stretch a step by the number of busy workers on its cores when it starts (processor sharing,
 fixed at the step's start; a decode run is cut at the step in progress when a worker on its cores starts or
-stops a prompt step or its decode steps, so the run's later steps take the new load). Each step's length is drawn around the model's with the jitter the profile
-measured in the real cluster (a lognormal factor of mean 1 and the measured coefficient of variation;
-seeded), which spreads the tail: a step of prompt tokens alone by lone prompts' scatter, the others by the
-decode streams'.
+stops a prompt step or its decode steps, so the run's later steps take the new load). Each step's length is
+drawn around the model's with the jitter the profile measured in the real cluster (a lognormal factor of mean
+1 and the measured coefficient of variation; seeded), which spreads the tail: a step of prompt tokens alone by
+lone prompts' scatter, the others by the decode streams'.
 
 Not modelled: the router's HTTP and tokenizer work under load (a fixed overhead per request by prompt
 length, measured at idle), contention that grows with load,
