@@ -610,6 +610,33 @@ def test_the_host_processes_take_cores_from_the_steps_on_a_shared_machine():
     assert Simulator(make_profile(), SimConfig(num_prefill=0, num_decode=2, machine_cores=2))._host_cost is None
 
 
+def test_the_host_processes_run_on_the_cores_their_workers_leave_idle():
+    """The router's and the client's CPU lands on the cores whose workers were idle lately: beside a decode worker
+    busy on one core, all of it on the prefill worker's core (its prompt steps stretched by all of it, the decode
+    steps by none), evenly while both idle. A decode worker's grid (1P+1D) held none of that CPU (the prefill
+    worker's core was idle while it was measured): its steps are not divided by the grid's embedded share."""
+    from pdserve.sizing.simulator import HOST_WINDOW_S, UTILIZATION_WINDOW_S
+
+    profile = make_profile()
+    profile.machine = {"cores": 2}
+    for w in profile.workers.values():
+        w.serving_decode_seconds = [list(row) for row in w.decode_seconds]
+        w.host_cpu_seconds = {"router": [0.002, 2e-4], "client": [0.001, 1e-4]}
+        w.__post_init__()
+    sim = Simulator(profile, SimConfig(num_prefill=1, num_decode=1, machine_cores=2, host_load="router+client"))
+    prefill, decode = sim.prefill_workers[0], sim.decode_workers[0]
+    assert prefill.cores != decode.cores and sim.host_placed
+    sim._host_recent, sim._host_at = 0.3 * HOST_WINDOW_S, 10.0  # 0.3 of a core of host CPU
+    assert sim.host_share(10.0, prefill) == pytest.approx(0.15) == sim.host_share(10.0, decode)  # both idle
+    decode._busy(10.0, 10 * UTILIZATION_WINDOW_S)  # busy throughout lately
+    assert decode.utilization(10.0) == 1.0
+    assert sim.host_share(10.0, prefill) == pytest.approx(0.3) and sim.host_share(10.0, decode) == 0.0
+    assert sim.core_contention(prefill, True, 10.0) == pytest.approx(prefill.core_shortfall[0] / 0.7)
+    assert sim.core_contention(decode, False, 10.0, 8, 0.008) == pytest.approx(decode.core_shortfall[1])
+    prefill._busy(10.0, 10 * UTILIZATION_WINDOW_S)  # both busy: spread evenly again
+    assert sim.host_share(10.0, prefill) == pytest.approx(0.15) == sim.host_share(10.0, decode)
+
+
 def test_a_request_reaching_an_idle_cluster_pays_the_measured_wake_up_and_one_behind_another_does_not():
     """A profile's ``wake_overhead_seconds`` (a lone prompt's extra time to first token after the cluster sat
     idle, over one sent right behind another, by prompt length) is added to a request that finds nothing in
