@@ -182,9 +182,15 @@ def _lone_ttfts(url: str, model_id: str, prompts: list[list[int]], idle_s: list[
 
 
 def serving_step_seconds(streams: list[list[float]]) -> float | None:
-    """The decode step the clients saw while every stream of ``_stream_batch`` decoded (``_step_seconds``);
-    None where they never all decoded at once for long enough (the batch never formed)."""
-    return _step_seconds([t[1:] for t in streams], whole_batch=True)  # each stream's send time left out
+    """The decode step the clients saw while every stream of ``_stream_batch`` decoded: the window from the last
+    stream's first token to the first stream's last token, times the streams, over the tokens (chunks) that
+    arrived in it; None where that window holds fewer than four a stream (the batch never formed)."""
+    streams = [t[1:] for t in streams]  # each stream's send time left out
+    start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
+    chunks = sum(sum(1 for x in t if start < x <= end) for t in streams)
+    if end - start > 0 and chunks >= 4 * len(streams):
+        return (end - start) * len(streams) / chunks
+    return None
 
 
 def fill_unformed(grid: list[list[float | None]], engine: list[list[float]]) -> list[list[float]]:
@@ -223,21 +229,6 @@ def robust_std(values: list[float]) -> float:
     request that met a stalled core, do not move it."""
     middle = statistics.median(values)
     return 1.4826 * statistics.median(abs(v - middle) for v in values)
-
-
-def _step_seconds(streams: list[list[float]], whole_batch: bool = False) -> float | None:
-    """The decode step as the clients saw it while every stream was decoding: the window from the last
-    stream's first token to the first stream's last token, times the streams, over the tokens (chunks)
-    that arrived in it. When the window holds too few: None with ``whole_batch``, else the median
-    per-stream time per token."""
-    start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
-    chunks = sum(sum(1 for x in t if start < x <= end) for t in streams)
-    if end - start > 0 and chunks >= 4 * len(streams):
-        return (end - start) * len(streams) / chunks
-    if whole_batch:
-        return None
-    per_stream = [(t[-1] - t[0]) / (len(t) - 1) for t in streams if len(t) > 1]
-    return statistics.median(per_stream)
 
 
 def _scrape_phases(url: str):
