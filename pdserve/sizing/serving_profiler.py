@@ -159,9 +159,10 @@ async def _stream_batch(url: str, model_id: str, prompts: list[list[int]], max_t
         return list(await asyncio.gather(*(_stream_one(client, url, model_id, p, max_tokens) for p in prompts)))
 
 
-def _lone_ttfts(url: str, model_id: str, prompts: list[list[int]], idle_s: list[float] | None = None) -> list[float]:
-    """Each prompt streamed alone (one output token) by one client on one kept-alive connection, as a
-    benchmark's client sends them, one after the other, the i-th after ``idle_s[i]`` seconds with nothing in
+def _lone_ttfts(url: str, model_id: str, prompts: list[list[int]], idle_s: list[float] | None = None,
+                max_tokens: int = 1) -> list[float]:
+    """Each prompt streamed alone (``max_tokens`` output tokens) by one client on one kept-alive connection, as
+    a benchmark's client sends them, one after the other, the i-th after ``idle_s[i]`` seconds with nothing in
     flight (default: none): their times to first token (s)."""
     import asyncio
 
@@ -174,11 +175,16 @@ def _lone_ttfts(url: str, model_id: str, prompts: list[list[int]], idle_s: list[
             for i, prompt in enumerate(prompts):
                 if idle_s and idle_s[i]:
                     await asyncio.sleep(idle_s[i])
-                times = await _stream_one(client, url, model_id, prompt, 1)
+                times = await _stream_one(client, url, model_id, prompt, max_tokens)
                 ttfts.append(times[1] - times[0])
         return ttfts
 
     return asyncio.run(run())
+
+
+def _hop_means(phases: dict | None) -> dict[str, float]:
+    """Each hop's mean (s) in a ``bench.phases.summarize`` result (empty without one)."""
+    return {name: hop["mean_s"] for name, hop in phases["phases"].items()} if phases else {}
 
 
 def serving_step_seconds(streams: list[list[float]]) -> float | None:
@@ -346,9 +352,10 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
     * ``serving_request_cpu_seconds`` (disaggregated): the decode worker process's CPU seconds per such
       prompt (its requests carry one token: no decode steps), over what its loop spends idle (timed for
       ``IDLE_LOOP_S`` first);
-    * ``overhead_seconds``: those prompts' time to first token minus those hops: the router, the other
-      hops, HTTP, and the per-request work that grows with the prompt (``request_overhead_s``: the
-      shortest's);
+    * ``overhead_seconds``: the time to first token of prompts of those lengths, each streaming ``max_tokens``
+      tokens as a benchmark's requests do, minus those hops: the router, the other hops, HTTP, the first
+      token's way back beside its stream's next steps, and the per-request work that grows with the prompt
+      (``request_overhead_s``: the shortest's);
     * ``wake_overhead_seconds``: for prompts of ``WAKE_TOKENS`` tokens (``wake_tokens``) sent alone, back to
       back or after the cluster sat idle for each of ``WAKE_IDLE_S`` (``wake_idle_seconds``; taking turns),
       the median time to first token after that gap over the median back to back, ``[gap][length]``;
@@ -420,7 +427,16 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             kv_seconds.append(kv_tail)
             admission_seconds.append(admission)
             request_cpu.append(max(0.0, decode_cpu / num_idle))
-            overhead_seconds.append(max(0.0, statistics.fmean(ttfts) - compute - kv_tail - admission))
+            # the overhead from prompts of this length again, each streaming max_tokens tokens as a benchmark's do:
+            # the first token's way to the client then meets the stream's next steps on the cores (the colocated
+            # worker's two threads hold both), which a one-token request never does (on the Xeon of 2026-12-02,
+            # 2.0 ms a request with one token out, 5.2 with 48)
+            before = _scrape_phases(cluster.url)
+            streamed = _lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(num_idle)],
+                                   max_tokens=max_tokens)
+            hops = _hop_means(summarize(before, _scrape_phases(cluster.url)))
+            overhead_seconds.append(max(0.0, statistics.fmean(streamed) - hops.get(hop, compute)
+                                        - hops.get("kv_transfer", kv_tail) - hops.get("decode_admission", admission)))
             if len(ttfts) > 2 and compute > 0:
                 scatter.append(robust_std(ttfts) / compute)
             if n in WAKE_TOKENS:  # these prompts again, taking turns: back to back and after each idle gap
