@@ -637,6 +637,29 @@ def test_the_host_processes_run_on_the_cores_their_workers_leave_idle():
     assert sim.host_share(10.0, prefill) == pytest.approx(0.15) == sim.host_share(10.0, decode)
 
 
+def test_a_worker_whose_threads_span_two_cores_loses_a_step_whenever_the_host_takes_either_core():
+    """A colocated worker's two threads run each step in lock step: the router or the client taking either core
+    stalls the step (the other thread waits at the barrier), so the step loses the chance that any of its cores
+    is taken, 1 - (1 - s)^2 for a share s of each, not the share of one core; at most ``HOST_SHARE_CAP``."""
+    from pdserve.sizing.simulator import HOST_SHARE_CAP, HOST_WINDOW_S
+
+    profile = make_profile()
+    profile.machine = {"cores": 2}
+    for w in profile.workers.values():
+        w.serving_decode_seconds = [list(row) for row in w.decode_seconds]
+        w.host_cpu_seconds = {"router": [0.002, 2e-4], "client": [0.001, 1e-4]}
+        w.__post_init__()
+    sim = Simulator(profile, SimConfig(num_prefill=0, num_decode=1, machine_cores=2, host_load="router+client"))
+    worker = sim.decode_workers[0]
+    assert len(worker.cores) == 2 and sim.host_placed
+    sim._host_recent, sim._host_at = 0.3 * HOST_WINDOW_S, 10.0  # 0.3 of a core: 0.15 of each
+    assert sim.host_share(10.0) == pytest.approx(0.15)  # a core's, as one single-core worker would lose
+    assert sim.host_share(10.0, worker) == pytest.approx(1 - 0.85 ** 2)
+    assert sim.core_contention(worker, True, 10.0) == pytest.approx(worker.core_shortfall[0] / 0.85 ** 2)
+    sim._host_recent = 1.6 * HOST_WINDOW_S  # more than the scheduler gives them beside a busy worker
+    assert sim.host_share(10.0, worker) == HOST_SHARE_CAP
+
+
 def test_a_request_reaching_an_idle_cluster_pays_the_measured_wake_up_and_one_behind_another_does_not():
     """A profile's ``wake_overhead_seconds`` (a lone prompt's extra time to first token after the cluster sat
     idle, over one sent right behind another, by prompt length) is added to a request that finds nothing in
