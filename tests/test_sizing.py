@@ -610,6 +610,17 @@ def test_the_host_processes_take_cores_from_the_steps_on_a_shared_machine():
     assert Simulator(make_profile(), SimConfig(num_prefill=0, num_decode=2, machine_cores=2))._host_cost is None
 
 
+def _host_profile():
+    """``make_profile`` on a 2-core machine with serving grids and the router's and client's CPU fits."""
+    profile = make_profile()
+    profile.machine = {"cores": 2}
+    for w in profile.workers.values():
+        w.serving_decode_seconds = [list(row) for row in w.decode_seconds]
+        w.host_cpu_seconds = {"router": [0.002, 2e-4], "client": [0.001, 1e-4]}
+        w.__post_init__()
+    return profile
+
+
 def test_the_host_processes_run_on_the_cores_their_workers_leave_idle():
     """The router's and the client's CPU lands on the cores whose workers were idle lately: beside a decode worker
     busy on one core, all of it on the prefill worker's core (its prompt steps stretched by all of it, the decode
@@ -617,12 +628,7 @@ def test_the_host_processes_run_on_the_cores_their_workers_leave_idle():
     worker's core was idle while it was measured): its steps are not divided by the grid's embedded share."""
     from pdserve.sizing.simulator import HOST_WINDOW_S, UTILIZATION_WINDOW_S
 
-    profile = make_profile()
-    profile.machine = {"cores": 2}
-    for w in profile.workers.values():
-        w.serving_decode_seconds = [list(row) for row in w.decode_seconds]
-        w.host_cpu_seconds = {"router": [0.002, 2e-4], "client": [0.001, 1e-4]}
-        w.__post_init__()
+    profile = _host_profile()
     sim = Simulator(profile, SimConfig(num_prefill=1, num_decode=1, machine_cores=2, host_load="router+client"))
     prefill, decode = sim.prefill_workers[0], sim.decode_workers[0]
     assert prefill.cores != decode.cores and sim.host_placed
@@ -643,12 +649,7 @@ def test_a_worker_whose_threads_span_two_cores_loses_a_step_whenever_the_host_ta
     is taken, 1 - (1 - s)^2 for a share s of each, not the share of one core; at most ``HOST_SHARE_CAP``."""
     from pdserve.sizing.simulator import HOST_SHARE_CAP, HOST_WINDOW_S
 
-    profile = make_profile()
-    profile.machine = {"cores": 2}
-    for w in profile.workers.values():
-        w.serving_decode_seconds = [list(row) for row in w.decode_seconds]
-        w.host_cpu_seconds = {"router": [0.002, 2e-4], "client": [0.001, 1e-4]}
-        w.__post_init__()
+    profile = _host_profile()
     sim = Simulator(profile, SimConfig(num_prefill=0, num_decode=1, machine_cores=2, host_load="router+client"))
     worker = sim.decode_workers[0]
     assert len(worker.cores) == 2 and sim.host_placed
