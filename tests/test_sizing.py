@@ -650,6 +650,8 @@ def test_a_worker_whose_threads_span_two_cores_loses_a_step_whenever_the_host_ta
     from pdserve.sizing.simulator import HOST_SHARE_CAP, HOST_WINDOW_S
 
     profile = _host_profile()
+    colocated = profile.workers["colocated"]
+    colocated.cores = colocated.threads = 2  # profiled as pdserve up --colocated runs it on 2 cores
     sim = Simulator(profile, SimConfig(num_prefill=0, num_decode=1, machine_cores=2, host_load="router+client"))
     worker = sim.decode_workers[0]
     assert len(worker.cores) == 2 and sim.host_placed
@@ -657,6 +659,9 @@ def test_a_worker_whose_threads_span_two_cores_loses_a_step_whenever_the_host_ta
     assert sim.host_share(10.0) == pytest.approx(0.15)  # a core's, as one single-core worker would lose
     assert sim.host_share(10.0, worker) == pytest.approx(1 - 0.85 ** 2)
     assert sim.core_contention(worker, True, 10.0) == pytest.approx(worker.core_shortfall[0] / 0.85 ** 2)
+    colocated.threads = 1  # one thread on two cores: no lock step, a core's share
+    assert sim.host_share(10.0, worker) == pytest.approx(0.15)
+    colocated.threads = 2
     sim._host_recent = 1.6 * HOST_WINDOW_S  # more than the scheduler gives them beside a busy worker
     assert sim.host_share(10.0, worker) == HOST_SHARE_CAP
 

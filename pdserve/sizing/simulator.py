@@ -569,23 +569,29 @@ class Simulator:
         processes (``SimConfig.host_load``) take now, at most ``HOST_SHARE_CAP``: their CPU demand, the requests
         and tokens of the last ``HOST_WINDOW_S`` (decayed) times the profile's CPU seconds of each, spread over
         the cores in proportion to the time each core's workers left idle lately (their ``utilization``), evenly
-        where the cores are all busy; over all of the worker's cores, whose threads run a step in lock step (a
+        where the cores are all busy. A worker with a thread on each of several cores runs a step in lock step (a
         step waits for the thread whose core the router or the client took, while the others spin at the
-        barrier): the chance that any of them is taken. The kernel runs a woken router or client on an idle core: on the Xeon of
-        2026-12-02, beside a decode worker busy with 24 streams, a 1P+1D prefill worker's prompt took 33 ms where
-        it took 12 alone (13-15 when the 24 did not stream), and the decode steps were as fast either way."""
+        barrier): it loses the chance that any of its cores is taken. The kernel runs a woken router or client on
+        an idle core: on the Xeon of 2026-12-02, beside a decode worker busy with 24 streams, a 1P+1D prefill
+        worker's prompt took 33 ms where it took 12 alone (13-15 when the 24 did not stream), and the decode
+        steps were as fast either way."""
         demand = self._host_recent * math.exp(min(0.0, self._host_at - now) / HOST_WINDOW_S) / HOST_WINDOW_S
         cores = self.config.machine_cores
-        if worker is None or not self.host_placed:
-            return _lock_step(demand / cores, len(worker.cores) if worker is not None else 1)
-        idle = [1.0 - max((u.utilization(now) for u in self._core_users.get(c, ())), default=0.0)
-                for c in range(cores)]
-        total = sum(idle)
-        if total < HOST_IDLE_FLOOR * cores:
-            return _lock_step(demand / cores, len(worker.cores))
+        if worker is None:
+            return min(HOST_SHARE_CAP, demand / cores)
+        lock_step = worker.profile.threads > 1 and len(worker.cores) > 1
+        idle = [1.0] * cores
+        if self.host_placed:
+            idle = [1.0 - max((u.utilization(now) for u in self._core_users.get(c, ())), default=0.0)
+                    for c in range(cores)]
+            if sum(idle) < HOST_IDLE_FLOOR * cores:
+                idle = [1.0] * cores
+        shares = [min(1.0, demand * idle[c] / sum(idle)) for c in worker.cores]  # each of its cores'
+        if not lock_step:
+            return min(HOST_SHARE_CAP, sum(shares) / len(shares))
         kept = 1.0
-        for c in worker.cores:
-            kept *= 1.0 - min(1.0, demand * idle[c] / total)
+        for share in shares:
+            kept *= 1.0 - share
         return min(HOST_SHARE_CAP, 1.0 - kept)
 
     def _host_work(self, now: float, cpu_seconds: float) -> None:
@@ -972,12 +978,6 @@ class SimResult:
                "num_workers": len(workers),
                "ttft_hops_mean_ms": {name: 1000 * total / count for name, (total, count) in r.hops.items()}}
         return cls(metrics, sim, r)
-
-
-def _lock_step(share: float, num_cores: int) -> float:
-    """The share of a step's time lost by threads in lock step on ``num_cores`` cores when the host takes ``share``
-    of each, at random times (the step waits whenever any of them is taken), at most ``HOST_SHARE_CAP``."""
-    return min(HOST_SHARE_CAP, 1.0 - (1.0 - min(1.0, share)) ** num_cores)
 
 
 def _hit_rate(pool: list[SimWorker]) -> float | None:
