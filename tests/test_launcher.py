@@ -49,8 +49,13 @@ def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path, mode):
         assert health["num_prefill"] == (0 if extra else 1) and health["num_decode"] == 1
         # Each worker is pinned to its own share of the cores (a colocated worker gets them all).
         cores = sorted(os.sched_getaffinity(0))
-        pinned = {c.cmdline()[3]: c.cpu_affinity() for c in children if c.cmdline()[3] in ("prefill", "decode")}
-        if extra:
+        workers = {c.cmdline()[3]: c for c in children if c.cmdline()[3] in ("prefill", "decode")}
+        pinned = {name: c.cpu_affinity() for name, c in workers.items()}  # each one's driving thread
+        if extra and len(cores) >= 2:  # a thread a core, its OpenMP threads bound one to each (thread_affinity)
+            assert pinned == {"decode": cores[:1]}
+            bound = [os.sched_getaffinity(t.id) for t in workers["decode"].threads()]
+            assert all({core} in bound for core in cores), bound
+        elif extra:
             assert pinned == {"decode": cores}
         elif len(cores) >= 2:
             assert pinned["prefill"] and pinned["decode"] and not set(pinned["prefill"]) & set(pinned["decode"])
