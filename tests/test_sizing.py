@@ -17,7 +17,8 @@ from pdserve.bench.serve import arrival_offsets
 from pdserve.cli import main
 from pdserve.sizing.planner import attainment_at, candidates, format_plan, plan
 from pdserve.sizing.profile import Profile, interp, isotonic, load_profile
-from pdserve.sizing.simulator import LatencyHistogram, SimConfig, Simulator
+from pdserve.sizing.sim_result import LatencyHistogram
+from pdserve.sizing.simulator import SimConfig, Simulator
 from pdserve.sizing.sizer import ProfileSizer
 from pdserve.sizing.workload import SimRequest, synthetic, trace
 from tests.helpers.sizing import make_profile
