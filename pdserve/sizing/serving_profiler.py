@@ -406,21 +406,19 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             decode_cpu = meter.decoders() - decode_before - idle_rate * (time.monotonic() - pass_at)
             host_passes.append((num_idle, num_idle, 1, cpu_after[0] - cpu_before[0],  # one client for the pass
                                 cpu_after[1] - cpu_before[1]))
-            phases = summarize(before, _scrape_phases(cluster.url))
-            compute = phases["phases"][hop]["mean_s"] if phases and hop in phases["phases"] else engine.prefill(n)
+            hops = _hop_means(summarize(before, _scrape_phases(cluster.url)))
+            compute = hops.get(hop, engine.prefill(n))
             # the KV's arrival after the prompt's last step (the last layers' sends, the decode worker taking it)
-            kv_tail = phases["phases"].get("kv_transfer", {}).get("mean_s", 0.0) if phases else 0.0
+            kv_tail = hops.get("kv_transfer", 0.0)
             # the decode worker taking the request in and sending the prompt on, before the prefill worker has it
-            admission = phases["phases"].get("decode_admission", {}).get("mean_s", 0.0) if phases else 0.0
+            admission = hops.get("decode_admission", 0.0)
             served = compute
             if kind == "decode":  # the prefill worker's prompts among others (the docstring says why)
                 before = _scrape_phases(cluster.url)
                 prompts = [prompt(n + num_idle + 2 + k) for k in range(LOADED_PROMPTS)]
                 asyncio.run(_stream_poisson(cluster.url, model_id, prompts, max_tokens,
                                             LOADED_UTILIZATION / max(compute, 1e-3)))
-                phases = summarize(before, _scrape_phases(cluster.url))
-                if phases and hop in phases["phases"]:
-                    served = phases["phases"][hop]["mean_s"]
+                served = _hop_means(summarize(before, _scrape_phases(cluster.url))).get(hop, compute)
             overhead_tokens.append(n)
             prefill_seconds.append(served)
             idle_seconds.append(compute)
@@ -434,9 +432,10 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             before = _scrape_phases(cluster.url)
             streamed = _lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(num_idle)],
                                    max_tokens=max_tokens)
-            hops = _hop_means(summarize(before, _scrape_phases(cluster.url)))
-            overhead_seconds.append(max(0.0, statistics.fmean(streamed) - hops.get(hop, compute)
-                                        - hops.get("kv_transfer", kv_tail) - hops.get("decode_admission", admission)))
+            streamed_hops = _hop_means(summarize(before, _scrape_phases(cluster.url)))
+            overhead_seconds.append(max(0.0, statistics.fmean(streamed) - streamed_hops.get(hop, compute)
+                                        - streamed_hops.get("kv_transfer", kv_tail)
+                                        - streamed_hops.get("decode_admission", admission)))
             if len(ttfts) > 2 and compute > 0:
                 scatter.append(robust_std(ttfts) / compute)
             if n in WAKE_TOKENS:  # these prompts again, taking turns: back to back and after each idle gap

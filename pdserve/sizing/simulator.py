@@ -576,15 +576,14 @@ class Simulator:
         cores = self.config.machine_cores
         if worker is None:
             return min(HOST_SHARE_CAP, demand / cores)
-        lock_step = worker.profile.threads > 1 and len(worker.cores) > 1
-        idle = [1.0] * cores
-        if self.host_placed:
+        shares = [min(1.0, demand / cores)] * len(worker.cores)  # each of its cores': spread evenly
+        if self.host_placed:  # or by the time each core's workers left idle lately
             idle = [1.0 - max((u.utilization(now) for u in self._core_users.get(c, ())), default=0.0)
                     for c in range(cores)]
-            if sum(idle) < HOST_IDLE_FLOOR * cores:
-                idle = [1.0] * cores
-        shares = [min(1.0, demand * idle[c] / sum(idle)) for c in worker.cores]  # each of its cores'
-        if not lock_step:
+            total = sum(idle)
+            if total >= HOST_IDLE_FLOOR * cores:
+                shares = [min(1.0, demand * idle[c] / total) for c in worker.cores]
+        if worker.profile.threads < 2 or len(worker.cores) < 2:  # no lock step: the mean of its cores'
             return min(HOST_SHARE_CAP, sum(shares) / len(shares))
         kept = 1.0
         for share in shares:
