@@ -172,8 +172,26 @@ void row_tile(T* out, const T* x, const T* w, int64_t m0, int64_t n0, int64_t n1
 
 constexpr int64_t NB = 48;  // output features per thread work item (a multiple of 6 and 8)
 
-// y = x W^T for every row of x: threads take blocks of NB output features; inside a block, x's rows go
-// in tiles of kMaxTileRows (8 with AVX-512, 4 with AVX2), then 4, then the 1-3 left.
+// Rows 0 .. M of x against the C weight rows from n (M > kMaxTileRows): every tile of x's rows meets the
+// C rows while they are in L1, so W streams from memory once and without pause. (Taking each tile of x's
+// rows through the whole block in turn read the block again from L2 for the second tile, with nothing
+// streaming from memory meanwhile.)
+template <int C, typename T>
+void weight_tile(T* out, const T* x, const T* w, int64_t M, int64_t n, int64_t N, int64_t K) {
+  int64_t m = 0;
+  for (; m + kMaxTileRows <= M; m += kMaxTileRows) tile<kMaxTileRows, C>(out, x, w, m, n, N, K);
+  for (; kMaxTileRows == 8 && m + 4 <= M; m += 4) tile<4, C>(out, x, w, m, n, N, K);
+  switch (M - m) {
+    case 1: tile<1, C>(out, x, w, m, n, N, K); break;
+    case 2: tile<2, C>(out, x, w, m, n, N, K); break;
+    case 3: tile<3, C>(out, x, w, m, n, N, K); break;
+    default: break;
+  }
+}
+
+// y = x W^T for every row of x: threads take blocks of NB output features. Up to kMaxTileRows rows (8
+// with AVX-512, 4 with AVX2) x is one tile, as wide in weight rows as the registers allow; past that the
+// block goes by tiles of C weight rows (the widest tile's C), each met by every tile of x's rows.
 template <typename T>
 int linear(T* out, const T* x, const T* weight, int64_t M, int64_t N, int64_t K, int64_t k_multiple,
            int num_threads) {
@@ -182,14 +200,28 @@ int linear(T* out, const T* x, const T* weight, int64_t M, int64_t N, int64_t K,
 #pragma omp parallel for num_threads(num_threads) schedule(static)
   for (int64_t b = 0; b < num_blocks; ++b) {
     const int64_t n0 = b * NB, n1 = n0 + NB < N ? n0 + NB : N;
-    int64_t m = 0;
-    for (; kMaxTileRows == 8 && m + 8 <= M; m += 8) row_tile<kMaxTileRows>(out, x, weight, m, n0, n1, N, K);
-    for (; m + 4 <= M; m += 4) row_tile<4>(out, x, weight, m, n0, n1, N, K);
-    switch (M - m) {
-      case 1: row_tile<1>(out, x, weight, m, n0, n1, N, K); break;
-      case 2: row_tile<2>(out, x, weight, m, n0, n1, N, K); break;
-      case 3: row_tile<3>(out, x, weight, m, n0, n1, N, K); break;
-      default: break;
+    if (M > kMaxTileRows) {
+      constexpr int C = tile_cols<kMaxTileRows>();
+      int64_t n = n0;
+      for (; n + C <= n1; n += C) weight_tile<C>(out, x, weight, M, n, N, K);
+      for (; n < n1; ++n) weight_tile<1>(out, x, weight, M, n, N, K);
+      continue;
+    }
+    switch (M) {
+      case 1: row_tile<1>(out, x, weight, 0, n0, n1, N, K); break;
+      case 2: row_tile<2>(out, x, weight, 0, n0, n1, N, K); break;
+      case 3: row_tile<3>(out, x, weight, 0, n0, n1, N, K); break;
+      case 4: row_tile<4>(out, x, weight, 0, n0, n1, N, K); break;
+      default: if (kMaxTileRows == 8) {  // 5-8 rows with AVX-512: one tile of 8 or one of 4 and the rest
+        if (M == 8) { row_tile<kMaxTileRows>(out, x, weight, 0, n0, n1, N, K); break; }
+        row_tile<4>(out, x, weight, 0, n0, n1, N, K);
+        switch (M - 4) {
+          case 1: row_tile<1>(out, x, weight, 4, n0, n1, N, K); break;
+          case 2: row_tile<2>(out, x, weight, 4, n0, n1, N, K); break;
+          case 3: row_tile<3>(out, x, weight, 4, n0, n1, N, K); break;
+          default: break;
+        }
+      }
     }
   }
   return 0;
