@@ -210,21 +210,14 @@ int linear(T* out, const T* x, const T* weight, int64_t M, int64_t N, int64_t K,
       for (; n < n1; ++n) weight_tile<1>(out, x, weight, M, n, N, K);
       continue;
     }
-    switch (M) {
-      case 1: row_tile<1>(out, x, weight, 0, n0, n1, N, K); break;
-      case 2: row_tile<2>(out, x, weight, 0, n0, n1, N, K); break;
-      case 3: row_tile<3>(out, x, weight, 0, n0, n1, N, K); break;
-      case 4: row_tile<4>(out, x, weight, 0, n0, n1, N, K); break;
-      default: if (kMaxTileRows == 8) {  // 5-8 rows with AVX-512: one tile of 8 or one of 4 and the rest
-        if (M == 8) { row_tile<kMaxTileRows>(out, x, weight, 0, n0, n1, N, K); break; }
-        row_tile<4>(out, x, weight, 0, n0, n1, N, K);
-        switch (M - 4) {
-          case 1: row_tile<1>(out, x, weight, 4, n0, n1, N, K); break;
-          case 2: row_tile<2>(out, x, weight, 4, n0, n1, N, K); break;
-          case 3: row_tile<3>(out, x, weight, 4, n0, n1, N, K); break;
-          default: break;
-        }
-      }
+    int64_t m = 0;  // one tile of x's rows (AVX-512: 8, or 4 and the 1-3 left; AVX2: up to 4); none when M is 0
+    for (; kMaxTileRows == 8 && m + 8 <= M; m += 8) row_tile<kMaxTileRows>(out, x, weight, m, n0, n1, N, K);
+    for (; m + 4 <= M; m += 4) row_tile<4>(out, x, weight, m, n0, n1, N, K);
+    switch (M - m) {
+      case 1: row_tile<1>(out, x, weight, m, n0, n1, N, K); break;
+      case 2: row_tile<2>(out, x, weight, m, n0, n1, N, K); break;
+      case 3: row_tile<3>(out, x, weight, m, n0, n1, N, K); break;
+      default: break;
     }
   }
   return 0;
