@@ -19,7 +19,7 @@ from pdserve.bench.serve import ServeConfig, run_benchmark_sync
 from pdserve.cluster.launcher import ClusterSpec, LocalCluster
 from pdserve.common.utils import free_port
 from pdserve.sizing.profiler import run_profile
-from pdserve.sizing.serving_profiler import WAKE_IDLE_S
+from pdserve.sizing.serving_profiler import LOADED_PASS_PROMPTS, WAKE_IDLE_S
 from pdserve.sizing.simulator import SimConfig, Simulator
 from pdserve.sizing.workload import synthetic
 
@@ -42,6 +42,11 @@ def _profile_and_serve(model_dir, tmp_path, attempt: int):
     print(f"attempt {attempt}: wake-up {[[round(1000 * s, 1) for s in r] for r in colocated.wake_overhead_seconds]} ms")
     # the router's and the client's CPU per request and per token, read from their processes
     assert set(colocated.host_cpu_seconds) == {"router", "client"} and colocated.host_cpu_seconds["router"][1] > 0
+    # the Poisson pass the overhead under load was fitted to, by replaying it (loaded_fit)
+    assert len(colocated.loaded_pass["ttft_s"]) == LOADED_PASS_PROMPTS and max(colocated.loaded_pass["in_flight"]) > 0
+    assert colocated.overhead_per_stream_s >= 0 and colocated.loaded_overhead_s >= -colocated.request_overhead(128)
+    print(f"attempt {attempt}: overhead under load {1000 * colocated.loaded_overhead_s:.2f} ms + "
+          f"{1000 * colocated.overhead_per_stream_s:.2f} ms a stream in flight")
     dataset = DatasetConfig(num_prompts=60, input_len=96, range_ratio=0.5, output_len=24, prefix_len=32,
                             vocab_size=2048, seed=5 + attempt)
     rate = 6.0

@@ -168,6 +168,17 @@ class WorkerProfile:
             process spent on each outside decode steps (taking the request in, receiving, checking and
             installing its KV, emitting its first token), over its idle loop's; empty when not measured
             (``request_cpu_seconds``). Under load that work sits between its steps.
+        loaded_overhead_s, overhead_per_stream_s: what a request's time outside the steps takes under
+            Poisson arrivals beyond ``request_overhead`` (measured at idle, one request after another): a
+            constant, and seconds for each other stream in flight when it arrives (the router's and the
+            client's event loops busy with those streams' tokens, the request's way in and its first
+            token's way out queued behind them), beyond what the simulator builds itself (mixed steps, the
+            host's CPU shares, the wake-up); fitted by replaying ``loaded_pass`` in the simulator
+            (``sizing.loaded_fit``); 0 when not measured.
+        loaded_pass: the Poisson pass that fit came from, as the client saw it: ``{"arrival_s": [...],
+            "prompt_tokens": [...], "output_tokens": N, "ttft_s": [...], "in_flight": [...]}`` (each
+            request's send time from the first's, its prompt length, the tokens each streamed, its time to
+            first token, the other requests in flight when it was sent); empty when not measured.
 
     The tables are read made monotone (``isotonic``): a measured dip in a noisy machine's step times is
     averaged with its neighbours.
@@ -217,6 +228,9 @@ class WorkerProfile:
     serving_kv_transfer_seconds: list[float] = field(default_factory=list)
     serving_admission_seconds: list[float] = field(default_factory=list)
     serving_request_cpu_seconds: list[float] = field(default_factory=list)
+    loaded_overhead_s: float = 0.0
+    overhead_per_stream_s: float = 0.0
+    loaded_pass: dict = field(default_factory=dict)
 
     def __post_init__(self):
         # measured tables, made monotone (more tokens or sequences never take less time): noise averaged

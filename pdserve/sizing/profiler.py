@@ -358,6 +358,7 @@ def run_profile(model: str, out: str, kinds: list[str], flags: list[str], repeat
     """
     from tqdm import tqdm
 
+    from pdserve.sizing.loaded_fit import fit_loaded_overhead
     from pdserve.sizing.profile import WORKER_KINDS
 
     bad = [k for k in kinds if k not in WORKER_KINDS]
@@ -413,6 +414,9 @@ def run_profile(model: str, out: str, kinds: list[str], flags: list[str], repeat
         "model": os.path.abspath(model), "machine": facts, "workers": workers, "transfer": transfer_figures,
         "transfers": transfers[1:] if own else transfers,
         "profile_seconds": time.monotonic() - start})
+    for kind, worker in profile.workers.items():  # what a request pays under load (loaded_fit's doc)
+        if worker.loaded_pass:
+            worker.loaded_overhead_s, worker.overhead_per_stream_s = fit_loaded_overhead(profile, kind)
     profile.profile_seconds = time.monotonic() - start
     profile.save(out)
     return profile

@@ -42,6 +42,14 @@ GRID_PASSES = 2
 HOST_FIT_TOKENS = (8, 192)
 HOST_FIT_STREAMS = 8
 HOST_FIT_PROMPT = 63
+# The colocated worker's loaded pass (``loaded_fit``): LOADED_PASS_PROMPTS prompts of lengths spread evenly over
+# LOADED_PASS_TOKENS (the idle overheads' lengths, so the fit does not lean on one noisy point of them), each streaming
+# the pass's tokens, arriving (Poisson) at LOADED_PASS_STREAMS streams in flight on average (the rate from a lone
+# request's whole time, measured first on LOADED_PASS_PROBES of them)
+LOADED_PASS_PROMPTS = 40
+LOADED_PASS_TOKENS = (16, 512)
+LOADED_PASS_STREAMS = 2.0
+LOADED_PASS_PROBES = 3
 
 
 class _Cluster:
@@ -105,8 +113,9 @@ def request_body(url: str, model_id: str, prompt: list[int], max_tokens: int) ->
 
 
 async def _stream_poisson(url: str, model_id: str, prompts: list[list[int]], max_tokens: int, rate: float,
-                          seed: int = 0) -> None:
-    """Stream ``prompts`` arriving as a Poisson process of ``rate`` per second (seeded), each to its end."""
+                          seed: int = 0) -> list[list[float]]:
+    """Stream ``prompts`` arriving as a Poisson process of ``rate`` per second (seeded), each to its end: each
+    one's send time then its chunks' arrival times (perf_counter s, ``_stream_one``)."""
     import asyncio
     import random
 
@@ -118,17 +127,14 @@ async def _stream_poisson(url: str, model_id: str, prompts: list[list[int]], max
         offsets.append(t)
         t += rng.expovariate(rate)
 
-    async def one(client, prompt, offset) -> None:
+    async def one(client, prompt, offset) -> list[float]:
         await asyncio.sleep(offset)
-        body = request_body(url, model_id, prompt, max_tokens)
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            async for _ in resp.aiter_lines():
-                pass
+        return await _stream_one(client, url, model_id, prompt, max_tokens)
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
         await client.get(f"{url}/health")
-        await asyncio.gather(*(one(client, p, o) for p, o in zip(prompts, offsets)))
+        return list(await asyncio.gather(*(one(client, p, o) for p, o in zip(prompts, offsets))))
 
 
 async def _stream_one(client, url: str, model_id: str, prompt: list[int], max_tokens: int) -> list[float]:
@@ -484,6 +490,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                                 cpu_after[1] - cpu_before[1]))
         grid = fill_unformed([[statistics.fmean(steps[b, c]) if steps[b, c] else None for c in worker["decode_context"]]
                               for b in worker["decode_batch"]], worker["decode_seconds"])
+        loaded = _loaded_pass(cluster.url, model_id, prompt, engine.max_model_len, max_tokens) \
+            if kind == "colocated" else {}
         return {"request_overhead_s": overhead_seconds[0], "overhead_tokens": overhead_tokens,
                 "overhead_seconds": overhead_seconds, "wake_idle_seconds": list(WAKE_IDLE_S) if wake else [],
                 # [gap][length], as WorkerProfile.wake_overhead reads it
@@ -500,6 +508,34 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                 "serving_step_cv": statistics.median(jitters) if jitters else 0.0,
                 "serving_prefill_cv": statistics.median(scatter) if scatter else 0.0,
                 "host_cpu_seconds": host_cpu_fit(host_passes) if meter.routers else {},
-                "serving_stream_tokens": max_tokens}
+                "serving_stream_tokens": max_tokens, "loaded_pass": loaded}
     finally:
         cluster.close()
+
+
+def _loaded_pass(url: str, model_id: str, prompt, max_model_len: int, max_tokens: int) -> dict:
+    """The colocated cluster under Poisson arrivals, as ``WorkerProfile.loaded_pass`` keeps it (``loaded_fit``
+    fits the overhead under load to it): ``LOADED_PASS_PROMPTS`` new prompts (``prompt(n)`` makes one of
+    ``n`` tokens) of lengths spread over ``LOADED_PASS_TOKENS`` (in a fixed shuffled order), each streaming
+    ``max_tokens`` tokens, arriving at ``LOADED_PASS_STREAMS`` streams in flight on average; {} where the
+    model's length leaves no room."""
+    import asyncio
+    import random
+
+    low, high = LOADED_PASS_TOKENS[0], min(LOADED_PASS_TOKENS[1], max_model_len - max_tokens - 8)
+    if high < low:
+        return {}
+    lengths = [round(low + (high - low) * k / (LOADED_PASS_PROMPTS - 1)) for k in range(LOADED_PASS_PROMPTS)]
+    random.Random(2).shuffle(lengths)
+    mean = round(statistics.fmean(lengths))
+    lone = [asyncio.run(_stream_batch(url, model_id, [prompt(mean)], max_tokens))[0] for _ in range(LOADED_PASS_PROBES)]
+    duration = statistics.fmean(t[-1] - t[0] for t in lone)
+    prompts = [prompt(n) for n in lengths]
+    streams = asyncio.run(_stream_poisson(url, model_id, prompts, max_tokens,
+                                          LOADED_PASS_STREAMS / max(duration, 1e-3), seed=1))
+    from pdserve.sizing.loaded_fit import in_flight_at_sends
+
+    first = min(t[0] for t in streams)
+    return {"arrival_s": [t[0] - first for t in streams], "prompt_tokens": [len(p) for p in prompts],
+            "output_tokens": max_tokens, "ttft_s": [t[1] - t[0] for t in streams],
+            "in_flight": in_flight_at_sends([t[0] for t in streams], [t[-1] for t in streams])}

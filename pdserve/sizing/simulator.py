@@ -10,8 +10,10 @@ placement (``prefers_local_prefill``) and the router's own request counts (``Wor
 lasts what the profile's cost model says (``WorkerProfile.step_seconds``) and samples a fixed token;
 a KV transfer lasts ``TransferProfile.transfer_seconds`` of its bytes, overlapped with the prefill
 step that produced it (the real sender ships each layer as the forward finishes it); a request pays
-the profile's fixed ``request_overhead_s`` outside the steps, and one that finds nothing in flight the
-wake-up of a cluster that sat idle as long (``WorkerProfile.wake_overhead``).
+the profile's fixed ``request_overhead_s`` outside the steps, one that finds nothing in flight the
+wake-up of a cluster that sat idle as long (``WorkerProfile.wake_overhead``), and under load
+``loaded_overhead_s`` plus ``overhead_per_stream_s`` for each other stream in flight (fitted by replaying a
+real Poisson pass: ``loaded_fit``).
 
 Life of a simulated request (disaggregated)::
 
@@ -35,8 +37,9 @@ drawn around the model's with the jitter the profile measured in the real cluste
 1 and the measured coefficient of variation; seeded), which spreads the tail: a step of prompt tokens alone by
 lone prompts' scatter, the others by the decode streams'.
 
-Not modelled: the router's HTTP and tokenizer work under load (a fixed overhead per request by prompt
-length, measured at idle), contention that grows with load,
+Not modelled: the router's HTTP and tokenizer work under load beyond the per-stream term (a fixed overhead
+per request by prompt length, measured at idle, plus a term linear in the streams in flight, fitted at one
+load), contention that grows with load otherwise,
 heartbeats' lag beyond ``heartbeat_interval_s`` (a worker's heartbeat is its state when the router
 reads it, at most that old), speculative decoding, LoRA, structured outputs, KV offload tiers, pulls
 from peers, failures and migration.
@@ -673,6 +676,9 @@ class Simulator:
         overhead = self._overhead_profile.request_overhead(len(prompt)) or self.profile.request_overhead_s
         if len(self.tracked) == 1 and self._idle_since is not None:  # the first in flight wakes the cluster
             overhead += self._overhead_profile.wake_overhead(now - self._idle_since, len(prompt))
+        # under load, and for each other stream in flight (the router's and the client's loops: loaded_fit)
+        loaded, others = self._overhead_profile, len(self.tracked) - 1
+        overhead = max(0.0, overhead + loaded.loaded_overhead_s + loaded.overhead_per_stream_s * others)
         tracked.half_overhead = overhead / 2  # half on the way in, half on the way out
         self.at(now + tracked.half_overhead, self._reach_decode, decode, request, prefill is not None)
 
