@@ -359,9 +359,9 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
       prompt (its requests carry one token: no decode steps), over what its loop spends idle (timed for
       ``IDLE_LOOP_S`` first);
     * ``overhead_seconds``: the time to first token of prompts of those lengths, each streaming ``max_tokens``
-      tokens as a benchmark's requests do, minus those hops: the router, the other hops, HTTP, the first
-      token's way back beside its stream's next steps, and the per-request work that grows with the prompt
-      (``request_overhead_s``: the shortest's);
+      tokens as a benchmark's requests do, minus that request's own hops (the median over the requests): the
+      router, the other hops, HTTP, the first token's way back beside its stream's next steps, and the
+      per-request work that grows with the prompt (``request_overhead_s``: the shortest's);
     * ``wake_overhead_seconds``: for prompts of ``WAKE_TOKENS`` tokens (``wake_tokens``) sent alone, back to
       back or after the cluster sat idle for each of ``WAKE_IDLE_S`` (``wake_idle_seconds``; taking turns),
       the median time to first token after that gap over the median back to back, ``[gap][length]``;
@@ -435,13 +435,18 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             # the first token's way to the client then meets the stream's next steps on the cores (the colocated
             # worker's two threads hold both), which a one-token request never does (on the Xeon of 2026-12-02,
             # 2.0 ms a request with one token out, 5.2 with 48)
-            before = _scrape_phases(cluster.url)
-            streamed = _lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(num_idle)],
-                                   max_tokens=max_tokens)
-            streamed_hops = _hop_means(summarize(before, _scrape_phases(cluster.url)))
-            overhead_seconds.append(max(0.0, statistics.fmean(streamed) - streamed_hops.get(hop, compute)
-                                        - streamed_hops.get("kv_transfer", kv_tail)
-                                        - streamed_hops.get("decode_admission", admission)))
+            # Each request's own hops (the router scraped around each): the overhead is the median of the requests'
+            # TTFT less their own hops, so one request stalled in either part does not move it (a mean over eight
+            # requests and their hops' means gave 3.1-18.0 ms at one length between five colocated profiles on the
+            # AVX2 EPYC of 2026-12-03, a stall or two in a mean of eight)
+            overheads = []
+            for k in range(num_idle):
+                before = _scrape_phases(cluster.url)
+                ttft = _lone_ttfts(cluster.url, model_id, [prompt(n + k)], max_tokens=max_tokens)[0]
+                own = _hop_means(summarize(before, _scrape_phases(cluster.url)))
+                overheads.append(ttft - own.get(hop, compute) - own.get("kv_transfer", kv_tail)
+                                 - own.get("decode_admission", admission))
+            overhead_seconds.append(max(0.0, statistics.median(overheads)))
             if len(ttfts) > 2 and compute > 0:
                 scatter.append(robust_std(ttfts) / compute)
             if n in WAKE_TOKENS:  # these prompts again, taking turns: back to back and after each idle gap
