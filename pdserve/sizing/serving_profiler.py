@@ -497,7 +497,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                               for b in worker["decode_batch"]], worker["decode_seconds"])
         # colocated only: a 1P+1D cluster's pass at two streams queued at its prefill worker, whose queue the replay
         # did not follow, and the fit put 12.7 ms on each stream in flight (TTFT p50 +59% / +113% at 12 / 30 req/s
-        # against -8% / -35% without, AVX2 EPYC of 2026-12-03)
+        # against +8% / -35% in another run without it, AVX2 EPYC of 2026-12-03)
         loaded = _loaded_pass(cluster.url, model_id, prompt, engine.max_model_len, max_tokens) \
             if kind == "colocated" else {}
         return {"request_overhead_s": overhead_seconds[0], "overhead_tokens": overhead_tokens,
