@@ -327,7 +327,7 @@ def test_the_profiler_times_the_requests_a_benchmark_sends():
     default model took ~15% longer than a benchmark's greedy one on the same cluster."""
     from pdserve.bench.datasets import BenchRequest
     from pdserve.bench.serve import ServeConfig, request_body as bench_body
-    from pdserve.sizing.serving_profiler import request_body
+    from pdserve.sizing.serving_client import request_body
 
     body = request_body("http://127.0.0.1:1", "m", [5, 6, 7], 48)
     assert body == bench_body(ServeConfig(url="http://127.0.0.1:1"), "m", BenchRequest([5, 6, 7], 48))

@@ -54,7 +54,7 @@ _CTX = mp.get_context("spawn")
 
 def _greedy(max_tokens: int):
     """A profiled request's sampling: ``pdserve bench serve``'s (greedy, EOS ignored), as the serving passes
-    send it (``serving_profiler.request_body``)."""
+    send it (``serving_client.request_body``)."""
     from pdserve.common.protocol import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -10,14 +10,12 @@ router's and the client's CPU time (``host_cpu_fit``).
 
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 from pdserve.sizing.profile import LOADED_UTILIZATION, WorkerProfile
+from pdserve.sizing.serving_client import (ServingCluster, hop_means, lone_ttfts, scrape_phases, stream_batch,
+                                              stream_poisson)
 
 OVERHEAD_TOKENS = (16, 128, 512, 1500)
 LOADED_PROMPTS = 24
@@ -52,149 +50,8 @@ LOADED_PASS_STREAMS = 2.0
 LOADED_PASS_PROBES = 3
 
 
-class _Cluster:
-    """``pdserve up`` of one layout (``--colocated``, or one prefill and one decode worker), started and
-    stopped by pid, its decode steps compiled before it is used."""
-
-    def __init__(self, model: str, flags: list[str], colocated: bool):
-        from pdserve.common.utils import free_port
-
-        self.url = f"http://127.0.0.1:{free_port()}"
-        layout = ["--colocated"] if colocated else ["--num-prefill", "1", "--num-decode", "1"]
-        cmd = [sys.executable, "-m", "pdserve", "--log-level", "warning", "up", *layout, "--model", model,
-               "--port", self.url.rsplit(":", 1)[1], *flags]
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.num_workers = 1 if colocated else 2
-
-    def wait_ready(self, timeout_s: float = 900) -> str:
-        """Until every worker serves with its decode step compiled (or eager by flag); the model id."""
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=30) as client:
-            while True:
-                if self.proc.poll() is not None:
-                    self.log.seek(0)
-                    raise RuntimeError(f"pdserve up exited: {self.log.read()[-2000:].decode(errors='replace')}")
-                try:
-                    workers = client.get(f"{self.url}/workers").json()
-                    if len(workers) >= self.num_workers and all(w.get("decode_step") in ("compiled", "eager")
-                                                                for w in workers):
-                        return client.get(f"{self.url}/v1/models").json()["data"][0]["id"]
-                except (httpx.HTTPError, ValueError, KeyError, IndexError):
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the cluster did not come up in {timeout_s:.0f} s")
-                time.sleep(0.5)
-
-    def close(self) -> None:
-        import signal
-
-        try:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            self.proc.wait(60)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self.log.close()
-
-
-def request_body(url: str, model_id: str, prompt: list[int], max_tokens: int) -> dict:
-    """A profiling request's JSON body: ``pdserve bench serve``'s own (``bench.serve.request_body``: greedy,
-    EOS ignored, usage streamed), so what the profile times is what a benchmark's requests cost (a request
-    sampled at the API's default temperature 1 took ~15% longer a decode step on the default model here)."""
-    from pdserve.bench.datasets import BenchRequest
-    from pdserve.bench.serve import ServeConfig, request_body as bench_body
-
-    return bench_body(ServeConfig(url=url), model_id, BenchRequest(prompt=prompt, output_len=max_tokens))
-
-
-async def _stream_poisson(url: str, model_id: str, prompts: list[list[int]], max_tokens: int, rate: float,
-                          seed: int = 0) -> list[list[float]]:
-    """Stream ``prompts`` arriving as a Poisson process of ``rate`` per second (seeded), each to its end: each
-    one's send time then its chunks' arrival times (perf_counter s, ``_stream_one``)."""
-    import asyncio
-    import random
-
-    import httpx
-
-    rng = random.Random(seed)
-    offsets, t = [], 0.0
-    for _ in prompts:
-        offsets.append(t)
-        t += rng.expovariate(rate)
-
-    async def one(client, prompt, offset) -> list[float]:
-        await asyncio.sleep(offset)
-        return await _stream_one(client, url, model_id, prompt, max_tokens)
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        await client.get(f"{url}/health")
-        return list(await asyncio.gather(*(one(client, p, o) for p, o in zip(prompts, offsets))))
-
-
-async def _stream_one(client, url: str, model_id: str, prompt: list[int], max_tokens: int) -> list[float]:
-    """One streamed request on ``client``: its send time then its chunks' arrival times (perf_counter s).
-
-    Raises:
-        RuntimeError: no token came back."""
-    body = request_body(url, model_id, prompt, max_tokens)
-    times = [time.perf_counter()]
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-        async for line in resp.aiter_lines():
-            if line.startswith("data:") and '"text"' in line:
-                times.append(time.perf_counter())
-    if len(times) < 2:
-        raise RuntimeError(f"no token came back through the router (HTTP {resp.status_code})")
-    return times
-
-
-async def _stream_batch(url: str, model_id: str, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
-    """Stream every prompt at once; each one's send time then its chunks' arrival times (perf_counter s)."""
-    import asyncio
-
-    import httpx
-
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        await client.get(f"{url}/health")  # the connection is open before the clock starts
-        return list(await asyncio.gather(*(_stream_one(client, url, model_id, p, max_tokens) for p in prompts)))
-
-
-def _lone_ttfts(url: str, model_id: str, prompts: list[list[int]], idle_s: list[float] | None = None,
-                max_tokens: int = 1) -> list[float]:
-    """Each prompt streamed alone (``max_tokens`` output tokens) by one client on one kept-alive connection, as
-    a benchmark's client sends them, one after the other, the i-th after ``idle_s[i]`` seconds with nothing in
-    flight (default: none): their times to first token (s)."""
-    import asyncio
-
-    import httpx
-
-    async def run() -> list[float]:
-        ttfts = []
-        async with httpx.AsyncClient(timeout=300) as client:
-            await client.get(f"{url}/health")  # the connection is open before the first prompt
-            for i, prompt in enumerate(prompts):
-                if idle_s and idle_s[i]:
-                    await asyncio.sleep(idle_s[i])
-                times = await _stream_one(client, url, model_id, prompt, max_tokens)
-                ttfts.append(times[1] - times[0])
-        return ttfts
-
-    return asyncio.run(run())
-
-
-def _hop_means(phases: dict | None) -> dict[str, float]:
-    """Each hop's mean (s) in a ``bench.phases.summarize`` result (empty without one)."""
-    return {name: hop["mean_s"] for name, hop in phases["phases"].items()} if phases else {}
-
-
 def serving_step_seconds(streams: list[list[float]]) -> float | None:
-    """The decode step the clients saw while every stream of ``_stream_batch`` decoded: the window from the last
+    """The decode step the clients saw while every stream of ``stream_batch`` decoded: the window from the last
     stream's first token to the first stream's last token, times the streams, over the tokens (chunks) that
     arrived in it; None where that window holds fewer than four a stream (the batch never formed)."""
     streams = [t[1:] for t in streams]  # each stream's send time left out
@@ -225,7 +82,7 @@ def fill_unformed(grid: list[list[float | None]], engine: list[list[float]]) -> 
 
 def step_jitter(streams: list[list[float]]) -> float | None:
     """The coefficient of variation of the gaps between a stream's chunks while every stream decoded
-    (``_stream_batch``'s streams); None with too few gaps."""
+    (``stream_batch``'s streams); None with too few gaps."""
     streams = [t[1:] for t in streams]
     start, end = max(t[0] for t in streams), min(t[-1] for t in streams)
     gaps = [b - a for t in streams for a, b in zip(t, t[1:]) if start <= a and b <= end]
@@ -241,21 +98,6 @@ def robust_std(values: list[float]) -> float:
     request that met a stalled core, do not move it."""
     middle = statistics.median(values)
     return 1.4826 * statistics.median(abs(v - middle) for v in values)
-
-
-def _scrape_phases(url: str):
-    """The router's TTFT hops so far (``pdserve.bench.phases``)."""
-    import asyncio
-
-    import httpx
-
-    from pdserve.bench.phases import scrape
-
-    async def once():
-        async with httpx.AsyncClient(timeout=30) as client:
-            return await scrape(client, url)
-
-    return asyncio.run(once())
 
 
 class _HostMeter:
@@ -377,7 +219,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
     from pdserve.bench.phases import summarize
 
     quiet_http_logs()
-    cluster = _Cluster(model, flags, colocated=kind == "colocated")
+    cluster = ServingCluster(model, flags, colocated=kind == "colocated")
     counter = iter(range(10**9))
 
     def prompt(n: int) -> list[int]:
@@ -402,17 +244,17 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             if n + num_idle + 2 >= engine.max_model_len - 1:
                 continue
             for k in range(2):  # the first lengths of this size: unmeasured
-                asyncio.run(_stream_batch(cluster.url, model_id, [prompt(n + num_idle + k)], 1))
-            before = _scrape_phases(cluster.url)
+                asyncio.run(stream_batch(cluster.url, model_id, [prompt(n + num_idle + k)], 1))
+            before = scrape_phases(cluster.url)
             cpu_before = meter.read()
             decode_before, pass_at = meter.decoders(), time.monotonic()
             # lengths n, n + 1, ...: each new to the cluster, as in serving
-            ttfts = _lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(num_idle)])
+            ttfts = lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(num_idle)])
             cpu_after = meter.read()
             decode_cpu = meter.decoders() - decode_before - idle_rate * (time.monotonic() - pass_at)
             host_passes.append((num_idle, num_idle, 1, cpu_after[0] - cpu_before[0],  # one client for the pass
                                 cpu_after[1] - cpu_before[1]))
-            hops = _hop_means(summarize(before, _scrape_phases(cluster.url)))
+            hops = hop_means(summarize(before, scrape_phases(cluster.url)))
             compute = hops.get(hop, engine.prefill(n))
             # the KV's arrival after the prompt's last step (the last layers' sends, the decode worker taking it)
             kv_tail = hops.get("kv_transfer", 0.0)
@@ -420,11 +262,11 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             admission = hops.get("decode_admission", 0.0)
             served = compute
             if kind == "decode":  # the prefill worker's prompts among others (the docstring says why)
-                before = _scrape_phases(cluster.url)
+                before = scrape_phases(cluster.url)
                 prompts = [prompt(n + num_idle + 2 + k) for k in range(LOADED_PROMPTS)]
-                asyncio.run(_stream_poisson(cluster.url, model_id, prompts, max_tokens,
+                asyncio.run(stream_poisson(cluster.url, model_id, prompts, max_tokens,
                                             LOADED_UTILIZATION / max(compute, 1e-3)))
-                served = _hop_means(summarize(before, _scrape_phases(cluster.url))).get(hop, compute)
+                served = hop_means(summarize(before, scrape_phases(cluster.url))).get(hop, compute)
             overhead_tokens.append(n)
             prefill_seconds.append(served)
             idle_seconds.append(compute)
@@ -441,9 +283,9 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             # AVX2 EPYC of 2026-12-03, a stall or two in a mean of eight)
             overheads = []
             for k in range(num_idle):
-                before = _scrape_phases(cluster.url)
-                ttft = _lone_ttfts(cluster.url, model_id, [prompt(n + k)], max_tokens=max_tokens)[0]
-                own = _hop_means(summarize(before, _scrape_phases(cluster.url)))
+                before = scrape_phases(cluster.url)
+                ttft = lone_ttfts(cluster.url, model_id, [prompt(n + k)], max_tokens=max_tokens)[0]
+                own = hop_means(summarize(before, scrape_phases(cluster.url)))
                 overheads.append(ttft - own.get(hop, compute) - own.get("kv_transfer", kv_tail)
                                  - own.get("decode_admission", admission))
             overhead_seconds.append(max(0.0, statistics.median(overheads)))
@@ -451,7 +293,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                 scatter.append(robust_std(ttfts) / compute)
             if n in WAKE_TOKENS:  # these prompts again, taking turns: back to back and after each idle gap
                 gaps = [0.0, *WAKE_IDLE_S] * WAKE_ROUNDS
-                ttfts_by = _lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(len(gaps))], gaps)
+                ttfts_by = lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(len(gaps))], gaps)
                 back_to_back = statistics.median(t for gap, t in zip(gaps, ttfts_by) if not gap)
                 wake_tokens.append(n)
                 wake.append([statistics.median(t for gap, t in zip(gaps, ttfts_by) if gap == idle) - back_to_back
@@ -469,9 +311,9 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                 # of long prompts through one prefill worker otherwise starts its streams one by one, the first
                 # ending before the last begin (on the 2-core Xeon of 2026-12-02 a batch of 16-64 never formed,
                 # and the grid priced it as the few streams that did decode together)
-                asyncio.run(_stream_batch(cluster.url, model_id, prompts, 1))
+                asyncio.run(stream_batch(cluster.url, model_id, prompts, 1))
                 cpu_before = meter.read()
-                streams = asyncio.run(_stream_batch(cluster.url, model_id, prompts, max_tokens))
+                streams = asyncio.run(stream_batch(cluster.url, model_id, prompts, max_tokens))
                 cpu_after = meter.read()
                 chunks = sum(len(t) - 1 for t in streams)  # the tokens, or fewer chunks
                 host_passes.append((b, chunks, 1, cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1]))
@@ -488,7 +330,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             if HOST_FIT_PROMPT + tokens >= engine.max_model_len:
                 continue
             cpu_before = meter.read()
-            streams = asyncio.run(_stream_batch(cluster.url, model_id,
+            streams = asyncio.run(stream_batch(cluster.url, model_id,
                                                 [prompt(HOST_FIT_PROMPT) for _ in range(HOST_FIT_STREAMS)], tokens))
             cpu_after = meter.read()
             host_passes.append((HOST_FIT_STREAMS, sum(len(t) - 1 for t in streams), 1, cpu_after[0] - cpu_before[0],
@@ -536,10 +378,10 @@ def _loaded_pass(url: str, model_id: str, prompt, max_model_len: int, max_tokens
     lengths = [round(low + (high - low) * k / (LOADED_PASS_PROMPTS - 1)) for k in range(LOADED_PASS_PROMPTS)]
     random.Random(2).shuffle(lengths)
     mean = round(statistics.fmean(lengths))
-    lone = [asyncio.run(_stream_batch(url, model_id, [prompt(mean)], max_tokens))[0] for _ in range(LOADED_PASS_PROBES)]
+    lone = [asyncio.run(stream_batch(url, model_id, [prompt(mean)], max_tokens))[0] for _ in range(LOADED_PASS_PROBES)]
     duration = statistics.fmean(t[-1] - t[0] for t in lone)
     prompts = [prompt(n) for n in lengths]
-    streams = asyncio.run(_stream_poisson(url, model_id, prompts, max_tokens,
+    streams = asyncio.run(stream_poisson(url, model_id, prompts, max_tokens,
                                           LOADED_PASS_STREAMS / max(duration, 1e-3), seed=1))
     from pdserve.sizing.loaded_fit import in_flight_at_sends
 
