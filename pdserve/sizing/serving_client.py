@@ -74,7 +74,7 @@ def request_body(url: str, model_id: str, prompt: list[int], max_tokens: int) ->
 
 
 async def stream_poisson(url: str, model_id: str, prompts: list[list[int]], max_tokens: int, rate: float,
-                          seed: int = 0) -> list[list[float]]:
+                         seed: int = 0) -> list[list[float]]:
     """Stream ``prompts`` arriving as a Poisson process of ``rate`` per second (seeded), each to its end: each
     one's send time then its chunks' arrival times (perf_counter s, ``stream_one``)."""
     import asyncio
