@@ -15,6 +15,9 @@ of 512 and 2048 tokens:
   send and receive posted at once, then waited for): the floor for moving these bytes.
   The two alternate, one run each, so the shared machine's changing load hits both alike;
   the ratio is raw / transfer of the medians, with the spread of the per-pair ratios;
+* **raw, pdserve's messages**: plain gloo again, each layer cut into the messages pdserve sends
+  (``wire.layer_messages``: K and V lie apart in the paged cache, so a layer is two messages at
+  least): what the cache layout costs before any of pdserve's own work (third in each turn);
 * **own work**: the sending core's share that raw gloo does not have, alone (no wire): the
   gather of every layer's blocks into a staging buffer with their checksum, in one native pass
   (or, without the kernel, ``index_select`` then the torch checksum);
@@ -60,6 +63,7 @@ def decode_main(ctrl, out, raw_port: int) -> None:
 
     from pdserve.common.protocol import KVTransferHeader
     from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV
+    from pdserve.kvtransfer.wire import layer_messages
 
     def on_received(r) -> None:
         out.put(("received", r.request_id, time.monotonic(), r.num_bytes if isinstance(r, ReceivedKV) else -1))
@@ -77,10 +81,11 @@ def decode_main(ctrl, out, raw_port: int) -> None:
             pairs.submit(msgspec.msgpack.decode(arg, type=KVTransferHeader))
         elif cmd == "raw_connect":
             group = dist.ProcessGroupGloo(dist.TCPStore(HOST, raw_port, 2, False), 1, 2)
-        elif cmd == "raw":  # arg: (num_layers, layer shape): one transfer, every receive posted at once
-            num_layers, shape = arg
+        elif cmd == "raw":  # arg: (num_layers, layer shape, split): one transfer, every receive posted at once
+            num_layers, shape, split = arg
             bufs = raw_bufs.setdefault(tuple(shape), [torch.empty(shape) for _ in range(num_layers)])
-            for work in [group.recv([b], 0, 0) for b in bufs]:
+            messages = [m for b in bufs for m in layer_messages(b)] if split else bufs
+            for work in [group.recv([m], 0, 0) for m in messages]:
                 work.wait()
             out.put(("raw_done", time.monotonic()))
         else:
@@ -130,6 +135,7 @@ def run(args) -> dict:
     from pdserve.engine.execution.kv_cache import allocate_kv_cache
     from pdserve.engine.models.loader import load_model
     from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs
+    from pdserve.kvtransfer.wire import layer_messages
     import torch.distributed as dist
 
     os.sched_setaffinity(0, {0})
@@ -187,11 +193,14 @@ def run(args) -> dict:
             assert got == nbytes, (got, nbytes)
             return max(t_sent, t_recv) - t0
 
-        def raw_once(layers: list[torch.Tensor]) -> float:
-            ctrl.put(("raw", (num_layers, list(layers[0].shape))))
+        def raw_once(layers: list[torch.Tensor], split: bool) -> float:
+            """Plain gloo: each layer whole (``split`` False: one message, K and V together), or cut into
+            the very messages pdserve sends (``wire.layer_messages``: K and V apart, runs of at most 512 KiB)."""
+            ctrl.put(("raw", (num_layers, list(layers[0].shape), split)))
             time.sleep(0.05)  # D posts its receives first (it would not matter to gloo)
+            messages = [m for t in layers for m in layer_messages(t)] if split else layers
             t0 = time.monotonic()
-            for work in [group.send([t], 1, 0) for t in layers]:
+            for work in [group.send([m], 1, 0) for m in messages]:
                 work.wait()
             _, t_done = out.get(timeout=60)
             return t_done - t0
@@ -204,12 +213,14 @@ def run(args) -> dict:
             nbytes = num_layers * 2 * num_blocks * BLOCK_SIZE * num_kv_heads * head_dim * 4
             layers = [kv_cache[i][:, 1:num_blocks + 1].contiguous() for i in range(num_layers)]
             # pdserve and raw gloo alternate, so a change in the shared machine's load hits both alike
-            times, raw = [], []
+            times, raw, raw_split = [], [], []
             for _ in range(args.transfer_repeats + 1):
                 times.append(pdserve_once(num_blocks, block_ids, nbytes))
-                raw.append(raw_once(layers))
+                raw.append(raw_once(layers, False))
+                raw_split.append(raw_once(layers, True))
             results[tokens] = {"bytes": nbytes, "transfer_s": statistics.median(times[1:]),
-                               "raw_s": statistics.median(raw[1:]),
+                               "raw_s": statistics.median(raw[1:]), "raw_split_s": statistics.median(raw_split[1:]),
+                               "messages": sum(len(layer_messages(t)) for t in layers), "layers": num_layers,
                                "ratios": sorted(r / t for r, t in zip(raw[1:], times[1:])),
                                **own_work(kv_cache, block_ids, args.transfer_repeats)}
             if args.skip_prefill:
@@ -264,14 +275,14 @@ def main() -> int:
 
     args.model = args.model or str(ensure_default_model("bench"))
     results = run(args)
-    print(f"{'prompt':>7} {'KV MiB':>7} {'transfer':>9} {'raw gloo':>9} {'ratio':>6} {'prefill':>8} "
-          f"{'+transfer':>10} {'exposed':>8} {'tail':>7}")
+    print(f"{'prompt':>7} {'KV MiB':>7} {'transfer':>9} {'raw gloo':>9} {'ratio':>6} {'raw split':>10} "
+          f"{'prefill':>8} {'+transfer':>10} {'exposed':>8} {'tail':>7}")
     for tokens, r in results.items():
         ratio = r["raw_s"] / r["transfer_s"]
         prefill, both = r.get("prefill_s", float("nan")), r.get("prefill_with_transfer_s", float("nan"))
         exposed = (both - prefill) / prefill
         print(f"{tokens:7d} {r['bytes'] / 2**20:7.1f} {r['transfer_s'] * 1e3:7.1f}ms "
-              f"{r['raw_s'] * 1e3:7.1f}ms {ratio:6.2f} {prefill * 1e3:6.0f}ms "
+              f"{r['raw_s'] * 1e3:7.1f}ms {ratio:6.2f} {r['raw_split_s'] * 1e3:8.1f}ms {prefill * 1e3:6.0f}ms "
               f"{both * 1e3:8.0f}ms {exposed:8.1%} {r.get('tail_s', float('nan')) * 1e3:5.1f}ms")
         r.update(ratio_to_raw=ratio, exposed_share=exposed)
     for tokens, r in results.items():  # per-repeat ratios (raw / pdserve of adjacent runs): the spread
@@ -280,6 +291,9 @@ def main() -> int:
               f"min {q[0]:.2f}, median {statistics.median(q):.2f}, max {q[-1]:.2f}; own work on the "
               f"sending core: gather (for runs sent from the cache: checksum alone) {r['gather_s'] * 1e3:.1f} ms, "
               f"torch checksum {r['checksum_s'] * 1e3:.1f} ms")
+        print(f"  raw gloo in pdserve's {r['messages']} messages against {r['layers']} whole layers: "
+              f"{r['raw_s'] / r['raw_split_s']:.2f}x; the transfer against raw gloo in its messages: "
+              f"{r['raw_split_s'] / r['transfer_s']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
