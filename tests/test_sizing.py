@@ -574,8 +574,9 @@ def test_host_cpu_fit_splits_the_routers_and_clients_cpu_into_per_request_and_pe
 def test_the_host_processes_take_cores_from_the_steps_on_a_shared_machine():
     """With ``machine_cores`` the router (and with ``router+client`` the client) runs on the workers' cores:
     its CPU per request and per token (the profile's ``host_cpu_seconds``) is a share of each core that
-    stretches a step by ``1 / (1 - share)``, net of the share the serving grid was measured with. Without
-    the figures, or with ``host_load=none``, nothing changes."""
+    stretches a step by ``1 / (1 - share)``, net of the share the serving grid was measured with (its requests':
+    its steps already hold the host's work on the tokens their streams sent). Without the figures, or with
+    ``host_load=none``, nothing changes."""
     from pdserve.sizing.simulator import HOST_WINDOW_S
 
     profile = make_profile(decode_base_s=0.004, decode_per_seq_s=0.001, prefill_per_token_s=2e-5)
@@ -598,16 +599,24 @@ def test_the_host_processes_take_cores_from_the_steps_on_a_shared_machine():
     assert sim.host_share(5.0) == pytest.approx(0.1, rel=0.02)
     assert sim.host_share(5.0 + 3 * HOST_WINDOW_S) == pytest.approx(0.1 * math.exp(-3), rel=0.05)
     worker = sim.decode_workers[0]
-    # a decode step at the grid's own stream rate with the host as busy as when the grid was measured: as profiled
+    # a decode step priced from the colocated grid, with requests arriving as fast as the grid's streams did: as
+    # profiled. The grid's requests' share is taken out and the recent requests' put in; the host's work on the
+    # streams' tokens stays in the grid's step, so the tokens sent lately do not stretch it again
     step, batch = 0.012, 8
-    embedded = (0.003 / 48 + 3e-4) * batch / step / 2  # router and client, as the grid was measured: 0.12
-    sim._host_recent, sim._host_at = embedded * HOST_WINDOW_S * 2, 0.0  # the router alone as busy now
+    embedded = 0.003 / 48 * batch / step / 2  # the grid's requests through router and client: 0.021 of a core
+    sim = Simulator(profile, SimConfig(num_prefill=0, num_decode=2, machine_cores=2, host_load="router"))
+    worker, base = sim.decode_workers[0], sim.decode_workers[0].core_shortfall[1]
+    sim._host_work(0.0, embedded * HOST_WINDOW_S * 2)  # requests: as many as the grid's, the router alone now
     assert sim.host_share(0.0) == pytest.approx(embedded)
-    base = worker.core_shortfall[1]
     assert sim.core_contention(worker, False, 0.0, batch, step) == pytest.approx(base)
-    sim._host_recent = 0.3 * HOST_WINDOW_S * 2
+    sim._host_work(0.0, 0.2 * HOST_WINDOW_S, tokens=True)  # and tokens out: 0.2 of a core more, 0.1 of each
+    assert sim.host_share(0.0) == pytest.approx(embedded + 0.1)
+    assert sim.host_share(0.0, tokens=False) == pytest.approx(embedded)
+    assert sim.core_contention(worker, False, 0.0, batch, step) == pytest.approx(base)
+    # a prompt step is priced from the engine alone: every share of the host stretches it
+    assert sim.core_contention(worker, True, 0.0) == pytest.approx(worker.core_shortfall[0] / (1 - embedded - 0.1))
+    sim._host_work(0.0, 0.3 * HOST_WINDOW_S * 2 - embedded * HOST_WINDOW_S * 2)  # requests at 0.3 of a core
     assert sim.core_contention(worker, False, 0.0, batch, step) == pytest.approx(base * (1 - embedded) / 0.7)
-    assert sim.core_contention(worker, True, 0.0) == pytest.approx(worker.core_shortfall[0] / 0.7)
     assert Simulator(make_profile(), SimConfig(num_prefill=0, num_decode=2, machine_cores=2))._host_cost is None
 
 

@@ -473,6 +473,7 @@ class Simulator:
         self._host_cost: tuple[float, float] | None = None
         self._host_embedded = (0.0, 0.0)
         self._host_recent = self._host_at = 0.0
+        self._host_recent_tokens = 0.0
         self.host_placed = False  # the host's CPU placed by the cores' idle time (host_share): set below
         figures = self._overhead_profile.host_cpu_seconds
         names = {"router": ("router",), "router+client": ("router", "client")}.get(config.host_load, ())
@@ -538,36 +539,45 @@ class Simulator:
         more share each: all of a core for a prompt step, a decode step's computing part,
         ``WorkerProfile.decode_cpu_share``), and the host processes' share of the machine
         (``host_share``: a step takes ``1 / (1 - share)`` as long), net of the share the profile's own
-        measurement had: the serving grid's streams through the router and the client, and for a prompt
+        measurement had: for a decode step priced from a colocated serving grid, the grid's requests through
+        the router and the client (the host's work on the tokens the streams send is in the grid's steps
+        as in serving's, so neither side counts it: ``host_share(tokens=False)``), and for a prompt
         step priced from the loaded prefill hop (``loaded``: its prompt tokens and the worker's
-        utilisation, as ``prefill_slowdown`` took them) that pass's arrivals, in the part of its slowdown
-        the step takes."""
+        utilisation, as ``prefill_slowdown`` took them) that pass's arrivals and tokens, in the part of its
+        slowdown the step takes."""
         shared = self._shared[worker.worker_id]
         busy = 1.0 + sum(u.core_share for u in shared if u.busy and u is not worker) if shared else 1.0
         factor = busy * worker.core_shortfall[0 if prompt else 1]
         if self._host_cost is not None:
-            factor /= 1.0 - self.host_share(now, worker)
+            # a colocated grid: its worker had every core, beside the router and the client; a decode worker's
+            # grid (1P+1D) kept its core busy and the prefill worker's idle, and the router and the client ran on
+            # the idle one (host_share): its steps hold none of their CPU
+            grid = not prompt and batch > 0 and step > 0 and bool(worker.profile.serving_decode_seconds) \
+                and worker.profile.kind != "decode"
+            # a colocated grid's step already holds the host's work on the tokens its streams sent: the router and
+            # the client take each token as the step makes it, in the grid as in serving, so only the requests'
+            # part is swapped (the grid's out, the recent arrivals' in); the calibration runs of 2026-12-03 had
+            # the simulated colocated TPOT p50 12-36% under the real one with both parts swapped
+            factor /= 1.0 - self.host_share(now, worker, tokens=not grid)
             # the measurement the step is priced from ran its streams (of serving_stream_tokens tokens each)
             # at ``rate`` requests a second through the router and the client; ``taken``: of its slowdown
             rate, taken = 0.0, 1.0
-            if not prompt and batch and step > 0 and worker.profile.serving_decode_seconds \
-                    and worker.profile.kind != "decode":
-                # a colocated grid: its worker had every core, beside the router and the client; a decode
-                # worker's grid (1P+1D) kept its core busy and the prefill worker's idle, and the router and the
-                # client ran on the idle one (host_share): its steps hold none of their CPU
+            if grid:
                 rate = batch / step / worker.profile.serving_stream_tokens
             elif loaded is not None:
                 rate, taken = worker.profile.loaded_share(*loaded)
             if rate:
                 per_request, per_token = self._host_embedded
-                embedded = rate * (per_request + per_token * worker.profile.serving_stream_tokens)
+                streamed = 0.0 if grid else per_token * worker.profile.serving_stream_tokens
+                embedded = rate * (per_request + streamed)
                 factor *= 1.0 - min(HOST_SHARE_CAP, embedded / self._profiled_cores) * taken
         return factor
 
-    def host_share(self, now: float, worker: SimWorker | None = None) -> float:
+    def host_share(self, now: float, worker: SimWorker | None = None, tokens: bool = True) -> float:
         """The share of ``worker``'s step time (None: of each of ``machine_cores``, spread evenly) the host
         processes (``SimConfig.host_load``) take now, at most ``HOST_SHARE_CAP``: their CPU demand, the requests
-        and tokens of the last ``HOST_WINDOW_S`` (decayed) times the profile's CPU seconds of each, spread over
+        and (``tokens``; False: the requests alone) tokens of the last ``HOST_WINDOW_S`` (decayed) times the
+        profile's CPU seconds of each, spread over
         the cores in proportion to the time each core's workers left idle lately (their ``utilization``), evenly
         where the cores are all busy. A worker with a thread on each of several cores runs a step in lock step (a
         step waits for the thread whose core the router or the client took, while the others spin at the
@@ -575,7 +585,8 @@ class Simulator:
         an idle core: on the Xeon of 2026-12-02, beside a decode worker busy with 24 streams, a 1P+1D prefill
         worker's prompt took 33 ms where it took 12 alone (13-15 when the 24 did not stream), and the decode
         steps were as fast either way."""
-        demand = self._host_recent * math.exp(min(0.0, self._host_at - now) / HOST_WINDOW_S) / HOST_WINDOW_S
+        recent = self._host_recent if tokens else self._host_recent - self._host_recent_tokens
+        demand = recent * math.exp(min(0.0, self._host_at - now) / HOST_WINDOW_S) / HOST_WINDOW_S
         cores = self.config.machine_cores
         if worker is None:
             return min(HOST_SHARE_CAP, demand / cores)
@@ -593,10 +604,12 @@ class Simulator:
             kept *= 1.0 - share
         return min(HOST_SHARE_CAP, 1.0 - kept)
 
-    def _host_work(self, now: float, cpu_seconds: float) -> None:
-        """The host processes spent ``cpu_seconds`` at ``now`` (a request in, tokens out)."""
+    def _host_work(self, now: float, cpu_seconds: float, tokens: bool = False) -> None:
+        """The host processes spent ``cpu_seconds`` at ``now`` (a request in, or ``tokens``: tokens out)."""
         now = max(now, self._host_at)
-        self._host_recent = self._host_recent * math.exp((self._host_at - now) / HOST_WINDOW_S) + cpu_seconds
+        decay = math.exp((self._host_at - now) / HOST_WINDOW_S)
+        self._host_recent = self._host_recent * decay + cpu_seconds
+        self._host_recent_tokens = self._host_recent_tokens * decay + (cpu_seconds if tokens else 0.0)
         self._host_at = now
 
     # ---- events -------------------------------------------------------------------------
@@ -783,7 +796,7 @@ class Simulator:
         tracked.last = seen
         tracked.tokens += num_tokens
         if self._host_cost is not None:
-            self._host_work(now, self._host_cost[1] * num_tokens)
+            self._host_work(now, self._host_cost[1] * num_tokens, True)
         if finished:
             del self.tracked[request_id]
             if not self.tracked:
@@ -803,7 +816,7 @@ class Simulator:
         tracked.last = last + half
         tracked.tokens += count
         if self._host_cost is not None:
-            self._host_work(last, self._host_cost[1] * count)
+            self._host_work(last, self._host_cost[1] * count, True)
 
     def _release_prefill(self, tracked: _Tracked) -> None:
         if tracked.site_tokens:
