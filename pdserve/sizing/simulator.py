@@ -585,7 +585,7 @@ class Simulator:
         an idle core: on the Xeon of 2026-12-02, beside a decode worker busy with 24 streams, a 1P+1D prefill
         worker's prompt took 33 ms where it took 12 alone (13-15 when the 24 did not stream), and the decode
         steps were as fast either way."""
-        recent = self._host_recent if tokens else self._host_recent - self._host_recent_tokens
+        recent = self._host_recent if tokens else max(0.0, self._host_recent - self._host_recent_tokens)
         demand = recent * math.exp(min(0.0, self._host_at - now) / HOST_WINDOW_S) / HOST_WINDOW_S
         cores = self.config.machine_cores
         if worker is None:
