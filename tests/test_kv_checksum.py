@@ -263,3 +263,50 @@ def test_sender_sends_runs_of_adjacent_blocks_from_the_cache(monkeypatch):
     assert sent_from_cache(slice(None), True) == [True, False, True] * 2
     assert sent_from_cache(slice(None), False) == [False] * 6
     assert sent_from_cache(slice(1, 3), True) == [False] * 4  # runs of four blocks of two heads
+
+
+@needs_kernel
+def test_sums_taken_as_the_forward_writes_a_layer_are_the_ones_sent(monkeypatch):
+    """Within ``observe_kv_writes``, each ``write_kv_cache`` hands its cache layer to the observer; the sender takes
+    the sums of the runs it will send from the cache there (``presum_layer``) and ``send_layer`` sends them with no
+    second pass: the checksum is the receiver's, and gathered runs are summed as before. The sums are those of
+    the bytes at the write: a block changed between the write and the send (which the prefill worker never
+    does) is caught as a mismatch, so the pass at the send really was skipped."""
+    from pdserve.engine.layers.attention_metadata import observe_kv_writes, write_kv_cache
+
+    monkeypatch.setattr(wire, "CPU_MESSAGE_BYTES", 1024)  # two 512-byte blocks a run
+    g = torch.Generator().manual_seed(SEED)
+    cache = torch.randn(3, 2, 10, 4, 4, 8, generator=g)  # [layers, K/V, blocks, block_size, heads, head_dim]
+    blocks = [2, 3, 8, 5, 6]  # runs [2, 3] (adjacent), [8, 5] (gathered), [6] (one block)
+    slots = torch.tensor([b * 4 + t for b in blocks for t in range(4)])
+
+    def forward(out: OutgoingKV, change_after_write: bool = False) -> KVChecksum:
+        """Each layer's K/V written, then the layer sent, as the model and the agent do; the receiver's sums."""
+        layer_of = {cache[i].data_ptr(): i for i in range(3)}
+        seen = []
+
+        def written(kv_cache_layer: torch.Tensor) -> None:
+            seen.append(layer_of[kv_cache_layer.data_ptr()])
+            out.presum_layer(seen[-1], kv_cache_layer, blocks)
+
+        receiver = KVChecksum()
+        with observe_kv_writes(written):
+            for layer in range(3):
+                key, value = torch.randn(2, len(slots), 4, 8, generator=g)
+                write_kv_cache(key, value, cache[layer], slots)
+                if change_after_write:
+                    cache[layer][0, 2, 0, 0, 0] += 1  # a run sent from the cache, after its sums were taken
+                out.send_layer(layer, cache[layer], blocks)
+                receiver.update(cache[layer][:, blocks])
+        assert seen == [0, 1, 2]
+        return receiver
+
+    out = OutgoingKV(_RecordingPair(), "r0", 3, send_from_cache=True)
+    out.start(cache[0], blocks)
+    receiver = forward(out)
+    assert out._checksum.value == receiver.value and out.num_bytes == receiver.num_bytes
+    assert out.num_bytes_presummed == out.num_bytes_from_cache == 3 * 2 * 3 * 512  # layers, K/V, adjacent blocks
+
+    late = OutgoingKV(_RecordingPair(), "r1", 3, send_from_cache=True)
+    late.start(cache[0], blocks)
+    assert late._checksum.value != forward(late, change_after_write=True).value
