@@ -214,8 +214,8 @@ def run(args) -> dict:
             and the seconds the writes took."""
             outgoing = start_request(num_blocks, block_ids)
             writes = write_kv(outgoing if at_write else None, block_ids, fresh)
+            flush()
             time.sleep(0.05)  # the header reaches D first, as in serving
-            flush()  # right before the clock starts, as raw_once's
             t0 = time.monotonic()
             for layer in range(num_layers):
                 outgoing.send_layer(layer, kv_cache[layer], block_ids)
