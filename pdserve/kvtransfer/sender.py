@@ -154,8 +154,7 @@ class OutgoingKV:
         blocks before ``send_layer(layer_idx)`` (nothing writes a request's blocks between its own K/V write
         and the end of that layer). Same arguments as ``send_layer``. Does nothing where there is nothing to
         gain: no run sent from the cache, a layer already sent, a stream not started (``start``) or failed,
-        no native kernel (such runs are then summed by ``send_layer``, as before). Misuse is not raised here:
-        ``send_layer`` says it.
+        no native kernel (such runs are then summed by ``send_layer``, as before). Misuse is not raised here: ``send_layer`` says it.
         """
         if not self.send_from_cache or self._staging is None or self._error is not None \
                 or not self._next_layer <= layer_idx < self.num_layers:
