@@ -10,13 +10,7 @@ of 512 and 2048 tokens:
   adjacent blocks straight from the cache, as the prefill worker sends it, others gathered into
   staging first (``--block-order scattered``: every run gathered); the receiver's checksum), timed from the first
   ``send_layer`` until both sides hold their bytes and checksum (the decode side the whole
-  received KV, the prefill side its completed sends): what the decode worker compares. Before each
-  turn the request's K/V are written into its blocks as a forward writes them (``write_kv_cache``,
-  untimed), with the prefill worker's observer: the sums of the runs sent from the cache are taken
-  there, while the bytes are in cache (``OutgoingKV.presum_layer``); the **write-time sums** column
-  is what that adds to the writes. **at send** is the same transfer with nobody observing the
-  writes, so those runs are summed in ``send_layer`` (the path before the sums moved). Every turn,
-  raw gloo's too, starts with this core's caches flushed (64 MiB written), so each reads cold;
+  received KV, the prefill side its completed sends): what the decode worker compares;
 * **raw**: the same layer tensors, already contiguous, with plain gloo send/recv (every
   send and receive posted at once, then waited for): the floor for moving these bytes.
   The two alternate, one run each, so the shared machine's changing load hits both alike;
@@ -138,7 +132,6 @@ def run(args) -> dict:
     from pdserve.common.protocol import KVTransferHeader
     from pdserve.common.utils import free_port
     from pdserve.engine.layers.attention import AttentionMetadata
-    from pdserve.engine.layers.attention_metadata import observe_kv_writes, write_kv_cache
     from pdserve.engine.execution.kv_cache import allocate_kv_cache
     from pdserve.engine.models.loader import load_model
     from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs
@@ -186,35 +179,10 @@ def run(args) -> dict:
             outgoing.start(kv_cache[0], block_ids)
             return outgoing
 
-        layer_of = {kv_cache[i].data_ptr(): i for i in range(num_layers)}
-        junk = torch.empty(64 << 20, dtype=torch.uint8)
-
-        def flush() -> None:
-            """Evict this core's caches (64 MiB written), so the turn that follows reads its bytes cold."""
-            junk.fill_(seq % 251)
-
-        def write_kv(outgoing: OutgoingKV | None, block_ids: list[int], fresh: torch.Tensor) -> float:
-            """Write ``fresh`` [2, tokens, H, D] into every layer's blocks as a forward's ``write_kv_cache``
-            does; ``outgoing`` not None observes the writes as the prefill worker does (its sums are taken
-            there). Seconds the writes took."""
-            slots = torch.tensor([b * BLOCK_SIZE + t for b in block_ids for t in range(BLOCK_SIZE)])
-            observer = None if outgoing is None else \
-                (lambda layer: outgoing.presum_layer(layer_of[layer.data_ptr()], layer, block_ids))
-            t0 = time.monotonic()
-            with observe_kv_writes(observer):
-                for i in range(num_layers):
-                    write_kv_cache(fresh[0], fresh[1], kv_cache[i], slots)
-            return time.monotonic() - t0
-
-        def pdserve_once(num_blocks: int, block_ids: list[int], nbytes: int, fresh: torch.Tensor,
-                         at_write: bool) -> tuple[float, float]:
+        def pdserve_once(num_blocks: int, block_ids: list[int], nbytes: int) -> float:
             """From the first send_layer until both sides hold their (bytes, checksum): the decode
-            worker compares the two before it installs the KV. ``at_write``: the sums of the runs sent from
-            the cache are taken as the K/V are written (``presum_layer``), else at the send. Returns that
-            and the seconds the writes took."""
+            worker compares the two before it installs the KV."""
             outgoing = start_request(num_blocks, block_ids)
-            writes = write_kv(outgoing if at_write else None, block_ids, fresh)
-            flush()
             time.sleep(0.05)  # the header reaches D first, as in serving
             t0 = time.monotonic()
             for layer in range(num_layers):
@@ -223,8 +191,7 @@ def run(args) -> dict:
             t_sent = time.monotonic()
             _, _, t_recv, got = out.get(timeout=60)
             assert got == nbytes, (got, nbytes)
-            assert outgoing.num_bytes_presummed == (outgoing.num_bytes_from_cache if at_write else 0)
-            return max(t_sent, t_recv) - t0, writes
+            return max(t_sent, t_recv) - t0
 
         def raw_once(layers: list[torch.Tensor], split: bool) -> float:
             """Plain gloo: each layer whole (``split`` False: one message, K and V together), or cut into
@@ -232,7 +199,6 @@ def run(args) -> dict:
             ctrl.put(("raw", (num_layers, list(layers[0].shape), split)))
             time.sleep(0.05)  # D posts its receives first (it would not matter to gloo)
             messages = [m for t in layers for m in layer_messages(t)] if split else layers
-            flush()
             t0 = time.monotonic()
             for work in [group.send([m], 1, 0) for m in messages]:
                 work.wait()
@@ -246,25 +212,16 @@ def run(args) -> dict:
                 block_ids = block_ids[0::2] + block_ids[1::2]
             nbytes = num_layers * 2 * num_blocks * BLOCK_SIZE * num_kv_heads * head_dim * 4
             layers = [kv_cache[i][:, 1:num_blocks + 1].contiguous() for i in range(num_layers)]
-            fresh = torch.randn(2, num_blocks * BLOCK_SIZE, num_kv_heads, head_dim)  # what a forward writes
             # pdserve and raw gloo alternate, so a change in the shared machine's load hits both alike
-            times, at_send, raw, raw_split, writes, writes_summed = [], [], [], [], [], []
+            times, raw, raw_split = [], [], []
             for _ in range(args.transfer_repeats + 1):
-                took, wrote = pdserve_once(num_blocks, block_ids, nbytes, fresh, True)
-                times.append(took)
-                writes_summed.append(wrote)
-                took, wrote = pdserve_once(num_blocks, block_ids, nbytes, fresh, False)
-                at_send.append(took)
-                writes.append(wrote)
+                times.append(pdserve_once(num_blocks, block_ids, nbytes))
                 raw.append(raw_once(layers, False))
                 raw_split.append(raw_once(layers, True))
             results[tokens] = {"bytes": nbytes, "transfer_s": statistics.median(times[1:]),
-                               "at_send_s": statistics.median(at_send[1:]),
-                               "write_sums_s": statistics.median(writes_summed[1:]) - statistics.median(writes[1:]),
                                "raw_s": statistics.median(raw[1:]), "raw_split_s": statistics.median(raw_split[1:]),
                                "messages": sum(len(layer_messages(t)) for t in layers), "layers": num_layers,
                                "ratios": sorted(r / t for r, t in zip(raw[1:], times[1:])),
-                               "at_send_ratios": sorted(r / t for r, t in zip(raw[1:], at_send[1:])),
                                **own_work(kv_cache, block_ids, args.transfer_repeats)}
             if args.skip_prefill:
                 continue
@@ -281,8 +238,7 @@ def run(args) -> dict:
                 outgoing = start_request(num_blocks, block_ids)
                 time.sleep(0.05)
                 t0 = time.monotonic()
-                with torch.inference_mode(), observe_kv_writes(  # as the prefill worker's agent observes them
-                        lambda layer: outgoing.presum_layer(layer_of[layer.data_ptr()], layer, block_ids)):
+                with torch.inference_mode():
                     model(ids, pos, kv_cache, md,
                           on_layer_done=lambda i: outgoing.send_layer(i, kv_cache[i], block_ids))
                 t_forward = time.monotonic()
@@ -319,23 +275,20 @@ def main() -> int:
 
     args.model = args.model or str(ensure_default_model("bench"))
     results = run(args)
-    print(f"{'prompt':>7} {'KV MiB':>7} {'transfer':>9} {'raw gloo':>9} {'ratio':>6} {'at send':>8} {'ratio':>6} "
-          f"{'write-time sums':>15} {'raw split':>10} {'prefill':>8} {'+transfer':>10} {'exposed':>8} {'tail':>7}")
+    print(f"{'prompt':>7} {'KV MiB':>7} {'transfer':>9} {'raw gloo':>9} {'ratio':>6} {'raw split':>10} "
+          f"{'prefill':>8} {'+transfer':>10} {'exposed':>8} {'tail':>7}")
     for tokens, r in results.items():
         ratio = r["raw_s"] / r["transfer_s"]
         prefill, both = r.get("prefill_s", float("nan")), r.get("prefill_with_transfer_s", float("nan"))
         exposed = (both - prefill) / prefill
         print(f"{tokens:7d} {r['bytes'] / 2**20:7.1f} {r['transfer_s'] * 1e3:7.1f}ms "
-              f"{r['raw_s'] * 1e3:7.1f}ms {ratio:6.2f} {r['at_send_s'] * 1e3:6.1f}ms {r['raw_s'] / r['at_send_s']:6.2f} "
-              f"{r['write_sums_s'] * 1e3:13.2f}ms {r['raw_split_s'] * 1e3:8.1f}ms {prefill * 1e3:6.0f}ms "
+              f"{r['raw_s'] * 1e3:7.1f}ms {ratio:6.2f} {r['raw_split_s'] * 1e3:8.1f}ms {prefill * 1e3:6.0f}ms "
               f"{both * 1e3:8.0f}ms {exposed:8.1%} {r.get('tail_s', float('nan')) * 1e3:5.1f}ms")
         r.update(ratio_to_raw=ratio, exposed_share=exposed)
     for tokens, r in results.items():  # per-repeat ratios (raw / pdserve of adjacent runs): the spread
         q = r["ratios"]
-        a = r["at_send_ratios"]
         print(f"ratio to raw gloo at {tokens} tokens: {r['ratio_to_raw']:.2f} (medians); per pair of runs "
-              f"min {q[0]:.2f}, median {statistics.median(q):.2f}, max {q[-1]:.2f} (summed at the send: min "
-              f"{a[0]:.2f}, median {statistics.median(a):.2f}, max {a[-1]:.2f}); own work on the "
+              f"min {q[0]:.2f}, median {statistics.median(q):.2f}, max {q[-1]:.2f}; own work on the "
               f"sending core: gather (for runs sent from the cache: checksum alone) {r['gather_s'] * 1e3:.1f} ms, "
               f"torch checksum {r['checksum_s'] * 1e3:.1f} ms")
         print(f"  raw gloo in pdserve's {r['messages']} messages against {r['layers']} whole layers: "

@@ -30,7 +30,6 @@ WORKER_COUNTERS = {  # metric name -> WorkerStats field
     "pdserve:kv_transfers": "num_kv_transfers",
     "pdserve:local_prefills": "num_local_prefills",
     "pdserve:kv_transfer_bytes_from_cache": "kv_transfer_bytes_from_cache",
-    "pdserve:kv_transfer_bytes_summed_at_write": "kv_transfer_bytes_summed_at_write",
 }
 REQUEST_HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
                       "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
@@ -38,7 +37,7 @@ REQUEST_HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:inter_token_late
 STATS = WorkerStats(num_preemptions=1, prefix_cache_queries=64, prefix_cache_hits=32, num_prompt_tokens=100,
                     num_generation_tokens=50, num_kv_transfers=3, kv_transfer_bytes=4096,
                     kv_transfer_seconds=0.25, kv_transfer_failures=2, num_local_prefills=4,
-                    kv_transfer_bytes_from_cache=3072, kv_transfer_bytes_summed_at_write=2048)
+                    kv_transfer_bytes_from_cache=3072)
 
 
 def scrape(text: str) -> dict[str, list]:

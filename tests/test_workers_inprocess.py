@@ -433,9 +433,6 @@ def test_remote_first_token_and_logprob_equal_the_local_path(model_dir, llm, pee
             loop.join(timeout=10)
         ctx.destroy(linger=0)
     assert decode.stats.num_kv_transfers == 1  # the first request's KV did come from P
-    # P's blocks were adjacent, so its layers left from the cache, their checksum sums taken as the forward
-    # wrote each layer (OutgoingKV.presum_layer), not in a second pass at the send; D verified them above
-    assert prefill.stats.kv_transfer_bytes_summed_at_write == prefill.stats.kv_transfer_bytes_from_cache > 0
     remote, local = results["remote"], results["local"]
     assert [d.new_token_ids for d in remote] == [d.new_token_ids for d in local]
     offline = llm.generate([ids], params, use_tqdm=False)[0].outputs[0]

@@ -78,7 +78,6 @@ class _Transfer:
     sums: dict[tuple[int, int], KVPieceSum] = field(default_factory=dict)
     error: str | None = None
     num_bytes_from_cache: int = 0  # of the pieces reported so far, bytes sent straight from the cache
-    num_bytes_summed_at_write: int = 0  # of those, bytes summed as the forward wrote them
 
 
 def _first_sent_block(origin: RemotePrefillRequest, block_size: int) -> int:
@@ -200,7 +199,6 @@ class KVSource:
         if report.error is not None:
             transfer.error = transfer.error or report.error
         transfer.num_bytes_from_cache += report.num_bytes_from_cache
-        transfer.num_bytes_summed_at_write += report.num_bytes_summed_at_write
         transfer.sums[(report.rank, decode_rank)] = KVPieceSum(prefill_rank=report.rank, decode_rank=decode_rank,
                                                                num_bytes=report.num_bytes, checksum=report.checksum)
         if len(transfer.sums) == len(transfer.pieces) and transfer.first_token is not None:
@@ -231,7 +229,6 @@ class KVSource:
         stats.kv_transfer_seconds += time.monotonic() - transfer.started
         stats.kv_transfer_bytes += num_bytes
         stats.kv_transfer_bytes_from_cache += transfer.num_bytes_from_cache
-        stats.kv_transfer_bytes_summed_at_write += transfer.num_bytes_summed_at_write
         self.worker.mailbox.put(origin.decode_addr, RemotePrefillDone(
             request_id=request_id, prefill_worker_id=self.worker.worker_id, first_token_id=transfer.first_token,
             num_tokens=len(origin.prompt_token_ids), num_bytes=num_bytes, checksum=checksum,

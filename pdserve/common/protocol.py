@@ -176,8 +176,6 @@ class WorkerStats(_Msg):
     num_decode_steps: int = 0  # decode worker: steps whose every row was past its prompt (decode only)
     decode_step_seconds: float = 0.0  # their forward + sampling time, summed (mean step = this / num_decode_steps)
     kv_transfer_bytes_from_cache: int = 0  # prefill worker: of kv_transfer_bytes, those sent from the cache itself
-    # prefill worker: of those, the bytes whose checksum sums were taken as the forward wrote them (presum_layer)
-    kv_transfer_bytes_summed_at_write: int = 0
     kv_offload_blocks: int = 0  # blocks copied from the KV cache to the offload tier (--kv-offload-memory)
     kv_onload_blocks: int = 0  # blocks copied back from it: prefix hits in the tier, in blocks
     kv_offload_copy_seconds: float = 0.0  # wall time of those copies (both ways)
@@ -497,7 +495,6 @@ class RankReport(_Msg):
     checksum: int = 0
     error: str | None = None
     num_bytes_from_cache: int = 0  # SENT: of num_bytes, those sent straight from the cache (not gathered)
-    num_bytes_summed_at_write: int = 0  # SENT: of those, summed as the forward wrote them (OutgoingKV.presum_layer)
 
 
 class RankAttach(_Msg):

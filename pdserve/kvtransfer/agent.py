@@ -138,7 +138,6 @@ class KVRankAgent:
         self.prefill_pairs = PrefillPairs(self.endpoint, self.device, timeout_s)
         self.completer = SendCompleter(timeout_s, on_done=self._sent)
         self._outgoing: list[_Outgoing] = []
-        self._layer_addresses: dict[int, int] | None = None  # _layer_at's map, made on first use
         self._watching: dict[tuple[str, int], None] = {}  # (decode endpoint, generation)
         self._watch_wake = threading.Event()
         self._watcher = threading.Thread(target=self._watch_pairs, daemon=True, name="kv-pair-watch")
@@ -277,33 +276,6 @@ class KVRankAgent:
         position = self.kv_groups.layer_slots[local_layer] if self.kv_groups is not None else local_layer
         return self.kv_cache[position][:, :, :, s.head_start - self.slice.head_start:s.head_end - self.slice.head_start]
 
-    def on_kv_written(self, kv_cache_layer: torch.Tensor) -> None:
-        """The forward just wrote this rank's cache layer ``kv_cache_layer`` (``observe_kv_writes``): take the
-        checksum sums of what each piece in flight will send of it from the cache, while it is in cache
-        (``OutgoingKV.presum_layer``). A tensor that is not one of this rank's cache layers is ignored."""
-        if not self._outgoing:
-            return
-        local = self._layer_at().get(kv_cache_layer.data_ptr())
-        if local is None:
-            return
-        layer = self.slice.layer_start + local
-        for out in self._outgoing:
-            s = out.piece.slice
-            if s.layer_start <= layer < s.layer_end:
-                j = layer - s.layer_start
-                out.send.presum_layer(j, self._piece_layer(out.piece, local), out.layer_block_ids[j])
-
-    def _layer_at(self) -> dict[int, int]:
-        """This rank's cache layers by address: data_ptr -> local layer (an address two layers share is left
-        out: it could not say which was written)."""
-        if self._layer_addresses is None:
-            counts: dict[int, list[int]] = {}
-            for local in range(self.slice.layer_end - self.slice.layer_start):
-                position = self.kv_groups.layer_slots[local] if self.kv_groups is not None else local
-                counts.setdefault(self.kv_cache[position].data_ptr(), []).append(local)
-            self._layer_addresses = {ptr: layers[0] for ptr, layers in counts.items() if len(layers) == 1}
-        return self._layer_addresses
-
     def on_layer_done(self, local_layer: int) -> None:
         """Send this layer's part of every piece in flight (called by the model after each layer)."""
         if not self._outgoing:
@@ -331,8 +303,7 @@ class KVRankAgent:
         self.report(RankReport(rank=self.rank, kind=RankReportKind.SENT, peer=send.pair.decode_worker_id,
                                generation=send.pair.generation, request_id=send.request_id, num_bytes=num_bytes,
                                checksum=checksum, error=error,
-                               num_bytes_from_cache=send.num_bytes_from_cache if error is None else 0,
-                               num_bytes_summed_at_write=send.num_bytes_presummed if error is None else 0))
+                               num_bytes_from_cache=send.num_bytes_from_cache if error is None else 0))
 
     # ---- decode side -----------------------------------------------------------------------------
 

@@ -145,43 +145,8 @@ class BlockGather:
             raise IndexError(f"block ids {self._index.tolist()} outside a cache of {self._args[2]} blocks")
         return sums[0], sums[1]
 
-    def _check_ids(self) -> int:
-        """The cache's block count, once the (fixed) block ids are known to lie inside it; IndexError if not."""
-        total = self._args[2]
-        if self._ids_in_range is None:
-            n = self._args[4]
-            self._ids_in_range = not n or (int(self._index.min()) >= 0 and int(self._index.max()) < total)
-        if not self._ids_in_range:
-            raise IndexError(f"block ids {self._index.tolist()} outside a cache of {total} blocks")
-        return total
-
-    def direct_sums(self, kv_layer: torch.Tensor, runs: list[tuple[int, int, int]],
-                    direct: list[int | None]) -> list[tuple[int, int] | None]:
-        """The sums ``in_runs`` would take of each run sent from the cache (``direct[i]`` not None), taken now:
-        per run, ``(sum_k r_k, s2)`` of its bytes where they lie, or None for a run that is gathered. The
-        sender takes them right after the forward wrote the layer's K/V (``OutgoingKV.presum_layer``), while
-        the bytes are still in this core's caches, and hands them to ``in_runs`` (``summed``) when the layer
-        is sent. Raises ValueError if ``kv_layer`` is not laid out as planned, IndexError as ``in_runs``."""
-        if (kv_layer.shape, kv_layer.stride(), kv_layer.dtype) != self._layout:
-            raise ValueError(f"layer {list(kv_layer.shape)} {kv_layer.stride()} {kv_layer.dtype} is not the "
-                             f"planned {self._layout}")
-        self._check_ids()
-        _, slot_stride, _, _, _, block_stride, block_size, _, token_bytes = self._args
-        src, block_bytes = kv_layer.data_ptr(), block_size * token_bytes
-        out = []
-        for (slot, first, end), d in zip(runs, direct):
-            if d is None:
-                out.append(None)
-                continue
-            sums = (ctypes.c_int64 * 2)()
-            self._lib.pdserve_kv_checksum(src + slot * slot_stride + d * block_stride, (end - first) * block_bytes,
-                                          sums)
-            out.append((sums[0], sums[1]))
-        return out
-
     def in_runs(self, kv_layer: torch.Tensor, out: torch.Tensor, runs: list[tuple[int, int, int]],
-                each: Callable[[int], None], direct: list[int | None] | None = None,
-                summed: list[tuple[int, int] | None] | None = None) -> tuple[int, int]:
+                each: Callable[[int], None], direct: list[int | None] | None = None) -> tuple[int, int]:
         """``self(kv_layer, out)`` a run at a time: for each ``(slot, first, end)`` of ``runs``
         (``wire.layer_runs``, in order) ``out[slot, first:end]`` is gathered and summed, then ``each(i)``
         is called (the sender sends run i while it is still in cache). Every run must be whole
@@ -190,8 +155,7 @@ class BlockGather:
         block id on (``kv_layer[slot]`` contiguous): the run is not gathered (``out[slot, first:end]`` is
         left as it was; the sender sends the cache's bytes): it is summed where it lies, then ``each(i)``
         sends it from this core's cache (summing after the send was 1.3x slower on the bench machine:
-        the socket's copy had already moved on). ``summed[i]``, where not None, is such a run's sums taken
-        earlier (``direct_sums``): it is sent with no pass over its bytes here.
+        the socket's copy had already moved on).
         Returns the layer's sums, as ``self(kv_layer, out)`` would. Raises ValueError as ``__call__``,
         or if a run is not whole rows, and IndexError for a block id outside the cache, before anything
         is gathered."""
@@ -200,15 +164,14 @@ class BlockGather:
         block_bytes = block_size * token_bytes
         if block_bytes % ROW_BYTES:
             raise ValueError(f"blocks of {block_bytes} bytes are not whole {ROW_BYTES}-byte checksum rows")
-        self._check_ids()
+        if self._ids_in_range is None:
+            self._ids_in_range = not n or (int(self._index.min()) >= 0 and int(self._index.max()) < total)
+        if not self._ids_in_range:
+            raise IndexError(f"block ids {self._index.tolist()} outside a cache of {total} blocks")
         src, dst = kv_layer.data_ptr(), out.data_ptr()
         sums = (ctypes.c_int64 * 2)()
         parts = []
         for i, (slot, first, end) in enumerate(runs):
-            if summed is not None and summed[i] is not None:  # a run sent from the cache, summed earlier
-                each(i)
-                parts.append((summed[i], (end - first) * block_bytes))
-                continue
             if direct is not None and direct[i] is not None:
                 self._lib.pdserve_kv_checksum(src + slot * slot_stride + direct[i] * block_stride,
                                               (end - first) * block_bytes, sums)

@@ -78,9 +78,6 @@ class OutgoingKV:
             raise KVTransferError(f"request {request_id}: {len(self.layer_num_blocks)} layer block counts for "
                                   f"{num_layers} layers")
         self._plans: dict[int, _BlocksPlan] = {}  # id(block_ids) -> its plan (_plan_for)
-        # layer -> its runs' sums taken when the forward wrote it (presum_layer), for send_layer
-        self._presums: dict[int, list[tuple[int, int] | None]] = {}
-        self.num_bytes_presummed = 0  # KV bytes sent from the cache with sums taken at the write (presum_layer)
         self.send_from_cache = send_from_cache
         self.num_bytes = 0  # KV bytes handed to the pair so far
         self.num_bytes_from_cache = 0  # of those, sent from the cache itself (send_from_cache)
@@ -144,34 +141,6 @@ class OutgoingKV:
         plan = self._plans[id(block_ids)] = _BlocksPlan(block_ids, index, gather, runs, by_runs, direct, direct_bytes)
         return plan
 
-    def presum_layer(self, layer_idx: int, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
-        """Take now the checksum sums of layer ``layer_idx``'s runs that ``send_layer`` will send from the cache.
-
-        Called right after the forward wrote this layer's K/V into the cache (``observe_kv_writes``), while
-        those bytes are still in this core's caches: a layer is then summed in 60-70% of the time a pass
-        over it takes once the rest of the layer has run (0.062-0.072 against 0.091-0.120 ms per MiB on a
-        2-core AVX2 EPYC), and its send reads it from memory once instead of twice. The caller must not change those
-        blocks before ``send_layer(layer_idx)`` (nothing writes a request's blocks between its own K/V write
-        and the end of that layer). Same arguments as ``send_layer``. Does nothing where there is nothing to
-        gain: no run sent from the cache, a layer already sent, a stream not started (``start``) or failed,
-        no native kernel (such runs are then summed by ``send_layer``, as before). Misuse is not raised here: ``send_layer`` says it.
-        """
-        if not self.send_from_cache or self._staging is None or self._error is not None \
-                or not self._next_layer <= layer_idx < self.num_layers:
-            return
-        staged = self._rows[layer_idx]
-        want = self.layer_num_blocks[layer_idx] if self.layer_num_blocks else staged.shape[1]
-        if len(block_ids) != want:
-            return
-        if self.layer_num_blocks:
-            staged = layer_prefix(staged, len(block_ids))
-        plan = self._plan_for(kv_layer, block_ids, staged)
-        if plan.by_runs and plan.direct is not None:
-            try:
-                self._presums[layer_idx] = plan.gather.direct_sums(kv_layer, plan.runs, plan.direct)
-            except (ValueError, IndexError):  # not the planned layout: send_layer says what is wrong
-                pass
-
     def send_layer(self, layer_idx: int, kv_layer: torch.Tensor, block_ids: list[int]) -> None:
         """Gather ``kv_layer[:, block_ids]`` and start sending it; returns without waiting.
 
@@ -212,10 +181,9 @@ class OutgoingKV:
                                 else kv_layer[slot, direct[i]:direct[i] + end - first]
                                 for i, (slot, first, end) in enumerate(plan.runs)]
                     last = len(messages) - 1 if layer_idx == self.num_layers - 1 else -1
-                    summed = self._presums.pop(layer_idx, None)
                     sums = plan.gather.in_runs(
                         kv_layer, staged, plan.runs,
-                        lambda i: self.pair.enqueue_send(self._send, [messages[i]], last=i == last), direct, summed)
+                        lambda i: self.pair.enqueue_send(self._send, [messages[i]], last=i == last), direct)
                 else:
                     sums = plan.gather(kv_layer, staged)
             except ValueError:  # not the planned layout: the checks below say what is wrong
@@ -224,7 +192,6 @@ class OutgoingKV:
                 if plan.by_runs:
                     self.num_bytes += staged.nbytes
                     self.num_bytes_from_cache += plan.direct_bytes
-                    self.num_bytes_presummed += plan.direct_bytes if summed is not None else 0
                     self._checksum.add(sums, staged.nbytes)
                 else:
                     self._issue(layer_idx, staged, sums)
@@ -297,7 +264,6 @@ class OutgoingKV:
         staging, self._staging = self._staging, None
         self._rows = ()
         self._plans.clear()
-        self._presums.clear()
         if staging is not None:  # every send completed: nothing reads it any more
             self.pair.staging.give(staging)
         return self.num_bytes, value

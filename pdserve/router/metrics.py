@@ -78,8 +78,6 @@ _WORKER_COUNTERS = (
     ("pdserve:kv_transfer_failures", "kv_transfer_failures", "KV transfers that failed."),
     ("pdserve:kv_transfer_bytes_from_cache", "kv_transfer_bytes_from_cache",
      "KV bytes a prefill worker sent straight from its cache (runs of adjacent blocks), not gathered first."),
-    ("pdserve:kv_transfer_bytes_summed_at_write", "kv_transfer_bytes_summed_at_write",
-     "Of those, the bytes whose transfer checksum was taken as the forward wrote them, not at the send."),
     ("pdserve:kv_offload_blocks", "kv_offload_blocks",
      "KV blocks copied from the KV cache to the host-memory offload tier as they were evicted."),
     ("pdserve:kv_onload_blocks", "kv_onload_blocks",

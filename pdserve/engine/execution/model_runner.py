@@ -24,7 +24,6 @@ from pdserve.common.checkpoint import checkpoint_dtype, read_eos_token_ids
 from pdserve.common.protocol import ExecuteModel, KVLayout, KVStepOps, RankAttach, TierOp, TierOpKind, WorkerRole
 from pdserve.common.utils import format_cpu_list, keep_freed_memory, pin_to_cores, resolve_device, resolve_dtype
 from pdserve.engine.layers.attention import AttentionMetadata, select_backend
-from pdserve.engine.layers.attention_metadata import observe_kv_writes
 from pdserve.engine.execution import measured_choices
 from pdserve.engine.execution.compiled_step import CompiledDecodeStep
 from pdserve.engine.execution.model_input import ModelInput
@@ -456,9 +455,8 @@ class ModelRunner:
         hidden_in = None
         if ranks is not None and not ranks.is_first_stage:
             hidden_in = ranks.recv_hidden(len(step.input_ids), self.hidden_size, self.dtype)
-        observe = None  # each layer's K/V, once written, to the agent: its sends' checksum sums, while in cache
         if on_layer_done is None and agent is not None and agent.sending:
-            on_layer_done, observe = agent.on_layer_done, agent.on_kv_written
+            on_layer_done = agent.on_layer_done
         out_rows = None  # the sampled rows, where the last layer computes only those (_out_rows)
         try:
             md = inp.attn_metadata
@@ -469,9 +467,8 @@ class ModelRunner:
                 hidden = compiled(inp, self.kv_cache)
             else:
                 out_rows = self._out_rows(step, inp)
-                with observe_kv_writes(observe):
-                    hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, md, on_layer_done,
-                                        hidden=hidden_in, out_rows=out_rows)
+                hidden = self.model(inp.input_ids, inp.positions, self.kv_cache, md, on_layer_done, hidden=hidden_in,
+                                    out_rows=out_rows)
         except Exception as e:
             if agent is not None and agent.sending:
                 agent.abort_sends(f"prefill forward failed: {e}")

@@ -4,9 +4,6 @@ interface and the reference backend; ``paged_backend``, the native kernel's)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -132,24 +129,6 @@ def _quantized_name(kv_cache_dtype: str | None) -> str | None:
     return kv_cache_dtype
 
 
-# Called with each cache layer write_kv_cache has just written (observe_kv_writes); None: nobody watches.
-_kv_written: ContextVar[Callable[[torch.Tensor], None] | None] = ContextVar("pdserve_kv_written", default=None)
-
-
-@contextlib.contextmanager
-def observe_kv_writes(fn: Callable[[torch.Tensor], None] | None) -> Iterator[None]:
-    """Within the block, ``fn(kv_cache_layer)`` runs right after each ``write_kv_cache`` into that cache layer
-    (the very tensor the model passed), while the new K/V are still in this core's caches: the prefill
-    worker's KV agent takes the transfer checksum's sums there (``OutgoingKV.presum_layer``). ``fn`` None
-    watches nothing. Only this thread's (context's) writes are seen. Decode steps that write through the
-    native decode kernel are not seen; the sender then sums at send time."""
-    token = _kv_written.set(fn)
-    try:
-        yield
-    finally:
-        _kv_written.reset(token)
-
-
 def write_kv_cache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -164,17 +143,8 @@ def write_kv_cache(
     quantized ``kv_cache_dtype`` uint8 [kv_slots, num_blocks, block_size, num_kv_heads, head_dim + 4];
     slot_mapping: [num_tokens] int64, every entry a valid slot.
     A latent cache (kv_slots 1) stores the key rows only: ``value`` is then the keys' first v_dim
-    values (the caller's promise) and is not written. Within ``observe_kv_writes(fn)``, ``fn(kv_cache_layer)``
-    runs once the rows are in.
+    values (the caller's promise) and is not written.
     """
-    _scatter_kv(key, value, kv_cache_layer, slot_mapping, kv_cache_dtype)
-    if not torch.compiler.is_compiling() and (observer := _kv_written.get()) is not None:  # never in a graph
-        observer(kv_cache_layer)
-
-
-def _scatter_kv(key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                kv_cache_dtype: str | None) -> None:
-    """``write_kv_cache``'s writes."""
     kv_slots, _, _, num_kv_heads, row_len = kv_cache_layer.shape
     flat = kv_cache_layer.view(kv_slots, -1, num_kv_heads, row_len)  # (kv_slots, num_slots, H_kv, D or D + 4)
     if kv_slots == 1:
