@@ -828,6 +828,29 @@ def test_a_decode_workers_work_on_each_request_it_takes_in_delays_its_next_step(
     assert tpot_cpu - tpot == pytest.approx(5.0 / 15, rel=0.1)  # 5 ms more over a request's 15 gaps
 
 
+def test_with_the_host_modelled_a_decode_workers_work_on_each_request_is_cpu_on_the_cores_left_idle():
+    """Where the router and the client run on the machine's cores (``host_load``), the decode process's CPU per
+    request outside its steps is CPU like theirs (most of it is the KV receiving thread's): on a core left idle
+    it does not hold the decode steps back (requests one at a time: the first gap is not 5 ms longer), and
+    its demand counts in ``host_share``, so with both cores busy it still slows the steps."""
+    def run(cpu_s: float, rate: float) -> tuple[Simulator, float, float]:
+        profile = _host_profile()
+        decode = profile.workers["decode"]
+        decode.overhead_tokens, decode.overhead_seconds = [16, 1024], [0.0, 0.0]
+        decode.serving_request_cpu_seconds = [cpu_s, cpu_s]
+        sim = Simulator(profile, SimConfig(num_prefill=1, num_decode=1, machine_cores=2, host_load="router+client",
+                                           step_jitter=False))
+        result = sim.run(synthetic(DatasetConfig(num_prompts=40, input_len=128, output_len=16, seed=1), rate))
+        return sim, sim.decode_workers[0].busy_seconds, result.metrics["mean_tpot_ms"]
+
+    (sim, busy, tpot), (sim_cpu, busy_cpu, tpot_cpu) = run(0.0, 0.1), run(0.005, 0.1)
+    assert busy_cpu - busy < 0.1 * 40 * 0.005  # not between the steps (that would add 0.2 s)
+    assert tpot_cpu - tpot < 0.1 * 5.0 / 15  # nor 5 ms on each request's 15 gaps
+    assert sim_cpu._host_recent > sim._host_recent  # it is the machine's CPU demand instead
+    (_, _, loaded), (_, _, loaded_cpu) = run(0.0, 400.0), run(0.02, 400.0)
+    assert loaded_cpu > loaded * 1.02  # the cores are busy: it takes their time from the steps
+
+
 def test_sizer_grows_each_pool_with_the_load_it_carries():
     profile = make_profile(decode_base_s=0.01, decode_per_seq_s=0.01)
     sizer = ProfileSizer(profile, {"ttft": 200, "tpot": 100})

@@ -167,7 +167,9 @@ class WorkerProfile:
         serving_request_cpu_seconds: a decode worker's: for the same idle prompts, the CPU seconds its
             process spent on each outside decode steps (taking the request in, receiving, checking and
             installing its KV, emitting its first token), over its idle loop's; empty when not measured
-            (``request_cpu_seconds``). Under load that work sits between its steps.
+            (``request_cpu_seconds``). The simulator puts it on the machine's cores beside the host
+            processes' CPU where it models them (most of it is the KV receiving thread's), else between
+            the worker's steps.
         loaded_overhead_s, overhead_per_stream_s: what a request's time outside the steps takes under
             Poisson arrivals beyond ``request_overhead`` (measured at idle, one request after another): a
             constant, and seconds for each other stream in flight when it arrives (the router's and the
