@@ -157,16 +157,17 @@ class WorkerProfile:
             machine they share with the workers they take cores from the steps (``Simulator.host_share``).
         serving_stream_tokens: tokens each stream of the serving grid decoded (its requests' length).
         serving_kv_transfer_seconds: a decode worker's: for prompts of ``overhead_tokens`` tokens at idle,
-            the KV's arrival after the prompt's last step on the prefill worker (the router's
-            ``kv_transfer`` hop: the last layers' sends and the decode worker taking the KV), left out of
-            ``overhead_seconds``; empty when not measured (``kv_transfer_tail``).
-        serving_admission_seconds: a decode worker's: for the same idle prompts, the router's
-            ``decode_admission`` hop (the request's way to the decode worker, its engine loop taking it
+            each streaming ``serving_stream_tokens`` tokens as a benchmark's requests do, the KV's arrival after
+            the prompt's last step on the prefill worker (the router's ``kv_transfer`` hop, the median: the last
+            layers' sends and the decode worker taking the KV), left out of ``overhead_seconds``; empty when not
+            measured (``kv_transfer_tail``). Profiles before 2026-12-03 hold one-token requests' mean, 2-3x longer.
+        serving_admission_seconds: a decode worker's: for the same streaming prompts, the router's
+            ``decode_admission`` hop, the median (the request's way to the decode worker, its engine loop taking it
             in, reserving its blocks and sending the prompt to the prefill worker), left out of
             ``overhead_seconds``; empty when not measured (``admission_seconds``).
-        serving_request_cpu_seconds: a decode worker's: for the same idle prompts, the CPU seconds its
-            process spent on each outside decode steps (taking the request in, receiving, checking and
-            installing its KV, emitting its first token), over its idle loop's; empty when not measured
+        serving_request_cpu_seconds: a decode worker's: for idle one-token prompts of those lengths, the CPU
+            seconds its process spent on each outside decode steps (taking the request in, receiving, checking
+            and installing its KV, emitting its first token), over its idle loop's; empty when not measured
             (``request_cpu_seconds``). The simulator puts it on the machine's cores beside the host
             processes' CPU where it models them (most of it is the KV receiving thread's), else between
             the worker's steps.

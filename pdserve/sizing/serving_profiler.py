@@ -191,12 +191,13 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
       ``serving_prefill_idle_seconds`` the idle hop, ``serving_prefill_utilization`` how busy the loaded
       pass kept the prefill worker (its arrivals paced by the idle hop: ``LOADED_UTILIZATION`` times
       the loaded hop over the idle one, at most 1; 0 for a colocated worker);
-    * ``serving_kv_transfer_seconds`` (disaggregated): those idle prompts' ``kv_transfer`` hop, the KV's
-      arrival at the decode worker after the prompt's last step (the simulator adds it after the step,
-      stretched as the cores are shared);
-    * ``serving_admission_seconds`` (disaggregated): those idle prompts' ``decode_admission`` hop, the
-      decode worker taking the request in and sending the prompt on (the simulator adds it before the
-      prefill worker gets the prompt, stretched as the decode worker's core is shared);
+    * ``serving_kv_transfer_seconds`` (disaggregated): the ``kv_transfer`` hop, the KV's arrival at the decode
+      worker after the prompt's last step, of prompts of those lengths streaming ``max_tokens`` tokens each (the
+      requests of ``overhead_seconds`` below; the median): the simulator adds it after the step, stretched as the
+      cores are shared;
+    * ``serving_admission_seconds`` (disaggregated): the same streaming requests' ``decode_admission`` hop
+      (median), the decode worker taking the request in and sending the prompt on (the simulator adds it
+      before the prefill worker gets the prompt, stretched as the decode worker's core is shared);
     * ``serving_request_cpu_seconds`` (disaggregated): the decode worker process's CPU seconds per such
       prompt (its requests carry one token: no decode steps), over what its loop spends idle (timed for
       ``IDLE_LOOP_S`` first);
@@ -281,14 +282,27 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             # TTFT less their own hops, so one request stalled in either part does not move it (a mean over eight
             # requests and their hops' means gave 3.1-18.0 ms at one length between five colocated profiles on the
             # AVX2 EPYC of 2026-12-03, a stall or two in a mean of eight)
-            overheads = []
+            overheads, stream_tails, stream_admissions = [], [], []
             for k in range(num_idle):
                 before = scrape_phases(cluster.url)
                 ttft = lone_ttfts(cluster.url, model_id, [prompt(n + k)], max_tokens=max_tokens)[0]
                 own = hop_means(summarize(before, scrape_phases(cluster.url)))
                 overheads.append(ttft - own.get(hop, compute) - own.get("kv_transfer", kv_tail)
                                  - own.get("decode_admission", admission))
+                if "kv_transfer" in own:
+                    stream_tails.append(own["kv_transfer"])
+                if "decode_admission" in own:
+                    stream_admissions.append(own["decode_admission"])
             overhead_seconds.append(max(0.0, statistics.median(overheads)))
+            # The KV tail and the admission as these streaming requests saw them (medians), the very hops their
+            # overhead leaves out, so the simulator's parts add up to their time to first token. A one-token
+            # request's KV tail is 2-3x longer (on the AVX2 EPYC of 2026-12-03: 1.4-2.6 ms at 16-512 tokens,
+            # against 0.6-0.7 streaming 48 tokens, which is what the benchmark's requests at 4 req/s saw in the
+            # calibration's real runs: 0.7-1.1 ms)
+            if stream_tails:
+                kv_seconds[-1] = statistics.median(stream_tails)
+            if stream_admissions:
+                admission_seconds[-1] = statistics.median(stream_admissions)
             if len(ttfts) > 2 and compute > 0:
                 scatter.append(robust_std(ttfts) / compute)
             if n in WAKE_TOKENS:  # these prompts again, taking turns: back to back and after each idle gap
