@@ -271,8 +271,6 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             overhead_tokens.append(n)
             prefill_seconds.append(served)
             idle_seconds.append(compute)
-            kv_seconds.append(kv_tail)
-            admission_seconds.append(admission)
             request_cpu.append(max(0.0, decode_cpu / num_idle))
             # the overhead from prompts of this length again, each streaming max_tokens tokens as a benchmark's do:
             # the first token's way to the client then meets the stream's next steps on the cores (the colocated
@@ -299,10 +297,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             # request's KV tail is 2-3x longer (on the AVX2 EPYC of 2026-12-03: 1.4-2.6 ms at 16-512 tokens,
             # against 0.6-0.7 streaming 48 tokens, which is what the benchmark's requests at 4 req/s saw in the
             # calibration's real runs: 0.7-1.1 ms)
-            if stream_tails:
-                kv_seconds[-1] = statistics.median(stream_tails)
-            if stream_admissions:
-                admission_seconds[-1] = statistics.median(stream_admissions)
+            kv_seconds.append(statistics.median(stream_tails) if stream_tails else kv_tail)
+            admission_seconds.append(statistics.median(stream_admissions) if stream_admissions else admission)
             if len(ttfts) > 2 and compute > 0:
                 scatter.append(robust_std(ttfts) / compute)
             if n in WAKE_TOKENS:  # these prompts again, taking turns: back to back and after each idle gap
