@@ -5,7 +5,9 @@ Two processes on two pinned cores (prefill side on core 0, decode side on core 1
 ``bench`` preset's KV shape (12 layers, 4 KV heads of 64, float32, blocks of 16), prompts
 of 512 and 2048 tokens:
 
-* **transfer**: one request's KV through ``PrefillPairs``/``DecodePairs`` (metadata tensor,
+* **transfer**: one request's KV through ``PrefillPairs``/``DecodePairs`` (its two processes share this
+  host, so the pair moves its messages through shared memory, ``kvtransfer/shm.py``, unless
+  ``PDSERVE_KV_TRANSPORT=gloo``; metadata tensor,
   each layer checksummed and sent in runs of at most 512 KiB (``wire.layer_runs``): a run of
   adjacent blocks straight from the cache, as the prefill worker sends it, others gathered into
   staging first (``--block-order scattered``: every run gathered); the receiver's checksum), timed from the first
@@ -160,6 +162,7 @@ def run(args) -> dict:
             if pairs.failure("D", generation):
                 raise RuntimeError(pairs.failure("D", generation))
             time.sleep(0.01)
+        results["transport"] = pair.transport
         ctrl.put(("raw_connect", None))
         group = dist.ProcessGroupGloo(dist.TCPStore(HOST, raw_port, 2, True), 0, 2)
         seq = 0
@@ -275,6 +278,8 @@ def main() -> int:
 
     args.model = args.model or str(ensure_default_model("bench"))
     results = run(args)
+    transport = results.pop("transport")
+    print(f"pdserve's pair moved its messages through {transport} (PDSERVE_KV_TRANSPORT=gloo keeps it on gloo)")
     print(f"{'prompt':>7} {'KV MiB':>7} {'transfer':>9} {'raw gloo':>9} {'ratio':>6} {'raw split':>10} "
           f"{'prefill':>8} {'+transfer':>10} {'exposed':>8} {'tail':>7}")
     for tokens, r in results.items():

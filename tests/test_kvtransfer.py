@@ -7,6 +7,7 @@ prefill -> decode over a queue, results come back to the test over another.
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import queue
@@ -22,6 +23,7 @@ from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.pair import PairStoreServer, transfer_backend
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
+from pdserve.kvtransfer.shm import ArenaStaging, ShmArena, shm_supported
 from pdserve.kvtransfer.staging import StagingPool
 import pdserve.kvtransfer.wire as wire
 from pdserve.kvtransfer.wire import dtype_from_name, dtype_name
@@ -158,7 +160,8 @@ def prefill_main(store_port: int, generation: int, headers, out, plan, dtype: st
             completer.submit(out_kv)
     for _ in range(sum(len(b) for b in plan)):
         out.put(("done",) + done.get(timeout=timeout_s + 5))
-    out.put(("staging", pairs.staging.num_allocated, pairs.staging.num_lent))
+    arena_free = pair.staging.free_bytes == pair._arena.data_bytes if pair.shared_memory else None
+    out.put(("staging", pairs.staging.num_allocated, pairs.staging.num_lent, pair.transport, arena_free))
     completer.close()
     pairs.close()
 
@@ -197,6 +200,34 @@ def test_staging_pool_bounds_idle_bytes_and_forgets_unreturned_buffers():
     assert pool.num_lent == 0 and pool.free_bytes == 0
 
 
+@pytest.mark.skipif(not shm_supported(torch.device("cpu")), reason="no shared-memory transport on this machine")
+def test_arena_staging_lends_first_fit_merges_freed_regions_and_falls_back():
+    """The sender's staging in a pair's arena (``shm.ArenaStaging``): page-aligned regions of the data, first
+    fit; a buffer given back merges with free neighbours; what does not fit comes from the fallback pool."""
+    arena = ShmArena.create(64 << 10)
+    arena.unlink()
+    try:
+        fallback = StagingPool()
+        staging = ArenaStaging(arena, fallback)
+        a, b, c = (staging.take((n, 1024), torch.uint8, "cpu") for n in (8, 4, 20))  # 8 + 4 + 20 KiB
+        offsets = [t.data_ptr() - arena.data_ptr for t in (a, b, c)]
+        assert offsets == [0, 8 << 10, 12 << 10] and staging.free_bytes == 32 << 10
+        big = staging.take((40 << 10,), torch.uint8, "cpu")  # more than is free: the fallback's
+        assert not 0 <= big.data_ptr() - arena.data_ptr < arena.data_bytes and fallback.num_lent == 1
+        staging.give(b)
+        assert staging.take((5 << 10,), torch.uint8, "cpu").data_ptr() - arena.data_ptr == 32 << 10  # 4 KiB hole
+        staging.give(a)  # merges with b's hole: 12 KiB at 0
+        d = staging.take((3, 1024), torch.float32, "cpu")
+        assert d.data_ptr() == arena.data_ptr and d.shape == (3, 1024)
+        staging.give(big)
+        assert fallback.num_lent == 0 and fallback.free_bytes > 0
+        staging.give(d)
+        staging.give(d)  # twice: ignored
+        assert staging.free_bytes == (64 - 20 - 8) << 10
+    finally:
+        arena.close()
+
+
 def test_transfer_backend():
     assert transfer_backend("cpu") == "gloo"
     assert transfer_backend(torch.device("cuda", 1)) == "nccl"
@@ -205,13 +236,18 @@ def test_transfer_backend():
 # -- end to end ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,early_meta,kv_slots,message_bytes,plan",
-                         [(torch.float32, False, 2, None, PLAN), (torch.bfloat16, True, 2, None, PLAN),
-                          (torch.float32, True, 1, None, PLAN), (torch.float32, True, 2, 512, PLAN),
-                          (torch.bfloat16, False, 2, 256, PLAN), (torch.float32, True, 2, 512, GROUPS_PLAN),
-                          (torch.float32, False, 2, None, GROUPS_PLAN), (torch.bfloat16, True, 2, 256, GROUPS_PLAN),
-                          (torch.float32, True, 2, 512, ADJACENT_PLAN)])
-def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots, message_bytes, plan):
+@pytest.mark.parametrize("dtype,early_meta,kv_slots,message_bytes,plan,transport",
+                         [(torch.float32, False, 2, None, PLAN, "auto"), (torch.bfloat16, True, 2, None, PLAN, "auto"),
+                          (torch.float32, True, 1, None, PLAN, "auto"), (torch.float32, True, 2, 512, PLAN, "auto"),
+                          (torch.bfloat16, False, 2, 256, PLAN, "auto"),
+                          (torch.float32, True, 2, 512, GROUPS_PLAN, "auto"),
+                          (torch.float32, False, 2, None, GROUPS_PLAN, "auto"),
+                          (torch.bfloat16, True, 2, 256, GROUPS_PLAN, "auto"),
+                          (torch.float32, True, 2, 512, ADJACENT_PLAN, "auto"),
+                          (torch.float32, False, 2, None, PLAN, "gloo"), (torch.bfloat16, False, 2, 256, PLAN, "gloo"),
+                          (torch.float32, True, 2, 512, GROUPS_PLAN, "gloo"),
+                          (torch.float32, True, 2, 512, ADJACENT_PLAN, "gloo")])
+def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots, message_bytes, plan, transport, monkeypatch):
     """Requests interleaved layer by layer arrive whole and checked, in staging buffers the pools
     reuse (sender and receiver); with ``early_meta`` every meta of a batch goes out before its layers.
     ``kv_slots`` 1: a latent cache (MLA) ships one row per token, half the bytes of K and V.
@@ -219,7 +255,11 @@ def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots, message_bytes, p
     256-byte float32 blocks, gathered and sent run by run; 256: two 128-byte bfloat16 blocks, which
     are not whole checksum rows, so the layer is gathered whole and sent in runs). ``GROUPS_PLAN``:
     each layer sends its own blocks (KV cache groups), with equal and with unequal counts; every layer
-    arrives with its own blocks' bytes. ``ADJACENT_PLAN``: runs of adjacent blocks leave from the cache."""
+    arrives with its own blocks' bytes. ``ADJACENT_PLAN``: runs of adjacent blocks leave from the cache.
+    ``transport``: "auto" takes shared memory where the machine has it (both processes share this host),
+    "gloo" keeps the pair on gloo (``PDSERVE_KV_TRANSPORT``, inherited by the processes)."""
+    monkeypatch.setenv("PDSERVE_KV_TRANSPORT", transport)
+    expected_transport = "shm" if transport == "auto" and shm_supported(torch.device("cpu")) else "gloo"
     ctrl, out_d, out_p = CTX.Queue(), CTX.Queue(), CTX.Queue()
     d = CTX.Process(target=decode_main, args=(ctrl, out_d, 10.0, message_bytes), daemon=True)
     d.start()
@@ -258,9 +298,14 @@ def test_end_to_end_layer_by_layer(dtype, early_meta, kv_slots, message_bytes, p
             for layer in layers:
                 reference.update(layer)
             assert checksum == reference.value
+        _, allocated, lent, seen_transport, arena_free = out_p.get(timeout=5)
+        assert seen_transport == expected_transport and lent == 0
+        assert not glob.glob(f"/dev/shm/pdserve-kv-{p.pid}-*")  # the arena's name went once D mapped it
+        if seen_transport == "shm":  # P's staging lay in the arena, all of it given back
+            assert allocated == 0 and arena_free is True
+        elif plan is PLAN:  # P: r0 and r1 are gathered at once, r2 (5 blocks) fits in neither
+            assert allocated == 3
         if plan is PLAN:
-            # P: r0 and r1 are gathered at once, r2 (5 blocks) fits in neither; every buffer came back
-            assert out_p.get(timeout=5) == ("staging", 3, 0)
             # D: r1 (2 blocks) lands in r0's returned buffer (3 blocks); r2 needs a new one
             ctrl.put(("num_allocated", None))
             assert out_d.get(timeout=5) == ("num_allocated", 2)

@@ -19,6 +19,7 @@ operation to fail, still learns about it (``peer_closed``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -33,9 +34,11 @@ import torch.distributed as dist
 
 import pdserve.kvtransfer.wire as wire
 from pdserve.common.utils import listen_socket
+from pdserve.kvtransfer.shm import ArenaStaging, ShmArena, ShmLink, negotiate
 from pdserve.kvtransfer.staging import StagingPool
 from pdserve.kvtransfer.wire import KVTransferError
 
+logger = logging.getLogger(__name__)
 
 
 def transfer_backend(device: torch.device | str) -> str:
@@ -154,7 +157,9 @@ class KVPair:
     layer i + 1 (NCCL ignores tags, so order is the only way to match).
 
     ``staging`` lends the buffers a request's KV is gathered into (sender) or lands in
-    (receiver); pairs of one worker rank share one (None: the pair gets its own).
+    (receiver); pairs of one worker rank share one (None: the pair gets its own). A pair whose ranks share
+    a host moves its messages through shared memory (``kvtransfer.shm``, ``transport`` "shm"); its sender
+    then lends its staging from the pair's arena, falling back to ``staging``.
     """
 
     def __init__(self, pg: dist.ProcessGroup, *, backend: str, device: torch.device, rank: int,
@@ -175,6 +180,19 @@ class KVPair:
         self._note_thread: threading.Thread | None = None
         self._lock = threading.RLock()
         self._send_order: deque[PendingSend] = deque()
+        self._arena: ShmArena | None = None  # both ranks on one host: the messages go through it (kvtransfer.shm)
+        self._shm: ShmLink | None = None
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether the pair's messages go through a shared-memory arena (both ranks on one host): the sender
+        then gathers every layer into its staging, which lies in the arena, and sends nothing from its cache."""
+        return self._shm is not None
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` (``shared_memory``), else the group's backend (``"gloo"``, ``"nccl"``)."""
+        return "shm" if self._shm is not None else self.backend
 
     @property
     def name(self) -> str:
@@ -224,7 +242,30 @@ class KVPair:
                    generation=generation, timeout_s=timeout_s, staging=staging)
         pair._store = prefix
         pair._hello(deadline)
+        pair._setup_shm()
         return pair
+
+    def _setup_shm(self) -> None:
+        """Move the pair's messages to shared memory where both ranks share a host (``shm.negotiate``); the
+        sender's staging is then lent from the arena (its own pool where a request does not fit)."""
+        try:
+            arena = negotiate(self._store, self.rank, self.device)
+        except Exception as exc:  # the store or the peer went away
+            reason = f"pair {self.name}: {self.peer_desc} did not agree on a transport: {_short(exc)}"
+            self.close(reason)
+            raise KVTransferError(reason) from None
+        if arena is not None:
+            self._arena = arena
+            self._shm = ShmLink(arena, self.peer_rank, self._live_pg, lambda: self._pg is not None, self.timeout_s)
+            if self.rank == 0:
+                self.staging = ArenaStaging(arena, self.staging)
+        logger.info("KV pair %s (rank %d): messages through %s", self.name, self.rank, self.transport)
+
+    def _post(self, pg: dist.ProcessGroup, tensor: torch.Tensor):
+        """Issue ``tensor`` as the stream's next message (through the arena where the pair has one); its Work."""
+        if self._shm is not None:
+            return self._shm.post(tensor)
+        return pg.send([tensor], self.peer_rank, wire.TAG)
 
     def _hello(self, deadline: float) -> None:
         """Exchange ``hello`` (and so create NCCL's communicator here, not in the step loop)."""
@@ -253,7 +294,7 @@ class KVPair:
     def send(self, tensor: torch.Tensor) -> dist.Work:
         """Start sending ``tensor`` (contiguous, on ``device``) to the peer; returns the Work."""
         try:
-            return self._live_pg().send([tensor], self.peer_rank, wire.TAG)
+            return self._post(self._live_pg(), tensor)
         except KVTransferError:
             raise
         except Exception as exc:
@@ -280,7 +321,10 @@ class KVPair:
         """Post a receive of the stream's next message into ``tensor`` (contiguous, exact size); returns
         the Work to ``wait`` on. Receives posted back to back complete in stream order."""
         try:
-            return self._live_pg().recv([tensor], self.peer_rank, wire.TAG)
+            pg = self._live_pg()
+            if self._shm is not None:
+                return self._shm.post_recv(tensor)
+            return pg.recv([tensor], self.peer_rank, wire.TAG)
         except KVTransferError:
             raise
         except Exception as exc:
@@ -311,7 +355,7 @@ class KVPair:
                 while self._send_order and self._pg is not None:
                     head = self._send_order[0]
                     while head.queued:
-                        head.works.append(self._pg.send([head.queued.popleft()], self.peer_rank, wire.TAG))
+                        head.works.append(self._post(self._pg, head.queued.popleft()))
                     if not head.all_queued:
                         break
                     self._send_order.popleft()
@@ -347,6 +391,8 @@ class KVPair:
             self._send_order.clear()
         for send in waiting:
             send.fail(f"pair {self.name} closed: {self.error}")
+        if self._arena is not None:
+            self._arena.close()
         if self._store is not None:
             self._note_thread = _leave_note(self._store, self.rank, self.error)
         if self.backend == "nccl":

@@ -135,7 +135,8 @@ class OutgoingKV:
         runs = wire.layer_runs(staged.shape[0], staged.shape[1], block_bytes, staged.device.type)
         by_runs = gather is not None and block_bytes % ROW_BYTES == 0 and not self._faulty \
             and (len(runs) > 1 or self.send_from_cache)
-        direct = direct_runs(kv_layer, block_ids, runs) if by_runs and self.send_from_cache else None
+        direct = direct_runs(kv_layer, block_ids, runs) \
+            if by_runs and self.send_from_cache and not self.pair.shared_memory else None
         direct_bytes = sum((end - first) * block_bytes for (_, first, end), d in zip(runs, direct or ())
                            if d is not None)
         plan = self._plans[id(block_ids)] = _BlocksPlan(block_ids, index, gather, runs, by_runs, direct, direct_bytes)
