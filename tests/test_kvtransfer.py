@@ -13,17 +13,19 @@ import os
 import queue
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
 import torch
+import torch.distributed as dist
 
 from pdserve.common.protocol import KVTransferHeader
 from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.pair import PairStoreServer, transfer_backend
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
-from pdserve.kvtransfer.shm import ArenaStaging, ShmArena, shm_supported
+from pdserve.kvtransfer.shm import ArenaStaging, ShmArena, negotiate, shm_supported
 from pdserve.kvtransfer.staging import StagingPool
 import pdserve.kvtransfer.wire as wire
 from pdserve.kvtransfer.wire import dtype_from_name, dtype_name
@@ -226,6 +228,30 @@ def test_arena_staging_lends_first_fit_merges_freed_regions_and_falls_back():
         assert staging.free_bytes == (64 - 20 - 8) << 10
     finally:
         arena.close()
+
+
+@pytest.mark.skipif(not shm_supported(torch.device("cpu")), reason="no shared-memory transport on this machine")
+@pytest.mark.parametrize("mib", ["1", "1000000"])
+def test_shm_negotiation_leaves_no_file_and_sees_the_peer_go(mib, monkeypatch):
+    """Both ranks agree on an arena through the pair's store, whose file is gone once both mapped it; each
+    side sees the other's lock until the other closes. An arena ``/dev/shm`` cannot hold (1 TB here) is
+    refused at once: both sides answer None (the pair stays on gloo), and no file is left either way."""
+    monkeypatch.setenv("PDSERVE_KV_SHM_MIB", mib)
+    store = dist.HashStore()
+    before = set(glob.glob("/dev/shm/pdserve-kv-*"))
+    with ThreadPoolExecutor(2) as pool:
+        sender, receiver = pool.map(lambda rank: negotiate(store, rank, torch.device("cpu")), (0, 1))
+    assert set(glob.glob("/dev/shm/pdserve-kv-*")) == before
+    if mib != "1":
+        assert sender is None and receiver is None
+        return
+    assert sender.data_bytes == receiver.data_bytes == 1 << 20
+    assert sender.peer_alive() and receiver.peer_alive()
+    sender.data[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert receiver.data[:4].tolist() == [1, 2, 3, 4]  # one memory
+    sender.close()
+    assert not receiver.peer_alive() and receiver.closed
+    receiver.close()
 
 
 def test_transfer_backend():

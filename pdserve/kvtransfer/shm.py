@@ -140,8 +140,8 @@ class ShmArena:
     (int64 each) and ``data_bytes`` of data (``data``: a flat uint8 tensor over it).
 
     Each side holds an open-file-description write lock on its own byte of the control page while it has
-    the arena open;
-    ``peer_alive`` tests the other's. ``path`` is the file while it still has a name (see ``negotiate``).
+    the arena open; ``peer_alive`` tests the other's. ``path`` is the file while it still has a name (see
+    ``negotiate``).
 
     Raises:
         OSError: the file cannot be created, sized (``/dev/shm`` full: ENOSPC) or opened.
@@ -151,17 +151,25 @@ class ShmArena:
     def __init__(self, path: str, rank: int, data_bytes: int, create: bool):
         size = _DATA_AT + data_bytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDWR, 0o600)
+        lock_fd = None
         try:
             if create:
                 os.posix_fallocate(fd, 0, size)  # tmpfs pages now: ENOSPC here, never SIGBUS on a write
             elif os.fstat(fd).st_size != size:
                 raise KVTransferError(f"shared-memory arena {path} has {os.fstat(fd).st_size} bytes, expected {size}")
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, _LOCK_AT + rank))
             self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            # the lock on an open file of its own: the mapping keeps ``fd``'s open, and so would keep a lock on it
+            lock_fd = os.open(path, os.O_RDWR)
+            fcntl.fcntl(lock_fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, _LOCK_AT + rank))
         except BaseException:
-            os.close(fd)
+            if lock_fd is not None:
+                os.close(lock_fd)
+            if create:  # no arena was made: leave no file behind
+                os.unlink(path)
             raise
-        self._fd: int | None = fd
+        finally:
+            os.close(fd)
+        self._fd: int | None = lock_fd
         self.path, self.rank, self.data_bytes = path, rank, data_bytes
         self.control = (ctypes.c_int64 * 3).from_buffer(self._mm, 0)
         self.descriptors = (ctypes.c_int64 * (2 * NUM_DESCRIPTORS)).from_buffer(self._mm, _DESCRIPTORS_AT)
@@ -188,7 +196,10 @@ class ShmArena:
         fd = self._fd
         if fd is None:
             return False
-        held = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, _LOCK_AT + 1 - self.rank))
+        try:
+            held = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, _LOCK_AT + 1 - self.rank))
+        except OSError:  # this side closed the arena meanwhile (another thread)
+            return False
         return struct.unpack(_FLOCK, held)[0] != fcntl.F_UNLCK
 
     @property
