@@ -205,7 +205,8 @@ def test_staging_pool_bounds_idle_bytes_and_forgets_unreturned_buffers():
 @pytest.mark.skipif(not shm_supported(torch.device("cpu")), reason="no shared-memory transport on this machine")
 def test_arena_staging_lends_first_fit_merges_freed_regions_and_falls_back():
     """The sender's staging in a pair's arena (``shm.ArenaStaging``): page-aligned regions of the data, first
-    fit; a buffer given back merges with free neighbours; what does not fit comes from the fallback pool."""
+    fit; a buffer given back merges with free neighbours; what does not fit comes from the fallback pool; a
+    buffer that dies unreturned frees its region."""
     arena = ShmArena.create(64 << 10)
     arena.unlink()
     try:
@@ -217,15 +218,20 @@ def test_arena_staging_lends_first_fit_merges_freed_regions_and_falls_back():
         big = staging.take((40 << 10,), torch.uint8, "cpu")  # more than is free: the fallback's
         assert not 0 <= big.data_ptr() - arena.data_ptr < arena.data_bytes and fallback.num_lent == 1
         staging.give(b)
-        assert staging.take((5 << 10,), torch.uint8, "cpu").data_ptr() - arena.data_ptr == 32 << 10  # 4 KiB hole
+        e = staging.take((5 << 10,), torch.uint8, "cpu")
+        assert e.data_ptr() - arena.data_ptr == 32 << 10  # not b's 4 KiB hole
         staging.give(a)  # merges with b's hole: 12 KiB at 0
         d = staging.take((3, 1024), torch.float32, "cpu")
         assert d.data_ptr() == arena.data_ptr and d.shape == (3, 1024)
         staging.give(big)
         assert fallback.num_lent == 0 and fallback.free_bytes > 0
+        staging.give(d[0])  # a view at its address, not what take returned: ignored
+        assert staging.free_bytes == (64 - 20 - 8 - 12) << 10
         staging.give(d)
         staging.give(d)  # twice: ignored
         assert staging.free_bytes == (64 - 20 - 8) << 10
+        del c  # never given back (a failed request's): its region is free again
+        assert staging.free_bytes == (64 - 8) << 10
     finally:
         arena.close()
 

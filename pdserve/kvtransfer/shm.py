@@ -48,6 +48,7 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from datetime import timedelta
 
 import torch
@@ -280,13 +281,15 @@ def negotiate(store: dist.Store, rank: int, device: torch.device) -> ShmArena | 
 class ArenaStaging:
     """The sender's staging lent from its arena's data region (first fit, 4 KiB aligned, freed regions
     merged with their neighbours), with ``StagingPool``'s interface; a request that does not fit takes a
-    buffer from ``fallback`` (its messages then go on gloo). Thread-safe."""
+    buffer from ``fallback`` (its messages then go on gloo). A lent buffer that dies unreturned (a failed or
+    aborted request's) frees its region, as ``StagingPool`` forgets one: the receiver may still copy a
+    message of it out, but that request's KV is dropped on the decode side. Thread-safe."""
 
     def __init__(self, arena: ShmArena, fallback: StagingPool):
         self.arena, self.fallback = arena, fallback
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a dying buffer's callback may run inside a locked section
         self._free: list[tuple[int, int]] = [(0, arena.data_bytes)]  # (offset, bytes), by offset
-        self._lent: dict[int, int] = {}  # offset -> bytes
+        self._lent: dict[int, tuple[int, weakref.ref]] = {}  # offset -> (bytes, the tensor take returned)
 
     @property
     def free_bytes(self) -> int:
@@ -300,35 +303,47 @@ class ArenaStaging:
         size = max(-(-num_bytes // _ALIGN) * _ALIGN, _ALIGN)
         with self._lock:
             index = next((i for i, (_, free) in enumerate(self._free) if free >= size), None)
-            if index is not None:
-                offset, free = self._free[index]
-                if free == size:
-                    del self._free[index]
-                else:
-                    self._free[index] = (offset + size, free - size)
-                self._lent[offset] = size
-        if index is None:
-            return self.fallback.take(shape, dtype, device)
-        return self.arena.data[offset:offset + num_bytes].view(dtype).view(shape)
+            if index is None:
+                return self.fallback.take(shape, dtype, device)
+            offset, free = self._free[index]
+            if free == size:
+                del self._free[index]
+            else:
+                self._free[index] = (offset + size, free - size)
+            out = self.arena.data[offset:offset + num_bytes].view(dtype).view(shape)
+            self._lent[offset] = (size, weakref.ref(out, lambda ref, at=offset: self._release(at, ref)))
+            return out
 
     def give(self, t: torch.Tensor) -> None:
-        """Take back a tensor ``take`` returned, once nothing reads it (every send of it consumed)."""
+        """Take back a tensor ``take`` returned, once nothing reads it (every send of it consumed); anything
+        else is handed to the fallback pool (which ignores what it did not lend)."""
         offset = t.data_ptr() - self.arena.data_ptr
         with self._lock:
-            size = self._lent.pop(offset, None) if 0 <= offset < self.arena.data_bytes else None
-            if size is not None:
-                self._free.append((offset, size))
-                self._free.sort()
-                merged = [self._free[0]]
-                for start, length in self._free[1:]:
-                    last_start, last_length = merged[-1]
-                    if last_start + last_length == start:
-                        merged[-1] = (last_start, last_length + length)
-                    else:
-                        merged.append((start, length))
-                self._free = merged
-        if size is None:
+            lent = self._lent.get(offset)
+            if lent is None or lent[1]() is not t:
+                lent = None
+            else:
+                self._release(offset, lent[1])
+        if lent is None:
             self.fallback.give(t)
+
+    def _release(self, offset: int, ref: weakref.ref) -> None:
+        """Free the region at ``offset`` if ``ref``'s buffer still holds it, merging free neighbours."""
+        with self._lock:
+            lent = self._lent.get(offset)
+            if lent is None or lent[1] is not ref:
+                return
+            del self._lent[offset]
+            self._free.append((offset, lent[0]))
+            self._free.sort()
+            merged = [self._free[0]]
+            for start, length in self._free[1:]:
+                last_start, last_length = merged[-1]
+                if last_start + last_length == start:
+                    merged[-1] = (last_start, last_length + length)
+                else:
+                    merged.append((start, length))
+            self._free = merged
 
 
 class _ShmSend:
@@ -415,6 +430,12 @@ class ShmLink:
         return _ShmSend(self, seq) if work is None else work
 
     def post_recv(self, tensor: torch.Tensor) -> _ShmRecv:
-        """Post the receive of the stream's next message into ``tensor`` (contiguous, exact size)."""
+        """Post the receive of the stream's next message into ``tensor`` (contiguous, exact size).
+
+        Raises:
+            KVTransferError: ``tensor`` is not contiguous.
+        """
+        if not tensor.is_contiguous():
+            raise KVTransferError(f"a receive needs a contiguous tensor, got strides {tensor.stride()}")
         self._seq += 1
         return _ShmRecv(self, self._seq - 1, tensor)
