@@ -228,8 +228,10 @@ class ShmArena:
             seen = self.control[index]
             if seen > value:
                 return True
-            if self.closed or not is_open():
-                raise KVTransferError(f"{what}: the pair was closed")
+            if not is_open():
+                raise KVTransferError(f"{what}: the pair was closed on this side")
+            if self.closed:
+                raise KVTransferError(f"{what}: the peer closed the pair (Connection closed by peer)")
             if not self.peer_alive():
                 raise KVTransferError(f"{what}: the peer process is gone (Connection closed by peer)")
             left = deadline - time.monotonic()
