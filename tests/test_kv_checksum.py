@@ -178,7 +178,8 @@ class _RecordingPair:
 
     name, peer_desc = "P->D", "D"
 
-    def __init__(self):
+    def __init__(self, shared_memory: bool = False):
+        self.shared_memory = shared_memory  # a same-host pair's (kvtransfer.shm): every run gathered
         self.staging = StagingPool()
         self.sent: list[torch.Tensor] = []
 
@@ -235,15 +236,16 @@ def test_sender_gathers_every_layer_and_checksums_what_it_sends(native, message_
 def test_sender_sends_runs_of_adjacent_blocks_from_the_cache(monkeypatch):
     """``send_from_cache``: a run (``wire.layer_runs``) whose blocks lie next to each other in the cache goes on
     the wire as a view of the cache itself, nothing gathered; any other run is gathered as before, and a TP
-    piece's heads (not one run of memory) always are. The bytes and the checksum are the receiver's either way."""
+    piece's heads (not one run of memory) always are, and so is every run of a pair through shared memory (its
+    staging lies in the memory the receiver maps). The bytes and the checksum are the receiver's either way."""
     monkeypatch.setattr(wire, "CPU_MESSAGE_BYTES", 1024)  # two of these 512-byte blocks a run (a piece's: four)
     g = torch.Generator().manual_seed(SEED)
     cache = torch.randn(3, 2, 10, 4, 4, 8, generator=g)  # [layers, K/V, blocks, block_size, heads, head_dim]
     blocks = [2, 3, 8, 5, 6]  # runs [2, 3] (adjacent), [8, 5] (not), [6] (one block)
     lo, hi = cache.data_ptr(), cache.data_ptr() + cache.nbytes
 
-    def sent_from_cache(heads: slice, send_from_cache: bool) -> list[bool]:
-        pair = _RecordingPair()
+    def sent_from_cache(heads: slice, send_from_cache: bool, shared_memory: bool = False) -> list[bool]:
+        pair = _RecordingPair(shared_memory)
         out = OutgoingKV(pair, "r0", 3, send_from_cache=send_from_cache)
         receiver = KVChecksum()
         runs = wire.layer_runs(2, 5, cache[0][0, 0, :, heads].nbytes, "cpu")
@@ -262,4 +264,5 @@ def test_sender_sends_runs_of_adjacent_blocks_from_the_cache(monkeypatch):
 
     assert sent_from_cache(slice(None), True) == [True, False, True] * 2
     assert sent_from_cache(slice(None), False) == [False] * 6
+    assert sent_from_cache(slice(None), True, shared_memory=True) == [False] * 6
     assert sent_from_cache(slice(1, 3), True) == [False] * 4  # runs of four blocks of two heads
