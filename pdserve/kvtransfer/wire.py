@@ -38,6 +38,10 @@ moved at 0.60x raw gloo in 128 KiB runs, 0.46x in 256 KiB runs, 0.86-0.88x in 51
 against 0.78-0.80x as whole layers (``benchmarks/bench_transfer.py``; docs/benchmarks.md,
 thirteenth session). The split never changes the bytes, only where one message ends.
 
+A pair whose ranks share a host (``kvtransfer.shm``) carries the same messages in the same order, but
+publishes each through a shared-memory arena as a descriptor (offset, size); only a message outside the
+arena (the meta, a request that did not fit) still travels on the group, its descriptor saying so.
+
 The receiver checks ``meta`` against the ZMQ header before posting any layer
 receive, so a disagreement is reported instead of corrupting memory (gloo
 aborts the process when more bytes arrive than a receive expects, and silently
