@@ -81,6 +81,28 @@ def test_a_batch_that_never_formed_is_priced_from_the_engine_and_a_served_step_n
     assert w.decode_cpu_share(64, 32) == pytest.approx(1.0)
 
 
+def test_the_serving_passes_are_sized_from_the_engine_grids_so_a_slow_model_profiles_in_minutes():
+    """A prompt length's serving passes keep their default sizes while they fit LENGTH_BUDGET_S (a millisecond
+    model's always do); a slower model's are scaled down together to about that budget, each count at least its
+    floor, and a length whose floors still overrun is left out once three lengths are in. A grid point whose
+    priming pass and steps overrun POINT_BUDGET_S is not streamed (``fill_unformed`` prices it)."""
+    from pdserve.sizing import serving_profiler as sp
+
+    assert sp.budgeted_counts(0.01, 0.1, 8, 24, True, 0) == (8, 24, 10)  # 14.2 s of requests and gaps: as before
+    # 2 + 8 one-token requests at 0.5 s, 32 streaming at 2 s: 69 s, scaled by 45/69 (no wake pass)
+    assert sp.budgeted_counts(0.5, 2.0, 8, 24, False, 0) == (5, 16, 0)
+    assert sp.budgeted_counts(0.5, 2.0, 8, 0, False, 0) == (8, 0, 0)  # 21 s: a colocated worker's fits
+    # floors (3, 8, 3) at 5 s a request: 5 x (5 + 11) = 80 s; kept while fewer than three lengths are in
+    assert sp.budgeted_counts(5.0, 5.0, 8, 24, False, 2) == (3, 8, 0)
+    assert sp.budgeted_counts(5.0, 5.0, 8, 24, False, 3) is None
+    assert sp.budgeted_counts(0.05, 0.05, 8, 24, False, 3) == (8, 24, 0)  # within budget: never left out
+    w = make_profile().worker("decode")  # prompt 0.002 + 1e-4 N s, decode step 0.004 + 0.0005 B s
+    assert sp.request_seconds(w, w, 256, 48) == pytest.approx(0.0276 + 47 * 0.0045)
+    assert sp.grid_point_seconds(w, w, 8, 1024, 48) == pytest.approx(8 * (0.002 + 1e-4 * 1023) + 48 * 0.008)
+    slow = make_profile(prefill_per_token_s=2e-4).worker("prefill")  # 64 prompts of 1,023 tokens: 13.2 s
+    assert sp.grid_point_seconds(slow, w, 64, 1024, 48) > sp.POINT_BUDGET_S > sp.grid_point_seconds(slow, w, 64, 32, 48)
+
+
 def test_a_prompt_steps_served_slowdown_moves_from_the_idle_hop_to_the_loaded_one_with_utilization():
     w = make_profile().worker("prefill")
     w.serving_prefill_tokens = [16, 1024]
@@ -182,6 +204,31 @@ def test_a_disaggregated_request_waits_for_its_transfer_when_it_outlasts_the_pre
         profile = make_profile(transfer_s=transfer)
         m = Simulator(profile, SimConfig(num_prefill=1, num_decode=1)).run([one(64, 3)]).metrics
         assert m["median_ttft_ms"] == pytest.approx(1000 * max(prefill, transfer))
+
+
+def test_a_single_rank_decode_worker_sends_the_first_token_while_its_step_runs():
+    """The real decode worker sends a remote prefill's first token once its KV is checked, while a step runs
+    (``FirstTokenWatch``); one of several ranks receives between steps. B's KV arrives in the middle of A's
+    0.2 s decode step: B's first token then leaves at once on one rank, at the step's end on two, and B is
+    taken into the batch at the step's end either way (its tokens counted once)."""
+    def run(ranks: int):
+        profile = make_profile(decode_base_s=0.2)
+        profile.workers["decode"].tensor_parallel_size = ranks
+        return Simulator(profile, SimConfig(num_prefill=1, num_decode=1, step_jitter=False)).run(
+            [one(64, 10), one(64, 3, at=0.3, index=1)])
+
+    prefill = 0.002 + 1e-4 * 64
+    one_rank, two_ranks = run(1), run(2)
+    for result in (one_rank, two_ranks):
+        assert result.metrics["completed"] == 2 and result.metrics["total_output_tokens"] == 13
+        hops, counts = result.sim["ttft_hops_mean_ms"], {k: c for k, (_, c) in result.records.hops.items()}
+        assert counts["kv_transfer"] == 2
+        assert sum(hops[k] * counts[k] for k in hops) / 2 == pytest.approx(result.metrics["mean_ttft_ms"])
+    # A's TTFT is its prompt step, both ways. B, sent at 0.3 s, is admitted at the end of A's second step (0.0084 s
+    # + 2 x 0.2005 s) and its KV is there a prompt step later, in A's third step, which ends at 0.6099 s
+    b_one, b_two = (2 * r.metrics["mean_ttft_ms"] - 1000 * prefill for r in (one_rank, two_ranks))
+    assert b_one == pytest.approx(1000 * (prefill + 2 * 0.2005 + prefill - 0.3), abs=0.5)
+    assert b_two == pytest.approx(1000 * (prefill + 3 * 0.2005 - 0.3), abs=0.5)
 
 
 def test_every_request_finishes_and_every_block_is_free_afterwards():

@@ -48,6 +48,50 @@ LOADED_PASS_PROMPTS = 40
 LOADED_PASS_TOKENS = (16, 512)
 LOADED_PASS_STREAMS = 2.0
 LOADED_PASS_PROBES = 3
+# The passes' sizes above suit a model whose request takes milliseconds; a larger one's would take an hour (the bench
+# preset, ~100M parameters, on one core of the AVX2 EPYC of 2026-12-03: its first prompt length's passes had not ended
+# after 16 minutes, and one grid point primes up to 64 prompts of 2,047 tokens). Each pass is sized from the engine
+# grids measured just before (``budgeted_counts``, ``grid_point_seconds``): a prompt length's passes take about
+# LENGTH_BUDGET_S, with at least the MIN_ counts of requests; a length whose passes would still take longer is left
+# out once MIN_LENGTHS lengths are measured (the profile's curves extend past the last length by its slope); a grid
+# point that would take longer than POINT_BUDGET_S is priced from the engine's step as the unformed ones are
+# (``fill_unformed``). A millisecond model meets none of these bounds: its passes are as they were.
+LENGTH_BUDGET_S = 45.0
+POINT_BUDGET_S = 10.0
+MIN_IDLE, MIN_LOADED, MIN_WAKE_ROUNDS, MIN_LENGTHS = 3, 8, 3, 3
+
+
+def budgeted_counts(prompt_s: float, stream_s: float, num_idle: int, loaded: int, wake: bool, measured: int
+                    ) -> tuple[int, int, int] | None:
+    """How many requests a prompt length's passes send, ``(idle, loaded, wake rounds)``: the defaults
+    (``num_idle`` one-token and as many streaming requests, ``loaded`` streaming ones, ``WAKE_ROUNDS`` rounds of
+    one-token ones if ``wake``, else 0) scaled down together so that the passes take about ``LENGTH_BUDGET_S``, a
+    one-token request priced ``prompt_s`` seconds and a streaming one ``stream_s`` (``request_seconds``), each
+    count at least its ``MIN_`` one; None (leave the length out) where even those would take longer and
+    ``measured`` lengths, at least ``MIN_LENGTHS``, are already in."""
+    def total(idle: int, load: int, rounds: int) -> float:  # two unmeasured one-token requests first
+        wake_s = rounds * ((1 + len(WAKE_IDLE_S)) * prompt_s + sum(WAKE_IDLE_S)) if wake else 0.0
+        return (2 + idle) * prompt_s + (idle + load) * stream_s + wake_s
+
+    scale = min(1.0, LENGTH_BUDGET_S / max(total(num_idle, loaded, WAKE_ROUNDS), 1e-9))
+    counts = (max(min(num_idle, MIN_IDLE), round(num_idle * scale)), max(min(loaded, MIN_LOADED), round(loaded * scale)),
+              max(MIN_WAKE_ROUNDS, round(WAKE_ROUNDS * scale)) if wake else 0)
+    if scale < 1.0 and measured >= MIN_LENGTHS and total(*counts) > LENGTH_BUDGET_S:
+        return None
+    return counts
+
+
+def request_seconds(prefiller: WorkerProfile, decoder: WorkerProfile, num_tokens: int, max_tokens: int) -> float:
+    """A lone request's seconds as the engine grids price them: its prompt's steps on ``prefiller`` and
+    ``max_tokens - 1`` decode steps of one sequence on ``decoder`` (no overheads: an estimate to size passes)."""
+    return prefiller.prefill(num_tokens) + (max_tokens - 1) * decoder.engine_decode(1, num_tokens)
+
+
+def grid_point_seconds(prefiller: WorkerProfile, decoder: WorkerProfile, batch: int, context: int,
+                       max_tokens: int) -> float:
+    """A serving grid point's seconds as the engine grids price them: its priming pass, ``batch`` prompts of
+    ``context - 1`` tokens computed one after another, and ``max_tokens`` steps of the batch."""
+    return batch * prefiller.prefill(context - 1) + max_tokens * decoder.engine_decode(batch, context)
 
 
 def serving_step_seconds(streams: list[list[float]]) -> float | None:
@@ -220,7 +264,15 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
     from pdserve.bench.phases import summarize
 
     quiet_http_logs()
-    cluster = ServingCluster(model, flags, colocated=kind == "colocated")
+    # a disaggregated cluster's router never prefills on the decode worker here (its local-prefill placement off):
+    # every pass below times the path it names (the prefill worker's hop, the KV's tail, the decode worker's CPU a
+    # request); the simulator runs the router's placement itself and prices a local prefill from the decode kind's
+    # own grid. With placement on, the bench preset's 512-token prompts all went local (the decode worker, which
+    # computes a prompt in one step, measured faster than a prefill worker chunking at 512 and sending), and the
+    # profile took their whole prefill for 0.3 s of overhead and 1.3 s of the decode worker's CPU a request
+    # (the forty-third session)
+    placement = ["--local-prefill-margin-s", "inf"] if kind == "decode" else []
+    cluster = ServingCluster(model, [*flags, *placement], colocated=kind == "colocated")
     counter = iter(range(10**9))
 
     def prompt(n: int) -> list[int]:
@@ -232,6 +284,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         meter = _HostMeter(cluster.proc.pid)
         host_passes = []  # (requests, tokens, client calls, router CPU s, client CPU s): idle prompts, grid points
         engine = WorkerProfile(**(prefill or worker))
+        decoder = WorkerProfile(**worker)
         hop = "local_prefill_compute" if kind == "colocated" else "prefill_compute"
         overhead_tokens, overhead_seconds, prefill_seconds, idle_seconds, kv_seconds, admission_seconds = \
             [], [], [], [], [], []
@@ -244,16 +297,23 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         for n in OVERHEAD_TOKENS:
             if n + num_idle + 2 >= engine.max_model_len - 1:
                 continue
+            # the passes' sizes for this length, from the engine grids (LENGTH_BUDGET_S's comment says why)
+            counts = budgeted_counts(request_seconds(engine, decoder, n, 1),
+                                     request_seconds(engine, decoder, n, max_tokens), num_idle,
+                                     LOADED_PROMPTS if kind == "decode" else 0, n in WAKE_TOKENS, len(overhead_tokens))
+            if counts is None:
+                continue
+            idle_count, loaded_count, wake_rounds = counts
             for k in range(2):  # the first lengths of this size: unmeasured
                 asyncio.run(stream_batch(cluster.url, model_id, [prompt(n + num_idle + k)], 1))
             before = scrape_phases(cluster.url)
             cpu_before = meter.read()
             decode_before, pass_at = meter.decoders(), time.monotonic()
             # lengths n, n + 1, ...: each new to the cluster, as in serving
-            ttfts = lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(num_idle)])
+            ttfts = lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(idle_count)])
             cpu_after = meter.read()
             decode_cpu = meter.decoders() - decode_before - idle_rate * (time.monotonic() - pass_at)
-            host_passes.append((num_idle, num_idle, 1, cpu_after[0] - cpu_before[0],  # one client for the pass
+            host_passes.append((idle_count, idle_count, 1, cpu_after[0] - cpu_before[0],  # one client for the pass
                                 cpu_after[1] - cpu_before[1]))
             hops = hop_means(summarize(before, scrape_phases(cluster.url)))
             compute = hops.get(hop, engine.prefill(n))
@@ -264,14 +324,14 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             served = compute
             if kind == "decode":  # the prefill worker's prompts among others (the docstring says why)
                 before = scrape_phases(cluster.url)
-                prompts = [prompt(n + num_idle + 2 + k) for k in range(LOADED_PROMPTS)]
+                prompts = [prompt(n + num_idle + 2 + k) for k in range(loaded_count)]
                 asyncio.run(stream_poisson(cluster.url, model_id, prompts, max_tokens,
                                             LOADED_UTILIZATION / max(compute, 1e-3)))
                 served = hop_means(summarize(before, scrape_phases(cluster.url))).get(hop, compute)
             overhead_tokens.append(n)
             prefill_seconds.append(served)
             idle_seconds.append(compute)
-            request_cpu.append(max(0.0, decode_cpu / num_idle))
+            request_cpu.append(max(0.0, decode_cpu / idle_count))
             # the overhead from prompts of this length again, each streaming max_tokens tokens as a benchmark's do:
             # the first token's way to the client then meets the stream's next steps on the cores (the colocated
             # worker's two threads hold both), which a one-token request never does (on the Xeon of 2026-12-02,
@@ -281,7 +341,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             # requests and their hops' means gave 3.1-18.0 ms at one length between five colocated profiles on the
             # AVX2 EPYC of 2026-12-03, a stall or two in a mean of eight)
             overheads, stream_tails, stream_admissions = [], [], []
-            for k in range(num_idle):
+            for k in range(idle_count):
                 before = scrape_phases(cluster.url)
                 ttft = lone_ttfts(cluster.url, model_id, [prompt(n + k)], max_tokens=max_tokens)[0]
                 own = hop_means(summarize(before, scrape_phases(cluster.url)))
@@ -302,7 +362,7 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             if len(ttfts) > 2 and compute > 0:
                 scatter.append(robust_std(ttfts) / compute)
             if n in WAKE_TOKENS:  # these prompts again, taking turns: back to back and after each idle gap
-                gaps = [0.0, *WAKE_IDLE_S] * WAKE_ROUNDS
+                gaps = [0.0, *WAKE_IDLE_S] * wake_rounds
                 ttfts_by = lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(len(gaps))], gaps)
                 back_to_back = statistics.median(t for gap, t in zip(gaps, ttfts_by) if not gap)
                 wake_tokens.append(n)
@@ -311,10 +371,16 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         # the grid in GRID_PASSES passes, each over every point: a point's rounds fall minutes apart, in whatever
         # phases of speed the machine is in then, not in one phase (GRID_PASSES's comment says why)
         points = [(b, c) for b in worker["decode_batch"] for c in worker["decode_context"]]
+        # a point too long to stream (POINT_BUDGET_S) is priced as an unformed one: from the engine's step
+        skipped = {(b, c) for b, c in points if grid_point_seconds(engine, decoder, b, c, max_tokens) > POINT_BUDGET_S}
         steps: dict[tuple[int, int], list[float]] = {point: [] for point in points}
         jitters = []
         for _ in range(GRID_PASSES):
             for b, c in points:
+                if (b, c) in skipped:
+                    if on_point:
+                        on_point()
+                    continue
                 prompts = [prompt(c - 1) for _ in range(b)]
                 # their prompts computed once first (one token out each), so the measured batch's prompts are
                 # prefix-cache hits and its streams start decoding together: in a disaggregated cluster a batch
