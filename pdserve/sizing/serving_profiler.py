@@ -74,7 +74,8 @@ def budgeted_counts(prompt_s: float, stream_s: float, num_idle: int, loaded: int
         return (2 + idle) * prompt_s + (idle + load) * stream_s + wake_s
 
     scale = min(1.0, LENGTH_BUDGET_S / max(total(num_idle, loaded, WAKE_ROUNDS), 1e-9))
-    counts = (max(min(num_idle, MIN_IDLE), round(num_idle * scale)), max(min(loaded, MIN_LOADED), round(loaded * scale)),
+    counts = (max(min(num_idle, MIN_IDLE), round(num_idle * scale)),
+              max(min(loaded, MIN_LOADED), round(loaded * scale)),
               max(MIN_WAKE_ROUNDS, round(WAKE_ROUNDS * scale)) if wake else 0)
     if scale < 1.0 and measured >= MIN_LENGTHS and total(*counts) > LENGTH_BUDGET_S:
         return None
