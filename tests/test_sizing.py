@@ -56,12 +56,11 @@ def test_measured_tables_are_read_monotone_and_serving_slowdowns_scale_steps():
     assert w.step_seconds(16, 16 * 8, 8, 32) == pytest.approx(mixed * 3.0 + 0.008)
 
 
-def test_a_batch_that_never_formed_is_priced_from_the_engine_and_a_served_step_never_below_the_engines():
+def test_a_batch_that_never_formed_is_priced_from_the_engine():
     """The serving grid's batch of B streams counts only while all B decode at once. Streams that started one by
     one, the first ending before the last began (a disaggregated cluster's long prompts through one prefill
     worker, before the grid's prompts were cached first), measure nothing there: the point is the engine's step
-    times what serving added at the nearest smaller batch. An older profile's grid is read as at least the
-    engine's step (its batch of 64 was the few streams that did decode together)."""
+    times what serving added at the nearest smaller batch."""
     from pdserve.sizing.serving_profiler import fill_unformed, serving_step_seconds
 
     together = [[0.0, *(0.01 * k + 1e-4 * i for k in range(1, 49))] for i in range(4)]
@@ -72,13 +71,23 @@ def test_a_batch_that_never_formed_is_priced_from_the_engine_and_a_served_step_n
     assert fill_unformed([[1.5, 3.0], [2.5, None], [None, None]], engine) == [[1.5, 3.0], [2.5, 6.0], [10.0, 24.0]]
     assert fill_unformed([[None, 3.0], [None, None], [None, None]], engine) == [[1.5, 3.0], [3.0, 6.0], [12.0, 24.0]]
     assert fill_unformed([[None]], [[2.0]]) == [[2.0]]  # nothing measured: the engine's
+
+
+def test_an_engine_step_measured_slower_than_the_served_one_is_read_as_the_served_one():
+    """The serving grid (a mean over passes over the whole grid, each batch formed or priced from the engine) is
+    trusted over an engine grid column measured in a slow phase of the machine: the engine's step is read as at
+    most the served one, which also lowers a mixed step's decode-context term. Below the served step the engine's
+    stays as measured."""
     w = make_profile().worker("decode")  # engine step 0.004 + 0.0005 B (batches 1, 8, 64; contexts 32, 1024)
-    w.serving_decode_seconds = [[1.5 * e for e in row] for row in w.decode_seconds[:2]] \
-        + [[0.25 * e for e in w.decode_seconds[2]]]  # the batch of 64 priced below the engine's step
+    slow = [[row[0], 1.5 * row[1]] for row in w.decode_seconds]  # the long context's column caught a slow phase
+    w.decode_seconds = slow
+    w.serving_decode_seconds = [[1.2 * row[0], 1.2 * row[0]] for row in slow]  # served: 1.2x the short column
     w.__post_init__()
-    assert w.decode(1, 32) == pytest.approx(1.5 * 0.0045)
-    assert w.decode(64, 32) == pytest.approx(0.004 + 0.0005 * 64)  # the engine's, never less
-    assert w.decode_cpu_share(64, 32) == pytest.approx(1.0)
+    assert w.engine_decode(1, 32) == pytest.approx(0.0045)  # below the served step: as measured
+    assert w.engine_decode(1, 1024) == pytest.approx(1.2 * 0.0045)  # 1.5x measured, read as the served step
+    assert w.decode(8, 1024) == pytest.approx(1.2 * 0.008)
+    # a mixed step's decode rows pay the context's growth as served (none: the served grid is flat in context)
+    assert w.step_seconds(16, 16 * 8, 8, 1024) == pytest.approx(w.step_seconds(16, 16 * 8, 8, 32))
 
 
 def test_the_serving_passes_are_sized_from_the_engine_grids_so_a_slow_model_profiles_in_minutes():

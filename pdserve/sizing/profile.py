@@ -240,13 +240,19 @@ class WorkerProfile:
         q = self.attention_pair_seconds
         prefill = isotonic(self.prefill_seconds)
         self._linear = isotonic([max(s - q * n * n / 2, 0.0) for n, s in zip(self.prefill_tokens, prefill)])
-        self._engine = isotonic_grid(self.decode_seconds)
+        engine = self.decode_seconds
         served = self.serving_decode_seconds
-        if served and len(served) == len(self.decode_seconds) \
-                and all(len(row) == len(erow) for row, erow in zip(served, self.decode_seconds)):
-            # a served step is never faster than the engine's own step at that batch and context (a profile
-            # from before the grid waited for its batch to form priced a batch of 64 as the few that did)
-            served = [[max(s, e) for s, e in zip(row, erow)] for row, erow in zip(served, self.decode_seconds)]
+        if served and len(served) == len(engine) and all(len(row) == len(erow) for row, erow in zip(served, engine)):
+            # the engine's own step is never slower than the served one at that batch and context, which runs it and
+            # more: where the engine grid says so, it caught a slow phase of a shared machine (its columns are
+            # measured one after the other, minutes apart, each in one go; the serving grid is a mean over
+            # GRID_PASSES passes over the whole grid). On the AVX2 EPYC of 2026-12-03 the bench preset's colocated
+            # engine steps at context 256 measured 1.15-1.45x those at 32, batch 1-8, where the served ones and the
+            # real runs' steps (21-24 ms at batch 1, context ~340) grew 0-13%. (A profile from before a392a5b, whose
+            # serving grid priced a batch that never formed as the few streams that did, is now read too fast there,
+            # where its served steps were read up to the engine's: profile again.)
+            engine = [[min(e, s) for s, e in zip(row, erow)] for row, erow in zip(served, engine)]
+        self._engine = isotonic_grid(engine)
         self._serving = isotonic_grid(served) if served else None
 
     def linear(self, num_tokens: float) -> float:
