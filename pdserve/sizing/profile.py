@@ -117,7 +117,8 @@ class WorkerProfile:
             of decode_batch[i] sequences of decode_context[j] tokens each).
         serving_decode_seconds: the same grid measured inside a real cluster, as streaming clients see
             the steps (every cost of the serving loop and of sharing the machine with the router and the
-            client included; read as at least the engine's step at each point); empty when not measured.
+            client included; where the engine's step measured slower at a point, the engine's is read as this
+            one: a column measured in a slow phase of the machine); empty when not measured.
         request_overhead_s: seconds a request spends outside the steps before its first token in a
             cluster of this kind (router, hops, HTTP), measured at idle; 0 when not measured.
         overhead_tokens, overhead_seconds: the same fixed latency for prompts of these lengths (the
@@ -247,10 +248,11 @@ class WorkerProfile:
             # more: where the engine grid says so, it caught a slow phase of a shared machine (its columns are
             # measured one after the other, minutes apart, each in one go; the serving grid is a mean over
             # GRID_PASSES passes over the whole grid). On the AVX2 EPYC of 2026-12-03 the bench preset's colocated
-            # engine steps at context 256 measured 1.15-1.45x those at 32, batch 1-8, where the served ones and the
-            # real runs' steps (21-24 ms at batch 1, context ~340) grew 0-13%. (A profile from before a392a5b, whose
-            # serving grid priced a batch that never formed as the few streams that did, is now read too fast there,
-            # where its served steps were read up to the engine's: profile again.)
+            # engine steps at context 256 measured 1.2-1.6x those at 32, batch 1-16, where the served ones grew -8 to
+            # +17% and the real runs' mean steps were 21-25 ms (batch 1-2, context ~340; the engine grid: 32-36).
+            # (A profile from before a392a5b, whose serving grid priced a batch that never formed as the few streams
+            # that did, is now read too fast there, where its served steps were read up to the engine's: profile
+            # again.)
             engine = [[min(e, s) for s, e in zip(row, erow)] for row, erow in zip(served, engine)]
         self._engine = isotonic_grid(engine)
         self._serving = isotonic_grid(served) if served else None
