@@ -88,6 +88,17 @@ def test_an_engine_step_measured_slower_than_the_served_one_is_read_as_the_serve
     assert w.decode(8, 1024) == pytest.approx(1.2 * 0.008)
     # a mixed step's decode rows pay the context's growth as served (none: the served grid is flat in context)
     assert w.step_seconds(16, 16 * 8, 8, 1024) == pytest.approx(w.step_seconds(16, 16 * 8, 8, 32))
+    # the thirty-third session's case: a batch of 64 served below the engine's step (an older profile's unformed
+    # batch). The smaller batches keep their served steps; the engine's is now read down to the served measurement
+    # there (before this session the served one was read up to the engine's)
+    w = make_profile().worker("decode")
+    w.serving_decode_seconds = [[1.5 * e for e in row] for row in w.decode_seconds[:2]] \
+        + [[0.25 * e for e in w.decode_seconds[2]]]
+    w.__post_init__()
+    assert w.decode(1, 32) == pytest.approx(1.5 * 0.0045)
+    assert w.engine_decode(64, 32) == pytest.approx(0.25 * (0.004 + 0.0005 * 64))
+    # computing over served: the served grid is made monotone (batch 8's 0.012 and 64's 0.009 read as 0.0105)
+    assert w.decode_cpu_share(64, 32) == pytest.approx(0.009 / 0.0105)
 
 
 def test_the_serving_passes_are_sized_from_the_engine_grids_so_a_slow_model_profiles_in_minutes():
