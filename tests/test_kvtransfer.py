@@ -11,7 +11,10 @@ import glob
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +28,7 @@ from pdserve.kvtransfer.checksum import KVChecksum
 from pdserve.kvtransfer.pair import PairStoreServer, transfer_backend
 from pdserve.kvtransfer.receiver import DecodePairs, ReceivedKV, TransferFailed
 from pdserve.kvtransfer.sender import OutgoingKV, PrefillPairs, SendCompleter
-from pdserve.kvtransfer.shm import ArenaStaging, ShmArena, negotiate, shm_supported
+from pdserve.kvtransfer.shm import ArenaStaging, ShmArena, negotiate, shm_supported, sweep_orphans
 from pdserve.kvtransfer.staging import StagingPool
 import pdserve.kvtransfer.wire as wire
 from pdserve.kvtransfer.wire import dtype_from_name, dtype_name
@@ -258,6 +261,58 @@ def test_shm_negotiation_leaves_no_file_and_sees_the_peer_go(mib, monkeypatch):
     sender.close()
     assert not receiver.peer_alive() and receiver.closed
     receiver.close()
+
+
+_ARENA_HOLDER = """
+import os, sys, time
+from pdserve.kvtransfer.shm import ShmArena
+arena = ShmArena.create(1 << 20)  # a sender's offer, never answered: its file keeps its name
+if sys.argv[1] == "wait" or os.fork() == 0:  # "fork": the creator exits, its child keeps the lock
+    print(arena.path, os.getpid(), flush=True)
+    time.sleep(120)
+os._exit(0)
+"""
+
+
+@pytest.mark.skipif(not shm_supported(torch.device("cpu")), reason="no shared-memory transport on this machine")
+def test_an_arena_left_by_a_killed_sender_is_removed_when_the_next_is_made():
+    """A sender SIGKILLed while its offer waits for the peer's answer leaves its arena file in ``/dev/shm``;
+    the next ``ShmArena.create`` (any process's) removes it. A file whose creator is gone but whose lock a
+    live process still holds (a forked child of the creator) stays until that process dies too."""
+    def start(mode):
+        proc = subprocess.Popen([sys.executable, "-c", _ARENA_HOLDER, mode], stdout=subprocess.PIPE, text=True)
+        path, pid = proc.stdout.readline().split()
+        return proc, path, int(pid)
+
+    paths, holder = [], None
+    try:
+        killed, killed_path, _ = start("wait")
+        paths.append(killed_path)
+        killed.kill()
+        killed.wait()
+        assert os.path.exists(killed_path)  # nothing else removes it
+        forked, forked_path, holder = start("fork")
+        paths.append(forked_path)
+        forked.wait()  # the creator exited (and is reaped); its child holds the lock
+        arena = ShmArena.create(64 << 10)
+        arena.unlink()
+        arena.close()
+        assert not os.path.exists(killed_path)
+        assert os.path.exists(forked_path)
+        os.kill(holder, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while forked_path not in sweep_orphans() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(forked_path)
+    finally:
+        if holder is not None:
+            try:
+                os.kill(holder, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for path in paths:
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def test_transfer_backend():

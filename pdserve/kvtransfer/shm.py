@@ -15,7 +15,8 @@ When both ranks of a CPU pair run on one host (the same boot id and hostname: ``
 the sender (rank 0) creates an ``ShmArena`` in ``/dev/shm``: a control page, a queue of message
 descriptors, and a data region of ``arena_bytes`` from which the pair's sender staging is lent
 (``ArenaStaging``). The receiver maps it and the file is unlinked as soon as it answered, so nothing
-is left behind by a process that dies later (``negotiate``). Then each message of the pair's stream:
+is left behind by a process that dies later (``negotiate``); a sender killed before the answer leaves its
+file, which the next arena made on the host removes (``sweep_orphans``). Then each message of the pair's stream:
 
 * is published by the sender as a descriptor (its offset in the data region and its size; offset -1:
   it went on the gloo stream instead, being outside the arena: meta, a staging buffer that did not
@@ -181,7 +182,9 @@ class ShmArena:
 
     @classmethod
     def create(cls, data_bytes: int) -> ShmArena:
-        """A new arena (rank 0's) in ``/dev/shm`` under a unique name; ``unlink`` it once the peer mapped it."""
+        """A new arena (rank 0's) in ``/dev/shm`` under a unique name; ``unlink`` it once the peer mapped it.
+        Arenas that dead senders left behind are removed first (``sweep_orphans``)."""
+        sweep_orphans()
         return cls(os.path.join(_SHM_DIR, f"pdserve-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"), 0, data_bytes,
                    create=True)
 
@@ -239,6 +242,48 @@ class ShmArena:
                 return False
             low = seen & 0xFFFFFFFF
             _futex_wait(address, low - (1 << 32) if low >= 1 << 31 else low, min(left, _SLICE_S))
+
+
+def sweep_orphans() -> list[str]:
+    """Remove the arena files of senders that died before their peer answered; returns their paths.
+
+    ``negotiate`` unlinks an arena once the peer answered, so only a sender killed while waiting for that
+    answer (SIGKILL, an OOM kill) leaves its file, ``pdserve-kv-<pid>-<id>``, holding ``/dev/shm`` memory.
+    A file is an orphan when both its creator's pid is gone from this pid namespace and no process holds
+    the creator's lock on it (a forked child would hold it still; a process of another pid namespace
+    sharing ``/dev/shm`` holds it while its arena lives). Files that cannot be read are left alone.
+    """
+    removed = []
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 4 or parts[:2] != ["pdserve", "kv"] or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue  # its creator (or a process of the same pid) runs
+        except ProcessLookupError:
+            pass
+        except OSError:  # PermissionError: a live process of another user
+            continue
+        path = os.path.join(_SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            held = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, _LOCK_AT))
+            if struct.unpack(_FLOCK, held)[0] == fcntl.F_UNLCK:
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def negotiate(store: dist.Store, rank: int, device: torch.device) -> ShmArena | None:
