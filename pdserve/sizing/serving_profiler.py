@@ -35,6 +35,14 @@ WAKE_ROUNDS = 10
 # rounds taken back to back (0.1-0.5 s) mostly fell in one phase, and the grid's points scattered by up to that
 # factor (a colocated profile's batch-1 step: 1.95 ms at 32 tokens, 4.03 at 768, where a batch of 4 took 3.32)
 GRID_PASSES = 2
+# The lone prompts' hop (``serving_prefill_seconds``, over the engine's prompt: the cost model's slowdown) is taken
+# in its first pass per length and again in PROMPT_ROUNDS rounds spread over the profile (before each grid pass and
+# after the last), PROMPT_ROUND_PROMPTS prompts a length each; a length's hop is the median over them. From its
+# first pass alone a colocated worker's 128-512-token prompts read 1.30-1.37x the engine's in one profile and
+# 0.95-1.0x in another taken an hour later, where the real runs' hop was ~1.1x (the bench preset on the AVX2 EPYC
+# of 2026-12-03, whose TTFT p50 the first profile put 20-58% over)
+PROMPT_ROUNDS = GRID_PASSES + 1
+PROMPT_ROUND_PROMPTS = 3
 # Passes for the host's CPU fit (``host_cpu_fit``) besides the idle prompts and the grid: HOST_FIT_STREAMS streams of
 # a HOST_FIT_PROMPT-token prompt decoding each of these many tokens
 HOST_FIT_TOKENS = (8, 192)
@@ -227,13 +235,16 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
       rounds taken in passes over the whole grid;
     * ``serving_prefill_seconds``: for prompts of ``OVERHEAD_TOKENS`` tokens, the router's
       prefill-compute hop (``pdserve:request_phase_seconds``: the prefill worker's, or the colocated
-      worker's local one), mean: the prompt's steps as the cluster runs them. A colocated worker's at
-      idle (its steps among decodes are the cost model's mixed steps); a prefill worker's with
+      worker's local one): the prompt's steps as the cluster runs them. A colocated worker's at idle (its
+      steps among decodes are the cost model's mixed steps): the median over the first pass's mean and
+      ``PROMPT_ROUNDS`` rounds' means spread over the profile (``PROMPT_ROUNDS``'s comment says why); a
+      prefill worker's with
       ``LOADED_PROMPTS`` such prompts arriving (Poisson) at ``LOADED_UTILIZATION`` of what the idle hop
       allows, each decoding ``max_tokens`` tokens: its prompts then share its core with the previous
       ones' KV sends and the machine with the decode worker, the router and the client, which an idle
-      prompt never does (on a 2-core machine the hop under load is 1.5-3x the idle one);
-      ``serving_prefill_idle_seconds`` the idle hop, ``serving_prefill_utilization`` how busy the loaded
+      prompt never does (on a 2-core machine the hop under load is 1.5-3x the idle one), times the idle
+      hop's median over the rounds over its first pass (the machine's phase then);
+      ``serving_prefill_idle_seconds`` the idle hop (that median), ``serving_prefill_utilization`` how busy the loaded
       pass kept the prefill worker (its arrivals paced by the idle hop: ``LOADED_UTILIZATION`` times
       the loaded hop over the idle one, at most 1; 0 for a colocated worker);
     * ``serving_kv_transfer_seconds`` (disaggregated): the ``kv_transfer`` hop, the KV's arrival at the decode
@@ -287,6 +298,13 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         engine = WorkerProfile(**(prefill or worker))
         decoder = WorkerProfile(**worker)
         hop = "local_prefill_compute" if kind == "colocated" else "prefill_compute"
+
+        def prompt_round(n: int) -> float | None:
+            """A round of lone prompts of about ``n`` tokens, each new to the cluster: their hop's mean (s)."""
+            before = scrape_phases(cluster.url)
+            lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(PROMPT_ROUND_PROMPTS)])
+            return hop_means(summarize(before, scrape_phases(cluster.url))).get(hop)
+
         overhead_tokens, overhead_seconds, prefill_seconds, idle_seconds, kv_seconds, admission_seconds = \
             [], [], [], [], [], []
         request_cpu = []  # a decode worker's CPU seconds per request outside its steps (disaggregated)
@@ -376,7 +394,9 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
         skipped = {(b, c) for b, c in points if grid_point_seconds(engine, decoder, b, c, max_tokens) > POINT_BUDGET_S}
         steps: dict[tuple[int, int], list[float]] = {point: [] for point in points}
         jitters = []
+        rounds: list[list[float | None]] = []  # per round, the lone prompts' hop per measured length
         for _ in range(GRID_PASSES):
+            rounds.append([prompt_round(n) for n in overhead_tokens])
             for b, c in points:
                 if (b, c) in skipped:
                     if on_point:
@@ -400,6 +420,12 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
                     jitters.append(j)
                 if on_point:
                     on_point()
+        rounds.append([prompt_round(n) for n in overhead_tokens])
+        # each length's idle hop: the median over its first pass and the rounds; a loaded hop moves with it
+        for i, first in enumerate(list(idle_seconds)):
+            median = statistics.median([first, *(r[i] for r in rounds if r[i] is not None)])
+            idle_seconds[i] = median
+            prefill_seconds[i] *= median / first if first > 0 else 1.0
         # every grid point streams max_tokens tokens a request, so its passes alone cannot tell the host's CPU per
         # request from its CPU per token (tokens = max_tokens x requests; profiles flipped between ~5 ms a request
         # and ~100 us a token for the client): streams of other lengths, a pass each
