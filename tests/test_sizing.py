@@ -388,6 +388,27 @@ def test_lone_prompts_scatter_is_measured_robustly_so_one_stalled_request_does_n
     assert robust_std(stalled) < 1.6 * robust_std(calm)
 
 
+def test_a_wake_up_is_kept_only_where_it_stands_out_of_its_rounds_scatter():
+    """``wake_differences``: three rounds a gap of ~700 ms prompts scattered by tens of ms (as the bench preset's
+    on the AVX2 EPYC) whose medians differ by 15-55 ms read as no wake-up; a 400 ms one in as few rounds is kept,
+    and so are 2-9 ms over ten rounds of ~10 ms prompts scattered by a fraction of a ms (the built-in model's)."""
+    from pdserve.sizing.serving_profiler import WAKE_IDLE_S, wake_differences
+
+    def taking_turns(*groups: list[float]) -> tuple[list[float], list[float]]:
+        """(gaps, TTFTs in s) as the profiler sends them: back to back, then after each gap, round by round;
+        ``groups``: the TTFTs (ms) back to back and after each of WAKE_IDLE_S."""
+        rounds = len(groups[0])
+        return [0.0, *WAKE_IDLE_S] * rounds, [groups[g][r] / 1000 for r in range(rounds) for g in range(4)]
+
+    noisy = taking_turns([690, 720, 745], [705, 760, 735], [740, 700, 770], [775, 760, 790])
+    assert wake_differences(*noisy) == [0.0, 0.0, 0.0]  # 15, 20, 55 ms against a noise of ~75
+    woken = taking_turns([690, 720, 745], [1105, 1160, 1135], [1140, 1100, 1170], [1175, 1160, 1190])
+    assert wake_differences(*woken) == pytest.approx([0.415, 0.420, 0.455])
+    jitter = [0.2 * ((k * 3) % 7 - 3) for k in range(10)]
+    small = taking_turns(*([base + j for j in jitter] for base in (10.0, 12.0, 15.0, 19.0)))
+    assert wake_differences(*small) == pytest.approx([0.002, 0.005, 0.009])
+
+
 def test_the_profiler_times_the_requests_a_benchmark_sends():
     """The serving passes' requests are ``pdserve bench serve``'s own: greedy, EOS ignored (each stream decodes
     exactly its tokens), usage streamed; the engine passes' are greedy too. Sampled at the API's default temperature 1, a decode step on the

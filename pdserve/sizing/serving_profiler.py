@@ -145,6 +145,30 @@ def step_jitter(streams: list[list[float]]) -> float | None:
     return statistics.pstdev(gaps) / mean if mean > 0 else None
 
 
+def wake_differences(gaps: list[float], ttfts: list[float]) -> list[float]:
+    """A lone prompt's extra time to first token after each of ``WAKE_IDLE_S``'s idle gaps (s), from prompts
+    sent after ``gaps`` (0: back to back) that took ``ttfts``: per gap, the median TTFT after it over the median
+    back to back, kept only where it stands out of the TTFTs' scatter, else 0.0.
+
+    The test is twice the standard error of a difference of two medians of ``k`` draws (each ``1.2533 sigma /
+    sqrt(k)`` for a normal scatter), ``sigma`` the ``robust_std`` of every TTFT's distance from its own group's
+    median. With the few rounds a large model's budget allows, a gap's median is mostly noise: on the AVX2 EPYC
+    of 2026-12-03, the bench preset's 512-token prompts (~700 ms) with 3 rounds a gap measured 36-55 ms of wake-up
+    inside ~50 ms of scatter, which the simulator then added to every request finding the cluster idle (its
+    colocated TTFT p50 17-31% over the real runs')."""
+    groups = {gap: [t for g, t in zip(gaps, ttfts) if g == gap] for gap in (0.0, *WAKE_IDLE_S)}
+    medians = {gap: statistics.median(times) for gap, times in groups.items()}
+    residuals = [t - medians[gap] for gap, times in groups.items() for t in times]
+    sigma = 1.4826 * statistics.median(abs(r) for r in residuals)
+    differences = []
+    for idle in WAKE_IDLE_S:
+        k = min(len(groups[idle]), len(groups[0.0]))
+        noise = 2 * 1.2533 * sigma * (2 / k) ** 0.5
+        difference = medians[idle] - medians[0.0]
+        differences.append(difference if abs(difference) > noise else 0.0)
+    return differences
+
+
 def robust_std(values: list[float]) -> float:
     """The standard deviation of ``values`` (at least one) estimated from their median absolute deviation
     (times 1.4826, its ratio to the standard deviation of a normal distribution): a few outliers, such as a
@@ -263,7 +287,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
       per-request work that grows with the prompt (``request_overhead_s``: the shortest's);
     * ``wake_overhead_seconds``: for prompts of ``WAKE_TOKENS`` tokens (``wake_tokens``) sent alone, back to
       back or after the cluster sat idle for each of ``WAKE_IDLE_S`` (``wake_idle_seconds``; taking turns),
-      the median time to first token after that gap over the median back to back, ``[gap][length]``;
+      the median time to first token after that gap over the median back to back, ``[gap][length]``, 0 where
+      that is inside the scatter of its rounds (``wake_differences``);
     * ``serving_step_cv``: the steps' jitter the clients saw (``step_jitter``, the median over the grid);
     * ``serving_prefill_cv``: the idle prompts' scatter: their TTFTs' standard deviation (``robust_std``: one
       stalled request of eight triples a plain one) over the prompt hop's mean, per length, the median (a
@@ -383,10 +408,8 @@ def measure_serving(model: str, flags: list[str], kind: str, worker: dict, prefi
             if n in WAKE_TOKENS:  # these prompts again, taking turns: back to back and after each idle gap
                 gaps = [0.0, *WAKE_IDLE_S] * wake_rounds
                 ttfts_by = lone_ttfts(cluster.url, model_id, [prompt(n + k) for k in range(len(gaps))], gaps)
-                back_to_back = statistics.median(t for gap, t in zip(gaps, ttfts_by) if not gap)
                 wake_tokens.append(n)
-                wake.append([statistics.median(t for gap, t in zip(gaps, ttfts_by) if gap == idle) - back_to_back
-                             for idle in WAKE_IDLE_S])
+                wake.append(wake_differences(gaps, ttfts_by))
         # the grid in GRID_PASSES passes, each over every point: a point's rounds fall minutes apart, in whatever
         # phases of speed the machine is in then, not in one phase (GRID_PASSES's comment says why)
         points = [(b, c) for b in worker["decode_batch"] for c in worker["decode_context"]]
