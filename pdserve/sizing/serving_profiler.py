@@ -51,10 +51,15 @@ HOST_FIT_PROMPT = 63
 # The colocated worker's loaded pass (``loaded_fit``): LOADED_PASS_PROMPTS prompts of lengths spread evenly over
 # LOADED_PASS_TOKENS (the idle overheads' lengths, so the fit does not lean on one noisy point of them), each streaming
 # the pass's tokens, arriving (Poisson) at LOADED_PASS_STREAMS streams in flight on average (the rate from a lone
-# request's whole time, measured first on LOADED_PASS_PROBES of them)
+# request's whole time, measured first on LOADED_PASS_PROBES of them), but no faster than keeps the worker's prompts
+# to LOADED_PASS_PROMPT_SHARE of its time (the rate times a lone request's TTFT). Without that bound a model whose
+# prompts are most of a request's time is driven past saturation: the bench preset on the AVX2 EPYC of 2026-12-04
+# (lone request ~1.2 s, TTFT ~0.37 s) got 2.4 req/s, 16-19 streams in flight and TTFTs of 2-2.7 s, and the fit,
+# made in that queue, added 0.26 s + 77 ms a stream to every colocated request at the 0.4-1 req/s it serves
 LOADED_PASS_PROMPTS = 40
 LOADED_PASS_TOKENS = (16, 512)
 LOADED_PASS_STREAMS = 2.0
+LOADED_PASS_PROMPT_SHARE = 0.35
 LOADED_PASS_PROBES = 3
 # The passes' sizes above suit a model whose request takes milliseconds; a larger one's would take an hour (the bench
 # preset, ~100M parameters, on one core of the AVX2 EPYC of 2026-12-03: its first prompt length's passes had not ended
@@ -493,7 +498,8 @@ def _loaded_pass(url: str, model_id: str, prompt, max_model_len: int, max_tokens
     """The colocated cluster under Poisson arrivals, as ``WorkerProfile.loaded_pass`` keeps it (``loaded_fit``
     fits the overhead under load to it): ``LOADED_PASS_PROMPTS`` new prompts (``prompt(n)`` makes one of
     ``n`` tokens) of lengths spread over ``LOADED_PASS_TOKENS`` (in a fixed shuffled order), each streaming
-    ``max_tokens`` tokens, arriving at ``LOADED_PASS_STREAMS`` streams in flight on average; {} where the
+    ``max_tokens`` tokens, arriving at ``LOADED_PASS_STREAMS`` streams in flight on average or at
+    ``LOADED_PASS_PROMPT_SHARE`` of the worker's time in prompts, whichever is the lower rate; {} where the
     model's length leaves no room."""
     import asyncio
     import random
@@ -505,10 +511,10 @@ def _loaded_pass(url: str, model_id: str, prompt, max_model_len: int, max_tokens
     random.Random(2).shuffle(lengths)
     mean = round(statistics.fmean(lengths))
     lone = [asyncio.run(stream_batch(url, model_id, [prompt(mean)], max_tokens))[0] for _ in range(LOADED_PASS_PROBES)]
-    duration = statistics.fmean(t[-1] - t[0] for t in lone)
+    duration, ttft = statistics.fmean(t[-1] - t[0] for t in lone), statistics.fmean(t[1] - t[0] for t in lone)
+    rate = min(LOADED_PASS_STREAMS / max(duration, 1e-3), LOADED_PASS_PROMPT_SHARE / max(ttft, 1e-3))
     prompts = [prompt(n) for n in lengths]
-    streams = asyncio.run(stream_poisson(url, model_id, prompts, max_tokens,
-                                          LOADED_PASS_STREAMS / max(duration, 1e-3), seed=1))
+    streams = asyncio.run(stream_poisson(url, model_id, prompts, max_tokens, rate, seed=1))
     from pdserve.sizing.loaded_fit import in_flight_at_sends
 
     first = min(t[0] for t in streams)
