@@ -101,29 +101,3 @@ def test_a_pass_the_simulator_already_prices_fits_nothing_and_one_it_overprices_
     colocated.loaded_pass = {}
     with pytest.raises(ValueError, match="no loaded pass"):
         fit_loaded_overhead(profile, "colocated")
-
-
-def test_a_pass_that_fell_in_a_slow_phase_is_read_at_its_probes_speed():
-    """A pass whose every TTFT, and its lone probes', came out 1.5x the simulator's (a shared machine in a slow
-    phase, nothing added by load): without the probes the fit reads the whole excess as load; with them
-    ``pass_phase`` is 1.5 and the fit finds nothing. A pass that also pays 3 ms a stream keeps that term."""
-    from pdserve.sizing.loaded_fit import pass_phase
-
-    profile = make_profile(request_overhead_s=0.004)
-    colocated = profile.workers["colocated"]
-    lone = Simulator(profile, SimConfig(num_prefill=0, num_decode=1, step_jitter=False)).run(
-        [_request(0, 0.0, 132, 48)]).records.ttft[0]
-    slow = _loaded_pass(profile, 0.0, 0.0)
-    slow["ttft_s"] = [1.5 * t for t in slow["ttft_s"]]
-    colocated.loaded_pass = slow
-    assert pass_phase(profile, "colocated") == 1.0  # no probes: read as it came
-    base, per_stream = fit_loaded_overhead(profile, "colocated")
-    assert base + per_stream > 0.005  # the slow phase taken for load
-    slow.update(probe_tokens=132, probe_ttft_s=[1.5 * lone, 1.45 * lone, 1.55 * lone])
-    assert pass_phase(profile, "colocated") == pytest.approx(1.5, rel=0.02)
-    base, per_stream = fit_loaded_overhead(profile, "colocated")
-    assert abs(base) < 0.001 and per_stream < 0.0005
-    loaded = _loaded_pass(profile, 0.0, 0.003)
-    loaded["ttft_s"] = [1.5 * t for t in loaded["ttft_s"]]
-    colocated.loaded_pass = {**loaded, "probe_tokens": 132, "probe_ttft_s": [1.5 * lone] * 3}
-    assert fit_loaded_overhead(profile, "colocated")[1] == pytest.approx(0.003, rel=0.2)  # in the probes' units

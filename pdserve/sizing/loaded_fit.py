@@ -17,13 +17,6 @@ request's real TTFT less its replayed one. A correction fitted on the very worke
 as Dynamo's SLA planner corrects its interpolated TTFT by the ratio it observes, here fitted once at
 profile time.
 
-A shared VM's speed moves in phases of seconds to minutes, and one pass of ~40 requests can fall in a slow one:
-on the AVX2 EPYC of 2026-12-04 the bench preset's pass ran 1.2-2x its replay for lone and loaded requests alike,
-and a fit to it added ~0.11 s to every colocated request (simulated TTFT p50 35% over two real runs that agreed
-within 4%). So the profiler also sends lone probes of the pass's mean length just before and after it
-(``probe_ttft_s``), and the fit first divides the pass's TTFTs by the probes' real time over their replayed one
-(``pass_phase``): what is left is what load adds, not the phase the pass fell in.
-
 Pure Python, no torch: the replay is a few dozen simulated requests, milliseconds.
 """
 
@@ -48,27 +41,6 @@ def _pass_requests(loaded: dict) -> list[SimRequest]:
         prompt[0] = 10 + i  # never a shared first block
         requests.append(SimRequest(i, float(arrival), prompt, int(loaded["output_tokens"])))
     return requests
-
-
-def pass_phase(profile: Profile, kind: str) -> float:
-    """How much slower the machine ran around ``kind``'s loaded pass than its profile prices a lone request:
-    the median real TTFT of the pass's lone probes (``loaded_pass["probe_ttft_s"]``, each of
-    ``probe_tokens`` new tokens, sent alone) over the same request's simulated TTFT, the mean over
-    ``FIT_SEEDS``; 1.0 for a pass without probes (profiles made before them)."""
-    from pdserve.sizing.simulator import SimConfig, Simulator
-
-    loaded = profile.worker(kind).loaded_pass
-    if not loaded.get("probe_ttft_s"):
-        return 1.0
-    tokens = int(loaded["probe_tokens"])
-    probe = [SimRequest(0, 0.0, [10 + (j * 104729 + 17) % 30_000 for j in range(tokens)],
-                        int(loaded["output_tokens"]))]
-    replayed = []
-    for seed in FIT_SEEDS:
-        config = SimConfig(num_prefill=0 if kind == "colocated" else 1, num_decode=1,
-                           machine_cores=profile.machine.get("cores") or None, host_load="router+client", seed=seed)
-        replayed.extend(Simulator(profile, config).run(probe).records.ttft)
-    return statistics.median(loaded["probe_ttft_s"]) / max(statistics.fmean(replayed), 1e-9)
 
 
 def replay_ttfts(profile: Profile, kind: str, base_s: float, per_stream_s: float) -> list[float]:
@@ -119,9 +91,8 @@ def fit_loaded_overhead(profile: Profile, kind: str) -> tuple[float, float]:
     """``(loaded_overhead_s, overhead_per_stream_s)`` for ``kind``: the line ``a + b k`` through each request's
     real TTFT less its replayed one (``replay_ttfts``) against ``k``, the other streams in flight when it was
     sent, refined over ``FIT_ROUNDS`` replays with the terms so far (a longer way in keeps more streams in
-    flight); the real TTFTs are first divided by ``pass_phase`` (the module's docstring says why). ``b >= 0``
-    (the term only adds: a slope below 0 is noise); ``a`` never takes more than the profile's idle overhead
-    away. Stops once the replayed median TTFT is within ``_TOLERANCE`` of the real one.
+    flight). ``b >= 0`` (the term only adds: a slope below 0 is noise); ``a`` never takes more than the
+    profile's idle overhead away. Stops once the replayed median TTFT is within ``_TOLERANCE`` of the real one.
 
     Raises:
         ValueError: ``kind`` has no loaded pass.
@@ -130,8 +101,7 @@ def fit_loaded_overhead(profile: Profile, kind: str) -> tuple[float, float]:
     loaded = worker.loaded_pass
     if not loaded:
         raise ValueError(f"the profile's {kind} workers have no loaded pass")
-    phase = pass_phase(profile, kind)
-    real, in_flight = [t / phase for t in loaded["ttft_s"]], [float(k) for k in loaded["in_flight"]]
+    real, in_flight = loaded["ttft_s"], [float(k) for k in loaded["in_flight"]]
     # the idle overhead the simulator starts from (the worker's, else the profile's), which ``a`` may take away
     floor = -(worker.request_overhead(statistics.fmean(loaded["prompt_tokens"])) or profile.request_overhead_s)
     base = per_stream = 0.0

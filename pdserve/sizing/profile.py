@@ -182,9 +182,7 @@ class WorkerProfile:
         loaded_pass: the Poisson pass that fit came from, as the client saw it: ``{"arrival_s": [...],
             "prompt_tokens": [...], "output_tokens": N, "ttft_s": [...], "in_flight": [...]}`` (each
             request's send time from the first's, its prompt length, the tokens each streamed, its time to
-            first token, the other requests in flight when it was sent), and ``"probe_tokens": N,
-            "probe_ttft_s": [...]``: lone requests of N new tokens sent just before and after the pass, their
-            times to first token (``loaded_fit.pass_phase``); empty when not measured.
+            first token, the other requests in flight when it was sent); empty when not measured.
 
     The tables are read made monotone (``isotonic``): a measured dip in a noisy machine's step times is
     averaged with its neighbours.

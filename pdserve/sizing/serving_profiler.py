@@ -51,12 +51,11 @@ HOST_FIT_PROMPT = 63
 # The colocated worker's loaded pass (``loaded_fit``): LOADED_PASS_PROMPTS prompts of lengths spread evenly over
 # LOADED_PASS_TOKENS (the idle overheads' lengths, so the fit does not lean on one noisy point of them), each streaming
 # the pass's tokens, arriving (Poisson) at LOADED_PASS_STREAMS streams in flight on average (the rate from a lone
-# request's whole time, measured first on LOADED_PASS_PROBES of them, sent again after the pass), but no faster
-# than keeps the worker's prompts to LOADED_PASS_PROMPT_SHARE of its time (the rate times a lone request's TTFT).
-# Without that bound a model whose prompts are most of a request's time is driven past saturation: the bench preset
-# on the AVX2 EPYC of 2026-12-04 (lone request ~1.2 s, TTFT ~0.37 s) got 2.4 req/s, 16-19 streams in flight and
-# TTFTs of 2-2.7 s, and the fit, made in that queue, added 0.26 s + 77 ms a stream to every colocated request at
-# the 0.4-1 req/s it serves
+# request's whole time, measured first on LOADED_PASS_PROBES of them), but no faster than keeps the worker's prompts
+# to LOADED_PASS_PROMPT_SHARE of its time (the rate times a lone request's TTFT). Without that bound a model whose
+# prompts are most of a request's time is driven past saturation: the bench preset on the AVX2 EPYC of 2026-12-04
+# (lone request ~1.2 s, TTFT ~0.37 s) got 2.4 req/s, 16-19 streams in flight and TTFTs of 2-2.7 s, and the fit,
+# made in that queue, added 0.26 s + 77 ms a stream to every colocated request at the 0.4-1 req/s it serves
 LOADED_PASS_PROMPTS = 40
 LOADED_PASS_TOKENS = (16, 512)
 LOADED_PASS_STREAMS = 2.0
@@ -516,12 +515,9 @@ def _loaded_pass(url: str, model_id: str, prompt, max_model_len: int, max_tokens
     rate = min(LOADED_PASS_STREAMS / max(duration, 1e-3), LOADED_PASS_PROMPT_SHARE / max(ttft, 1e-3))
     prompts = [prompt(n) for n in lengths]
     streams = asyncio.run(stream_poisson(url, model_id, prompts, max_tokens, rate, seed=1))
-    # the same lone probes after the pass: with those before, the machine's phase around it (loaded_fit)
-    lone += [asyncio.run(stream_batch(url, model_id, [prompt(mean)], max_tokens))[0] for _ in range(LOADED_PASS_PROBES)]
     from pdserve.sizing.loaded_fit import in_flight_at_sends
 
     first = min(t[0] for t in streams)
     return {"arrival_s": [t[0] - first for t in streams], "prompt_tokens": [len(p) for p in prompts],
             "output_tokens": max_tokens, "ttft_s": [t[1] - t[0] for t in streams],
-            "in_flight": in_flight_at_sends([t[0] for t in streams], [t[-1] for t in streams]),
-            "probe_tokens": mean, "probe_ttft_s": [t[1] - t[0] for t in lone]}
+            "in_flight": in_flight_at_sends([t[0] for t in streams], [t[-1] for t in streams])}
