@@ -101,3 +101,19 @@ def test_a_pass_the_simulator_already_prices_fits_nothing_and_one_it_overprices_
     colocated.loaded_pass = {}
     with pytest.raises(ValueError, match="no loaded pass"):
         fit_loaded_overhead(profile, "colocated")
+
+
+def test_a_pass_slower_throughout_adds_at_most_the_idle_overhead_again():
+    """A pass whose every TTFT came out 1.5x the simulator's (a shared machine in a slow phase: hundreds of ms
+    on a prompt of ~0.1 s) fits a constant of the idle overhead at most, not the phase's 50 ms; a pass that
+    pays 3 ms a stream in flight on top keeps that slope (``fit_loaded_overhead``'s bounds)."""
+    profile = make_profile(request_overhead_s=0.004)
+    colocated = profile.workers["colocated"]
+    slow = _loaded_pass(profile, 0.0, 0.0)
+    slow["ttft_s"] = [1.5 * t for t in slow["ttft_s"]]
+    colocated.loaded_pass = slow
+    base, _ = fit_loaded_overhead(profile, "colocated")
+    assert base == pytest.approx(0.004)
+    colocated.loaded_pass = _loaded_pass(profile, 0.02, 0.003)
+    base, per_stream = fit_loaded_overhead(profile, "colocated")
+    assert base == pytest.approx(0.004) and per_stream == pytest.approx(0.003, rel=0.3)
