@@ -19,6 +19,10 @@ cell a calibration run left in DIR (its ``profile-LAYOUT.json`` or ``profile.jso
 result with its seed), and scores them, so a change to the cost model is judged on many real runs at once
 (the runs of a noisy machine differ more between themselves than one change moves them).
 
+Before each real run a speed probe streams three lone requests and compares their decode step with the profile's
+(``speed_probe``): the table's last column, the machine's step time then over the profile's, tells a cell's miss
+from the VM's drift between the profile and the run. The simulation never reads it.
+
 A cell passes when the simulated figure is within issue 40's bound of the two real runs' mean (TTFT p50 and
 TPOT p50 5%, TTFT p90 10%) or within the two runs' spread where that is wider; the count is printed last.
 
@@ -94,6 +98,41 @@ def run_json(cmd: list[str], path: str) -> dict:
 
 
 KEYS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")
+PROBES = 3  # lone streams of the speed probe before each real run
+PROBE_TOKENS = 48  # each streams this many tokens (the profile's serving grid streams as many)
+
+
+def speed_probe(url: str, profile: str, layout: str, probes: int = PROBES) -> float | None:
+    """The machine's speed right before a real run, against the profile's: the decode step a lone stream saw
+    (``serving_profiler.serving_step_seconds``; its prompt of 31 tokens computed once first, as the profile's
+    grid primes its points) over the profile's serving grid point it repeats (batch 1, 32 tokens of context),
+    the median over ``probes`` fresh prompts; None where the profile has no serving grid. Above 1: the
+    machine runs slower now than when it was profiled. The simulation never reads it: the table reports it
+    beside each cell, so a cell's miss can be told from the VM's drift between the profile and the run."""
+    import asyncio
+    import random
+    import statistics
+
+    import httpx
+
+    from pdserve.sizing.serving_client import stream_batch
+    from pdserve.sizing.serving_profiler import serving_step_seconds
+
+    with open(profile) as f:
+        worker = json.load(f)["workers"]["colocated" if layout == "colocated" else "decode"]
+    grid = worker.get("serving_decode_seconds") or []
+    if not grid or worker["decode_batch"][0] != 1 or worker["decode_context"][0] != 32:
+        return None
+    model_id = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    rng = random.Random()  # fresh prompts every probe, never a cached prefix of the workload's
+    steps = []
+    for _ in range(probes):
+        prompt = [rng.randrange(10, 1000) for _ in range(31)]
+        asyncio.run(stream_batch(url, model_id, [prompt], 1))
+        streams = asyncio.run(stream_batch(url, model_id, [prompt], PROBE_TOKENS))
+        if (step := serving_step_seconds(streams)) is not None:
+            steps.append(step)
+    return statistics.median(steps) / grid[0][0] if steps else None
 BOUNDS = {"median_ttft_ms": 0.05, "p90_ttft_ms": 0.10, "median_tpot_ms": 0.05}  # issue 40 item 3
 
 
@@ -108,10 +147,12 @@ def simulate(profile: str, layout: str, rate: float, seed: int, cores: int, num_
                                "--vocab-size", "4096", "--seed", str(seed), "--disable-tqdm", *line], path)
 
 
-def score(layout: str, rate: float, profile: str, real: list[dict], sims: list[dict]) -> dict:
+def score(layout: str, rate: float, profile: str, real: list[dict], sims: list[dict],
+          speeds: list[float | None] | None = None) -> dict:
     """A table row: per figure the two real runs, the simulations' mean, its error against the real mean, the
-    real spread, and whether it passes (within ``BOUNDS`` or the spread)."""
-    row = {"layout": layout, "rate": rate, "profile": profile}
+    real spread, and whether it passes (within ``BOUNDS`` or the spread); ``speed``: each run's
+    ``speed_probe`` (None where not probed)."""
+    row = {"layout": layout, "rate": rate, "profile": profile, "speed": list(speeds or [None, None])}
     for key in KEYS:
         a, b = real[0][key], real[1][key]
         mean = (a + b) / 2
@@ -212,14 +253,16 @@ def main() -> int:
             for r, rate in enumerate(rates[layout]):
                 line = [*line_base, "--num-prompts", str(args.num_prompts), "--request-rate", str(rate)]
                 real, sims = [], []
+                speeds = []
                 for run in range(2):  # each run its own prompts and arrivals (a seed), never cached before
                     seed = 10 * r + run
+                    speeds.append(speed_probe(url, profile, layout))
                     real.append(run_json(PDSERVE + ["bench", "serve", "--url", url, "--num-warmups", "4",
                                                     "--seed", str(seed), "--disable-tqdm", "--vocab-size", "4096",
                                                     *line], os.path.join(tmp, f"{layout}-{rate}-real{run}.json")))
                     sims.append(simulate(profile, layout, rate, seed, cores, args.num_prompts,
                                          os.path.join(tmp, f"{layout}-{rate}-sim{run}.json"), line_base))
-                rows.append(score(layout, rate, profile, real, sims))
+                rows.append(score(layout, rate, profile, real, sims, speeds))
                 print(format_row(rows[-1]), flush=True)
         finally:
             stop(proc)
@@ -245,18 +288,24 @@ def format_row(row: dict) -> str:
         c = row[key]
         cells.append(f"{key}: real {c['real'][0]:.1f}/{c['real'][1]:.1f} sim {c['sim']:.1f} "
                      f"err {100 * c['error']:+.1f}% spread {100 * c['spread']:.1f}%")
-    return f"{row['layout']} @ {row['rate']} req/s: " + "; ".join(cells)
+    return f"{row['layout']} @ {row['rate']} req/s: " + "; ".join(cells) + f"; speed {speed_cell(row)}"
+
+
+def speed_cell(row: dict) -> str:
+    """The row's two speed probes as step-time ratios to the profile's (``speed_probe``), "-" where none."""
+    return " / ".join("-" if s is None else f"{s:.2f}x" for s in row.get("speed") or [None, None])
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| layout | req/s | TTFT p50 real (2 runs) | sim | err | spread | TTFT p90 real | sim | err | spread "
-             "| TPOT p50 real | sim | err | spread |", "|" + "---|" * 14]
+             "| TPOT p50 real | sim | err | spread | decode step vs profile |", "|" + "---|" * 15]
     for r in rows:
         cells = [r["layout"], f"{r['rate']:g}"]
         for key in KEYS:
             c = r[key]
             cells += [f"{c['real'][0]:.1f} / {c['real'][1]:.1f}", f"{c['sim']:.1f}", f"{100 * c['error']:+.1f}%",
                       f"{100 * c['spread']:.1f}%"]
+        cells.append(speed_cell(r))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
