@@ -98,6 +98,7 @@ def run_json(cmd: list[str], path: str) -> dict:
 
 
 KEYS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")
+BOUNDS = {"median_ttft_ms": 0.05, "p90_ttft_ms": 0.10, "median_tpot_ms": 0.05}  # issue 40 item 3
 PROBES = 3  # lone streams of the speed probe before each real run
 PROBE_TOKENS = 48  # each streams this many tokens (the profile's serving grid streams as many)
 
@@ -115,6 +116,7 @@ def speed_probe(url: str, profile: str, layout: str, probes: int = PROBES) -> fl
 
     import httpx
 
+    from pdserve.bench.serve import first_model_id
     from pdserve.sizing.serving_client import stream_batch
     from pdserve.sizing.serving_profiler import serving_step_seconds
 
@@ -123,17 +125,22 @@ def speed_probe(url: str, profile: str, layout: str, probes: int = PROBES) -> fl
     grid = worker.get("serving_decode_seconds") or []
     if not grid or worker["decode_batch"][0] != 1 or worker["decode_context"][0] != 32:
         return None
-    model_id = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     rng = random.Random()  # fresh prompts every probe, never a cached prefix of the workload's
-    steps = []
-    for _ in range(probes):
-        prompt = [rng.randrange(10, 1000) for _ in range(31)]
-        asyncio.run(stream_batch(url, model_id, [prompt], 1))
-        streams = asyncio.run(stream_batch(url, model_id, [prompt], PROBE_TOKENS))
-        if (step := serving_step_seconds(streams)) is not None:
-            steps.append(step)
+
+    async def probe() -> list[float]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            model_id = await first_model_id(client, url)
+        steps = []
+        for _ in range(probes):
+            prompt = [rng.randrange(10, 1000) for _ in range(31)]
+            await stream_batch(url, model_id, [prompt], 1)
+            streams = await stream_batch(url, model_id, [prompt], PROBE_TOKENS)
+            if (step := serving_step_seconds(streams)) is not None:
+                steps.append(step)
+        return steps
+
+    steps = asyncio.run(probe())
     return statistics.median(steps) / grid[0][0] if steps else None
-BOUNDS = {"median_ttft_ms": 0.05, "p90_ttft_ms": 0.10, "median_tpot_ms": 0.05}  # issue 40 item 3
 
 
 def simulate(profile: str, layout: str, rate: float, seed: int, cores: int, num_prompts: int, path: str,
