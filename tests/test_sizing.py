@@ -218,6 +218,20 @@ def test_one_colocated_request_takes_the_profiled_steps_exactly():
     assert m["median_e2el_ms"] == pytest.approx(1000 * (0.01 + prefill + 3 * decode))
 
 
+def test_a_rescaled_profile_prices_prompts_and_steps_by_their_factors_and_keeps_the_fixed_latencies():
+    profile = make_profile(request_overhead_s=0.01)
+    slower = profile.rescaled(prefill=2.0, decode=0.5)
+    m = Simulator(slower, SimConfig(num_prefill=0, num_decode=1)).run([one(64, 4)]).metrics
+    prefill = 0.002 + 1e-4 * 64
+    decode = 0.004 + 0.0005
+    assert m["median_ttft_ms"] == pytest.approx(1000 * (0.01 + 2.0 * prefill))
+    assert m["median_tpot_ms"] == pytest.approx(1000 * 0.5 * decode)
+    assert profile.rescaled().to_dict() == profile.to_dict()
+    assert slower.transfer == profile.transfer
+    with pytest.raises(ValueError, match="decode factor"):
+        profile.rescaled(decode=0.0)
+
+
 def test_a_disaggregated_request_waits_for_its_transfer_when_it_outlasts_the_prefill():
     prefill = 0.002 + 1e-4 * 64
     for transfer in (0.001, 0.05):  # hidden under the prefill step / longer than it

@@ -51,6 +51,9 @@ PROFILE_VERSION = 1
 LOADED_UTILIZATION = 0.5
 PROFILE_KIND = "pdserve-profile"
 WORKER_KINDS = ("prefill", "decode", "colocated")
+# a worker's time tables of prompt computation and of decode steps (``Profile.rescaled`` scales them)
+PREFILL_TABLES = ("prefill_seconds", "serving_prefill_seconds", "serving_prefill_idle_seconds")
+DECODE_TABLES = ("decode_seconds", "serving_decode_seconds")
 
 
 def interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -465,6 +468,31 @@ class Profile:
             if t is not None and (t.prefill_layout, t.decode_layout) == (prefill_layout, decode_layout):
                 return t
         return None
+
+    def rescaled(self, prefill: float = 1.0, decode: float = 1.0) -> "Profile":
+        """This profile with every worker's prompt computation taking ``prefill`` times as long as measured and
+        every decode step ``decode`` times (the engine's and the serving grids alike); the fixed latencies, the
+        KV transfer and the host's CPU are kept.
+
+        A drift correction in the spirit of the correction factors of Dynamo's SLA planner (observed latency
+        over predicted, applied to the next predictions): on a shared machine whose speed moves over minutes, a
+        short probe of the live cluster just before a run gives each factor (``benchmarks/bench_sim_calibration.py``
+        takes lone requests' TTFT and TPOT over their simulated ones).
+
+        Raises:
+            ValueError: a factor that is not a positive finite number."""
+        for name, factor in (("prefill", prefill), ("decode", decode)):
+            if not (0 < factor < float("inf")):
+                raise ValueError(f"the {name} factor must be a positive number, not {factor}")
+        d = self.to_dict()
+        for w in d["workers"].values():
+            for key in PREFILL_TABLES:
+                w[key] = [s * prefill for s in w[key]]
+            w["prefill_cached_points"] = [[new, cached, s * prefill] for new, cached, s in w["prefill_cached_points"]]
+            w["attention_pair_seconds"] *= prefill
+            for key in DECODE_TABLES:
+                w[key] = [[s * decode for s in row] for row in w[key]]
+        return Profile.from_dict(d)
 
     def to_dict(self) -> dict:
         return {"kind": PROFILE_KIND, "version": self.version, "created": self.created, "model": self.model,
