@@ -15,13 +15,17 @@ leaves out.
         [--rates colocated=2,6 1p1d=3,9 1p2d=3,9] [--num-prompts 150] [--output-len 48] [--out /tmp/calibration.json]
 
 ``--resimulate DIR [DIR ...]`` runs nothing real: it simulates again, with the code as it is now, every
-cell a calibration run left in DIR (its ``profile-LAYOUT.json`` or ``profile.json``, and each real run's
-result with its seed), and scores them, so a change to the cost model is judged on many real runs at once
+cell a calibration run left in DIR (its ``profile-LAYOUT.json`` or ``profile.json``, each real run's result
+with its seed, and its probe where it was probed), and scores them, so a change to the cost model is judged on many real runs at once
 (the runs of a noisy machine differ more between themselves than one change moves them).
 
-Before each real run a speed probe streams three lone requests and compares their decode step with the profile's
-(``speed_probe``): the table's last column, the machine's step time then over the profile's, tells a cell's miss
-from the VM's drift between the profile and the run. The simulation never reads it.
+Before each real run a drift probe streams twelve lone requests (``probe_real``); the same requests simulated give
+how much slower the machine computes prompts and decode steps now than the profile prices them, two factors
+(``probe_factors``: observed over predicted, in the spirit of Dynamo's planner's correction factors). Each run is
+simulated twice: with the profile as it is (the calibration table) and with the profile rescaled by that run's
+factors (``Profile.rescaled``; the drift-corrected table, printed beside the first, never in its place): the
+second tells how much of a miss is the VM's speed moving between the profile and the run, which a shared machine
+does by more than the bound within minutes. The factors come from the probe's own requests, never the run's.
 
 A cell passes when the simulated figure is within issue 40's bound of the two real runs' mean (TTFT p50 and
 TPOT p50 5%, TTFT p90 10%) or within the two runs' spread where that is wider; the count is printed last.
@@ -99,86 +103,139 @@ def run_json(cmd: list[str], path: str) -> dict:
 
 KEYS = ("median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")
 BOUNDS = {"median_ttft_ms": 0.05, "p90_ttft_ms": 0.10, "median_tpot_ms": 0.05}  # issue 40 item 3
-PROBES = 3  # lone streams of the speed probe before each real run
-PROBE_TOKENS = 48  # each streams this many tokens (the profile's serving grid streams as many)
+PROBE_REQUESTS = 12  # lone requests of the drift probe before each real run (a lone 256-token prompt's TTFT
+# scattered 273-446 ms within five on the colocated bench preset here: the median of five moved 15% probe to probe)
+PROBE_PROMPT_TOKENS = 256  # each one's prompt: the workload's mean length, new to the cluster
+PROBE_TOKENS = 16  # and output
+PROBE_PERIOD_S = 1.5  # one sent every this often, each alone (the slowest layout's takes ~1 s here)
+FACTOR_BOUNDS = (0.25, 4.0)  # a factor outside these is a broken probe, not drift: clamped
 
 
-def speed_probe(url: str, profile: str, layout: str, probes: int = PROBES) -> float | None:
-    """The machine's speed right before a real run, against the profile's: the decode step a lone stream saw
-    (``serving_profiler.serving_step_seconds``; its prompt of 31 tokens computed once first, as the profile's
-    grid primes its points) over the profile's serving grid point it repeats (batch 1, 32 tokens of context),
-    the median over ``probes`` fresh prompts; None where the profile has no serving grid. Above 1: the
-    machine runs slower now than when it was profiled. The simulation never reads it: the table reports it
-    beside each cell, so a cell's miss can be told from the VM's drift between the profile and the run."""
+def probe_real(url: str) -> dict:
+    """The drift probe's real half, right before a real run: ``PROBE_REQUESTS`` lone streamed requests of
+    fresh prompts, one every ``PROBE_PERIOD_S``; each one's TTFT and TPOT (s)."""
     import asyncio
     import random
-    import statistics
 
     import httpx
 
     from pdserve.bench.serve import first_model_id
-    from pdserve.sizing.serving_client import stream_batch
-    from pdserve.sizing.serving_profiler import serving_step_seconds
+    from pdserve.sizing.serving_client import stream_one
 
-    with open(profile) as f:
-        worker = json.load(f)["workers"]["colocated" if layout == "colocated" else "decode"]
-    grid = worker.get("serving_decode_seconds") or []
-    if not grid or worker["decode_batch"][0] != 1 or worker["decode_context"][0] != 32:
-        return None
     rng = random.Random()  # fresh prompts every probe, never a cached prefix of the workload's
 
-    async def probe() -> list[float]:
-        async with httpx.AsyncClient(timeout=30) as client:
+    async def probe() -> dict:
+        ttfts, tpots = [], []
+        async with httpx.AsyncClient(timeout=60) as client:
             model_id = await first_model_id(client, url)
-        steps = []
-        for _ in range(probes):
-            prompt = [rng.randrange(10, 1000) for _ in range(31)]
-            await stream_batch(url, model_id, [prompt], 1)
-            streams = await stream_batch(url, model_id, [prompt], PROBE_TOKENS)
-            if (step := serving_step_seconds(streams)) is not None:
-                steps.append(step)
-        return steps
+            start = time.perf_counter()
+            for i in range(PROBE_REQUESTS):
+                await asyncio.sleep(max(0.0, start + i * PROBE_PERIOD_S - time.perf_counter()))
+                prompt = [rng.randrange(10, 4000) for _ in range(PROBE_PROMPT_TOKENS)]
+                times = await stream_one(client, url, model_id, prompt, PROBE_TOKENS)
+                ttfts.append(times[1] - times[0])
+                if len(times) > 2:
+                    tpots.append((times[-1] - times[1]) / (len(times) - 2))
+        return {"ttft_s": ttfts, "tpot_s": tpots}
 
-    steps = asyncio.run(probe())
-    return statistics.median(steps) / grid[0][0] if steps else None
+    return asyncio.run(probe())
 
 
-def simulate(profile: str, layout: str, rate: float, seed: int, cores: int, num_prompts: int, path: str,
+def probe_factors(real: dict, profile: str, layout: str, cores: int, stem: str) -> dict:
+    """The drift probe's factors: how much slower (above 1) the machine computed prompts and decode steps in the
+    probe's lone requests (``probe_real``) than the profile prices them. The same requests simulated with the
+    profile as it is and with every prompt and step twice as long (``Profile.rescaled``): a lone request's TTFT
+    and TPOT are linear in the factors, so the factor is where the line meets the real median (Dynamo's SLA
+    planner's correction factors, observed over predicted, taken on lone requests so the fixed latencies stay
+    out of them)."""
+    import statistics
+
+    from pdserve.sizing.profile import load_profile
+
+    trace = f"{stem}-probe-trace.jsonl"
+    with open(trace, "w") as f:
+        for i in range(PROBE_REQUESTS):
+            f.write(json.dumps({"arrival_s": i * PROBE_PERIOD_S, "input_len": PROBE_PROMPT_TOKENS,
+                                "output_len": PROBE_TOKENS}) + "\n")
+    doubled = f"{stem}-probe-doubled.json"
+    load_profile(profile).rescaled(prefill=2.0, decode=2.0).save(doubled)
+    once, twice = (simulate(p, layout, None, 0, cores, PROBE_REQUESTS, f"{stem}-probe-sim{k}.json",
+                            ["--trace", trace]) for k, p in enumerate((profile, doubled)))
+    factors = {}
+    for name, key, real_key in (("prefill", "median_ttft_ms", "ttft_s"), ("decode", "median_tpot_ms", "tpot_s")):
+        measured = 1000 * statistics.median(real[real_key])
+        factor = 1 + (measured - once[key]) / max(twice[key] - once[key], 1e-9)
+        factors[name] = min(max(factor, FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])
+    return factors
+
+
+def simulate(profile: str, layout: str, rate: float | None, seed: int, cores: int, num_prompts: int, path: str,
              line: list[str] = WORKLOAD) -> dict:
-    """``pdserve simulate`` of one real run's workload (``line``, same seed) on ``layout`` placed on ``cores``."""
+    """``pdserve simulate`` of one real run's workload (``line``, same seed) on ``layout`` placed on ``cores``
+    (``rate`` None: the line's own arrivals, a trace's)."""
     num_prefill, num_decode = (0, 1) if layout == "colocated" else (1, int(LAYOUTS[layout][-1]))
-    line = [*line, "--num-prompts", str(num_prompts), "--request-rate", str(rate)]
+    line = [*line, "--num-prompts", str(num_prompts), *([] if rate is None else ["--request-rate", str(rate)])]
     return run_json(PDSERVE + ["simulate", "--profile", profile, "--prefill", str(num_prefill),
                                "--decode", str(num_decode), "--machine-cores", str(cores),
                                "--host-load", "router+client",
                                "--vocab-size", "4096", "--seed", str(seed), "--disable-tqdm", *line], path)
 
 
-def score(layout: str, rate: float, profile: str, real: list[dict], sims: list[dict],
-          speeds: list[float | None] | None = None) -> dict:
-    """A table row: per figure the two real runs, the simulations' mean, its error against the real mean, the
-    real spread, and whether it passes (within ``BOUNDS`` or the spread); ``speed``: each run's
-    ``speed_probe`` (None where not probed)."""
-    row = {"layout": layout, "rate": rate, "profile": profile, "speed": list(speeds or [None, None])}
+def simulate_run(work: str, name: str, profile: str, layout: str, rate: float, cores: int, real: dict,
+                 line: list[str], probe: dict | None) -> tuple[dict, dict | None, dict | None]:
+    """One real run (its result ``real``: seed, prompts) simulated with the profile as it is and, where the run
+    was probed (``probe``: ``probe_real``'s), with the profile rescaled by the probe's factors:
+    ``(simulation, corrected simulation or None, factors or None)``; files ``work/name*.json``."""
+    from pdserve.sizing.profile import load_profile
+
+    sim = simulate(profile, layout, rate, real["seed"], cores, real["num_prompts"],
+                   os.path.join(work, f"{name}.json"), line)
+    if probe is None:
+        return sim, None, None
+    factors = probe_factors(probe, profile, layout, cores, os.path.join(work, name))
+    rescaled = os.path.join(work, f"{name}-profile.json")
+    load_profile(profile).rescaled(**factors).save(rescaled)
+    corrected = simulate(rescaled, layout, rate, real["seed"], cores, real["num_prompts"],
+                         os.path.join(work, f"{name}-corrected.json"), line)
+    return sim, corrected, factors
+
+
+def cells(real: list[dict], sims: list[dict]) -> dict:
+    """Per figure: the two real runs, the simulations' mean, its error against the real mean, the real spread,
+    and whether it passes (within ``BOUNDS`` or the spread)."""
+    out = {}
     for key in KEYS:
         a, b = real[0][key], real[1][key]
         mean = (a + b) / 2
         s = (sims[0][key] + sims[1][key]) / 2
         error, spread = (s - mean) / mean, abs(a - b) / mean
-        row[key] = {"real": [a, b], "sim": s, "sims": [sims[0][key], sims[1][key]], "error": error,
+        out[key] = {"real": [a, b], "sim": s, "sims": [sims[0][key], sims[1][key]], "error": error,
                     "spread": spread, "passes": abs(error) <= max(BOUNDS[key], spread)}
-    row["sim_wall_s"] = sims[0]["sim"]["wall_seconds"]
+    return out
+
+
+def score(layout: str, rate: float, profile: str, real: list[dict], runs: list[tuple]) -> dict:
+    """A table row from the two real runs and their ``simulate_run`` results: ``cells`` of the simulations, and
+    under ``corrected`` those of the drift-corrected ones (None where a run was not probed), ``factors`` each
+    run's probe factors."""
+    row = {"layout": layout, "rate": rate, "profile": profile, **cells(real, [r[0] for r in runs]),
+           "factors": [r[2] for r in runs], "sim_wall_s": runs[0][0]["sim"]["wall_seconds"]}
+    row["corrected"] = cells(real, [r[1] for r in runs]) if all(r[1] for r in runs) else None
     return row
+
+
+def read_json(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def resimulate(dirs: list[str]) -> list[dict]:
     """Every cell the calibration runs in ``dirs`` left, simulated again with this code (see the docstring)."""
     rows = []
     for d in dirs:
-        line = WORKLOAD
-        if os.path.exists(saved := os.path.join(d, "workload.json")):  # the runs' own workload line
-            with open(saved) as f:
-                line = json.load(f)
+        line = read_json(os.path.join(d, "workload.json")) or WORKLOAD  # the runs' own workload line
         for layout in LAYOUTS:
             profile = os.path.join(d, f"profile-{layout}.json")
             if not os.path.exists(profile):
@@ -186,18 +243,13 @@ def resimulate(dirs: list[str]) -> list[dict]:
             rates = sorted({float(f.split("-")[1]) for f in os.listdir(d) if f.startswith(f"{layout}-")
                             and f.endswith("-real0.json")})
             for rate in rates:
-                real = []
-                for run in range(2):
-                    with open(os.path.join(d, f"{layout}-{rate}-real{run}.json")) as f:
-                        real.append(json.load(f))
-                cores = len(os.sched_getaffinity(0))
-                if os.path.exists(saved := os.path.join(d, f"{layout}-{rate}-sim0.json")):
-                    with open(saved) as f:
-                        cores = json.load(f).get("machine_cores") or cores  # as that run placed its workers
-                sims = [simulate(profile, layout, rate, r["seed"], cores, r["num_prompts"],
-                                 os.path.join(d, f"{layout}-{rate}-resim{run}.json"), line)
+                real = [read_json(os.path.join(d, f"{layout}-{rate}-real{run}.json")) for run in range(2)]
+                saved = read_json(os.path.join(d, f"{layout}-{rate}-sim0.json")) or {}
+                cores = saved.get("machine_cores") or len(os.sched_getaffinity(0))  # as that run placed its workers
+                runs = [simulate_run(d, f"{layout}-{rate}-resim{run}", profile, layout, rate, cores, r, line,
+                                     read_json(os.path.join(d, f"{layout}-{rate}-probe{run}.json")))
                         for run, r in enumerate(real)]
-                rows.append(score(layout, rate, profile, real, sims))
+                rows.append(score(layout, rate, profile, real, runs))
                 print(f"{d}: " + format_row(rows[-1]), flush=True)
     return rows
 
@@ -217,9 +269,7 @@ def main() -> int:
                     help="simulate again the cells of earlier runs' directories (nothing real runs)")
     args = ap.parse_args()
     if args.resimulate:
-        rows = resimulate(args.resimulate)
-        print(table(rows))
-        print(passing(rows))
+        report(resimulate(args.resimulate))
         return 0
     rates = dict(DEFAULT_RATES)
     for item in args.rates:
@@ -259,23 +309,26 @@ def main() -> int:
                            check=True, stdout=subprocess.DEVNULL)
             for r, rate in enumerate(rates[layout]):
                 line = [*line_base, "--num-prompts", str(args.num_prompts), "--request-rate", str(rate)]
-                real, sims = [], []
-                speeds = []
+                real, probes = [], []
                 for run in range(2):  # each run its own prompts and arrivals (a seed), never cached before
                     seed = 10 * r + run
-                    speeds.append(speed_probe(url, profile, layout))
+                    probes.append(probe_real(url))
+                    with open(os.path.join(tmp, f"{layout}-{rate}-probe{run}.json"), "w") as f:
+                        json.dump(probes[-1], f)
                     real.append(run_json(PDSERVE + ["bench", "serve", "--url", url, "--num-warmups", "4",
                                                     "--seed", str(seed), "--disable-tqdm", "--vocab-size", "4096",
                                                     *line], os.path.join(tmp, f"{layout}-{rate}-real{run}.json")))
-                    sims.append(simulate(profile, layout, rate, seed, cores, args.num_prompts,
-                                         os.path.join(tmp, f"{layout}-{rate}-sim{run}.json"), line_base))
-                rows.append(score(layout, rate, profile, real, sims, speeds))
+                # one more after the last run (kept for --resimulate: the run's speed after as well as before)
+                with open(os.path.join(tmp, f"{layout}-{rate}-probe2.json"), "w") as f:
+                    json.dump(probe_real(url), f)
+                runs = [simulate_run(tmp, f"{layout}-{rate}-sim{run}", profile, layout, rate, cores, real[run],
+                                     line_base, probes[run]) for run in range(2)]
+                rows.append(score(layout, rate, profile, real, runs))
                 print(format_row(rows[-1]), flush=True)
         finally:
             stop(proc)
             log.close()
-    print(table(rows))
-    print(passing(rows))
+    report(rows)
     print(f"the runs' directory (for --resimulate): {tmp}")
     if args.out:
         with open(args.out, "w") as f:
@@ -285,36 +338,56 @@ def main() -> int:
 
 
 def passing(rows: list[dict]) -> str:
-    cells = [row[key].get("passes") for row in rows for key in KEYS]
-    return f"{sum(1 for c in cells if c)} of {len(cells)} cells within the bound or the real spread"
+    """How many cells pass, as profiled and (where the runs were probed) drift-corrected."""
+    lines = []
+    for label, key in (("as profiled", None), ("drift-corrected", "corrected")):
+        scored = [row[key] if key else row for row in rows if not key or row.get(key)]
+        if scored:
+            passed = sum(1 for c in scored for k in KEYS if c[k]["passes"])
+            lines.append(f"{label}: {passed} of {len(scored) * len(KEYS)} cells within the bound or the real spread")
+    return "\n".join(lines)
 
 
 def format_row(row: dict) -> str:
-    cells = []
+    parts = []
     for key in KEYS:
         c = row[key]
-        cells.append(f"{key}: real {c['real'][0]:.1f}/{c['real'][1]:.1f} sim {c['sim']:.1f} "
-                     f"err {100 * c['error']:+.1f}% spread {100 * c['spread']:.1f}%")
-    return f"{row['layout']} @ {row['rate']} req/s: " + "; ".join(cells) + f"; speed {speed_cell(row)}"
+        corrected = f" (corrected {100 * row['corrected'][key]['error']:+.1f}%)" if row.get("corrected") else ""
+        parts.append(f"{key}: real {c['real'][0]:.1f}/{c['real'][1]:.1f} sim {c['sim']:.1f} "
+                     f"err {100 * c['error']:+.1f}%{corrected} spread {100 * c['spread']:.1f}%")
+    return f"{row['layout']} @ {row['rate']} req/s: " + "; ".join(parts) + f"; probe {factor_cell(row)}"
 
 
-def speed_cell(row: dict) -> str:
-    """The row's two speed probes as step-time ratios to the profile's (``speed_probe``), "-" where none."""
-    return " / ".join("-" if s is None else f"{s:.2f}x" for s in row.get("speed") or [None, None])
+def factor_cell(row: dict) -> str:
+    """Each run's probe factors, prefill / decode (``probe_factors``), "-" where not probed."""
+    return " · ".join("-" if f is None else f"{f['prefill']:.2f} / {f['decode']:.2f}"
+                      for f in row.get("factors") or [None, None])
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], corrected: bool = False) -> str:
+    """The markdown table: the simulations as profiled, or (``corrected``) drift-corrected by each run's probe."""
     lines = ["| layout | req/s | TTFT p50 real (2 runs) | sim | err | spread | TTFT p90 real | sim | err | spread "
-             "| TPOT p50 real | sim | err | spread | decode step vs profile |", "|" + "---|" * 15]
+             "| TPOT p50 real | sim | err | spread | probe: prefill / decode factor per run |", "|" + "---|" * 15]
     for r in rows:
-        cells = [r["layout"], f"{r['rate']:g}"]
+        scored = r.get("corrected") if corrected else r
+        if not scored:
+            continue
+        row = [r["layout"], f"{r['rate']:g}"]
         for key in KEYS:
-            c = r[key]
-            cells += [f"{c['real'][0]:.1f} / {c['real'][1]:.1f}", f"{c['sim']:.1f}", f"{100 * c['error']:+.1f}%",
-                      f"{100 * c['spread']:.1f}%"]
-        cells.append(speed_cell(r))
-        lines.append("| " + " | ".join(cells) + " |")
+            c = scored[key]
+            row += [f"{c['real'][0]:.1f} / {c['real'][1]:.1f}", f"{c['sim']:.1f}", f"{100 * c['error']:+.1f}%",
+                    f"{100 * c['spread']:.1f}%"]
+        row.append(factor_cell(r))
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def report(rows: list[dict]) -> None:
+    print(table(rows))
+    if any(r.get("corrected") for r in rows):
+        print("\ndrift-corrected (each run's simulation from the profile rescaled by its probe's factors):")
+        print(table(rows, corrected=True))
+    print(passing(rows))
 
 
 if __name__ == "__main__":
