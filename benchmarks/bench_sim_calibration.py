@@ -16,8 +16,8 @@ leaves out.
 
 ``--resimulate DIR [DIR ...]`` runs nothing real: it simulates again, with the code as it is now, every
 cell a calibration run left in DIR (its ``profile-LAYOUT.json`` or ``profile.json``, each real run's result
-with its seed, and its probe where it was probed), and scores them, so a change to the cost model is judged on many real runs at once
-(the runs of a noisy machine differ more between themselves than one change moves them).
+with its seed, and its probe where it was probed), and scores them, so a change to the cost model is judged on
+many real runs at once (the runs of a noisy machine differ more between themselves than one change moves them).
 
 Before each real run a drift probe streams twelve lone requests (``probe_real``); the same requests simulated give
 how much slower the machine computes prompts and decode steps now than the profile prices them, two factors
@@ -109,6 +109,7 @@ PROBE_PROMPT_TOKENS = 256  # each one's prompt: the workload's mean length, new 
 PROBE_TOKENS = 16  # and output
 PROBE_PERIOD_S = 1.5  # one sent every this often, each alone (the slowest layout's takes ~1 s here)
 FACTOR_BOUNDS = (0.25, 4.0)  # a factor outside these is a broken probe, not drift: clamped
+PROBE_SLOPE = 1.25  # the probe's second simulation prices prompts and steps this much longer (its requests still lone)
 
 
 def probe_real(url: str) -> dict:
@@ -144,10 +145,10 @@ def probe_real(url: str) -> dict:
 def probe_factors(real: dict, profile: str, layout: str, cores: int, stem: str) -> dict:
     """The drift probe's factors: how much slower (above 1) the machine computed prompts and decode steps in the
     probe's lone requests (``probe_real``) than the profile prices them. The same requests simulated with the
-    profile as it is and with every prompt and step twice as long (``Profile.rescaled``): a lone request's TTFT
-    and TPOT are linear in the factors, so the factor is where the line meets the real median (Dynamo's SLA
-    planner's correction factors, observed over predicted, taken on lone requests so the fixed latencies stay
-    out of them)."""
+    profile as it is and with every prompt and step ``PROBE_SLOPE`` times as long (``Profile.rescaled``): a lone
+    request's TTFT and TPOT are linear in the factors, so the factor is where the line meets the real median
+    (Dynamo's SLA planner's correction factors, observed over predicted, taken on lone requests so the fixed
+    latencies stay out of them)."""
     import statistics
 
     from pdserve.sizing.profile import load_profile
@@ -157,14 +158,14 @@ def probe_factors(real: dict, profile: str, layout: str, cores: int, stem: str) 
         for i in range(PROBE_REQUESTS):
             f.write(json.dumps({"arrival_s": i * PROBE_PERIOD_S, "input_len": PROBE_PROMPT_TOKENS,
                                 "output_len": PROBE_TOKENS}) + "\n")
-    doubled = f"{stem}-probe-doubled.json"
-    load_profile(profile).rescaled(prefill=2.0, decode=2.0).save(doubled)
-    once, twice = (simulate(p, layout, None, 0, cores, PROBE_REQUESTS, f"{stem}-probe-sim{k}.json",
-                            ["--trace", trace]) for k, p in enumerate((profile, doubled)))
+    slower = f"{stem}-probe-slower.json"
+    load_profile(profile).rescaled(prefill=PROBE_SLOPE, decode=PROBE_SLOPE).save(slower)
+    once, more = (simulate(p, layout, None, 0, cores, PROBE_REQUESTS, f"{stem}-probe-sim{k}.json",
+                           ["--trace", trace]) for k, p in enumerate((profile, slower)))
     factors = {}
     for name, key, real_key in (("prefill", "median_ttft_ms", "ttft_s"), ("decode", "median_tpot_ms", "tpot_s")):
         measured = 1000 * statistics.median(real[real_key])
-        factor = 1 + (measured - once[key]) / max(twice[key] - once[key], 1e-9)
+        factor = 1 + (PROBE_SLOPE - 1) * (measured - once[key]) / max(more[key] - once[key], 1e-9)
         factors[name] = min(max(factor, FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])
     return factors
 
