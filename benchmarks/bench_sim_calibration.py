@@ -19,13 +19,15 @@ cell a calibration run left in DIR (its ``profile-LAYOUT.json`` or ``profile.jso
 with its seed, and its probe where it was probed), and scores them, so a change to the cost model is judged on
 many real runs at once (the runs of a noisy machine differ more between themselves than one change moves them).
 
-Before each real run a drift probe streams twelve lone requests (``probe_real``); the same requests simulated give
-how much slower the machine computes prompts and decode steps now than the profile prices them, two factors
-(``probe_factors``: observed over predicted, in the spirit of Dynamo's planner's correction factors). Each run is
-simulated twice: with the profile as it is (the calibration table) and with the profile rescaled by that run's
-factors (``Profile.rescaled``; the drift-corrected table, printed beside the first, never in its place): the
-second tells how much of a miss is the VM's speed moving between the profile and the run, which a shared machine
-does by more than the bound within minutes. The factors come from the probe's own requests, never the run's.
+Before each real run (and once after a cell's second) a drift probe streams twelve lone requests
+(``probe_real``); the same requests simulated give how much slower the machine computes prompts and decode steps
+now than the profile prices them, two factors (``probe_factors``: observed over predicted, in the spirit of
+Dynamo's planner's correction factors). Each run is simulated twice: with the profile as it is (the calibration
+table) and with the profile rescaled by that run's factors (``Profile.rescaled``; the drift-corrected table,
+printed beside the first, never in its place), to tell how much of a miss is the VM's speed moving between the
+profile and the run. The factors come from the probe's own requests, never the run's. On the AVX2 EPYC of
+2026-12-04 the correction left the count at 13 of 18 (docs/benchmarks.md, forty-eighth session): it fixed the
+cells whose profile caught a slow phase and broke as many others (a lone request's speed is not a loaded run's).
 
 A cell passes when the simulated figure is within issue 40's bound of the two real runs' mean (TTFT p50 and
 TPOT p50 5%, TTFT p90 10%) or within the two runs' spread where that is wider; the count is printed last.
@@ -226,6 +228,7 @@ def score(layout: str, rate: float, profile: str, real: list[dict], runs: list[t
 
 
 def read_json(path: str) -> dict | None:
+    """A run directory's JSON file, None where the run left none (an older run: no probe)."""
     if not os.path.exists(path):
         return None
     with open(path) as f:
