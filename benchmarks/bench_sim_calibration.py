@@ -26,8 +26,9 @@ Dynamo's planner's correction factors). Each run is simulated twice: with the pr
 table) and with the profile rescaled by that run's factors (``Profile.rescaled``; the drift-corrected table,
 printed beside the first, never in its place), to tell how much of a miss is the VM's speed moving between the
 profile and the run. The factors come from the probe's own requests, never the run's. On the AVX2 EPYC of
-2026-12-04 the correction left the count at 13 of 18 (docs/benchmarks.md, forty-eighth session): it fixed the
-cells whose profile caught a slow phase and broke as many others (a lone request's speed is not a loaded run's).
+2026-12-04 the correction took the count from 13 to 13 and from 13 to 15 of 18 in two runs (docs/benchmarks.md,
+forty-eighth session): it fixes the cells whose profile caught a slow phase and breaks some others (a lone
+request's speed is not a loaded run's).
 
 A cell passes when the simulated figure is within issue 40's bound of the two real runs' mean (TTFT p50 and
 TPOT p50 5%, TTFT p90 10%) or within the two runs' spread where that is wider; the count is printed last.
