@@ -43,6 +43,7 @@ layout from P.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -145,26 +146,36 @@ def probe_real(url: str) -> dict:
     return asyncio.run(probe())
 
 
-def probe_factors(real: dict, profile: str, layout: str, cores: int, stem: str) -> dict:
+@functools.lru_cache(maxsize=None)
+def probe_simulations(profile: str, layout: str, cores: int) -> tuple[dict, dict]:
+    """The probe's requests (``probe_real``'s, as a trace) simulated with ``profile`` as it is and with every prompt
+    and step ``PROBE_SLOPE`` times as long: ``(as is, slower)`` results, once per profile and layout (every probe
+    of a layout sends the same requests); files beside the profile."""
+    from pdserve.sizing.profile import load_profile
+
+    stem = f"{os.path.splitext(profile)[0]}-{layout}-probe"
+    trace = f"{stem}-trace.jsonl"
+    with open(trace, "w") as f:
+        for i in range(PROBE_REQUESTS):
+            f.write(json.dumps({"arrival_s": i * PROBE_PERIOD_S, "input_len": PROBE_PROMPT_TOKENS,
+                                "output_len": PROBE_TOKENS}) + "\n")
+    slower = f"{stem}-slower.json"
+    load_profile(profile).rescaled(prefill=PROBE_SLOPE, decode=PROBE_SLOPE).save(slower)
+    once, more = (simulate(p, layout, None, 0, cores, PROBE_REQUESTS, f"{stem}-sim{k}.json", ["--trace", trace])
+                  for k, p in enumerate((profile, slower)))
+    return once, more
+
+
+def probe_factors(real: dict, profile: str, layout: str, cores: int) -> dict:
     """The drift probe's factors: how much slower (above 1) the machine computed prompts and decode steps in the
     probe's lone requests (``probe_real``) than the profile prices them. The same requests simulated with the
-    profile as it is and with every prompt and step ``PROBE_SLOPE`` times as long (``Profile.rescaled``): a lone
+    profile as it is and with every prompt and step ``PROBE_SLOPE`` times as long (``probe_simulations``): a lone
     request's TTFT and TPOT are linear in the factors, so the factor is where the line meets the real median
     (Dynamo's SLA planner's correction factors, observed over predicted, taken on lone requests so the fixed
     latencies stay out of them)."""
     import statistics
 
-    from pdserve.sizing.profile import load_profile
-
-    trace = f"{stem}-probe-trace.jsonl"
-    with open(trace, "w") as f:
-        for i in range(PROBE_REQUESTS):
-            f.write(json.dumps({"arrival_s": i * PROBE_PERIOD_S, "input_len": PROBE_PROMPT_TOKENS,
-                                "output_len": PROBE_TOKENS}) + "\n")
-    slower = f"{stem}-probe-slower.json"
-    load_profile(profile).rescaled(prefill=PROBE_SLOPE, decode=PROBE_SLOPE).save(slower)
-    once, more = (simulate(p, layout, None, 0, cores, PROBE_REQUESTS, f"{stem}-probe-sim{k}.json",
-                           ["--trace", trace]) for k, p in enumerate((profile, slower)))
+    once, more = probe_simulations(profile, layout, cores)
     factors = {}
     for name, key, real_key in (("prefill", "median_ttft_ms", "ttft_s"), ("decode", "median_tpot_ms", "tpot_s")):
         measured = 1000 * statistics.median(real[real_key])
@@ -196,7 +207,7 @@ def simulate_run(work: str, name: str, profile: str, layout: str, rate: float, c
                    os.path.join(work, f"{name}.json"), line)
     if probe is None:
         return sim, None, None
-    factors = probe_factors(probe, profile, layout, cores, os.path.join(work, name))
+    factors = probe_factors(probe, profile, layout, cores)
     rescaled = os.path.join(work, f"{name}-profile.json")
     load_profile(profile).rescaled(**factors).save(rescaled)
     corrected = simulate(rescaled, layout, rate, real["seed"], cores, real["num_prompts"],
