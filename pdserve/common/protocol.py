@@ -167,7 +167,7 @@ class WorkerStats(_Msg):
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0
     kv_transfer_failures: int = 0
-    num_local_prefills: int = 0  # decode worker: prompts prefilled here instead of remotely
+    num_local_prefills: int = 0  # decode worker: prompts its scheduler kept from a remote prefill (not the router's)
     spec_decode_num_drafts: int = 0  # speculative decoding: verifications with at least one draft
     spec_decode_num_draft_tokens: int = 0  # draft tokens proposed
     spec_decode_num_accepted_tokens: int = 0  # of those, accepted by the target

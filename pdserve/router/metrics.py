@@ -89,7 +89,9 @@ _WORKER_COUNTERS = (
     ("pdserve:prompt_tokens_computed", "prefill_compute_tokens",
      "Prompt tokens the worker computed: prefix-cache hits and KV received excluded."),
     ("pdserve:local_prefills", "num_local_prefills",
-     "Prompts a decode worker prefilled itself instead of remotely."),
+     "Prompts a decode worker kept from the remote prefill it was sent for (conditional disaggregation: too few "
+     "uncached tokens, or all cached); those the router placed there are "
+     "pdserve:routing_decisions_total{decision=\"local_prefill\"}."),
     ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts",
      "Speculative decoding: verifications of a request with at least one draft token."),
     ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens proposed."),
