@@ -192,10 +192,13 @@ inline void block_values(const float* p, const T* vrow, int64_t slot_stride, int
 }
 
 // The next block of a walk (walk_blocks), prefetched into L1 (prefetcht0) while the current block is
-// computed on: the 16-lane path takes it a KV head's share at a time, between the heads' work, so
-// fetches and FMAs interleave (bench preset at batch 32, KV on 2 MiB pages as the engine allocates
-// it, one Zen 5 core: 14.6-14.9 ms all at once, 13.2-13.8 ms in slices, 18.6-20.6 ms with no
-// prefetch; prefetching two or three blocks ahead gained nothing more). The 8-lane path prefetches the
+// computed on: the 16-lane path takes it a KV head's share at a time, each share one line per line
+// of K or V the head's work reads (``lines``, LinePrefetch), so fetches and FMAs interleave. (Bench
+// preset, KV on 2 MiB pages as the engine allocates it, one Zen 5 core: all at once 14.6-14.9 ms at
+// batch 32, each share in one burst 13.2-13.8, no prefetch 18.6-20.6; two or three blocks ahead gained
+// nothing. Later, at contexts of 321, shares in bursts 19.1-20.0 ms against 16.6-16.9 spread over the
+// loads, and 36.6-38.8 against 33.8-34.8 at batch 64: python benchmarks/bench_paged_attention.py
+// --cases 32:321 64:321.) The 8-lane path prefetches the
 // whole share first (into L1 rather than L2: 10% faster at batch 32 on that core; a non-temporal
 // prefetch measured 15% slower than L2 on a Zen 4 core). Only the rows the work item reads are
 // fetched: its KV heads' part of each token (a block holds every KV head's rows). Fetching the whole
@@ -206,6 +209,13 @@ struct NextBlock {
   int64_t rows;       // tokens in the block
   int64_t row_stride;  // bytes from one token's rows to the next's
   int64_t row_bytes;   // bytes of the item's rows in one token
+  pdserve_kernels::LinePrefetch lines(int64_t i, int64_t parts) const {  // slice i's lines, one next() each
+    pdserve_kernels::LinePrefetch pf;
+    const int64_t t0 = rows * i / parts, t1 = rows * (i + 1) / parts;
+    if (base != nullptr && t1 > t0)
+      pf = {base + t0 * row_stride, base + t1 * row_stride, row_stride, row_bytes, 0};
+    return pf;
+  }
   void slice(int64_t i, int64_t parts) const {  // prefetch slice i of `parts` (tokens)
     if (base == nullptr) return;
     for (int64_t t = rows * i / parts, end = rows * (i + 1) / parts; t < end; ++t) {
@@ -293,9 +303,10 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
 #ifdef __AVX512F__
           if constexpr (kWideType<T>) if (wide) {
             for (int64_t hh = 0; hh < heads_per_item; ++hh) {
-              next.slice(hh, heads_per_item);
+              pdserve_kernels::LinePrefetch pf = next.lines(hh, heads_per_item);
               head_scores16(q + hh * rep * head_dim, base + (h0 + hh) * row_len, slot_stride, run, head_dim, scale, rep,
-                            scores.data() + hh * rep * n + (k - k_begin), n);
+                            scores.data() + hh * rep * n + (k - k_begin), n, pf);
+              while (pf.row != nullptr) pf.next();  // a short block read fewer lines than the slice holds
             }
             return;
           }
@@ -323,9 +334,10 @@ void attend(float* out, const float* query, const T* kv_cache, const int64_t* bl
 #ifdef __AVX512F__
           if constexpr (kWideType<T>) if (wide) {
             for (int64_t hh = 0; hh < heads_per_item; ++hh) {
-              next.slice(hh, heads_per_item);
+              pdserve_kernels::LinePrefetch pf = next.lines(hh, heads_per_item);
               head_values16(scores.data() + hh * rep * n + (k - k_begin), n, base + (h0 + hh) * row_len, slot_stride,
-                            run, v_dim, rep, acc.data() + hh * rep * v_dim);
+                            run, v_dim, rep, acc.data() + hh * rep * v_dim, pf);
+              while (pf.row != nullptr) pf.next();
             }
             return;
           }
