@@ -39,7 +39,7 @@ from pdserve.beam_search import (BeamSearch, BeamSearchOutput, BeamSearchParams,
 from pdserve.common.protocol import LoRARequest, SamplingParams, TokenLogprob
 from pdserve.common.utils import parse_size
 from pdserve.common.validation import ValidationError, check_context_length, check_prompt_ids, check_request
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, parse_kv_cache_memory
 from pdserve.engine.core import EngineCore
 from pdserve.engine.scheduling.outputs import EngineCoreOutput
 from pdserve.engine.execution.structured_output import check_structured_outputs
@@ -175,7 +175,8 @@ class LLM:
             Llama trained on Python's standard library).
         tokenizer: tokenizer directory; None uses ``model``.
         **engine_kwargs: ``EngineConfig`` fields: dtype, device, block_size (tokens),
-            kv_cache_memory (bytes, or a size such as ``"1GiB"``), max_num_seqs,
+            kv_cache_memory (bytes, a size such as ``"1GiB"``, or ``"auto"``, the default: from the host's
+            memory, see ``EngineConfig``), memory_utilization, max_num_seqs,
             max_num_batched_tokens (tokens per step), max_model_len (tokens), seed,
             enable_prefix_caching, num_threads, tensor_parallel_size, pipeline_parallel_size
             (the other ranks run as local processes; ``close()`` or exit stops them),
@@ -192,9 +193,10 @@ class LLM:
             from pdserve.default_model.train import shipped_model_dir
 
             model = str(shipped_model_dir())
-        for size in ("kv_cache_memory", "kv_offload_memory"):
-            if size in engine_kwargs:
-                engine_kwargs[size] = parse_size(engine_kwargs[size])
+        if engine_kwargs.get("kv_cache_memory") is not None:
+            engine_kwargs["kv_cache_memory"] = parse_kv_cache_memory(engine_kwargs["kv_cache_memory"])
+        if "kv_offload_memory" in engine_kwargs:
+            engine_kwargs["kv_offload_memory"] = parse_size(engine_kwargs["kv_offload_memory"])
         # Every prefill is local here: no threshold for handing prompts to a prefill worker.
         engine_kwargs.setdefault("remote_prefill_threshold", 0)
         self.config = EngineConfig(model=model, **engine_kwargs)

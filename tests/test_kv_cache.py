@@ -24,21 +24,29 @@ def test_allocate_and_copy_blocks():
     assert (cache[:, :, 0] == 1).all() and (cache[:, :, 4] == 3).all() and (cache[:, :, 2] == 0).all()
 
 
-def _anon_huge_kib() -> int:
+def _smaps_kib(field: str) -> int:
     with open("/proc/self/smaps_rollup") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def test_a_large_cpu_cache_is_zeroed_and_backed_by_huge_pages():
+def test_a_large_cpu_cache_is_zero_takes_memory_as_written_and_sits_on_huge_pages():
+    """The cache is an anonymous mapping: zeros from the start, no resident memory until a block is
+    written (a cache of gigabytes costs nothing at start), then transparent huge pages."""
     import pathlib
     thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not thp.exists() or "[never]" in thp.read_text() or not pathlib.Path("/proc/self/smaps_rollup").exists():
         pytest.skip("no transparent huge pages on this machine")
-    before = _anon_huge_kib()
+    anon, huge = _smaps_kib("Anonymous"), _smaps_kib("AnonHugePages")
     cache = allocate_kv_cache(4, 512, 16, 4, 64, torch.float32, "cpu")  # 128 MiB
     assert not cache.any()
+    assert _smaps_kib("Anonymous") - anon < 16 * 1024  # read, never written: not resident
+    cache[:, :, :256] = 1.0  # half the blocks
+    written = cache.numel() * 4 // 2
+    assert written // 1024 <= _smaps_kib("Anonymous") - anon < (written + 16 * 2**20) // 1024
     # madvise covers the 2 MiB-aligned interior: all but at most two partial huge pages
-    assert _anon_huge_kib() - before >= (cache.numel() * 4 - 4 * 2**20) // 1024
+    cache[:, :, 256:] = 2.0
+    assert _smaps_kib("AnonHugePages") - huge >= (cache.numel() * 4 - 4 * 2**20) // 1024
+    assert (cache[:, :, 0] == 1).all() and (cache[:, :, -1] == 2).all()
 
 
 def test_a_latent_cache_has_one_slot_per_token_and_half_the_block_bytes():
@@ -57,3 +65,26 @@ def test_a_latent_cache_has_one_slot_per_token_and_half_the_block_bytes():
     assert (cache[:, :, 3] == 1).all() and (cache[:, :, 2] == 0).all()
     with pytest.raises(ValueError, match="kv_slots"):
         allocate_kv_cache(2, 5, 4, 1, 40, torch.float32, "cpu", kv_slots=3)
+
+
+def test_auto_budget_is_the_least_of_the_share_the_free_memory_and_what_the_sequences_fill():
+    """--kv-cache-memory auto (vLLM's CPU sizing): the share of the host's memory less what this process
+    holds, split over the ranks, bounded by 90% of free memory and by max_num_seqs x max_model_len."""
+    import psutil
+
+    from pdserve.common.utils import host_memory_limit
+    from pdserve.engine.execution.kv_cache import auto_kv_cache_budget
+
+    mib = 2**20
+    budget, why = auto_kv_cache_budget(0.5, 1, mib, 10)  # ten blocks wanted: far below any share
+    assert budget == 10 * mib and why == "--kv-cache-memory auto: max_num_seqs x max_model_len"
+    limit, held = host_memory_limit(), psutil.Process().memory_info().rss
+    share = 0.25 * limit - held  # a quarter of the host, less what this process holds
+    assert share > 64 * mib, "this machine has too little memory for the test"
+    budget, why = auto_kv_cache_budget(0.25, 1, mib, 2**40 // mib)  # wants a TiB
+    assert abs(budget - share) < 64 * mib and "--memory-utilization 0.25" in why, (budget, why)
+    halves, why = auto_kv_cache_budget(0.5, 2, mib, 2**40 // mib)  # two ranks: a quarter each
+    assert abs(halves - share) < 64 * mib and "over 2 ranks" in why
+    assert budget <= 0.9 * psutil.virtual_memory().available + 64 * mib
+    with pytest.raises(ValueError, match="raise --memory-utilization or give --kv-cache-memory"):
+        auto_kv_cache_budget(held / limit / 2, 1, mib, 10)  # a share smaller than what the process holds

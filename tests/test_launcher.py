@@ -24,8 +24,7 @@ def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path, mode):
     port = free_port()
     env = dict(os.environ, PDSERVE_CACHE=str(tmp_path / "cache"))
     extra = ["--colocated"] if mode == "colocated" else []
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--port", str(port), "--kv-cache-memory", "8MiB",
-                             *extra],
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve", "up", "--port", str(port), *extra],  # default KV: auto
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     children: list[psutil.Process] = []
@@ -50,6 +49,11 @@ def test_pdserve_up_default_model_serves_and_stops_all_children(tmp_path, mode):
         # Each worker is pinned to its own share of the cores (a colocated worker gets them all).
         cores = sorted(os.sched_getaffinity(0))
         workers = {c.cmdline()[3]: c for c in children if c.cmdline()[3] in ("prefill", "decode")}
+        # the workers split half the host's memory (--kv-cache-memory auto), and each sized its KV cache from its share
+        shares = {name: c.cmdline()[c.cmdline().index("--memory-utilization") + 1] for name, c in workers.items()}
+        assert shares == ({"decode": "0.5"} if extra else {"prefill": "0.25", "decode": "0.25"})
+        plans = {w["role"]: w["plan"]["kv_cache"] for w in httpx.get(f"http://127.0.0.1:{port}/workers").json()}
+        assert all("--kv-cache-memory auto: max_num_seqs x max_model_len" in p for p in plans.values()), plans
         pinned = {name: c.cpu_affinity() for name, c in workers.items()}  # each one's driving thread
         if extra and len(cores) >= 2:  # a thread a core, its OpenMP threads bound one to each (thread_affinity)
             assert pinned == {"decode": cores[:1]}

@@ -166,7 +166,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--colocated-num-decode", type=int, default=1, help="pdserve-colocated workers (default 1)")
     g.add_argument("--colocated-cores", default=None,
                    help="cores of pdserve-colocated (default: as many as the decode pool, from the first)")
-    g.add_argument("--kv-cache-memory", default="1GiB", help="KV budget per pdserve worker (default 1GiB)")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV budget per pdserve worker (default: pdserve up's own, sized from the host's memory)")
     g.add_argument("--pdserve-args", default="", help='more worker flags, e.g. "--dtype float32" '
                                                       "(one flag alone: --pdserve-args=--enforce-eager)")
     g.add_argument("--pdserve-router-args", default="",
@@ -178,7 +179,8 @@ def add_compare_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON,
                    help=f"interpreter with vLLM's CPU build (default {DEFAULT_VLLM_PYTHON}; "
                         "benchmarks/setup_vllm_cpu.sh makes it)")
-    g.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE, whole GiB (default 1)")
+    g.add_argument("--vllm-kv-gib", type=int, default=None,
+                   help="VLLM_CPU_KVCACHE_SPACE, whole GiB (default: vLLM's own, sized from the machine's memory)")
     g.add_argument("--vllm-args", default="", help='more server flags, e.g. "--max-model-len 2048"')
     g.add_argument("--vllm-env", nargs="*", default=[], metavar="KEY=VALUE",
                    help="more environment for the vLLM server, e.g. VLLM_CPU_OMP_THREADS_BIND=0-1")

@@ -43,11 +43,13 @@ class CompareConfig:
             cores (default: the first half of the cores / the rest).
         colocated_num_decode, colocated_cores: pdserve-colocated's workers and cores (default: as
             many cores as the decode pool, from the first).
-        kv_cache_memory: pdserve's KV budget per worker; ``pdserve_args``: more worker flags;
+        kv_cache_memory: pdserve's KV budget per worker (None: ``pdserve up``'s own, ``auto``);
+            ``pdserve_args``: more worker flags;
             ``pdserve_router_args``: more router flags; ``core_lending``: pdserve-disagg's decode workers
             borrow idle prefill workers' cores (``pdserve up --core-lending``).
         vllm_python: the interpreter with vLLM (default /work/vllm-venv/bin/python);
-            ``vllm_kv_gib``: ``VLLM_CPU_KVCACHE_SPACE``; ``vllm_args`` / ``vllm_env``: more.
+            ``vllm_kv_gib``: ``VLLM_CPU_KVCACHE_SPACE`` (None: vLLM's own default, sized from the
+            machine's memory); ``vllm_args`` / ``vllm_env``: more.
         transformers_args: more ``transformers serve`` flags.
         hf_batch_size: hf-generate's static batch size.
         server_timeout_s: how long a server may take to answer /health.
@@ -78,12 +80,12 @@ class CompareConfig:
     decode_cores: list[int] | None = None
     colocated_num_decode: int = 1
     colocated_cores: list[int] | None = None
-    kv_cache_memory: str = "1GiB"
+    kv_cache_memory: str | None = None
     pdserve_args: list[str] = field(default_factory=list)
     pdserve_router_args: list[str] = field(default_factory=list)
     core_lending: bool = False  # pdserve-disagg as pdserve up --core-lending
     vllm_python: str | None = DEFAULT_VLLM_PYTHON
-    vllm_kv_gib: int = 1
+    vllm_kv_gib: int | None = None
     vllm_args: list[str] = field(default_factory=list)
     vllm_env: dict[str, str] = field(default_factory=dict)
     transformers_args: list[str] = field(default_factory=list)

@@ -217,8 +217,9 @@ def run_pdserve(cfg, requests, bench, colocated: bool) -> SystemResult:
         prefill_cores, decode_cores = cfg.prefill_cores, cfg.decode_cores
         setup = (f"{num_prefill}P on {_cores_text(prefill_cores)} + {num_decode}D on "
                  f"{_cores_text(decode_cores)}")
-    worker_args = ["--kv-cache-memory", cfg.kv_cache_memory, "--max-num-seqs", str(max(64, len(requests))),
-                   "--dtype", cfg.dtype, *cfg.pdserve_args]
+    # pdserve up's own KV budget and max_num_seqs unless asked: the defaults are what is benchmarked
+    kv = ["--kv-cache-memory", cfg.kv_cache_memory] if cfg.kv_cache_memory else []
+    worker_args = [*kv, "--dtype", cfg.dtype, *cfg.pdserve_args]
     spec = pdserve_cluster_spec(cfg.model, num_prefill, num_decode, prefill_cores, decode_cores, worker_args,
                                 cfg.pdserve_router_args, core_lending=cfg.core_lending and not colocated)
     log_dir = os.path.join(cfg.out_dir, "logs", name)
@@ -236,7 +237,7 @@ def run_pdserve(cfg, requests, bench, colocated: bool) -> SystemResult:
         result = bench(cluster.url, None, "openai")
     finally:
         cluster.__exit__(None, None, None)
-    extra = f"; worker args: {shlex.join(cfg.pdserve_args)}" if cfg.pdserve_args else ""
+    extra = f"; worker args: {shlex.join([*kv, *cfg.pdserve_args])}" if kv or cfg.pdserve_args else ""
     if cfg.pdserve_router_args:
         extra += f"; router args: {shlex.join(cfg.pdserve_router_args)}"
     if spec.core_lending:
@@ -277,13 +278,15 @@ def run_vllm(cfg, requests, bench) -> SystemResult:
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model, "--dtype", cfg.dtype,
            "--port", str(port), "--host", "127.0.0.1", *cfg.vllm_args]
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(int(cfg.vllm_kv_gib)), **cfg.vllm_env}
+    # vLLM's own KV budget unless asked (its CPU worker's auto: --gpu-memory-utilization of the node's memory)
+    env = {**({"VLLM_CPU_KVCACHE_SPACE": str(int(cfg.vllm_kv_gib))} if cfg.vllm_kv_gib else {}), **cfg.vllm_env}
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(cfg.out_dir, "logs", "vllm-cpu.log")
     with ServerProcess(cmd, url, log_path, env, timeout_s=cfg.server_timeout_s):
         result = bench(url, None, "openai")
     binding = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    setup = f"vLLM {version}, {cfg.dtype}, KV {cfg.vllm_kv_gib} GiB, OMP threads bind {binding}"
+    kv = f"KV {cfg.vllm_kv_gib} GiB" if cfg.vllm_kv_gib else "KV vLLM's auto"
+    setup = f"vLLM {version}, {cfg.dtype}, {kv}, OMP threads bind {binding}"
     if cfg.vllm_args:
         setup += f"; args: {shlex.join(cfg.vllm_args)}"
     return _row("vllm-cpu", setup, result, log_path=log_path)

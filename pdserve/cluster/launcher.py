@@ -27,6 +27,7 @@ import time
 from pdserve.common.utils import format_cpu_list, free_port, parse_cpu_list, reachable_host
 from pdserve.cluster.core_lending import gomp_cpu_affinity
 from pdserve.cluster.spec import ClusterSpec
+from pdserve.engine.config import DEFAULT_MEMORY_UTILIZATION
 from pdserve.cluster.supervisor import ClusterLauncher, serve_until_stopped
 
 logger = logging.getLogger(__name__)
@@ -130,8 +131,12 @@ class LocalCluster(ClusterLauncher):
             cores, threads = self._cores_for(role, name)
             placement = ["--num-threads", str(threads), "--cpu-cores", format_cpu_list(cores)]
         lending, env = self._lending(role, name) if s.core_lending else ([], None)
+        # the workers share this host's memory: each rank an equal part of what one worker alone would take
+        # (with --kv-cache-memory auto; a flag given for the workers comes later and wins)
+        share = DEFAULT_MEMORY_UTILIZATION * s.ranks_per_worker(role) / max(1, s.num_ranks)
         argv = [role, "--worker-id", name, "--model", s.model, "--router", self.router_addrs, "--host", s.host,
-                *placement, *lending, *s.worker_args, *s.parallel_args(role), *pool_args]
+                *placement, *lending, "--memory-utilization", f"{share:.4g}", *s.worker_args,
+                *s.parallel_args(role), *pool_args]
         return self._spawn(name, argv, env=env) if env else self._spawn(name, argv)
 
     def _lending(self, role: str, name: str) -> tuple[list[str], dict[str, str] | None]:

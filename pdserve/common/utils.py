@@ -38,6 +38,23 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+def host_memory_limit() -> int:
+    """Bytes of memory this process's host offers it: the machine's total, or its cgroup's limit where lower
+    (a container's ``memory.max`` under cgroup v2, ``memory.limit_in_bytes`` under v1)."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
 def parse_cpu_list(text: str) -> list[int]:
     """``"0-3,6"`` -> ``[0, 1, 2, 3, 6]`` (Linux's cpu-list syntax, as taskset and cgroups write it).
 

@@ -62,6 +62,12 @@ class ParallelConfig:
 
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 128  # vLLM's CPU default for its API server
+# With --kv-cache-memory auto, the share of the host's memory a worker may hold (weights and KV cache).
+# Half, not vLLM's 92%: a pdserve host also runs the router, and its prefill and decode workers share it
+# (pdserve up splits this share among the workers it starts). One decode worker of the bench preset on
+# a 24 GiB host gets ~5 GiB of KV, about 220k tokens.
+DEFAULT_MEMORY_UTILIZATION = 0.5
 # A prefill worker's default step budget. Prefill is compute-bound, and a CPU's GEMM runs at its
 # peak from a few hundred rows (bench preset, one core: 82 GFLOPS at 512 rows, no more at 2,048), so
 # batching more prompts into one step adds no throughput, only latency: every prompt of the batch
@@ -97,6 +103,15 @@ def default_linear_weight_format() -> str:
     return os.environ.get("PDSERVE_LINEAR_WEIGHT_FORMAT") or "auto"
 
 
+def parse_kv_cache_memory(text: str | int) -> int | None:
+    """``--kv-cache-memory``: a size (``parse_size``) in bytes, or ``auto`` -> None.
+
+    Raises:
+        ValueError: neither.
+    """
+    return None if isinstance(text, str) and text.strip().lower() == "auto" else parse_size(text)
+
+
 def default_max_num_batched_tokens(role: str | None) -> int:
     """The step budget a worker of ``role`` ("prefill", "decode", None for the offline LLM) gets by default."""
     return PREFILL_MAX_NUM_BATCHED_TOKENS if role == "prefill" else DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -115,7 +130,12 @@ class EngineConfig:
             ``pdserve.common.kv_quant``); what the KV cache (and the KV transfer) holds.
         device: ``auto``, ``cpu``, ``cuda``, ``cuda:N``.
         block_size: token slots per KV block.
-        kv_cache_memory: KV cache budget in bytes (``--kv-cache-memory 2GiB``).
+        kv_cache_memory: KV cache budget in bytes (``--kv-cache-memory 2GiB``); None (``auto``, the
+            default): sized at start from the host's memory (``kv_cache.auto_kv_cache_budget``).
+        memory_utilization: with ``kv_cache_memory`` auto, the fraction of the host's memory (its cgroup's
+            limit where lower) this worker, all its ranks, may hold in weights and KV cache (vLLM's
+            ``--gpu-memory-utilization``, which its CPU backend reads the same way). ``pdserve up`` gives
+            each of the N workers it starts ``DEFAULT_MEMORY_UTILIZATION / N``.
         kv_offload_memory: bytes of host memory, beyond the KV cache, that evicted prefix-cache blocks
             are copied to and hit from (``--kv-offload-memory 4GiB``; 0: none;
             ``pdserve.engine.scheduling.kv_offload``). Per rank.
@@ -123,7 +143,7 @@ class EngineConfig:
             ``pdserve.engine.execution.kv_disk``): what the host tier evicts is written there, a hit is read
             back, and the files survive restarts. Per rank (each rank keeps its share of a block); needs
             ``kv_offload_memory``.
-        max_num_seqs: most requests in flight per worker.
+        max_num_seqs: most requests in flight per worker (128, vLLM's CPU default for its API server).
         max_num_batched_tokens: token budget of one step.
         max_model_len: longest sequence; None = the model's max_position_embeddings.
         seed: seeds sampling for requests that give no seed.
@@ -203,8 +223,9 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
-    kv_cache_memory: int = 512 * 2**20
-    max_num_seqs: int = 64
+    kv_cache_memory: int | None = None
+    memory_utilization: float = DEFAULT_MEMORY_UTILIZATION
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int | None = None
     seed: int = 0
@@ -243,8 +264,10 @@ class EngineConfig:
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.kv_cache_memory <= 0:
-            raise ValueError("kv_cache_memory must be positive")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError("kv_cache_memory must be positive (or None: auto)")
+        if not 0 < self.memory_utilization <= 1:
+            raise ValueError(f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
         if self.kv_offload_memory < 0:
             raise ValueError("kv_offload_memory must be >= 0")
         if self.kv_offload_disk is not None:
@@ -324,7 +347,14 @@ class EngineConfig:
                             "ships the cache's bytes as they are and says the dtype in its header")
         g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
         g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-        g.add_argument("--kv-cache-memory", type=parse_size, default="512MiB", help="KV cache budget, e.g. 2GiB")
+        g.add_argument("--kv-cache-memory", type=parse_kv_cache_memory, default=None,
+                       help="KV cache budget per rank, e.g. 2GiB; auto (the default): what --memory-utilization "
+                            "of the host's memory leaves once the weights are loaded, at most what --max-num-seqs "
+                            "sequences of --max-model-len tokens fill")
+        g.add_argument("--memory-utilization", type=float, default=DEFAULT_MEMORY_UTILIZATION,
+                       help=f"with --kv-cache-memory auto: the fraction of the host's memory (a container's limit "
+                            f"where lower) this worker may hold in weights and KV cache (default "
+                            f"{DEFAULT_MEMORY_UTILIZATION}; pdserve up gives each of the N workers it starts 1/N of that)")
         g.add_argument("--kv-offload-memory", type=parse_size, default="0",
                        help="host memory beyond the KV cache for evicted prefix blocks (an offload tier: a prefix "
                             "found there is copied back instead of recomputed), e.g. 4GiB; 0: none")
@@ -332,7 +362,8 @@ class EngineConfig:
                        help="a disk tier below --kv-offload-memory, e.g. /var/cache/pdserve-kv:20GiB: blocks the "
                             "host tier evicts are written there and read back on a hit; the files survive a "
                             "restart (warm restart), checked by model fingerprint and checksum")
-        g.add_argument("--max-num-seqs", type=int, default=64, help="most requests in flight on this worker")
+        g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                       help=f"most requests in flight on this worker (default {DEFAULT_MAX_NUM_SEQS})")
         g.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help=f"token budget of one step (default {DEFAULT_MAX_NUM_BATCHED_TOKENS}; a prefill worker's "
                             f"{PREFILL_MAX_NUM_BATCHED_TOKENS}: a CPU's GEMM is saturated by a few hundred rows, so "
@@ -432,7 +463,8 @@ class EngineConfig:
         budget = (default_max_num_batched_tokens(role) if args.max_num_batched_tokens is None
                   else args.max_num_batched_tokens)
         return cls(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                   kv_cache_memory=args.kv_cache_memory, memory_utilization=args.memory_utilization,
+                   max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=budget,
                    max_model_len=args.max_model_len,
                    seed=args.seed, num_threads=args.num_threads, enable_prefix_caching=args.enable_prefix_caching,
@@ -460,7 +492,8 @@ class EngineConfig:
     def rank_cli_args(self, rank: int, master_addr: str, master_port: int) -> list[str]:
         """``pdserve rank`` arguments that start rank ``rank`` of this engine (how the driver spawns them)."""
         args = ["--model", self.model, "--dtype", self.dtype, "--device", self.device, "--block-size",
-                str(self.block_size), "--kv-cache-memory", str(self.kv_cache_memory), "--max-num-seqs",
+                str(self.block_size), "--kv-cache-memory", str(self.kv_cache_memory or "auto"),
+                "--memory-utilization", repr(self.memory_utilization), "--max-num-seqs",
                 str(self.max_num_seqs), "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 "--seed", str(self.seed), "--tensor-parallel-size", str(self.tensor_parallel_size),
                 "--pipeline-parallel-size", str(self.pipeline_parallel_size), "--rank", str(rank),

@@ -20,12 +20,13 @@ block is half a K/V cache's of the same row width.
 
 from __future__ import annotations
 
+import mmap
 import time
 
 import torch
 
 from pdserve.common.kv_quant import kv_cache_format
-from pdserve.common.utils import advise_huge_pages
+from pdserve.common.utils import advise_huge_pages, host_memory_limit
 from pdserve.common.protocol import TierOp, TierOpKind
 
 
@@ -55,6 +56,45 @@ def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
     return int(num_blocks)
 
 
+def auto_kv_cache_budget(memory_utilization: float, num_ranks: int, block_bytes: int,
+                         blocks_wanted: int, device: torch.device | str = "cpu") -> tuple[int, str]:
+    """``--kv-cache-memory auto``: this rank's KV budget in bytes from the host's memory, and why, in words.
+
+    As vLLM's CPU worker sizes its cache (``--gpu-memory-utilization`` of the node's memory, less what the
+    process already holds): the worker may hold ``memory_utilization`` of ``host_memory_limit()``, its
+    ``num_ranks`` ranks an equal share each; the cache gets that share less this rank's resident memory
+    (its weights, loaded by now), no more than 90% of the memory available now, and no more than
+    ``blocks_wanted`` blocks of ``block_bytes`` (what ``max_num_seqs`` sequences of ``max_model_len``
+    tokens fill: more could only hold cached prefixes, which ``--kv-offload-memory`` is for). On a GPU
+    the memory is the device's: ``memory_utilization`` of it less what is in use there, as vLLM's GPU
+    worker (one rank a device).
+
+    Raises:
+        ValueError: the share, less what the rank holds, leaves less than one block.
+    """
+    import psutil
+
+    if torch.device(device).type == "cuda":
+        free, limit = torch.cuda.mem_get_info(torch.device(device))
+        resident, share, available = limit - free, int(memory_utilization * limit), int(0.9 * free)
+    else:
+        limit = host_memory_limit()
+        resident = psutil.Process().memory_info().rss
+        share = int(memory_utilization * limit / num_ranks)
+        available = int(0.9 * psutil.virtual_memory().available)
+    budget = min(share - resident, available, blocks_wanted * block_bytes)
+    if budget < block_bytes:
+        raise ValueError(
+            f"--kv-cache-memory auto leaves no KV block: {memory_utilization:g} of {limit / 2**30:.1f} GiB over "
+            f"{num_ranks} rank(s) is {share / 2**20:.0f} MiB, this rank holds {resident / 2**20:.0f} MiB and "
+            f"{available / 2**20:.0f} MiB is free; raise --memory-utilization or give --kv-cache-memory")
+    bound = ("max_num_seqs x max_model_len" if budget == blocks_wanted * block_bytes else
+             "90% of free memory" if budget == available else
+             f"--memory-utilization {memory_utilization:g} of {limit / 2**30:.1f} GiB"
+             + (f" over {num_ranks} ranks" if num_ranks > 1 else "") + f", less {resident / 2**20:.0f} MiB held")
+    return budget, f"--kv-cache-memory auto: {bound}"
+
+
 def allocate_kv_cache(
     num_layers: int,
     num_blocks: int,
@@ -77,9 +117,24 @@ def allocate_kv_cache(
     shape = (num_layers, kv_slots, num_blocks, block_size, num_kv_heads, fmt.row_len(head_dim))
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=fmt.storage_dtype, device=device)
-    cache = torch.empty(shape, dtype=fmt.storage_dtype)  # pages not touched yet
-    advise_huge_pages(cache)
-    return cache.zero_()
+    return zero_pages_on_touch(shape, fmt.storage_dtype)
+
+
+def zero_pages_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros in an anonymous private mapping, on transparent huge pages where Linux has them.
+
+    The kernel zero-fills each page when it is first touched, so a cache of gigabytes costs nothing at
+    start (writing its zeros took ~0.6 s a GiB on a 2-core VM) and its memory becomes resident as blocks
+    are first written. A ``torch.empty`` + ``zero_`` would touch it all at once: its fresh pages are zero
+    only where the allocator maps new memory, which an allocator such as tcmalloc need not do."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    tensor = torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # keeps ``buffer`` alive
+    advise_huge_pages(tensor)
+    return tensor
 
 
 def allocate_offload_cache(kv_cache: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -88,9 +143,7 @@ def allocate_offload_cache(kv_cache: torch.Tensor, num_slots: int) -> torch.Tens
     shape = (*kv_cache.shape[:2], num_slots, *kv_cache.shape[3:])
     if kv_cache.device.type != "cpu":
         return torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=True)
-    tier = torch.empty(shape, dtype=kv_cache.dtype)
-    advise_huge_pages(tier)
-    return tier.zero_()
+    return zero_pages_on_touch(shape, kv_cache.dtype)
 
 
 def copy_tier_blocks(kv_cache: torch.Tensor, tier: torch.Tensor, ops: list[TierOp], disk=None,

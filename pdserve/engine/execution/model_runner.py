@@ -31,8 +31,9 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.config import parse_disk_spec
 from pdserve.engine.execution.kv_disk import DiskKVStore, disk_fingerprint, weight_files_id
 from pdserve.engine.execution.kv_prefetch import TierPrefetcher
-from pdserve.engine.execution.kv_cache import (allocate_kv_cache, allocate_offload_cache, copy_blocks, copy_tier_blocks,
-                                               kv_cache_block_bytes, num_blocks_for_budget)
+from pdserve.engine.execution.kv_cache import (allocate_kv_cache, allocate_offload_cache, auto_kv_cache_budget,
+                                               copy_blocks, copy_tier_blocks, kv_cache_block_bytes,
+                                               num_blocks_for_budget)
 from pdserve.common.kv_cache_groups import kv_cache_groups_for
 from pdserve.engine.layers.kernel_choice import KernelChoice, choose_kernels
 from pdserve.engine.layers.weight_format import PACKED_LAYOUTS, pack_model
@@ -195,7 +196,13 @@ class ModelRunner:
         num_cache_layers = self.kv_groups.num_cache_layers  # the layers one block serves (all, or a group's)
         block_bytes = kv_cache_block_bytes(num_cache_layers, self.block_size, self.num_kv_heads, self.head_dim,
                                            kv_name, self.kv_slots)  # real bytes: scales included, one latent slot
-        self.num_blocks = num_blocks_for_budget(config.kv_cache_memory, block_bytes)
+        if config.kv_cache_memory is not None:
+            budget, budget_why = config.kv_cache_memory, "--kv-cache-memory"
+        else:  # every group's blocks for max_num_seqs sequences of max_model_len tokens at most
+            per_seq = -(-self.max_model_len // self.block_size) * self.kv_groups.num_groups
+            budget, budget_why = auto_kv_cache_budget(config.memory_utilization, config.parallel.world_size,
+                                                      block_bytes, config.max_num_seqs * per_seq, self.device)
+        self.num_blocks = num_blocks_for_budget(budget, block_bytes)
         if ranks is not None:  # block ids are the driver's: every rank must have every block
             self.num_blocks = ranks.min_over_ranks(self.num_blocks)
         self.kv_cache = allocate_kv_cache(num_cache_layers, self.num_blocks, self.block_size, self.num_kv_heads,
@@ -203,7 +210,7 @@ class ModelRunner:
         self.kv_cache_bytes = self.num_blocks * block_bytes
         plan.decide("kv_cache", f"{self.num_blocks} blocks x {self.block_size} tokens = "
                     f"{self.num_blocks * self.block_size} tokens, {self.kv_cache_bytes / 2**20:.1f} MiB",
-                    f"{self.num_layers} layers, {self.num_kv_heads} KV heads, "
+                    f"{budget_why}; {self.num_layers} layers, {self.num_kv_heads} KV heads, "
                     + ("K and V" if self.kv_slots == 2 else "one latent row")
                     + ("" if self.kv_groups.is_single else f"; a block holds {num_cache_layers} layers of one of "
                        f"{self.kv_groups.num_groups} groups"))
