@@ -48,8 +48,8 @@ class CompareConfig:
             ``pdserve_router_args``: more router flags; ``core_lending``: pdserve-disagg's decode workers
             borrow idle prefill workers' cores (``pdserve up --core-lending``).
         vllm_python: the interpreter with vLLM (default /work/vllm-venv/bin/python);
-            ``vllm_kv_gib``: ``VLLM_CPU_KVCACHE_SPACE`` (None: vLLM's own default, sized from the
-            machine's memory); ``vllm_args`` / ``vllm_env``: more.
+            ``vllm_kv_gib``: ``VLLM_CPU_KVCACHE_SPACE`` (None: ``systems.default_vllm_kv_gib``, what a
+            lone pdserve worker's auto budget takes); ``vllm_args`` / ``vllm_env``: more.
         transformers_args: more ``transformers serve`` flags.
         hf_batch_size: hf-generate's static batch size.
         server_timeout_s: how long a server may take to answer /health.

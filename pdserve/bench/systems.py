@@ -259,6 +259,17 @@ def _row(name: str, setup: str, result, notes: list[str] | None = None, log_path
 
 # --- vLLM -----------------------------------------------------------------------------------------
 
+def default_vllm_kv_gib() -> int:
+    """vLLM's KV budget when not given (``VLLM_CPU_KVCACHE_SPACE``, whole GiB): what ``--kv-cache-memory
+    auto`` gives a lone pdserve worker, ``DEFAULT_MEMORY_UTILIZATION`` of the host's memory less ~1 GiB
+    of weights and runtime. Not vLLM's own default: its CPU worker takes 92% of the machine's memory, and
+    on a 24 GiB VM that left 9 MiB free under load (the kernel reclaiming pages, 9 generated tokens/s)."""
+    from pdserve.common.utils import host_memory_limit
+    from pdserve.engine.config import DEFAULT_MEMORY_UTILIZATION
+
+    return max(1, int(DEFAULT_MEMORY_UTILIZATION * host_memory_limit() / 2**30 - 1))
+
+
 def run_vllm(cfg, requests, bench) -> SystemResult:
     """vLLM's OpenAI server from ``cfg.vllm_python``. Raises SystemUnavailable / SystemFailed."""
     from pdserve.common.utils import free_port
@@ -278,15 +289,13 @@ def run_vllm(cfg, requests, bench) -> SystemResult:
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model, "--dtype", cfg.dtype,
            "--port", str(port), "--host", "127.0.0.1", *cfg.vllm_args]
-    # vLLM's own KV budget unless asked (its CPU worker's auto: --gpu-memory-utilization of the node's memory)
-    env = {**({"VLLM_CPU_KVCACHE_SPACE": str(int(cfg.vllm_kv_gib))} if cfg.vllm_kv_gib else {}), **cfg.vllm_env}
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kv_gib or default_vllm_kv_gib()), **cfg.vllm_env}
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(cfg.out_dir, "logs", "vllm-cpu.log")
     with ServerProcess(cmd, url, log_path, env, timeout_s=cfg.server_timeout_s):
         result = bench(url, None, "openai")
     binding = env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    kv = f"KV {cfg.vllm_kv_gib} GiB" if cfg.vllm_kv_gib else "KV vLLM's auto"
-    setup = f"vLLM {version}, {cfg.dtype}, {kv}, OMP threads bind {binding}"
+    setup = f"vLLM {version}, {cfg.dtype}, KV {env['VLLM_CPU_KVCACHE_SPACE']} GiB, OMP threads bind {binding}"
     if cfg.vllm_args:
         setup += f"; args: {shlex.join(cfg.vllm_args)}"
     return _row("vllm-cpu", setup, result, log_path=log_path)
