@@ -65,8 +65,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 128  # vLLM's CPU default for its API server
 # With --kv-cache-memory auto, the share of the host's memory a worker may hold (weights and KV cache).
 # Half, not vLLM's 92%: a pdserve host also runs the router, and its prefill and decode workers share it
-# (pdserve up splits this share among the workers it starts). One decode worker of the bench preset on
-# a 24 GiB host gets ~5 GiB of KV, about 220k tokens.
+# (pdserve up splits this share among the workers it starts). Each worker of a bench-preset 1P+1D on a
+# 24 GiB host gets 5.3 GiB of KV, 226k tokens.
 DEFAULT_MEMORY_UTILIZATION = 0.5
 # A prefill worker's default step budget. Prefill is compute-bound, and a CPU's GEMM runs at its
 # peak from a few hundred rows (bench preset, one core: 82 GFLOPS at 512 rows, no more at 2,048), so
@@ -135,7 +135,7 @@ class EngineConfig:
         memory_utilization: with ``kv_cache_memory`` auto, the fraction of the host's memory (its cgroup's
             limit where lower) this worker, all its ranks, may hold in weights and KV cache (vLLM's
             ``--gpu-memory-utilization``, which its CPU backend reads the same way). ``pdserve up`` gives
-            each of the N workers it starts ``DEFAULT_MEMORY_UTILIZATION / N``.
+            each worker it starts its ranks' part of ``DEFAULT_MEMORY_UTILIZATION``.
         kv_offload_memory: bytes of host memory, beyond the KV cache, that evicted prefix-cache blocks
             are copied to and hit from (``--kv-offload-memory 4GiB``; 0: none;
             ``pdserve.engine.scheduling.kv_offload``). Per rank.
@@ -354,7 +354,7 @@ class EngineConfig:
         g.add_argument("--memory-utilization", type=float, default=DEFAULT_MEMORY_UTILIZATION,
                        help=f"with --kv-cache-memory auto: the fraction of the host's memory (a container's limit "
                             f"where lower) this worker may hold in weights and KV cache (default "
-                            f"{DEFAULT_MEMORY_UTILIZATION}; pdserve up gives each of the N workers it starts 1/N of that)")
+                            f"{DEFAULT_MEMORY_UTILIZATION}; pdserve up gives each worker it starts its ranks' part of that)")
         g.add_argument("--kv-offload-memory", type=parse_size, default="0",
                        help="host memory beyond the KV cache for evicted prefix blocks (an offload tier: a prefix "
                             "found there is copied back instead of recomputed), e.g. 4GiB; 0: none")
