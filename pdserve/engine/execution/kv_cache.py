@@ -20,6 +20,7 @@ block is half a K/V cache's of the same row width.
 
 from __future__ import annotations
 
+import math
 import mmap
 import time
 
@@ -127,9 +128,7 @@ def zero_pages_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     start (writing its zeros took ~0.6 s a GiB on a 2-core VM) and its memory becomes resident as blocks
     are first written. A ``torch.empty`` + ``zero_`` would touch it all at once: its fresh pages are zero
     only where the allocator maps new memory, which an allocator such as tcmalloc need not do."""
-    numel = 1
-    for n in shape:
-        numel *= n
+    numel = math.prod(shape)
     nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     tensor = torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # keeps ``buffer`` alive
