@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from pdserve.engine.execution.kv_cache import (allocate_kv_cache, copy_blocks, kv_cache_block_bytes,
-                                     num_blocks_for_budget)
+                                               num_blocks_for_budget, populate_when_idle)
 
 
 def test_block_bytes_and_budget():
@@ -62,9 +62,9 @@ def test_a_large_cpu_cache_is_zero_takes_memory_as_written_and_sits_on_huge_page
     thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not thp.exists() or "[never]" in thp.read_text() or not pathlib.Path("/proc/self/smaps").exists():
         pytest.skip("no transparent huge pages on this machine")
-    cache = allocate_kv_cache(4, 512, 16, 4, 64, torch.float32, "cpu")  # 128 MiB
+    cache = allocate_kv_cache(4, 512, 16, 4, 64, torch.float32, "cpu")  # 64 MiB
     assert _resident_bytes(cache) == 0
-    cache[:, :, :256] = 1.0  # half the blocks: 8 runs of 8 MiB
+    cache[:, :, :256] = 1.0  # half the blocks: 8 runs of 4 MiB
     written = cache.numel() * 4 // 2
     assert written <= _resident_bytes(cache) <= written + 8 * 2 * 2**20  # a huge page at each end of a run
     assert not cache[:, :, 256:].any()  # never written: zeros
@@ -73,6 +73,28 @@ def test_a_large_cpu_cache_is_zero_takes_memory_as_written_and_sits_on_huge_page
     # madvise covers the 2 MiB-aligned interior: the other half, less at most a huge page per run
     assert _mapping_kib(cache)["AnonHugePages"] - huge >= (written - 8 * 2 * 2**20) // 1024
     assert (cache[:, :, 0] == 1).all() and (cache[:, :, -1] == 2).all()
+
+
+def test_an_idle_thread_makes_the_cache_resident_and_keeps_what_was_written():
+    """populate_when_idle: every page of the cache resident once its thread ends (the step loop no longer
+    pays a first-touch fault), blocks written before or while it runs unchanged, the rest still zero."""
+    import os
+    import re
+    import sys
+    release = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    if not sys.platform.startswith("linux") or not release or tuple(map(int, release.groups())) < (5, 14):
+        pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14")
+    cache = allocate_kv_cache(4, 512, 16, 4, 64, torch.float32, "cpu")  # 64 MiB, nothing resident yet
+    cache[:, :, 7] = 7.0
+    thread = populate_when_idle(cache, "test")
+    cache[:, :, 300] = 3.0  # written while it runs
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert _resident_bytes(cache) == cache.nbytes
+    assert (cache[:, :, 7] == 7).all() and (cache[:, :, 300] == 3).all()
+    cache[:, :, 7] = 0
+    cache[:, :, 300] = 0
+    assert not cache.any()
 
 
 def test_a_latent_cache_has_one_slot_per_token_and_half_the_block_bytes():

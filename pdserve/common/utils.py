@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import random
 import re
@@ -298,7 +299,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 _MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
 HUGE_PAGE_BYTES = 2 * 2**20
+PAGE_BYTES = mmap.PAGESIZE  # the base page (4 KiB on x86-64)
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
@@ -310,6 +313,14 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     once. Call it before the pages are first touched. Only the 2 MiB-aligned interior is advised;
     returns False where it does nothing (not Linux, THP disabled, a small tensor)."""
     return _madvise(tensor, HUGE_PAGE_BYTES, _MADV_HUGEPAGE)
+
+
+def populate_pages(tensor: torch.Tensor) -> bool:
+    """Make ``tensor``'s whole pages resident and writable now, as a first write to each would, without
+    changing their contents (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+): the kernel allocates and
+    zero-fills a page that was never touched, and leaves one in use as it is. False where nothing was
+    done (the kernel refused or is older, not Linux, no whole page inside)."""
+    return _madvise(tensor, PAGE_BYTES, _MADV_POPULATE_WRITE)
 
 
 def _madvise(tensor: torch.Tensor, page: int, advice: int) -> bool:
@@ -360,4 +371,4 @@ def release_pages(tensor: torch.Tensor) -> bool:
     end = begin + tensor.numel() * tensor.element_size()
     if not any(start <= begin and end <= stop for start, stop in _arenas.items()):
         return False
-    return _madvise(tensor, 4096, _MADV_DONTNEED)
+    return _madvise(tensor, PAGE_BYTES, _MADV_DONTNEED)

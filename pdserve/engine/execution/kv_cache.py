@@ -20,15 +20,21 @@ block is half a K/V cache's of the same row width.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
+import os
+import threading
 import time
+import weakref
 
 import torch
 
 from pdserve.common.kv_quant import kv_cache_format
-from pdserve.common.utils import advise_huge_pages, host_memory_limit
+from pdserve.common.utils import HUGE_PAGE_BYTES, advise_huge_pages, host_memory_limit, populate_pages
 from pdserve.common.protocol import TierOp, TierOpKind
+
+logger = logging.getLogger(__name__)
 
 
 def kv_cache_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -134,6 +140,42 @@ def zero_pages_on_touch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     tensor = torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # keeps ``buffer`` alive
     advise_huge_pages(tensor)
     return tensor
+
+
+def populate_when_idle(tensor: torch.Tensor, what: str) -> threading.Thread | None:
+    """Make a ``zero_pages_on_touch`` tensor resident in the background, when the CPU has nothing else to
+    do; the thread doing it (daemon), or None where it cannot (not a CPU tensor, not Linux).
+
+    A page's first touch costs its zero-fill, and in a VM whose memory the host backs lazily (Firecracker,
+    KVM without preallocation) the host's fault as well: a never-touched GiB took 2.4 s of system time to
+    write on a 2-core Firecracker VM, a reused one 0.06 s. Left to the step loop, a prefill worker paid it on
+    the blocks each prompt wrote: 30 ms of a 512-token prompt's ~420 ms, until the whole cache had been
+    written once (docs/benchmarks.md). Here a thread at ``SCHED_IDLE`` (it runs
+    only while every other thread of the core waits) asks for the pages one huge page at a time with
+    ``MADV_POPULATE_WRITE``, which leaves the contents of pages already written as they are, so it may run
+    while the cache is in use. vLLM and SGLang pay the same cost before serving, by writing zeros at start."""
+    if tensor.device.type != "cpu" or not hasattr(os, "SCHED_IDLE"):
+        return None
+    owner, nbytes = weakref.ref(tensor), tensor.nbytes  # a cache dropped meanwhile is not kept alive
+
+    def run() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
+        except OSError:  # never compete with the step loop: the pages come as they are written
+            return
+        start, done = time.perf_counter(), 0
+        while done < nbytes and (cache := owner()) is not None:
+            # a kernel before 5.14 refuses: the pages are then made resident as they are first written
+            if not populate_pages(cache.view(-1).view(torch.uint8)[done:done + HUGE_PAGE_BYTES]):
+                break
+            del cache
+            done = min(nbytes, done + HUGE_PAGE_BYTES)
+        logger.info("%s: %.1f of %.1f MiB made resident at idle priority in %.1f s", what, done / 2**20,
+                    nbytes / 2**20, time.perf_counter() - start)
+
+    thread = threading.Thread(target=run, name=f"populate-{what}", daemon=True)
+    thread.start()
+    return thread
 
 
 def allocate_offload_cache(kv_cache: torch.Tensor, num_slots: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from pdserve.engine.execution.kv_disk import DiskKVStore, disk_fingerprint, weig
 from pdserve.engine.execution.kv_prefetch import TierPrefetcher
 from pdserve.engine.execution.kv_cache import (allocate_kv_cache, allocate_offload_cache, auto_kv_cache_budget,
                                                copy_blocks, copy_tier_blocks, kv_cache_block_bytes,
-                                               num_blocks_for_budget)
+                                               num_blocks_for_budget, populate_when_idle)
 from pdserve.common.kv_cache_groups import kv_cache_groups_for
 from pdserve.engine.layers.kernel_choice import KernelChoice, choose_kernels
 from pdserve.engine.layers.weight_format import PACKED_LAYOUTS, pack_model
@@ -207,6 +207,7 @@ class ModelRunner:
             self.num_blocks = ranks.min_over_ranks(self.num_blocks)
         self.kv_cache = allocate_kv_cache(num_cache_layers, self.num_blocks, self.block_size, self.num_kv_heads,
                                           self.head_dim, kv_name, self.device, self.kv_slots)
+        populate_when_idle(self.kv_cache, "kv_cache")  # its pages, before the step loop has to fault them in
         self.kv_cache_bytes = self.num_blocks * block_bytes
         plan.decide("kv_cache", f"{self.num_blocks} blocks x {self.block_size} tokens = "
                     f"{self.num_blocks * self.block_size} tokens, {self.kv_cache_bytes / 2**20:.1f} MiB",
@@ -243,6 +244,7 @@ class ModelRunner:
             plan.decide("kv_offload", "none", f"--kv-offload-memory {config.kv_offload_memory}, but {why}")
             return
         self.offload_cache = allocate_offload_cache(self.kv_cache, self.num_offload_blocks)
+        populate_when_idle(self.offload_cache, "kv_offload")
         value = f"host memory: {self.num_offload_blocks} blocks, {self.num_offload_blocks * block_bytes / 2**20:.1f} MiB"
         why = f"--kv-offload-memory {config.kv_offload_memory}"
         if config.kv_offload_disk:
