@@ -24,8 +24,10 @@ pytestmark = pytest.mark.skipif(not panel_linear.build_kernel(), reason="no C++ 
 
 
 # Rows: one, a few, one full block (28 on AVX-512), one past it (two blocks), several blocks with a short
-# last one. Features: under one panel, a panel and a tail. Inputs: under a vector, odd, a prompt's width.
-@pytest.mark.parametrize("rows", [1, 3, 16, 28, 29, 57, 300])
+# last one, and prompt row counts where AVX-512 takes two panels at a time (from 192 rows: blocks of 12, a last
+# block of one row at 193, an odd last panel alone). Features: under one panel, a panel and a tail. Inputs:
+# under a vector, odd, a prompt's width.
+@pytest.mark.parametrize("rows", [1, 3, 16, 28, 29, 57, 193, 300])
 @pytest.mark.parametrize("out_features,in_features", [(5, 7), (17, 64), (100, 300)])
 def test_kernel_computes_f_linear_and_a_rows_outputs_do_not_depend_on_the_batch(rows, out_features, in_features):
     """The kernel's [M, N] equals F.linear's to float32 rounding; each row's outputs are bit-identical to

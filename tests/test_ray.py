@@ -17,6 +17,7 @@ import time
 
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -105,6 +106,13 @@ def test_pools_placed_on_their_nodes_serve_exactly_scale_and_sigterm_removes_eve
             "STRICT_PACK"
         assert all("prefill_node" in node_resources[n] for n in prefill_nodes)
         assert all("decode_node" in node_resources[n] for n in decode_nodes) and prefill_nodes != decode_nodes
+        # each rank may hold half its node's memory times its part of the node's CPUs (--kv-cache-memory auto):
+        # a thread of a 4-CPU node, times the worker's ranks (the auto budget splits it among them)
+        ranks = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                 if "--master-port" in (p.info["cmdline"] or []) and "pdserve" in p.info["cmdline"]]
+        shares = {(c[c.index("--rank") + 1] if c[3] == "prefill" else "decode"): c[c.index("--memory-utilization") + 1]
+                  for c in ranks}
+        assert shares == {"0": "0.25", "1": "0.25", "decode": "0.125"}, ranks
 
         tok = AutoTokenizer.from_pretrained(model_dir)
         ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from pdserve.common.utils import free_port, reachable_host
 from pdserve.cluster.spec import ClusterSpec
+from pdserve.engine.config import DEFAULT_MEMORY_UTILIZATION
 from pdserve.cluster.supervisor import ClusterLauncher
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,20 @@ def placement_unfit(bundle: dict[str, float], num_bundles: int, strategy: str,
         return None
     return (f"it needs {num_bundles} bundles of {bundle}, and the nodes hold {fits} (nodes: {nodes}); add nodes, "
             f"lower --threads-per-worker, or give Ray more logical CPUs (ray start --num-cpus N)")
+
+
+def rank_memory_share(threads: int, num_ranks: int, node_cpus: float) -> float:
+    """``--memory-utilization`` for a rank of a ``num_ranks``-rank worker that Ray placed with ``threads`` CPUs
+    on a node of ``node_cpus`` CPUs (Ray's count), for ``--kv-cache-memory auto``.
+
+    Workers Ray packs onto one node share its memory as they share its CPUs: each rank may hold
+    ``DEFAULT_MEMORY_UTILIZATION`` of the node times its part of the node's CPUs, as ``pdserve up`` splits
+    one host among its workers' ranks. The worker's value is that times ``num_ranks`` (the auto budget gives
+    each rank an equal part of its worker's share), at most ``DEFAULT_MEMORY_UTILIZATION``: ranks whose
+    pipeline stages Ray spread over nodes take less than their part, never more."""
+    if node_cpus <= 0:
+        return DEFAULT_MEMORY_UTILIZATION
+    return min(DEFAULT_MEMORY_UTILIZATION, DEFAULT_MEMORY_UTILIZATION * threads * num_ranks / node_cpus)
 
 
 class RayCluster(ClusterLauncher):
@@ -233,13 +248,19 @@ class RayCluster(ClusterLauncher):
                     placement_group=pg, placement_group_bundle_index=rank)).remote())
         ips = ray.get([a.node_ip.remote() for a in worker.actors])
         master_port = ray.get(worker.actors[0].free_port.remote())
+        # each rank's share of its node's memory, by its share of the node's CPUs (a flag given for the
+        # workers comes later and wins)
+        bundle_nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+        node_cpus = {n["NodeID"]: n.get("Resources", {}).get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")}
         common = [role, "--model", s.model, "--router", ",".join(self.router_zmqs), "--num-threads", str(threads),
                   "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
-                  "--master-addr", ips[0], "--master-port", str(master_port), *s.worker_args,
-                  *(s.prefill_args if role == "prefill" else s.decode_args)]
+                  "--master-addr", ips[0], "--master-port", str(master_port)]
+        given = [*s.worker_args, *(s.prefill_args if role == "prefill" else s.decode_args)]
         for rank, (actor, ip) in enumerate(zip(worker.actors, ips)):
+            share = rank_memory_share(threads, tp * pp, node_cpus.get(bundle_nodes.get(rank), 0.0))
             extra = ["--worker-id", name] if rank == 0 else []
-            ray.get(actor.start.remote([*common, "--host", ip, "--rank", str(rank), *extra]))
+            ray.get(actor.start.remote([*common, "--memory-utilization", f"{share:.4g}", *given, "--host", ip,
+                                        "--rank", str(rank), *extra]))
         logger.info("pdserve on Ray: %s placed (%d ranks on %s)", name, tp * pp, ", ".join(sorted(set(ips))))
         return worker
 

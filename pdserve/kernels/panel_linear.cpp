@@ -31,6 +31,12 @@
 // the panel slice in L1, partial sums through out) made that worse: 150-161 GFLOPS at 288-512 rows against
 // 180-208.
 //
+// From 192 rows on AVX-512, two panels at a time (block2, 12 rows a block): each broadcast of x feeds two FMAs.
+// One block with x resident ran at 250-258 GFLOPS against block<28>'s 230-241 (the FMA peak measured on the
+// same Zen 5 core is ~269), and the bench preset's 48 linears took 5-8% less time at 192-1,024 rows (512: 331-336
+// against 358-365 ms; 128 rows level, so not below 192). Blocking M so that x's rows stay in L2 was slower
+// (217-222 GFLOPS against 229).
+//
 // Each output sums its products in increasing k, one lane per output feature and one FMA per product,
 // whatever the number of rows, the block a row falls in or the thread: a row's outputs never depend
 // on the batch (batch-invariant by construction, as decode_linear.cpp).
@@ -57,9 +63,13 @@ namespace {
 constexpr int LANES = 16;
 #ifdef __AVX512F__
 constexpr int MAX_ROWS = 28;  // accumulators + the weight vector + broadcasts: 32 zmm registers
+constexpr int MAX_ROWS2 = 12;  // block2: 2 x 12 accumulators, 2 weight vectors, a broadcast
+constexpr int64_t TWO_PANEL_MIN_ROWS = 192;  // block2 from here (measured: level at 128 rows, behind below)
 constexpr int64_t PREFETCH_FLOATS = 8192;  // 32 KiB ahead: DRAM latency at ~10 cycles a line
 #else
 constexpr int MAX_ROWS = 6;  // AVX2: an accumulator is two of 16 ymm registers
+constexpr int MAX_ROWS2 = 3;
+constexpr int64_t TWO_PANEL_MIN_ROWS = INT64_MAX;  // block2 not measured faster with 16 registers: never
 constexpr int64_t PREFETCH_FLOATS = 4096;
 #endif
 
@@ -113,6 +123,36 @@ void block(float* out, const float* xt, const float* panels, int64_t p, int64_t 
   for (int r = 0; r < R; ++r) std::memcpy(out + (m0 + r) * N + n, &acc[r], cols * sizeof(float));
 }
 
+// Two panels side by side (panels p and p + 1), for blocks of many rows: each broadcast of x feeds two
+// FMAs, so a k step loads 2 weight lines and R values of x for 2R FMAs where block<28> loads 1 line and
+// 28 values for 28 (x's block no longer fits L1D at prompt row counts, and its loads are what run short).
+// Each output's sum is the same as block's: increasing k, one FMA per product.
+template <int R>
+void block2(float* out, const float* xt, const float* panels, int64_t p, int64_t m0, int64_t N, int64_t K,
+            int64_t ahead) {
+  v16 acc0[R], acc1[R];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = v16{};
+  const float* w0 = panels + p * K * LANES;
+  const float* w1 = w0 + K * LANES;
+  for (int64_t k = 0; k < K; ++k) {
+    const v16 wv0 = load16(w0 + k * LANES), wv1 = load16(w1 + k * LANES);
+    __builtin_prefetch(w0 + k * LANES + ahead, 0, 2);
+    __builtin_prefetch(w1 + k * LANES + ahead, 0, 2);
+    const float* xk = xt + k * R;
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      acc0[r] = fma16(acc0[r], wv0, xk[r]);
+      acc1[r] = fma16(acc1[r], wv1, xk[r]);
+    }
+  }
+  for (int half = 0; half < 2; ++half) {
+    const int64_t n = (p + half) * LANES;
+    const int64_t cols = N - n < LANES ? N - n : LANES;
+    for (int r = 0; r < R; ++r) std::memcpy(out + (m0 + r) * N + n, half ? &acc1[r] : &acc0[r], cols * sizeof(float));
+  }
+}
+
 using BlockFn = void (*)(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
 // kBlocks<into_l1>[R] = block<R, into_l1> for R = 1 .. MAX_ROWS (index 0 unused).
@@ -123,6 +163,13 @@ constexpr std::array<BlockFn, sizeof...(Rs) + 1> block_table(std::integer_sequen
 
 template <bool into_l1>
 constexpr auto kBlocks = block_table<into_l1>(std::make_integer_sequence<int, MAX_ROWS>{});
+
+template <int... Rs>
+constexpr std::array<BlockFn, sizeof...(Rs) + 1> block2_table(std::integer_sequence<int, Rs...>) {
+  return {nullptr, &block2<Rs + 1>...};
+}
+
+constexpr auto kBlocks2 = block2_table(std::make_integer_sequence<int, MAX_ROWS2>{});
 
 // This core's L1 data cache in bytes (48 KiB where the system does not say).
 int64_t l1d_bytes() {
@@ -151,8 +198,12 @@ extern "C" int pdserve_f32_panel_linear(float* out, const float* x, const float*
                                         int64_t K, int num_threads) {
   if (M < 0 || N < 1 || K < 1 || num_threads < 1) return 1;
   if (M == 0) return 0;
-  // Blocks of at most MAX_ROWS rows, as even as possible (20 rows: one block; 40: two of 20).
-  const int64_t num_blocks = (M + MAX_ROWS - 1) / MAX_ROWS;
+  // Blocks of at most MAX_ROWS rows (MAX_ROWS2 for two panels at a time), as even as possible (20 rows: one
+  // block; 40: two of 20).
+  const int64_t num_panels = (N + LANES - 1) / LANES;
+  const bool two_panels = M >= TWO_PANEL_MIN_ROWS && num_panels >= 2;
+  const int64_t max_rows = two_panels ? MAX_ROWS2 : MAX_ROWS;
+  const int64_t num_blocks = (M + max_rows - 1) / max_rows;
   const int64_t block_rows = (M + num_blocks - 1) / num_blocks;
   thread_local std::vector<float> scratch;  // x's blocks, each [K][rows]
   if (scratch.size() < static_cast<size_t>(M * K)) scratch.resize(M * K);
@@ -165,18 +216,24 @@ extern "C" int pdserve_f32_panel_linear(float* out, const float* x, const float*
       for (int64_t k = 0; k < K; ++k) dst[k * rows] = src[k];
     }
   }
-  const int64_t num_panels = (N + LANES - 1) / LANES;
   // The weight lines are prefetched into L1 only where x's block (K * block_rows floats) is small (above).
   const int64_t l1d_floats = l1d_bytes() / static_cast<int64_t>(sizeof(float));
-  const bool into_l1 = K * block_rows <= l1d_floats / 8;
+  const bool into_l1 = !two_panels && K * block_rows <= l1d_floats / 8;
   const int64_t ahead = into_l1 ? l1d_floats / 2 : PREFETCH_FLOATS;
   const auto& blocks = into_l1 ? kBlocks<true> : kBlocks<false>;
-  // Threads split the panels; each panel is read from memory by the first row block, from L2 by the rest.
+  // Threads split the panels (pairs of panels); each is read from memory by the first row block, from L2 by
+  // the rest. An odd last panel of a two-panel split goes alone.
+  const int64_t step = two_panels ? 2 : 1;
+  const int64_t num_units = (num_panels + step - 1) / step;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-  for (int64_t p = 0; p < num_panels; ++p)
+  for (int64_t u = 0; u < num_units; ++u) {
+    const int64_t p = u * step;
+    const bool pair = two_panels && p + 1 < num_panels;
     for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
       const int rows = static_cast<int>(M - m0 < block_rows ? M - m0 : block_rows);
-      blocks[rows](out, xt + m0 * K, panels, p, m0, N, K, ahead);
+      const BlockFn fn = pair ? kBlocks2[rows] : blocks[rows];
+      fn(out, xt + m0 * K, panels, p, m0, N, K, ahead);
     }
+  }
   return 0;
 }
