@@ -170,7 +170,7 @@ def populate_when_idle(tensor: torch.Tensor, what: str) -> threading.Thread | No
                 break
             del cache
             done = min(nbytes, done + HUGE_PAGE_BYTES)
-        logger.info("%s: %.1f of %.1f MiB made resident at idle priority in %.1f s", what, done / 2**20,
+        logger.debug("%s: %.1f of %.1f MiB made resident at idle priority in %.1f s", what, done / 2**20,
                     nbytes / 2**20, time.perf_counter() - start)
 
     thread = threading.Thread(target=run, name=f"populate-{what}", daemon=True)
