@@ -149,8 +149,8 @@ def populate_when_idle(tensor: torch.Tensor, what: str) -> threading.Thread | No
     A page's first touch costs its zero-fill, and in a VM whose memory the host backs lazily (Firecracker,
     KVM without preallocation) the host's fault as well: a never-touched GiB took 2.4 s of system time to
     write on a 2-core Firecracker VM, a reused one 0.06 s. Left to the step loop, a prefill worker paid it on
-    the blocks each prompt wrote: 30 ms of a 512-token prompt's ~420 ms, until the whole cache had been
-    written once (docs/benchmarks.md). Here a thread at ``SCHED_IDLE`` (it runs
+    the blocks each prompt wrote: 23-29 ms of a 512-token prompt's ~380 ms, until the whole cache had been
+    written once (``benchmarks/bench_first_touch.py``, docs/benchmarks.md). Here a thread at ``SCHED_IDLE`` (it runs
     only while every other thread of the core waits) asks for the pages one huge page at a time with
     ``MADV_POPULATE_WRITE``, which leaves the contents of pages already written as they are, so it may run
     while the cache is in use. vLLM and SGLang pay the same cost before serving, by writing zeros at start."""
@@ -171,7 +171,7 @@ def populate_when_idle(tensor: torch.Tensor, what: str) -> threading.Thread | No
             del cache
             done = min(nbytes, done + HUGE_PAGE_BYTES)
         logger.debug("%s: %.1f of %.1f MiB made resident at idle priority in %.1f s", what, done / 2**20,
-                    nbytes / 2**20, time.perf_counter() - start)
+                     nbytes / 2**20, time.perf_counter() - start)
 
     thread = threading.Thread(target=run, name=f"populate-{what}", daemon=True)
     thread.start()

@@ -5,8 +5,9 @@ from memory once and used for one multiply-add per row. oneDNN's packed GEMM, on
 ran the bench preset's 48 linears at 20 rows in about the time of streaming them plus computing at its
 large-batch rate. The panel kernel keeps the weight [N, K] as [ceil(N / 16), K, 16] (one sequential
 stream), prefetches it far ahead and multiplies each loaded line by up to 28 rows held in registers,
-so the stream and the FMAs overlap: 14 against 20 ms at 20 rows, 9 against 12.5 at 8, level at 1, and
-5-25% behind at 288-512-row prompt chunks (``python benchmarks/bench_linear_formats.py``).
+so the stream and the FMAs overlap: 14 against 20 ms at 20 rows, 9 against 12.5 at 8, level at 1. From 192
+rows (prompt chunks) it takes two panels at a time on AVX-512: on a Zen 5 5% behind oneDNN at 128-256 rows and
+5-7% ahead at 512-1,024 (``python benchmarks/bench_linear_formats.py``).
 
 ``weight_format.pack_panel_weights`` packs a model's layers once, at load (``--linear-weight-format
 panel``, or ``auto`` where it times fastest). In a compiled decode step each linear is one opaque node,
