@@ -99,77 +99,56 @@ inline v16 fma16(v16 acc, v16 w, float s) {
 #endif
 }
 
-// out[m0 .. m0 + R, panel p's 16 features] = x block (xt [K][R]) times panel p. One panel at a time:
-// the weights stay one sequential stream (two or four panels side by side, for more independent
-// accumulators at few rows, measured slower at every row count: 1-12 rows, 8-14 ms against 7.5-9).
+// out[m0 .. m0 + R, the 16 features of panels p .. p + P - 1] = x block (xt [K][R]) times those panels. At
+// decode row counts one panel at a time (P = 1): the weights stay one sequential stream (two or four panels
+// side by side, for more independent accumulators at few rows, measured slower at 1-12 rows: 8-14 ms
+// against 7.5-9).
 // into_l1: prefetch the weight lines into L1 (prefetcht0), else into L2 (prefetcht1).
 // `ahead`: floats between a weight line and the one prefetched.
-template <int R, bool into_l1>
+// P = 2 (panels p and p + 1 side by side) is for blocks of many rows: each broadcast of x then feeds two
+// FMAs, so a k step loads 2 weight lines and R values of x for 2R FMAs where block<1, 28> loads 1 line and
+// 28 values for 28 (x's block no longer fits L1D at prompt row counts, and its loads are what run short).
+// Each output's sum is the same for any P: increasing k, one FMA per product.
+template <int P, int R, bool into_l1>
 void block(float* out, const float* xt, const float* panels, int64_t p, int64_t m0, int64_t N, int64_t K,
            int64_t ahead) {
-  v16 acc[R];
+  v16 acc[P][R];
 #pragma GCC unroll 32
-  for (int r = 0; r < R; ++r) acc[r] = v16{};
+  for (int q = 0; q < P; ++q)
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) acc[q][r] = v16{};
   const float* w = panels + p * K * LANES;
   for (int64_t k = 0; k < K; ++k) {
-    const v16 wv = load16(w + k * LANES);
-    __builtin_prefetch(w + k * LANES + ahead, 0, into_l1 ? 3 : 2);
-    const float* xk = xt + k * R;
-#pragma GCC unroll 32
-    for (int r = 0; r < R; ++r) acc[r] = fma16(acc[r], wv, xk[r]);
-  }
-  const int64_t n = p * LANES;
-  const int64_t cols = N - n < LANES ? N - n : LANES;
-  for (int r = 0; r < R; ++r) std::memcpy(out + (m0 + r) * N + n, &acc[r], cols * sizeof(float));
-}
-
-// Two panels side by side (panels p and p + 1), for blocks of many rows: each broadcast of x feeds two
-// FMAs, so a k step loads 2 weight lines and R values of x for 2R FMAs where block<28> loads 1 line and
-// 28 values for 28 (x's block no longer fits L1D at prompt row counts, and its loads are what run short).
-// Each output's sum is the same as block's: increasing k, one FMA per product.
-template <int R>
-void block2(float* out, const float* xt, const float* panels, int64_t p, int64_t m0, int64_t N, int64_t K,
-            int64_t ahead) {
-  v16 acc0[R], acc1[R];
-#pragma GCC unroll 32
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = v16{};
-  const float* w0 = panels + p * K * LANES;
-  const float* w1 = w0 + K * LANES;
-  for (int64_t k = 0; k < K; ++k) {
-    const v16 wv0 = load16(w0 + k * LANES), wv1 = load16(w1 + k * LANES);
-    __builtin_prefetch(w0 + k * LANES + ahead, 0, 2);
-    __builtin_prefetch(w1 + k * LANES + ahead, 0, 2);
-    const float* xk = xt + k * R;
-#pragma GCC unroll 32
-    for (int r = 0; r < R; ++r) {
-      acc0[r] = fma16(acc0[r], wv0, xk[r]);
-      acc1[r] = fma16(acc1[r], wv1, xk[r]);
+    v16 wv[P];
+#pragma GCC unroll 2
+    for (int q = 0; q < P; ++q) {
+      wv[q] = load16(w + q * K * LANES + k * LANES);
+      __builtin_prefetch(w + q * K * LANES + k * LANES + ahead, 0, into_l1 ? 3 : 2);
     }
+    const float* xk = xt + k * R;
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int q = 0; q < P; ++q) acc[q][r] = fma16(acc[q][r], wv[q], xk[r]);
   }
-  for (int half = 0; half < 2; ++half) {
-    const int64_t n = (p + half) * LANES;
+  for (int q = 0; q < P; ++q) {
+    const int64_t n = (p + q) * LANES;
     const int64_t cols = N - n < LANES ? N - n : LANES;
-    for (int r = 0; r < R; ++r) std::memcpy(out + (m0 + r) * N + n, half ? &acc1[r] : &acc0[r], cols * sizeof(float));
+    for (int r = 0; r < R; ++r) std::memcpy(out + (m0 + r) * N + n, &acc[q][r], cols * sizeof(float));
   }
 }
 
 using BlockFn = void (*)(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
 
-// kBlocks<into_l1>[R] = block<R, into_l1> for R = 1 .. MAX_ROWS (index 0 unused).
-template <bool into_l1, int... Rs>
+// block_table<P, into_l1>(rows 0 .. n - 1)[R] = block<P, R, into_l1> for R = 1 .. n (index 0 unused).
+template <int P, bool into_l1, int... Rs>
 constexpr std::array<BlockFn, sizeof...(Rs) + 1> block_table(std::integer_sequence<int, Rs...>) {
-  return {nullptr, &block<Rs + 1, into_l1>...};
+  return {nullptr, &block<P, Rs + 1, into_l1>...};
 }
 
 template <bool into_l1>
-constexpr auto kBlocks = block_table<into_l1>(std::make_integer_sequence<int, MAX_ROWS>{});
-
-template <int... Rs>
-constexpr std::array<BlockFn, sizeof...(Rs) + 1> block2_table(std::integer_sequence<int, Rs...>) {
-  return {nullptr, &block2<Rs + 1>...};
-}
-
-constexpr auto kBlocks2 = block2_table(std::make_integer_sequence<int, MAX_ROWS2>{});
+constexpr auto kBlocks = block_table<1, into_l1>(std::make_integer_sequence<int, MAX_ROWS>{});
+constexpr auto kBlocks2 = block_table<2, false>(std::make_integer_sequence<int, MAX_ROWS2>{});
 
 // This core's L1 data cache in bytes (48 KiB where the system does not say).
 int64_t l1d_bytes() {
